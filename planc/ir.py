@@ -1,0 +1,354 @@
+"""The checked, typed intermediate representation of a plan.
+
+``planc.lang`` turns ``.plan`` text into an :class:`Program`; every pass reads
+these frozen records and never mutates them. Names for closed choices are
+``StrEnum`` members whose values are the spellings of the language and of
+plan.json. Vocabulary: an *axis* is a parallelism axis or a mesh axis; a *dim*
+is a tensor dimension; a *level* is a level of the system hierarchy.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+from planc.lang.errors import Span
+
+_NOSPAN = Span(0, 0, 0, 0)
+
+
+class Collective(StrEnum):
+    ALLREDUCE = "allreduce"
+    REDUCE_SCATTER = "reduce_scatter"
+    ALL_GATHER = "all_gather"
+    REDUCE = "reduce"
+    BROADCAST = "broadcast"
+
+
+class FormKind(StrEnum):
+    INSIDE = "inside"
+    PARALLEL = "parallel"
+    MASTER = "master"
+
+
+class Strategy(StrEnum):
+    SEND_RECV = "send_recv"
+    LOCAL_ALLGATHER = "local_allgather"
+    GLOBAL_ALLGATHER = "global_allgather"
+    BROADCAST = "broadcast"
+    AUTO = "auto"
+
+
+class SchedulerKind(StrEnum):
+    NAIVE = "naive"
+    LOAD_BALANCE = "load_balance"
+    DFS = "dfs"
+    RANDOMIZED_GREEDY = "randomized_greedy"
+
+
+class PipeSchedule(StrEnum):
+    GPIPE = "gpipe"
+    ONE_F_ONE_B = "1f1b"
+    EAGER_1F1B = "eager_1f1b"
+
+
+class Precision(StrEnum):
+    FP32 = "fp32"
+    FP16 = "fp16"
+    BF16 = "bf16"
+
+
+class StageMode(StrEnum):
+    PIPE_AXIS = "pipe_axis"
+    EXPLICIT = "explicit"
+
+
+class ReductionMode(StrEnum):
+    SYNTHESIZE = "synthesize"
+    ALLREDUCE = "allreduce"
+    PROGRAM = "program"
+
+
+DTYPE_BYTES: dict[str, int] = {
+    "f64": 8, "f32": 4, "f16": 2, "bf16": 2,
+    "i64": 8, "i32": 4, "i16": 2, "i8": 1, "u8": 1, "bool": 1,
+}
+ROOT_LEVEL = "root"
+
+
+# ---------------------------------------------------------------- cluster
+
+@dataclass(frozen=True, slots=True)
+class Level:
+    name: str
+    fanout: int
+    bandwidth: float | None  # bytes/s per direction of the link joining a unit to its siblings
+    latency: float = 0.0     # seconds
+    span: Span = field(default=_NOSPAN, compare=False, repr=False)
+
+
+@dataclass(frozen=True, slots=True)
+class Cluster:
+    levels: tuple[Level, ...]
+    host_level: str
+
+    @property
+    def fanouts(self) -> tuple[int, ...]:
+        return tuple(l.fanout for l in self.levels)
+
+    @property
+    def devices(self) -> int:
+        return math.prod(self.fanouts)
+
+    def level_index(self, name: str) -> int:
+        for i, l in enumerate(self.levels):
+            if l.name == name:
+                return i
+        raise KeyError(name)
+
+    @property
+    def host_index(self) -> int:
+        return self.level_index(self.host_level)
+
+    def level_coords(self, device: int) -> tuple[int, ...]:
+        """Row-major level coordinates of a device, outermost level first."""
+        out = []
+        for f in reversed(self.fanouts):
+            out.append(device % f)
+            device //= f
+        return tuple(reversed(out))
+
+    @property
+    def devices_per_host(self) -> int:
+        return math.prod(self.fanouts[self.host_index + 1:])
+
+    @property
+    def num_hosts(self) -> int:
+        return math.prod(self.fanouts[: self.host_index + 1])
+
+    def host_of(self, device: int) -> int:
+        return device // self.devices_per_host
+
+    def hosts(self) -> tuple[tuple[int, ...], ...]:
+        k = self.devices_per_host
+        return tuple(tuple(range(h * k, (h + 1) * k)) for h in range(self.num_hosts))
+
+
+# ---------------------------------------------------------------- parallelism and meshes
+
+@dataclass(frozen=True, slots=True)
+class Axis:
+    name: str
+    size: int
+    span: Span = field(default=_NOSPAN, compare=False, repr=False)
+
+
+@dataclass(frozen=True, slots=True)
+class Parallel:
+    axes: tuple[Axis, ...]
+    matrix: tuple[tuple[int, ...], ...] | None  # None: place = auto
+    span: Span = field(default=_NOSPAN, compare=False, repr=False)
+
+    def axis_names(self) -> tuple[str, ...]:
+        return tuple(a.name for a in self.axes)
+
+    def size_of(self, name: str) -> int:
+        for a in self.axes:
+            if a.name == name:
+                return a.size
+        raise KeyError(name)
+
+
+@dataclass(frozen=True, slots=True)
+class ShardingSpec:
+    """Per tensor dim, the mesh axes (indices) that shard it: () = R, (0,) = S0, (1,) = S1, (0, 1) = S01."""
+
+    dims: tuple[tuple[int, ...], ...]
+
+    def __str__(self) -> str:
+        return " ".join("R" if not d else "S" + "".join(str(a) for a in d) for d in self.dims)
+
+    @staticmethod
+    def parse(text: str) -> "ShardingSpec":
+        """Parse the canonical form ``S0 R R`` (used by plan.json readers and tests)."""
+        dims = []
+        for tok in text.split():
+            if tok == "R":
+                dims.append(())
+            elif tok.startswith("S") and tok[1:].isdigit():
+                dims.append(tuple(int(c) for c in tok[1:]))
+            else:
+                raise ValueError(f"bad sharding spec entry {tok!r} in {text!r}")
+        return ShardingSpec(tuple(dims))
+
+
+@dataclass(frozen=True, slots=True)
+class StageLayout:
+    """A stage placed on devices: its mesh, row-major over ``shape``, axes named ``axes``."""
+
+    index: int
+    layers: tuple[int, int] | None
+    shape: tuple[int, ...]
+    axes: tuple[str, ...]
+    devices: tuple[int, ...]  # row-major over shape: devices[i*shape[1]+j] = mesh[i][j]
+
+    def mesh(self):
+        """Nested tuples, shape ``shape`` (a 0-d mesh is the single device)."""
+        def build(offset: int, dims: tuple[int, ...]):
+            if not dims:
+                return self.devices[offset]
+            stride = math.prod(dims[1:])
+            return tuple(build(offset + i * stride, dims[1:]) for i in range(dims[0]))
+        return build(0, self.shape) if self.shape else (self.devices[0],)
+
+    def position(self, device: int) -> tuple[int, ...]:
+        """Mesh coordinates of a device of this stage."""
+        flat = self.devices.index(device)
+        out = []
+        for n in reversed(self.shape):
+            out.append(flat % n)
+            flat //= n
+        return tuple(reversed(out))
+
+
+# ---------------------------------------------------------------- statements
+
+@dataclass(frozen=True, slots=True)
+class CodeRef:
+    path: str        # as written, relative to the plan file's folder
+    function: str
+    args: tuple[tuple[str, object], ...] = ()
+    span: Span = field(default=_NOSPAN, compare=False, repr=False)
+
+
+@dataclass(frozen=True, slots=True)
+class Stage:
+    index: int
+    layers: tuple[int, int] | None
+    first_device: int | None = None        # explicit stages only
+    mesh_shape: tuple[int, ...] | None = None  # explicit stages only
+    mesh_axes: tuple[str, ...] = ()         # explicit: as written or m0, m1; derived: filled by the checker
+    span: Span = field(default=_NOSPAN, compare=False, repr=False)
+
+    @property
+    def explicit_devices(self) -> tuple[int, ...] | None:
+        if self.first_device is None or self.mesh_shape is None:
+            return None
+        return tuple(range(self.first_device, self.first_device + math.prod(self.mesh_shape)))
+
+
+@dataclass(frozen=True, slots=True)
+class Transfer:
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    src_stage: int
+    src_layer: int | None
+    src_spec: ShardingSpec
+    dst_stage: int
+    dst_spec: ShardingSpec
+    span: Span = field(default=_NOSPAN, compare=False, repr=False)
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * DTYPE_BYTES[self.dtype]
+
+
+@dataclass(frozen=True, slots=True)
+class Instruction:
+    """One step of a P² reduction program: COLLECTIVE(slice=LEVEL, form=...)."""
+
+    collective: Collective
+    slice: str                 # a synthesis-hierarchy level name, or "root"
+    form: FormKind
+    form_level: str | None = None  # for parallel(e) / master(e)
+
+    def __str__(self) -> str:
+        form = str(self.form) if self.form is FormKind.INSIDE else f"{self.form}({self.form_level})"
+        return f"{self.collective}(slice={self.slice}, form={form})"
+
+
+def program_text(program: tuple[Instruction, ...]) -> str:
+    return "; ".join(str(i) for i in program)
+
+
+@dataclass(frozen=True, slots=True)
+class Reduction:
+    name: str                          # "gradients" or a standalone name
+    axes: tuple[str, ...]
+    mode: ReductionMode = ReductionMode.SYNTHESIZE
+    program: tuple[Instruction, ...] | None = None   # mode == PROGRAM
+    dtype: str | None = None           # standalone reductions
+    shape: tuple[int, ...] | None = None
+    span: Span = field(default=_NOSPAN, compare=False, repr=False)
+    program_span: Span = field(default=_NOSPAN, compare=False, repr=False)
+
+
+@dataclass(frozen=True, slots=True)
+class Resharding:
+    strategy: Strategy = Strategy.AUTO
+    chunks: int = 64
+    scheduler: SchedulerKind = SchedulerKind.RANDOMIZED_GREEDY
+    dfs_budget_s: float = 1.0
+    trials: int = 64
+    seed: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Synthesis:
+    max_size: int = 5
+    collectives: tuple[Collective, ...] = tuple(Collective)
+
+
+@dataclass(frozen=True, slots=True)
+class Optimizer:
+    name: str = "adam"   # adam | sgd
+    lr: float = 1e-3
+    params: tuple[tuple[str, float], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Train:
+    micro_batch: int = 8
+    micro_batches: int = 4
+    steps: int = 10
+    schedule: PipeSchedule = PipeSchedule.ONE_F_ONE_B
+    optimizer: Optimizer = Optimizer()
+    precision: Precision = Precision.FP32
+    seed: int = 1234
+
+
+@dataclass(frozen=True, slots=True)
+class Program:
+    """A checked plan. Paths in CodeRef/deepspeed are relative to ``source_dir``."""
+
+    name: str
+    source_path: str
+    source_sha256: str
+    source_dir: str
+    cluster: Cluster
+    parallel: Parallel | None
+    stage_mode: StageMode
+    stages: tuple[Stage, ...]
+    transfers: tuple[Transfer, ...] = ()
+    reductions: tuple[Reduction, ...] = ()
+    model: CodeRef | None = None
+    loss: CodeRef | None = None
+    data: CodeRef | None = None
+    resharding: Resharding = Resharding()
+    synthesis: Synthesis = Synthesis()
+    train: Train = Train()
+    deepspeed_overrides: str | None = None
+
+    @property
+    def pipe_axis(self) -> str | None:
+        if self.parallel is None:
+            return None
+        return "pipe" if "pipe" in self.parallel.axis_names() else None
+
+    def stage(self, index: int) -> Stage:
+        for s in self.stages:
+            if s.index == index:
+                return s
+        raise KeyError(index)
