@@ -1,0 +1,226 @@
+"""Placement synthesis (P² §2.1, §3.1): which device runs which slice of the parallelism axes.
+
+``place(program)`` picks a parallelism matrix (pinned, or ranked by the
+predicted communication time of one training iteration), maps every device
+to its axis coordinates by DESIGN.md's rank mapping, and lays the stages out
+as meshes. See docs/placement.md.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from planc import ir
+from planc.cost.network import Network
+from planc.lang.errors import Diagnostic, PlanError
+from planc.placement.mapping import Coords, coords_for, device_of, level_coords, stage_layouts
+from planc.placement.matrices import (
+    Matrix, count_matrices, enumerate_matrices, is_matrix, matrix_problems,
+)
+from planc.placement.matrices import _column_choices
+
+__all__ = [
+    "Placement", "place", "coords_for", "stage_layouts", "device_of", "level_coords",
+    "count_matrices", "enumerate_matrices", "is_matrix", "matrix_problems",
+    "NOMINAL_REDUCTION_BYTES", "EXHAUSTIVE_LIMIT", "BEAM_WIDTH", "MAX_RANKED",
+]
+
+NOMINAL_REDUCTION_BYTES = 1 << 20   # a reduction whose size is unknown is costed at 1 MiB
+EXHAUSTIVE_LIMIT = 512              # rank every matrix when there are at most this many
+BEAM_WIDTH = 8                      # otherwise: beam search over levels, innermost first
+MAX_RANKED = 10
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """The chosen parallelism matrix, its runners-up, device coordinates and stage meshes.
+
+    ``matrix`` is None for explicit-stage plans without a ``parallel`` block
+    (then ``coords`` is empty and ``to_json()`` is None). ``search`` says how
+    the ranking was made: ``pinned``, ``exhaustive`` or ``beam``; ``evaluated``
+    how many matrices were costed.
+    """
+
+    matrix: Matrix | None
+    candidates: int
+    ranked: tuple[tuple[Matrix, float], ...]
+    coords: Coords
+    stages: tuple[ir.StageLayout, ...]
+    axes: tuple[tuple[str, int], ...] = ()
+    search: str | None = None
+    evaluated: int = 0
+
+    def to_json(self) -> dict[str, Any] | None:
+        """The plan.json ``placement`` section (PLAN_FORMAT.md)."""
+        if self.matrix is None:
+            return None
+        return {
+            "axes": [{"name": n, "size": s} for n, s in self.axes],
+            "matrix": [list(r) for r in self.matrix],
+            "candidates": self.candidates,
+            "ranked": [{"matrix": [list(r) for r in m], "predicted": t} for m, t in self.ranked],
+            "coords": [list(c) for c in self.coords],
+        }
+
+
+# ---------------------------------------------------------------- cost model access
+
+def _best_time_fn() -> Callable[..., float]:
+    try:
+        from planc.reduction import best_time
+        return best_time
+    except ImportError:  # the reduction package has not landed yet
+        from planc.placement._fallback import best_time
+        return best_time
+
+
+def _reduction_bytes(red: ir.Reduction, param_bytes: dict[int, int] | None) -> int:
+    if red.shape is not None and red.dtype is not None:
+        return math.prod(red.shape) * ir.DTYPE_BYTES[red.dtype]
+    if red.name == "gradients" and param_bytes:
+        return sum(param_bytes.values())
+    return NOMINAL_REDUCTION_BYTES
+
+
+def _region_bytes(nbytes: int, spec: ir.ShardingSpec, layout: ir.StageLayout) -> float:
+    shards = 1
+    for dim in spec.dims:
+        for a in dim:
+            if a < len(layout.shape):
+                shards *= layout.shape[a]
+    return nbytes / shards
+
+
+class _Costing:
+    """Predicted communication seconds of one iteration under a matrix."""
+
+    def __init__(self, program: ir.Program, param_bytes: dict[int, int] | None):
+        self.program = program
+        self.cluster = program.cluster
+        self.fanouts = program.cluster.fanouts
+        self.names = program.parallel.axis_names()
+        self.sizes = tuple(a.size for a in program.parallel.axes)
+        self.best_time = _best_time_fn()
+        self.net = Network(program.cluster)
+        self.reductions = []
+        for red in program.reductions:
+            if not red.axes or not all(a in self.names for a in red.axes):
+                continue  # explicit-stage reductions over mesh names the matrix does not decide
+            syn = program.synthesis
+            if red.mode is ir.ReductionMode.ALLREDUCE:
+                # A one-instruction program of allreduce is exactly the flat AllReduce.
+                syn = ir.Synthesis(max_size=1, collectives=(ir.Collective.ALLREDUCE,))
+            self.reductions.append((tuple(red.axes), _reduction_bytes(red, param_bytes), syn))
+        self.cache: dict[Matrix, float] = {}
+
+    def __call__(self, matrix: Matrix) -> float:
+        hit = self.cache.get(matrix)
+        if hit is not None:
+            return hit
+        t = 0.0
+        for axes, nbytes, syn in self.reductions:
+            t += self.best_time(self.cluster, matrix, self.names, axes, nbytes, syn)
+        if self.program.transfers:
+            coords = coords_for(matrix, self.fanouts, self.sizes)
+            t += self.transfer_time(stage_layouts(self.program, coords))
+        self.cache[matrix] = t
+        return t
+
+    def transfer_time(self, stages: tuple[ir.StageLayout, ...]) -> float:
+        """Each destination device pulls its region from the nearest source device, forward and backward."""
+        by_index = {s.index: s for s in stages}
+        total = 0.0
+        for tr in self.program.transfers:
+            src, dst = by_index.get(tr.src_stage), by_index.get(tr.dst_stage)
+            if src is None or dst is None or not src.devices:
+                continue
+            nearest: dict[tuple[int, ...], int] = {}
+            for d in src.devices:  # deepest shared prefix → lowest source id under it
+                c = level_coords(d, self.fanouts)
+                for k in range(len(c) + 1):
+                    key = c[:k]
+                    if key not in nearest or d < nearest[key]:
+                        nearest[key] = d
+            region = _region_bytes(tr.nbytes, tr.dst_spec, dst)
+            flows = []
+            for d in dst.devices:
+                c = level_coords(d, self.fanouts)
+                for k in range(len(c), -1, -1):
+                    if c[:k] in nearest:
+                        flows.append((nearest[c[:k]], d, region))
+                        break
+            total += self.net.flows_time(flows) * self.program.train.micro_batches * 2
+        return total
+
+
+def _rank(evaluated: dict[Matrix, float]) -> tuple[tuple[Matrix, float], ...]:
+    best = sorted(evaluated.items(), key=lambda kv: (kv[1], kv[0]))
+    return tuple(best[:MAX_RANKED])
+
+
+def _beam(cost: _Costing, fanouts: tuple[int, ...], sizes: tuple[int, ...], width: int) -> dict[Matrix, float]:
+    """Fix columns innermost level first; score each partial choice by its first completion."""
+    m = len(sizes)
+    evaluated: dict[Matrix, float] = {}
+    beam: list[tuple[tuple[int, ...], ...]] = [()]
+    for j in range(len(fanouts) - 1, -1, -1):
+        scored = []
+        for inner in beam:
+            left = tuple(sizes[i] // math.prod(c[i] for c in inner) for i in range(m))
+            for col in _column_choices(fanouts[j], left):
+                rest = tuple(a // c for a, c in zip(left, col))
+                outer = next(enumerate_matrices(fanouts[:j], rest), None)
+                if outer is None:
+                    continue
+                cols = (col,) + inner
+                full = tuple(tuple(outer[i]) + tuple(c[i] for c in cols) for i in range(m))
+                t = cost(full)
+                evaluated[full] = t
+                scored.append((t, full, cols))
+        scored.sort(key=lambda x: (x[0], x[1]))
+        beam = [cols for _, _, cols in scored[:width]]
+    return evaluated
+
+
+def place(program: ir.Program, param_bytes: dict[int, int] | None = None, *,
+          exhaustive_limit: int = EXHAUSTIVE_LIMIT, beam_width: int = BEAM_WIDTH) -> Placement:
+    """Choose the parallelism matrix and lay out devices and stages (a pure pass).
+
+    ``param_bytes`` maps a stage index to its parameter-gradient bytes; it
+    sizes ``reduce gradients`` (the sum over stages) when ranking.
+    """
+    par = program.parallel
+    if par is None:
+        return Placement(None, 0, (), (), stage_layouts(program, ()))
+    fanouts = program.cluster.fanouts
+    sizes = tuple(a.size for a in par.axes)
+    axes = tuple((a.name, a.size) for a in par.axes)
+    candidates = count_matrices(fanouts, sizes)
+    cost = _Costing(program, param_bytes)
+
+    if par.matrix is not None:
+        matrix = tuple(tuple(r) for r in par.matrix)
+        problems = matrix_problems(matrix, fanouts, sizes)
+        if problems:
+            raise PlanError([Diagnostic(f"the pinned placement matrix is not valid: {p}", par.span)
+                             for p in problems])
+        ranked = ((matrix, cost(matrix)),)
+        search, evaluated = "pinned", 1
+    else:
+        if candidates == 0:
+            raise PlanError(Diagnostic("no parallelism matrix fits these axes on this cluster", par.span))
+        if candidates <= exhaustive_limit:
+            table = {mx: cost(mx) for mx in enumerate_matrices(fanouts, sizes)}
+            search = "exhaustive"
+        else:
+            table = _beam(cost, fanouts, sizes, beam_width)
+            search = "beam"
+        ranked = _rank(table)
+        matrix = ranked[0][0]
+        evaluated = len(table)
+
+    coords = coords_for(matrix, fanouts, sizes)
+    return Placement(matrix, candidates, ranked, coords, stage_layouts(program, coords),
+                     axes, search, evaluated)

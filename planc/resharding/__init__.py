@@ -1,0 +1,172 @@
+"""Cross-mesh resharding (AlpaComm): unit tasks, strategies, load balance and scheduling.
+
+``plan_transfers(program, stages)`` turns every ``transfer`` statement into a
+:class:`TransferPlan` whose ``to_json()`` is the plan.json ``transfers`` entry.
+Transfers leaving the same source stage run in the same pipeline phase, so
+they are scheduled together on one shared NIC timeline.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from planc import ir
+from planc.ir import Cluster, SchedulerKind, StageLayout, Strategy, Transfer
+from planc.resharding.bounds import lower_bound
+from planc.resharding.schedulers import Job, Schedule, makespan
+from planc.resharding.strategies import build_jobs, choose_strategy, run_scheduler
+from planc.resharding.tiles import UnitTask, unit_tasks
+
+__all__ = ["TaskPlan", "TransferPlan", "plan_transfers", "groups_used", "transfer_estimate",
+           "unit_tasks", "UnitTask"]
+
+
+@dataclass(frozen=True, slots=True)
+class TaskPlan:
+    slice: tuple[tuple[int, int], ...]
+    holders: tuple[int, ...]
+    receivers: tuple[int, ...]
+    sender: int
+    group: tuple[int, ...]       # sorted {sender} ∪ receivers: the ranks taking part
+    start: float
+    duration: float
+
+    def __post_init__(self) -> None:
+        if self.sender not in self.holders:
+            raise ValueError("the sender of a task must be one of its holders")
+
+    def to_json(self) -> dict:
+        return {"slice": [list(r) for r in self.slice], "holders": list(self.holders),
+                "receivers": list(self.receivers), "sender": self.sender, "group": list(self.group),
+                "start": self.start, "duration": self.duration}
+
+
+@dataclass(frozen=True, slots=True)
+class TransferPlan:
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    src_stage: int
+    src_spec: str
+    dst_stage: int
+    dst_spec: str
+    strategy: Strategy
+    chunks: int
+    scheduler: SchedulerKind
+    tasks: tuple[TaskPlan, ...]
+    makespan: float
+    lower_bound: float
+    naive_makespan: float
+
+    def __post_init__(self) -> None:
+        if self.strategy is Strategy.AUTO:
+            raise ValueError("a planned transfer has a concrete strategy")
+        end = max((t.start + t.duration for t in self.tasks), default=0.0)
+        if end != self.makespan:
+            raise ValueError("makespan must be the end of the last task")
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "dtype": self.dtype, "shape": list(self.shape),
+                "src": {"stage": self.src_stage, "spec": self.src_spec},
+                "dst": {"stage": self.dst_stage, "spec": self.dst_spec},
+                "strategy": str(self.strategy), "chunks": self.chunks, "scheduler": str(self.scheduler),
+                "tasks": [t.to_json() for t in self.tasks],
+                "makespan": self.makespan, "lower_bound": self.lower_bound,
+                "naive_makespan": self.naive_makespan}
+
+
+def _stage(stages: Sequence[StageLayout], index: int) -> StageLayout:
+    for s in stages:
+        if s.index == index:
+            return s
+    raise KeyError(f"no layout for stage {index}")
+
+
+def transfer_estimate(transfer: Transfer, src: StageLayout, dst: StageLayout, cluster: Cluster) -> float:
+    """A cheap, optimistic time for one transfer: its NIC lower bound (seconds)."""
+    tasks = unit_tasks(transfer.shape, src, transfer.src_spec, dst, transfer.dst_spec)
+    return lower_bound(tasks, ir.DTYPE_BYTES[transfer.dtype], cluster)
+
+
+def plan_group(transfers: Sequence[Transfer], layouts: Sequence[tuple[StageLayout, StageLayout]],
+               cluster: Cluster, config: ir.Resharding) -> tuple[TransferPlan, ...]:
+    """Plan transfers that share one NIC timeline (same source stage)."""
+    all_tasks: list[UnitTask] = []
+    all_jobs: list[Job] = []
+    owner: list[int] = []
+    strategies = []
+    bounds = []
+    for i, (tr, (src, dst)) in enumerate(zip(transfers, layouts)):
+        tasks = unit_tasks(tr.shape, src, tr.src_spec, dst, tr.dst_spec)
+        itemsize = ir.DTYPE_BYTES[tr.dtype]
+        strategy = config.strategy
+        if strategy is Strategy.AUTO:
+            strategy = choose_strategy(tasks, itemsize, cluster, config.chunks)
+        strategies.append(strategy)
+        bounds.append(lower_bound(tasks, itemsize, cluster))
+        all_tasks.extend(tasks)
+        all_jobs.extend(build_jobs(tasks, itemsize, strategy, cluster, config.chunks))
+        owner.extend([i] * len(tasks))
+    sched = run_scheduler(all_jobs, config)
+    naive_sched = run_scheduler(all_jobs, ir.Resharding(scheduler=SchedulerKind.NAIVE))
+    plans = []
+    for i, tr in enumerate(transfers):
+        mine = [j for j in range(len(all_jobs)) if owner[j] == i]
+        task_plans = []
+        for j in sorted(mine, key=lambda j: (sched.start[j], all_tasks[j].slice)):
+            t, opt = all_tasks[j], all_jobs[j].options[sched.choice[j]]
+            task_plans.append(TaskPlan(t.slice, t.holders, t.receivers, opt.sender,
+                                       tuple(sorted({opt.sender, *t.receivers})),
+                                       sched.start[j], opt.duration))
+        plans.append(TransferPlan(
+            tr.name, tr.dtype, tuple(tr.shape), tr.src_stage, str(tr.src_spec), tr.dst_stage, str(tr.dst_spec),
+            strategies[i], config.chunks, config.scheduler, tuple(task_plans),
+            max((t.start + t.duration for t in task_plans), default=0.0), bounds[i],
+            _end(all_jobs, naive_sched, mine)))
+    return tuple(plans)
+
+
+def _end(jobs: Sequence[Job], sched: Schedule, mine: Sequence[int]) -> float:
+    return max((sched.start[j] + jobs[j].options[sched.choice[j]].duration for j in mine), default=0.0)
+
+
+def plan_transfers(program: ir.Program, stages: tuple[StageLayout, ...]) -> tuple[TransferPlan, ...]:
+    """One plan per transfer, in program order; transfers from one source stage share a NIC timeline."""
+    by_src: dict[int, list[int]] = {}
+    for i, tr in enumerate(program.transfers):
+        by_src.setdefault(tr.src_stage, []).append(i)
+    out: dict[int, TransferPlan] = {}
+    for idxs in by_src.values():
+        trs = [program.transfers[i] for i in idxs]
+        lays = [(_stage(stages, t.src_stage), _stage(stages, t.dst_stage)) for t in trs]
+        for i, p in zip(idxs, plan_group(trs, lays, program.cluster, program.resharding)):
+            out[i] = p
+    return tuple(out[i] for i in range(len(program.transfers)))
+
+
+def groups_used(plans: Sequence[TransferPlan], cluster: Cluster | None = None) -> tuple[tuple[int, ...], ...]:
+    """Every process group the transfers need, members sorted, in first-use order.
+
+    Each task's ``group`` ({sender} ∪ receivers; the broadcast group); for
+    global allgather the receivers; for local allgather (given ``cluster``)
+    the receivers on each host. One-member groups are left out.
+    """
+    seen: dict[tuple[int, ...], None] = {}
+
+    def add(g: tuple[int, ...]) -> None:
+        if len(g) > 1:
+            seen.setdefault(g, None)
+
+    for p in plans:
+        for t in p.tasks:
+            add(t.group)
+            if p.strategy is Strategy.GLOBAL_ALLGATHER:
+                add(t.receivers)
+            elif p.strategy is Strategy.LOCAL_ALLGATHER and cluster is not None:
+                per_host: dict[int, list[int]] = {}
+                for r in t.receivers:
+                    per_host.setdefault(cluster.host_of(r), []).append(r)
+                for members in per_host.values():
+                    add(tuple(sorted(members)))
+    return tuple(seen)

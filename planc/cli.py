@@ -1,0 +1,121 @@
+"""planc command line: compile | check | explain | bench.
+
+User errors (PlanError) print as file:line:col with the source line and a caret
+run, and exit 2. Anything else is a bug in planc: one line and exit 3, the
+traceback only with --debug.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import traceback
+from pathlib import Path
+
+from planc import __version__
+from planc.lang.errors import PlanError
+
+EXIT_USER = 2
+EXIT_BUG = 3
+
+
+def _cmd_check(args) -> int:
+    from planc.lang import load
+    from planc.lang.format import summary, to_json
+
+    errors: list[PlanError] = []
+    for f in args.files:
+        try:
+            program = load(f)
+        except PlanError as e:
+            errors.append(e)
+            continue
+        print(to_json(program) if args.json else summary(program))
+    for e in errors:
+        print(e.render(), file=sys.stderr)
+    if errors:
+        n = sum(len(e.diagnostics) for e in errors)
+        print(f"{n} error{'s' if n != 1 else ''} in {len(errors)} file{'s' if len(errors) != 1 else ''}", file=sys.stderr)
+        return EXIT_USER
+    return 0
+
+
+def _cmd_compile(args) -> int:
+    from planc.compile import compile_file
+    from planc.codegen import write_output
+
+    src = Path(args.plan)
+    compiled = compile_file(src, probe=not args.no_probe)
+    out = Path(args.output) if args.output else Path("build") / compiled.program.name
+    write_output(compiled.plan_json, compiled.program, out)
+    print(f"wrote {out}/ ({compiled.describe()})")
+    print(f"launch: bash {out}/launch.sh    (or: deepspeed {out}/train.py, see {out}/README.md)")
+    return 0
+
+
+def _cmd_explain(args) -> int:
+    from planc.compile import compile_file
+    from planc.explain import explain
+
+    compiled = compile_file(Path(args.plan), probe=not args.no_probe)
+    print(explain(compiled.plan_json))
+    return 0
+
+
+def _cmd_bench(args) -> int:
+    from planc.bench import run_bench
+
+    text = run_bench(args.what, write=args.write)
+    print(text)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="planc", description="Compile distributed training plans (.plan) into launchable DeepSpeed programs.")
+    p.add_argument("--version", action="version", version=f"planc {__version__}")
+    p.add_argument("--debug", action="store_true", help="show Python tracebacks for internal errors")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    c = sub.add_parser("check", help="parse and check plans, print a summary")
+    c.add_argument("files", nargs="+", metavar="FILE")
+    c.add_argument("--json", action="store_true", help="print the checked IR as JSON")
+    c.set_defaults(func=_cmd_check)
+
+    c = sub.add_parser("compile", help="compile a plan into a launchable output folder")
+    c.add_argument("plan")
+    c.add_argument("-o", "--output", help="output folder (default build/<plan name>/)")
+    c.add_argument("--no-probe", action="store_true",
+                   help="do not run the model in a subprocess to size gradients and check transfer shapes")
+    c.set_defaults(func=_cmd_compile)
+
+    c = sub.add_parser("explain", help="show the placement, reduction programs and transfers planc chose, and why")
+    c.add_argument("plan")
+    c.add_argument("--no-probe", action="store_true")
+    c.set_defaults(func=_cmd_explain)
+
+    c = sub.add_parser("bench", help="run a benchmark and print its table")
+    c.add_argument("what", choices=["synthesis", "resharding"])
+    c.add_argument("--write", metavar="FILE", help="also write the table into FILE (e.g. docs/benchmarks.md)")
+    c.set_defaults(func=_cmd_bench)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except PlanError as e:
+        print(e.render(), file=sys.stderr)
+        return EXIT_USER
+    except KeyboardInterrupt:
+        return 130
+    except Exception as e:  # a bug in planc, not the user's fault
+        if args.debug:
+            traceback.print_exc()
+        print(f"planc: internal error: {type(e).__name__}: {e} (run with --debug for the traceback)", file=sys.stderr)
+        return EXIT_BUG
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,115 @@
+"""Collective times on the tree-of-links network (DESIGN.md "Cost model").
+
+Algorithms, over the members of a group in rank order ``m_0 < .. < m_{k-1}``:
+
+* ring (allreduce, reduce_scatter, all_gather): edges ``m_i → m_{i+1 mod k}``;
+  ``S`` = bytes each member holds before the step.
+  allreduce: ``2(k-1)`` rounds of ``S/k`` per edge; reduce_scatter: ``k-1``
+  rounds of ``S/k``; all_gather: ``k-1`` rounds of ``S`` (each member holds a
+  piece of ``S`` and ends with ``k·S``).
+* pipelined chain (broadcast, reduce): broadcast ``m_0 → m_1 → .. → m_{k-1}``,
+  reduce the reverse chain into ``m_0``; every edge carries ``S`` once,
+  pipelined in infinitely small chunks (no fill term beyond latency).
+
+A lowered step runs all its groups at once. Its time is the fluid bandwidth
+term over *all* edges of *all* groups together (the bottleneck link's total
+bytes / capacity, so groups that share a link slow each other down) plus the
+latency term of the slowest group: ``rounds × the largest hop latency`` of its
+ring, or the sum of hop latencies along its chain.
+
+Example: ring allreduce of S bytes over k devices of one level with bandwidth B
+and latency α: ``2(k-1)/k·S/B + 2(k-1)·α``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Iterable, Sequence
+
+from planc import ir
+from planc.cost.network import Network
+
+Group = Sequence[int]
+Step = tuple[ir.Collective, Sequence[Group]]
+
+_RING = (ir.Collective.ALLREDUCE, ir.Collective.REDUCE_SCATTER, ir.Collective.ALL_GATHER)
+
+
+def _edge_bytes_and_rounds(collective: ir.Collective, k: int, nbytes: float) -> tuple[float, int]:
+    if collective is ir.Collective.ALLREDUCE:
+        return 2 * (k - 1) / k * nbytes, 2 * (k - 1)
+    if collective is ir.Collective.REDUCE_SCATTER:
+        return (k - 1) / k * nbytes, k - 1
+    if collective is ir.Collective.ALL_GATHER:
+        return (k - 1) * nbytes, k - 1
+    return float(nbytes), 1  # broadcast / reduce: each chain edge carries S once
+
+
+def _edges(collective: ir.Collective, members: Sequence[int]) -> list[tuple[int, int]]:
+    k = len(members)
+    if collective in _RING:
+        return [(members[i], members[(i + 1) % k]) for i in range(k)]
+    if collective is ir.Collective.BROADCAST:
+        return [(members[i], members[i + 1]) for i in range(k - 1)]
+    return [(members[i + 1], members[i]) for i in range(k - 1)]  # reduce into members[0]
+
+
+def collective_time(net: Network, collective: ir.Collective | str, groups: Iterable[Group], nbytes: float) -> float:
+    """Seconds for one lowered step: ``collective`` on every group at once.
+
+    ``nbytes`` is the size each member holds before the step (for broadcast:
+    the root's). Groups of fewer than two devices cost nothing.
+    """
+    collective = ir.Collective(collective)
+    flows: list[tuple[int, int, float]] = []
+    latency = 0.0
+    for g in groups:
+        members = sorted(g)
+        k = len(members)
+        if k < 2:
+            continue
+        per_edge, rounds = _edge_bytes_and_rounds(collective, k, nbytes)
+        edges = _edges(collective, members)
+        flows.extend((a, b, per_edge) for a, b in edges)
+        if collective in _RING:
+            lat = rounds * max(net.latency(a, b) for a, b in edges)
+        else:
+            lat = sum(net.latency(a, b) for a, b in edges)
+        latency = max(latency, lat)
+    return net.bandwidth_time(flows) + latency
+
+
+def held_after(collective: ir.Collective | str, k: int, nbytes: float) -> float:
+    """Size each (holding) member holds after the step: reduce_scatter ÷ k, all_gather × k."""
+    collective = ir.Collective(collective)
+    if collective is ir.Collective.REDUCE_SCATTER:
+        return nbytes / k
+    if collective is ir.Collective.ALL_GATHER:
+        return nbytes * k
+    return nbytes
+
+
+def program_time(net: Network, steps: Iterable[Step], nbytes: float) -> float:
+    """Seconds for a lowered program: steps run one after another.
+
+    ``steps`` are ``(collective, groups)``; the held size starts at ``nbytes``
+    and changes by :func:`held_after` with the size of the step's largest
+    group (lowered steps have groups of one size).
+    """
+    total = 0.0
+    held = float(nbytes)
+    for collective, groups in steps:
+        groups = [tuple(g) for g in groups]
+        total += collective_time(net, collective, groups, held)
+        k = max((len(g) for g in groups), default=1)
+        held = held_after(collective, k, held)
+    return total
+
+
+def allreduce_lower_bound(net: Network, group: Group, nbytes: float) -> float:
+    """``2(k-1)/k · S ÷ bottleneck bandwidth`` of the group (0 for k < 2)."""
+    k = len(set(group))
+    if k < 2:
+        return 0.0
+    bw = net.bottleneck_bandwidth(group)
+    return 0.0 if math.isinf(bw) else 2 * (k - 1) / k * nbytes / bw

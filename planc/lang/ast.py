@@ -1,0 +1,216 @@
+"""Typed syntax tree of a .plan file. Every node carries the span it came from.
+
+These nodes say what was written; ``planc.lang.check`` decides what it means
+and turns them into ``planc.ir`` records.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from planc.lang.errors import Span
+
+
+@dataclass(frozen=True, slots=True)
+class Num:
+    value: float
+    text: str
+    span: Span
+
+    @property
+    def is_int(self) -> bool:
+        return self.value == int(self.value) and "." not in self.text and "e" not in self.text.lower()
+
+
+@dataclass(frozen=True, slots=True)
+class Name:
+    value: str
+    span: Span
+
+
+@dataclass(frozen=True, slots=True)
+class Str:
+    value: str
+    span: Span
+
+
+@dataclass(frozen=True, slots=True)
+class Quantity:
+    number: Num
+    unit: str
+    span: Span
+
+
+@dataclass(frozen=True, slots=True)
+class Call:
+    name: Name
+    args: tuple["KeyValue", ...]
+    span: Span
+
+
+@dataclass(frozen=True, slots=True)
+class ListValue:
+    items: tuple["Value", ...]
+    span: Span
+
+
+Value = Num | Name | Str | Quantity | Call | ListValue
+
+
+@dataclass(frozen=True, slots=True)
+class KeyValue:
+    key: Name
+    value: Value
+    span: Span
+
+
+@dataclass(frozen=True, slots=True)
+class LevelAttr:
+    key: Name
+    value: Quantity
+    span: Span
+
+
+@dataclass(frozen=True, slots=True)
+class LevelDecl:
+    name: Name
+    fanout: Num
+    attrs: tuple[LevelAttr, ...]
+    span: Span
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterBlock:
+    levels: tuple[LevelDecl, ...]
+    host: Name | None
+    file: Str | None  # `cluster "file.yaml"`
+    span: Span
+
+
+@dataclass(frozen=True, slots=True)
+class AxisDecl:
+    name: Name
+    size: Num
+    span: Span
+
+
+@dataclass(frozen=True, slots=True)
+class ParallelBlock:
+    axes: tuple[AxisDecl, ...]
+    place: ListValue | None  # None: auto
+    place_span: Span | None
+    span: Span
+
+
+@dataclass(frozen=True, slots=True)
+class CodeBlock:
+    kind: str  # model | loss | data
+    ref: Str
+    args: tuple[KeyValue, ...]
+    span: Span
+
+
+@dataclass(frozen=True, slots=True)
+class RangeNode:
+    start: Num
+    end: Num
+    span: Span
+
+
+@dataclass(frozen=True, slots=True)
+class MeshDim:
+    name: Name | None
+    size: Num
+    span: Span
+
+
+@dataclass(frozen=True, slots=True)
+class StageDecl:
+    index: Num
+    layers: RangeNode | None
+    devices: RangeNode | None
+    mesh: tuple[MeshDim, ...]
+    span: Span
+
+
+@dataclass(frozen=True, slots=True)
+class SpecItem:
+    """One written spec token: a word (`S0`, `R`, `S0RR`) or a named form `S(data, tensor)`."""
+
+    word: Name
+    names: tuple[Name, ...] | None
+    span: Span
+
+
+@dataclass(frozen=True, slots=True)
+class Spec:
+    items: tuple[SpecItem, ...]
+    span: Span
+
+
+@dataclass(frozen=True, slots=True)
+class TensorType:
+    dtype: Name
+    dims: tuple[Num, ...]
+    span: Span
+
+
+@dataclass(frozen=True, slots=True)
+class TransferDecl:
+    name: Name
+    type: TensorType
+    src_stage: Num
+    src_layer: Num | None
+    src_spec: Spec
+    dst_stage: Num
+    dst_spec: Spec
+    span: Span
+
+
+@dataclass(frozen=True, slots=True)
+class StepArg:
+    key: Name
+    value: Name
+    level: Name | None
+    span: Span
+
+
+@dataclass(frozen=True, slots=True)
+class StepNode:
+    collective: Name
+    args: tuple[StepArg, ...] | None  # None: bare name (`using allreduce`)
+    span: Span
+
+
+@dataclass(frozen=True, slots=True)
+class ReduceDecl:
+    name: Name
+    axes: tuple[Name, ...]
+    using: tuple[StepNode, ...] | None
+    using_span: Span | None
+    type: TensorType | None
+    span: Span
+
+
+@dataclass(frozen=True, slots=True)
+class SettingsBlock:
+    kind: str  # resharding | synthesis | train
+    items: tuple[KeyValue, ...]
+    span: Span
+
+
+@dataclass(frozen=True, slots=True)
+class DeepspeedDecl:
+    path: Str
+    span: Span
+
+
+Statement = (ClusterBlock | ParallelBlock | CodeBlock | StageDecl | TransferDecl
+             | ReduceDecl | SettingsBlock | DeepspeedDecl)
+
+
+@dataclass(frozen=True, slots=True)
+class PlanFile:
+    name: Name | None
+    statements: tuple[Statement, ...]
+    span: Span

@@ -1,0 +1,155 @@
+"""IR → canonical .plan text and IR → JSON-able dicts (for `planc check --json`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import json
+
+from planc import ir
+from planc.lang.errors import Span
+
+
+def to_data(obj):
+    """Plain JSON-able data for any IR record (spans dropped, enums as their spelling)."""
+    if isinstance(obj, Span):
+        return None
+    if isinstance(obj, enum.Enum):
+        return obj.value
+    if isinstance(obj, ir.ShardingSpec):
+        return str(obj)
+    if isinstance(obj, ir.Instruction):
+        return str(obj)
+    if dataclasses.is_dataclass(obj):
+        return {f.name: to_data(getattr(obj, f.name)) for f in dataclasses.fields(obj)
+                if f.name not in ("span", "program_span")}
+    if isinstance(obj, (tuple, list)):
+        return [to_data(x) for x in obj]
+    if isinstance(obj, dict):
+        return {str(k): to_data(v) for k, v in obj.items()}
+    return obj
+
+
+def to_json(program: ir.Program) -> str:
+    return json.dumps(to_data(program), indent=2, sort_keys=False)
+
+
+def _num(x: float) -> str:
+    if float(x).is_integer():
+        return str(int(x))
+    return repr(float(x))
+
+
+def _value(v) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if v is None:
+        return "none"
+    if isinstance(v, str):
+        return v if v.isidentifier() else f'"{v}"'
+    if isinstance(v, (int, float)):
+        return _num(v)
+    if isinstance(v, tuple):
+        return "[" + ", ".join(_value(x) for x in v) + "]"
+    raise TypeError(v)
+
+
+def _spec(spec: ir.ShardingSpec) -> str:
+    return str(spec)
+
+
+def to_text(p: ir.Program) -> str:
+    """The canonical text of a checked plan; parsing it gives back an equal Program."""
+    out = [f"plan {p.name} {{", "  cluster {"]
+    for l in p.cluster.levels:
+        attrs = []
+        if l.bandwidth is not None:
+            attrs.append(f"bandwidth {_num(l.bandwidth)} B/s")
+        if l.latency:
+            attrs.append(f"latency {_num(l.latency)} s")
+        out.append(f"    level {l.name} x {l.fanout}" + (" : " + ", ".join(attrs) if attrs else ""))
+    out.append(f"    host = {p.cluster.host_level}")
+    out.append("  }")
+    if p.parallel is not None:
+        out.append("  parallel {")
+        for a in p.parallel.axes:
+            out.append(f"    {a.name} = {a.size}")
+        if p.parallel.matrix is None:
+            out.append("    place = auto")
+        else:
+            out.append("    place = [" + ", ".join("[" + ", ".join(map(str, r)) + "]" for r in p.parallel.matrix) + "]")
+        out.append("  }")
+    if p.model is not None:
+        args = ", ".join(f"{k} = {_value(v)}" for k, v in p.model.args)
+        out.append(f'  model "{p.model.path}:{p.model.function}"' + (f" {{ {args} }}" if args else ""))
+    for kind in ("loss", "data"):
+        ref = getattr(p, kind)
+        if ref is not None:
+            out.append(f'  {kind} "{ref.path}:{ref.function}"')
+    for s in p.stages:
+        if p.stage_mode is ir.StageMode.PIPE_AXIS and s.layers is None:
+            continue
+        line = f"  stage {s.index}"
+        if s.layers is not None:
+            line += f" : layers {s.layers[0]}..{s.layers[1]}"
+        if s.first_device is not None:
+            dims = ", ".join(f"{n} = {m}" for n, m in zip(s.mesh_axes, s.mesh_shape))
+            line += f" on devices {s.first_device}..{s.first_device + len(s.explicit_devices)} as ({dims})"
+        out.append(line)
+    for t in p.transfers:
+        layer = f" layer {t.src_layer}" if t.src_layer is not None else ""
+        out.append(f"  transfer {t.name} : {t.dtype}[{', '.join(map(str, t.shape))}] from stage {t.src_stage}{layer} "
+                   f"as {_spec(t.src_spec)} to stage {t.dst_stage} as {_spec(t.dst_spec)}")
+    for r in p.reductions:
+        line = f"  reduce {r.name} over {', '.join(r.axes)}"
+        if r.mode is ir.ReductionMode.ALLREDUCE:
+            line += " using allreduce"
+        elif r.mode is ir.ReductionMode.PROGRAM:
+            line += " using " + ir.program_text(r.program)
+        if r.shape is not None:
+            line += f" : {r.dtype}[{', '.join(map(str, r.shape))}]"
+        out.append(line)
+    rs = p.resharding
+    sched = {
+        ir.SchedulerKind.DFS: f"dfs(budget = {_num(rs.dfs_budget_s)} s)",
+        ir.SchedulerKind.RANDOMIZED_GREEDY: f"randomized_greedy(trials = {rs.trials}, seed = {rs.seed})",
+    }.get(rs.scheduler, str(rs.scheduler))
+    out.append(f"  resharding {{ strategy = {rs.strategy}, chunks = {rs.chunks}, schedule = {sched} }}")
+    out.append(f"  synthesis {{ max_size = {p.synthesis.max_size}, collectives = [{', '.join(map(str, p.synthesis.collectives))}] }}")
+    t = p.train
+    opt_args = ", ".join([f"lr = {_num(t.optimizer.lr)}"] + [f"{k} = {_num(v)}" for k, v in t.optimizer.params])
+    out.append("  train {")
+    out.append(f"    micro_batch = {t.micro_batch}, micro_batches = {t.micro_batches}, steps = {t.steps}")
+    out.append(f"    schedule = {t.schedule}, optimizer = {t.optimizer.name}({opt_args})")
+    out.append(f"    precision = {t.precision}, seed = {t.seed}")
+    out.append("  }")
+    if p.deepspeed_overrides:
+        out.append(f'  deepspeed "{p.deepspeed_overrides}"')
+    out.append("}")
+    return "\n".join(out) + "\n"
+
+
+def summary(p: ir.Program) -> str:
+    c = p.cluster
+    lines = [f"{p.name}: ok ({p.source_path})"]
+    lines.append(f"  devices    {c.devices} on {c.num_hosts} host(s) of {c.devices_per_host} "
+                 f"({' x '.join(f'{l.name} {l.fanout}' for l in c.levels)}; host = {c.host_level})")
+    if p.parallel is not None:
+        place = "auto" if p.parallel.matrix is None else "pinned " + str([list(r) for r in p.parallel.matrix])
+        lines.append(f"  axes       {', '.join(f'{a.name} {a.size}' for a in p.parallel.axes)} (place = {place})")
+    for s in p.stages:
+        n = len(s.explicit_devices) if s.explicit_devices else (
+            c.devices // (p.parallel.size_of("pipe") if p.pipe_axis else 1))
+        layers = f"layers {s.layers[0]}..{s.layers[1]}" if s.layers else "all layers" if p.model else "no layers"
+        where = f" on devices {s.explicit_devices[0]}..{s.explicit_devices[-1] + 1} as {s.mesh_shape}" if s.explicit_devices else ""
+        lines.append(f"  stage {s.index}    {layers}, {n} device(s){where}, mesh axes ({', '.join(s.mesh_axes)})")
+    for t in p.transfers:
+        lines.append(f"  transfer   {t.name} {t.dtype}{list(t.shape)}: stage {t.src_stage} ({t.src_spec}) -> "
+                     f"stage {t.dst_stage} ({t.dst_spec})")
+    for r in p.reductions:
+        how = {ir.ReductionMode.SYNTHESIZE: "synthesized", ir.ReductionMode.ALLREDUCE: "flat allreduce",
+               ir.ReductionMode.PROGRAM: "pinned: " + (ir.program_text(r.program) if r.program else "")}[r.mode]
+        lines.append(f"  reduce     {r.name} over {', '.join(r.axes)} ({how})")
+    if p.model is None:
+        lines.append("  (communication-only plan: no model)")
+    return "\n".join(lines)

@@ -1,0 +1,136 @@
+"""Per-stage instruction orders for gpipe, 1f1b and eager_1f1b (AlpaComm §4).
+
+A stage's list names only its compute: ``("F", m)`` runs micro-batch ``m``
+forward, ``("B", m)`` backward. The runtime derives the communication around
+each entry from the plan's transfers (receive inputs before ``F``, send
+outputs after it; receive output gradients before ``B``, send input gradients
+after it), so the lists are independent of the transfer graph; the graph only
+decides whether the lists can run (see :mod:`planc.pipeline.simulate`).
+
+Warm-up forwards before the first backward, stage ``i`` of ``S``, ``B``
+micro-batches:
+
+========== ======================= =====================================
+schedule   warm-up forwards        peak in-flight micro-batches on stage i
+========== ======================= =====================================
+gpipe      B                       B
+1f1b       min(B, S-i-1)           min(B, S-i)
+eager_1f1b min(B, 2(S-i)-1)        min(B, 2(S-i))
+========== ======================= =====================================
+
+"In flight" counts micro-batches whose forward has run on the stage and
+whose backward has not; it bounds the activations a stage keeps. After the
+warm-up, 1f1b and eager_1f1b alternate one forward and one backward, then
+drain the remaining backwards. Eager 1F1B runs more forwards early, so each
+activation is sent further ahead of its use and the cross-mesh transfer
+overlaps computation, at the price of about twice 1f1b's activation memory.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from planc.ir import PipeSchedule
+
+Op = tuple[str, int]   # ("F" | "B", micro-batch)
+
+
+def warmup(schedule: PipeSchedule | str, num_stages: int, stage: int, micro_batches: int) -> int:
+    """Forwards stage ``stage`` runs before its first backward."""
+    schedule = PipeSchedule(schedule)
+    remaining = num_stages - stage
+    if schedule is PipeSchedule.GPIPE:
+        return micro_batches
+    if schedule is PipeSchedule.ONE_F_ONE_B:
+        return min(micro_batches, remaining - 1)
+    return min(micro_batches, 2 * remaining - 1)
+
+
+def peak_in_flight(schedule: PipeSchedule | str, num_stages: int, stage: int, micro_batches: int) -> int:
+    """The exact peak number of in-flight micro-batches the schedule gives stage ``stage``."""
+    return min(micro_batches, warmup(schedule, num_stages, stage, micro_batches) + 1)
+
+
+def stage_ops(schedule: PipeSchedule | str, num_stages: int, stage: int, micro_batches: int) -> tuple[Op, ...]:
+    """The instruction order of one stage."""
+    w = warmup(schedule, num_stages, stage, micro_batches)
+    ops: list[Op] = [("F", m) for m in range(w)]
+    for k in range(micro_batches - w):        # steady state: one forward, one backward
+        ops.append(("F", w + k))
+        ops.append(("B", k))
+    ops.extend(("B", m) for m in range(micro_batches - w, micro_batches))
+    return tuple(ops)
+
+
+def op_text(op: Op) -> str:
+    return f"{op[0]}{op[1]}"
+
+
+def parse_op(text: str) -> Op:
+    if len(text) < 2 or text[0] not in "FB" or not text[1:].isdigit():
+        raise ValueError(f"bad pipeline instruction {text!r} (expected F<n> or B<n>)")
+    return text[0], int(text[1:])
+
+
+@dataclass(frozen=True, slots=True)
+class PipelinePlan:
+    schedule: PipeSchedule
+    micro_batches: int
+    per_stage: tuple[tuple[Op, ...], ...]
+    predicted_iteration: float | None = None
+
+    def __post_init__(self):
+        if self.micro_batches < 1:
+            raise ValueError("micro_batches must be at least 1")
+        want = {(k, m) for k in "FB" for m in range(self.micro_batches)}
+        for i, ops in enumerate(self.per_stage):
+            if len(ops) != len(want) or set(ops) != want:
+                raise ValueError(f"stage {i}: every micro-batch must run F and B exactly once")
+            seen: set[int] = set()
+            for kind, m in ops:
+                if kind == "F":
+                    seen.add(m)
+                elif m not in seen:
+                    raise ValueError(f"stage {i}: B{m} before F{m}")
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.per_stage)
+
+    def to_json(self) -> dict:
+        return {
+            "schedule": str(self.schedule),
+            "micro_batches": self.micro_batches,
+            "per_stage": [[op_text(op) for op in ops] for ops in self.per_stage],
+            "predicted_iteration": self.predicted_iteration,
+        }
+
+    @staticmethod
+    def from_json(data: dict) -> "PipelinePlan":
+        return PipelinePlan(
+            schedule=PipeSchedule(data["schedule"]),
+            micro_batches=int(data["micro_batches"]),
+            per_stage=tuple(tuple(parse_op(t) for t in ops) for ops in data["per_stage"]),
+            predicted_iteration=data.get("predicted_iteration"),
+        )
+
+
+def build(schedule: PipeSchedule | str, num_stages: int, micro_batches: int,
+          edges: tuple[tuple[int, int], ...] | None = None) -> PipelinePlan:
+    """Per-stage instruction lists for ``schedule``.
+
+    ``edges`` (``(src_stage, dst_stage)`` per transfer, default the chain
+    ``i -> i+1``) are checked by running the lists in the event simulation:
+    a plan whose lists would deadlock is rejected here, not on the cluster.
+    """
+    if num_stages < 1:
+        raise ValueError("num_stages must be at least 1")
+    plan = PipelinePlan(
+        schedule=PipeSchedule(schedule),
+        micro_batches=micro_batches,
+        per_stage=tuple(stage_ops(schedule, num_stages, i, micro_batches) for i in range(num_stages)),
+    )
+    if edges is not None:
+        from planc.pipeline.simulate import simulate
+        simulate(plan.per_stage, edges)   # raises DeadlockError
+    return plan

@@ -1,0 +1,175 @@
+"""Process-group start-up, timeouts and the start-up checks of DESIGN.md "Runtime".
+
+Public API (stable):
+
+    collective_timeout() -> datetime.timedelta
+        PLANC_COLLECTIVE_TIMEOUT_S (seconds, default 300); every group the runtime
+        creates uses it, so a missing peer is an error after that long, never a hang.
+    choose_backend() -> str                 "nccl" if CUDA is available else "gloo"
+                                            (PLANC_BACKEND overrides)
+    init_distributed(backend=None, timeout=None) -> str
+        init the default group from the launcher's env (RANK, WORLD_SIZE,
+        MASTER_ADDR, MASTER_PORT) unless already initialized; returns the backend
+    check_world(plan, world_size)           raises StartupError on a size mismatch
+    check_hosts(plan, infos) -> list[str]   pure: problems between cluster.hosts and
+                                            per-rank (hostname, local_world_size) infos
+    check_digests(digests) -> list[str]     pure: problems when ranks disagree
+    startup_checks(plan, digest=None)       collective: all of the above on every rank
+    StartupError(RuntimeError)
+    create_groups(plan, timeout=None) / lookup_group(groups, members) / GroupMissing
+        (documented in topology.py, which re-exports them; they live here so that
+        reduce/reshard need not import deepspeed)
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+
+import torch
+import torch.distributed as dist
+
+from .plan import plan_digest
+
+__all__ = ["collective_timeout", "choose_backend", "init_distributed", "check_world",
+           "check_hosts", "check_digests", "startup_checks", "StartupError", "DEFAULT_TIMEOUT_S",
+           "create_groups", "lookup_group", "GroupMissing"]
+
+DEFAULT_TIMEOUT_S = 300.0
+TIMEOUT_ENV = "PLANC_COLLECTIVE_TIMEOUT_S"
+
+
+class StartupError(RuntimeError):
+    """The launched job does not match the plan it is asked to run."""
+
+
+def collective_timeout() -> datetime.timedelta:
+    raw = os.environ.get(TIMEOUT_ENV)
+    if raw is None:
+        return datetime.timedelta(seconds=DEFAULT_TIMEOUT_S)
+    try:
+        s = float(raw)
+    except ValueError:
+        raise StartupError(f"{TIMEOUT_ENV}={raw!r} is not a number of seconds") from None
+    if s <= 0:
+        raise StartupError(f"{TIMEOUT_ENV}={raw!r} must be positive")
+    return datetime.timedelta(seconds=s)
+
+
+def choose_backend() -> str:
+    forced = os.environ.get("PLANC_BACKEND")
+    if forced:
+        return forced
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def init_distributed(backend: str | None = None, timeout: datetime.timedelta | None = None) -> str:
+    """Initialize the default process group once (env:// rendezvous) with our timeout."""
+    if dist.is_initialized():
+        return dist.get_backend()
+    backend = backend or choose_backend()
+    timeout = timeout or collective_timeout()
+    if backend == "nccl":
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local % max(1, torch.cuda.device_count()))
+    dist.init_process_group(backend=backend, timeout=timeout)
+    return backend
+
+
+def check_world(plan: dict, world_size: int) -> None:
+    want = int(plan["cluster"]["devices"])
+    if world_size != want:
+        raise StartupError(
+            f"world size {world_size} does not match the plan {plan.get('name', '?')!r}: "
+            f"cluster.devices = {want} ({len(plan['cluster']['hosts'])} hosts of "
+            f"{[len(h) for h in plan['cluster']['hosts']]} devices); launch {want} processes")
+
+
+def check_hosts(plan: dict, infos) -> list[str]:
+    """infos[r] = (hostname, local_world_size or None) of rank r.
+
+    When the job spans several hostnames, ranks sharing a hostname must be exactly
+    one plan host and each host's device count must match. A single hostname means
+    an emulated cluster (testbed, one machine): nothing to compare.
+    """
+    hosts = [sorted(h) for h in plan["cluster"]["hosts"]]
+    by_name: dict[str, list[int]] = {}
+    for r, (name, _) in enumerate(infos):
+        by_name.setdefault(name, []).append(r)
+    if len(by_name) <= 1:
+        return []
+    problems = []
+    for name, ranks in sorted(by_name.items(), key=lambda kv: kv[1][0]):
+        if sorted(ranks) not in hosts:
+            problems.append(f"host {name!r} runs ranks {ranks}, but the plan's hosts are {hosts}")
+        for r in ranks:
+            lws = infos[r][1]
+            if lws is not None:
+                want = next((len(h) for h in hosts if r in h), None)
+                if want is not None and lws != want:
+                    problems.append(f"rank {r} on {name!r}: LOCAL_WORLD_SIZE={lws} but the plan "
+                                    f"puts {want} devices on its host")
+                    break
+    return problems
+
+
+def check_digests(digests) -> list[str]:
+    groups: dict[str, list[int]] = {}
+    for r, d in enumerate(digests):
+        groups.setdefault(d, []).append(r)
+    if len(groups) <= 1:
+        return []
+    return ["ranks disagree on the plan: " + "; ".join(
+        f"ranks {rs} have sha256 {d[:16]}…" for d, rs in sorted(groups.items(), key=lambda kv: kv[1][0]))]
+
+
+def startup_checks(plan: dict, digest: str | None = None) -> None:
+    """World size, plan digest agreement and per-host device counts; collective.
+
+    Every rank runs the same all_gather before raising, so all ranks fail
+    together with the same message instead of some hanging.
+    """
+    world = dist.get_world_size()
+    digest = digest or plan_digest(plan)
+    lws = os.environ.get("LOCAL_WORLD_SIZE")
+    mine = (digest, socket.gethostname(), int(lws) if lws else None)
+    gathered = [None] * world
+    dist.all_gather_object(gathered, mine)
+    problems = []
+    try:
+        check_world(plan, world)
+    except StartupError as e:
+        problems.append(str(e))
+    problems += check_digests([g[0] for g in gathered])
+    if not problems:
+        problems += check_hosts(plan, [(g[1], g[2]) for g in gathered])
+    if problems:
+        raise StartupError(f"rank {dist.get_rank()}: plan {plan.get('name', '?')!r} cannot run here:\n  "
+                           + "\n  ".join(problems))
+
+
+class GroupMissing(KeyError):
+    def __str__(self):
+        return self.args[0] if self.args else "group missing"
+
+
+def create_groups(plan: dict, timeout=None) -> dict:
+    """Create every group of plan["groups"], in order, on every rank."""
+    timeout = timeout or collective_timeout()
+    me = dist.get_rank()
+    out = {}
+    for members in plan.get("groups", ()):
+        key = tuple(int(m) for m in members)
+        if key in out:
+            continue
+        pg = dist.new_group(ranks=list(key), timeout=timeout)
+        out[key] = pg if me in key else None
+    return out
+
+
+def lookup_group(groups: dict, members):
+    key = tuple(sorted(int(m) for m in members))
+    if key not in groups:
+        raise GroupMissing(f"process group {list(key)} is not in plan.json \"groups\"; the compiler "
+                           f"must list every group a step or task uses")
+    return groups[key]
