@@ -1,0 +1,35 @@
+"""`planc bench`: benchmarks whose tables go into docs/benchmarks.md.
+
+Each benchmark module has ``run() -> str`` (a markdown section). With
+``--write FILE`` the section replaces the text between its markers in FILE:
+``<!-- bench:NAME -->`` ... ``<!-- /bench:NAME -->`` (appended if absent).
+"""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+
+BENCHES = ("synthesis", "resharding")
+
+
+def run_bench(name: str, write: str | None = None) -> str:
+    if name not in BENCHES:
+        raise ValueError(f"unknown benchmark {name!r}")
+    text = importlib.import_module(f"planc.bench.{name}").run().rstrip() + "\n"
+    if write:
+        replace_section(Path(write), name, text)
+    return text
+
+
+def replace_section(path: Path, name: str, text: str) -> None:
+    begin, end = f"<!-- bench:{name} -->", f"<!-- /bench:{name} -->"
+    block = f"{begin}\n{text}{end}"
+    doc = path.read_text() if path.exists() else "# Benchmarks\n"
+    if begin in doc and end in doc:
+        head, rest = doc.split(begin, 1)
+        _, tail = rest.split(end, 1)
+        doc = head + block + tail
+    else:
+        doc = doc.rstrip("\n") + "\n\n" + block + "\n"
+    path.write_text(doc)

@@ -1,0 +1,263 @@
+"""The compiler driver: a straight line of passes from a checked plan to plan.json.
+
+    load → probe (model sizes) → place → plan_reductions → plan_transfers
+         → pipeline → plan.json (planc/1)
+
+Every pass is pure; this module only strings them together and validates what
+the model really produces against what the plan declares.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from planc import __version__, ir
+from planc.lang import load
+from planc.lang.errors import Diagnostic, PlanError, Span
+from planc.pipeline.schedules import build as build_pipeline
+from planc.placement import place
+from planc.reduction import plan_reductions
+from planc.resharding import groups_used, plan_transfers
+
+FORMAT = "planc/1"
+PRECISION_BYTES = {ir.Precision.FP32: 4, ir.Precision.FP16: 2, ir.Precision.BF16: 2}
+PROBE_TIMEOUT_S = 300
+
+
+@dataclass(frozen=True, slots=True)
+class ModelProbe:
+    """What the model really is: parameters and output shape of each layer for one whole micro-batch."""
+
+    layer_params: tuple[int, ...]
+    layer_shapes: tuple[tuple[int, ...] | None, ...]
+
+    def stage_param_bytes(self, stages, precision: ir.Precision) -> dict[int, int]:
+        out = {}
+        for s in stages:
+            a, b = s.layers if s.layers is not None else (0, len(self.layer_params))
+            out[s.index] = sum(self.layer_params[a:b]) * PRECISION_BYTES[precision]
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class CompiledPlan:
+    program: ir.Program
+    plan_json: dict
+
+    def describe(self) -> str:
+        p = self.plan_json
+        parts = [f"{p['cluster']['devices']} devices", f"{len(p['stages'])} stage(s)"]
+        if p.get("placement"):
+            parts.append(f"matrix {p['placement']['matrix']}")
+        for r in p["reductions"]:
+            parts.append(f"{r['name']}: {r['program']['text']}")
+        if p["transfers"]:
+            parts.append(f"{len(p['transfers'])} transfer(s)")
+        return "; ".join(parts)
+
+
+# ---------------------------------------------------------------- model probe
+
+def probe_model(program: ir.Program) -> ModelProbe:
+    """Build the model in a subprocess (torch lives there, not in the compiler) and measure it."""
+    model = program.model
+    path = Path(program.source_dir) / model.path
+    if not path.is_file():
+        raise PlanError(Diagnostic(f"model file '{model.path}' not found (looked for {path})", model.span))
+    req = {
+        "model_file": str(path), "function": model.function, "args": dict(model.args),
+        "data_file": str(Path(program.source_dir) / program.data.path) if program.data else None,
+        "data_function": program.data.function if program.data else None,
+        "micro_batch": program.train.micro_batch, "seed": program.train.seed,
+    }
+    env = dict(os.environ, PYTHONHASHSEED="0", CUDA_VISIBLE_DEVICES="")
+    try:
+        proc = subprocess.run([sys.executable, "-m", "planc.runtime.probe", json.dumps(req)], capture_output=True,
+                              text=True, timeout=PROBE_TIMEOUT_S, env=env)
+    except subprocess.TimeoutExpired:
+        raise PlanError(Diagnostic(f"building the model took longer than {PROBE_TIMEOUT_S} s "
+                                   "(use --no-probe to skip sizing it)", model.span)) from None
+    if proc.returncode != 0:
+        last = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
+        raise PlanError(Diagnostic(f"could not build the model with {model.path}:{model.function}: {last}", model.span))
+    try:
+        doc = json.loads(proc.stdout.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        raise PlanError(Diagnostic("the model probe printed no result", model.span)) from None
+    return ModelProbe(tuple(int(x) for x in doc["layer_params"]),
+                      tuple(tuple(s) if s is not None else None for s in doc["layer_shapes"]))
+
+
+def check_against_model(program: ir.Program, probe: ModelProbe) -> None:
+    """Stage ranges cover the model's layers; every transfer's declared shape is what its layer produces."""
+    errs: list[Diagnostic] = []
+    n = len(probe.layer_params)
+    staged = [s for s in program.stages if s.layers is not None]
+    if staged:
+        end = max(s.layers[1] for s in staged)
+        if end != n:
+            last = max(staged, key=lambda s: s.layers[1])
+            errs.append(Diagnostic(f"the stages cover layers 0..{end} but the model has {n} layers (0..{n})", last.span))
+    for t in program.transfers:
+        src = program.stage(t.src_stage)
+        if src.layers is None:
+            continue
+        layer = t.src_layer if t.src_layer is not None else src.layers[1] - 1
+        if layer >= n:
+            continue
+        got = probe.layer_shapes[layer]
+        if got is not None and tuple(got) != tuple(t.shape):
+            errs.append(Diagnostic(f"transfer '{t.name}' declares {t.dtype}{list(t.shape)} but stage {t.src_stage} "
+                                   f"layer {layer} produces {list(got)} for a micro-batch of {program.train.micro_batch}",
+                                   t.span))
+    if errs:
+        raise PlanError(errs)
+
+
+def check_trainable(program: ir.Program, stages: tuple[ir.StageLayout, ...]) -> None:
+    """What the training runtime supports today; communication-only plans have no such limits."""
+    errs = []
+    sizes = {len(s.devices) for s in stages}
+    if len(sizes) > 1:
+        desc = ", ".join(f"stage {s.index} has {len(s.devices)}" for s in stages)
+        errs.append(Diagnostic("training with stages of different device counts is not yet supported "
+                               f"({desc}); drop the model to compile a communication-only plan",
+                               program.stages[0].span))
+    for t in program.transfers:
+        for side, st_index, spec in (("source", t.src_stage, t.src_spec), ("destination", t.dst_stage, t.dst_spec)):
+            st = next(s for s in stages if s.index == st_index)
+            want = tuple((st.axes.index("data"),) if (i == 0 and "data" in st.axes and st.shape[st.axes.index("data")] > 1)
+                         else () for i in range(len(t.shape)))
+            if spec.dims != want:
+                errs.append(Diagnostic(
+                    f"transfer '{t.name}': training needs each device's {side} shard to be its data-parallel slice "
+                    f"({ir.ShardingSpec(want)} on stage {st_index}), got {spec}; other specs are supported in "
+                    "communication-only plans", t.span))
+    for s in program.stages[1:]:
+        if not any(t.dst_stage == s.index and t.src_stage == s.index - 1 for t in program.transfers):
+            errs.append(Diagnostic(f"stage {s.index} receives no activation from stage {s.index - 1}; declare "
+                                   f"'transfer NAME : DTYPE[...] from stage {s.index - 1} as ... to stage {s.index} as ...'",
+                                   s.span))
+    if errs:
+        raise PlanError(errs)
+
+
+# ---------------------------------------------------------------- the passes
+
+def _reverse(t: ir.Transfer) -> ir.Transfer:
+    return dataclasses.replace(t, src_stage=t.dst_stage, dst_stage=t.src_stage, src_spec=t.dst_spec,
+                               dst_spec=t.src_spec, src_layer=None)
+
+
+def _ordered_groups(*lists) -> list[list[int]]:
+    seen: dict[tuple[int, ...], None] = {}
+    for groups in lists:
+        for g in groups:
+            g = tuple(sorted(g))
+            if len(g) > 1:
+                seen.setdefault(g, None)
+    return [list(g) for g in seen]
+
+
+def compile_program(program: ir.Program, probe: ModelProbe | None = None, seconds: float | None = None) -> CompiledPlan:
+    if probe is not None:
+        check_against_model(program, probe)
+    param_bytes = probe.stage_param_bytes(program.stages, program.train.precision) if probe else None
+    placement = place(program, param_bytes)
+    stages = placement.stages
+    if program.model is not None:
+        check_trainable(program, stages)
+    reductions = plan_reductions(program, placement.coords, stages, placement.matrix, param_bytes)
+    transfers = plan_transfers(program, stages)
+    backward = plan_transfers(dataclasses.replace(program, transfers=tuple(_reverse(t) for t in program.transfers)),
+                              stages) if program.model is not None else ()
+    pipeline = None
+    if program.model is not None:
+        edges = tuple((t.src_stage, t.dst_stage) for t in program.transfers)
+        pipeline = build_pipeline(program.train.schedule, len(stages), program.train.micro_batches, edges)
+
+    red_json = [r.to_json() for r in reductions]
+    tr_json = [t.to_json() for t in transfers]
+    for fwd, bwd in zip(tr_json, backward):
+        b = bwd.to_json()
+        fwd["backward"] = {k: b[k] for k in ("strategy", "chunks", "scheduler", "tasks", "makespan", "lower_bound",
+                                             "naive_makespan")}
+    groups = _ordered_groups(
+        *[[g for st in r["program"]["steps"] for g in st["groups"]] for r in red_json],
+        groups_used(transfers, program.cluster),
+        groups_used(backward, program.cluster),
+    )
+    c = program.cluster
+    plan = {
+        "format": FORMAT,
+        "name": program.name,
+        "source": {"path": program.source_path, "sha256": program.source_sha256},
+        "compiler": {"version": __version__, "seconds": seconds},
+        "cluster": {
+            "levels": [{"name": l.name, "fanout": l.fanout, "bandwidth": l.bandwidth, "latency": l.latency}
+                       for l in c.levels],
+            "host_level": c.host_level, "devices": c.devices,
+            "hosts": [list(h) for h in c.hosts()],
+        },
+    }
+    pj = placement.to_json()
+    if pj is not None:
+        plan["placement"] = pj
+    plan["groups"] = groups
+    plan["stage_mode"] = str(program.stage_mode)
+    plan["stages"] = [
+        {"index": s.index, "layers": list(s.layers) if s.layers else None, "devices": sorted(s.devices),
+         "mesh": _as_lists(s.mesh()), "mesh_axes": list(s.axes), "mesh_shape": list(s.shape),
+         "mesh_devices": list(s.devices)}
+        for s in stages
+    ]
+    plan["reductions"] = red_json
+    plan["transfers"] = tr_json
+    if pipeline is not None:
+        plan["pipeline"] = pipeline.to_json()
+    plan["train"] = _train_json(program, probe)
+    return CompiledPlan(program, plan)
+
+
+def _as_lists(x):
+    return [_as_lists(y) for y in x] if isinstance(x, tuple) else x
+
+
+def _train_json(program: ir.Program, probe: ModelProbe | None) -> dict | None:
+    if program.model is None:
+        return None
+    t = program.train
+    m, lf, d = program.model, program.loss, program.data
+    return {
+        "model": {"file": Path(m.path).name, "function": m.function, "args": dict(m.args)},
+        "loss": {"file": Path(lf.path).name, "function": lf.function},
+        "data": {"file": Path(d.path).name, "function": d.function},
+        "micro_batch": t.micro_batch, "micro_batches": t.micro_batches, "steps": t.steps,
+        "schedule": str(t.schedule),
+        "optimizer": {"name": t.optimizer.name, "lr": t.optimizer.lr, **dict(t.optimizer.params)},
+        "precision": str(t.precision), "seed": t.seed,
+        "layer_params": list(probe.layer_params) if probe else None,
+    }
+
+
+def compile_file(path: str | Path, probe: bool = True, timings: bool = False) -> CompiledPlan:
+    t0 = time.perf_counter()
+    program = load(path)
+    model_probe = probe_model(program) if (probe and program.model is not None) else None
+    compiled = compile_program(program, model_probe)
+    if timings:
+        compiled.plan_json["compiler"]["seconds"] = round(time.perf_counter() - t0, 3)
+    return compiled
+
+
+def dump_plan(plan: dict) -> str:
+    """plan.json text: stable key order as built, 1-space indent, trailing newline."""
+    return json.dumps(plan, indent=1, allow_nan=False) + "\n"
