@@ -1,0 +1,295 @@
+"""Reduction planning: P² reduction-program synthesis, lowering and ranking.
+
+Entry points: :func:`plan_reductions` (the compiler pass), :func:`plan_reduction`
+(one reduction on explicit groups), :func:`best_time` (cheap, for placement
+ranking) and :func:`reduction_groups` / :func:`stage_reduction_groups`.
+See docs/reduction.md.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Mapping, Sequence
+
+from planc import ir
+from planc.cost import Network, collective_time, held_after
+from planc.lang.errors import Diagnostic, PlanError, did_you_mean
+from planc.reduction import check, semantics
+from planc.reduction.hierarchy import (Hierarchy, group_positions, hierarchy_from_matrix,
+                                       matrix_positions)
+from planc.reduction.language import parse_program
+from planc.reduction.lower import LoweringError, lower, lower_program, resolve
+from planc.reduction.synthesize import synthesize
+
+__all__ = [
+    "ReductionPlan", "plan_reduction", "plan_reductions", "best_time", "reduction_groups",
+    "stage_reduction_groups", "Hierarchy", "hierarchy_from_matrix", "synthesize", "parse_program",
+    "FLAT_ALLREDUCE",
+]
+
+Groups = tuple[tuple[int, ...], ...]
+FLAT_ALLREDUCE = (ir.Instruction(ir.Collective.ALLREDUCE, ir.ROOT_LEVEL, ir.FormKind.INSIDE),)
+MAX_ALTERNATIVES = 10
+
+
+@dataclass(frozen=True, slots=True)
+class ReductionPlan:
+    """The decision for one reduction; ``to_json`` is its plan.json entry."""
+
+    name: str
+    axes: tuple[str, ...]
+    nbytes: int
+    groups: Groups
+    program: tuple[ir.Instruction, ...]
+    steps: tuple[tuple[ir.Collective, Groups], ...]
+    predicted: float
+    allreduce_predicted: float
+    candidates: int
+    alternatives: tuple[tuple[str, float], ...] = ()
+    hierarchy: Hierarchy = Hierarchy(())
+    per_stage_bytes: tuple[tuple[int, int], ...] | None = None
+
+    def __post_init__(self) -> None:
+        if len(self.alternatives) > MAX_ALTERNATIVES:
+            raise ValueError("at most 10 alternatives")
+        why = check.check_program([(str(c), g) for c, g in self.steps], self.groups)
+        if self.groups and why is not None:
+            raise ValueError(f"reduction plan {self.name!r} does not reduce its groups: {why}")
+
+    @property
+    def text(self) -> str:
+        return ir.program_text(self.program)
+
+    def to_json(self) -> dict:
+        out = {
+            "name": self.name,
+            "axes": list(self.axes),
+            "bytes": self.nbytes,
+            "groups": [list(g) for g in self.groups],
+            "program": {
+                "text": self.text,
+                "steps": [{"collective": str(c), "groups": [list(g) for g in gs]} for c, gs in self.steps],
+                "predicted": self.predicted,
+            },
+            "allreduce_predicted": self.allreduce_predicted,
+            "candidates": self.candidates,
+            "alternatives": [{"text": t, "predicted": p} for t, p in self.alternatives],
+            "hierarchy": [{"name": n, "factor": f} for n, f in self.hierarchy.levels],
+        }
+        if self.per_stage_bytes is not None:
+            out["per_stage_bytes"] = [{"stage": s, "bytes": b} for s, b in self.per_stage_bytes]
+        return out
+
+
+# ---------------------------------------------------------------- reduction groups
+
+def reduction_groups(coords: Sequence[Sequence[int] | None], axis_names: Sequence[str],
+                     reduction_axes: Sequence[str]) -> Groups:
+    """Devices equal on every non-reduction axis form a group (``coords[d]`` in axis order; None = idle)."""
+    red = {list(axis_names).index(a) for a in reduction_axes}
+    buckets: dict[tuple, list[int]] = {}
+    for d, c in enumerate(coords):
+        if c is None:
+            continue
+        key = tuple(x for i, x in enumerate(c) if i not in red)
+        buckets.setdefault(key, []).append(d)
+    return tuple(sorted(tuple(sorted(g)) for g in buckets.values()))
+
+
+def stage_reduction_groups(stages: Sequence[ir.StageLayout], reduction_axes: Sequence[str]) -> Groups:
+    """Explicit stages: in each stage, devices equal on every other mesh dimension.
+
+    A stage without one of the axes reduces over those it has (over none: no group).
+    """
+    out = []
+    for st in stages:
+        red = {i for i, a in enumerate(st.axes) if a in reduction_axes}
+        buckets: dict[tuple, list[int]] = {}
+        for d in st.devices:
+            pos = st.position(d)
+            buckets.setdefault(tuple(x for i, x in enumerate(pos) if i not in red), []).append(d)
+        out.extend(tuple(sorted(g)) for g in buckets.values())
+    return tuple(sorted(out))
+
+
+# ---------------------------------------------------------------- costs
+
+def _program_coefficients(net: Network, hierarchy: Hierarchy, positions, programs, cache: dict
+                          ) -> list[tuple[float, float]]:
+    """Per program ``(a, b)`` with predicted time ``a·S + b`` for S bytes.
+
+    Every cost term is linear in the held size, so one evaluation per
+    instruction (at 0 and 1 byte) serves every program and every size.
+    """
+    out = []
+    for program in programs:
+        a = b = 0.0
+        frac = 1.0
+        for instr in program:
+            if instr not in cache:
+                groups = lower(instr, hierarchy, positions)
+                lat = collective_time(net, instr.collective, groups, 0.0)
+                bw = collective_time(net, instr.collective, groups, 1.0) - lat
+                cache[instr] = (bw, lat, len(groups[0]))
+            bw, lat, k = cache[instr]
+            a += frac * bw
+            b += lat
+            frac = held_after(instr.collective, k, frac)
+        out.append((a, b))
+    return out
+
+
+@lru_cache(maxsize=1024)
+def _matrix_costs(cluster: ir.Cluster, matrix, axis_names, reduction_axes, synthesis: ir.Synthesis):
+    hier, positions = matrix_positions(cluster, matrix, axis_names, reduction_axes)
+    if hier.size < 2:
+        return ((0.0, 0.0),)
+    programs = synthesize(hier, synthesis.max_size, synthesis.collectives) or FLAT_ALLREDUCE_ONLY
+    return tuple(_program_coefficients(Network(cluster), hier, positions, programs, {}))
+
+
+FLAT_ALLREDUCE_ONLY = (FLAT_ALLREDUCE,)
+
+
+def best_time(cluster: ir.Cluster, matrix: Sequence[Sequence[int]], axis_names: Sequence[str],
+              reduction_axes: Sequence[str], nbytes: float, synthesis: ir.Synthesis = ir.Synthesis()) -> float:
+    """Predicted time of the best synthesized program for a matrix (cached; cheap per call)."""
+    coeffs = _matrix_costs(cluster, tuple(tuple(r) for r in matrix), tuple(axis_names),
+                           tuple(reduction_axes), synthesis)
+    return min(a * nbytes + b for a, b in coeffs)
+
+
+# ---------------------------------------------------------------- one reduction
+
+def _invalid(reduction: ir.Reduction, reason: str, hint: str | None = None) -> PlanError:
+    return PlanError(Diagnostic(f"reduction program for '{reduction.name}' is invalid: {reason}",
+                                reduction.program_span, hint))
+
+
+def _validate_pinned(reduction: ir.Reduction, hierarchy: Hierarchy, positions, groups: Groups):
+    program = reduction.program or ()
+    if not program:
+        raise _invalid(reduction, "the program is empty")
+    for i, instr in enumerate(program, 1):
+        try:
+            resolve(instr, hierarchy)
+        except LoweringError as e:
+            bad = instr.slice if instr.slice not in hierarchy.names else instr.form_level
+            hint = did_you_mean(bad, hierarchy.names) if bad not in hierarchy.names else None
+            raise _invalid(reduction, f"step {i} {instr}: {e.reason}", hint) from None
+    try:
+        steps = lower_program(program, hierarchy, positions)
+        semantics.run(steps, groups)
+    except (LoweringError, semantics.SemanticsError) as e:
+        raise _invalid(reduction, e.reason) from None
+    return steps
+
+
+def plan_reduction(cluster: ir.Cluster, reduction: ir.Reduction, groups: Sequence[Sequence[int]],
+                   nbytes: int, synthesis: ir.Synthesis = ir.Synthesis(),
+                   layout: tuple[Hierarchy, Mapping[int, tuple[int, tuple[int, ...]]]] | None = None,
+                   per_stage_bytes: tuple[tuple[int, int], ...] | None = None) -> ReductionPlan:
+    """Plan one reduction over explicit reduction groups.
+
+    ``layout`` (hierarchy, positions) comes from the matrix when there is one;
+    otherwise it is derived from the groups' geometry. Irregular groups get
+    the root-only hierarchy: synthesis then offers the flat allreduce only,
+    and a pinned program may use only ``slice=root``.
+    """
+    groups = tuple(sorted(tuple(sorted(g)) for g in groups if len(g) > 1))
+    net = Network(cluster)
+    common = dict(name=reduction.name, axes=tuple(reduction.axes), nbytes=int(nbytes), groups=groups,
+                  per_stage_bytes=per_stage_bytes)
+    if not groups:  # nothing to reduce (reduction axes of size 1)
+        return ReductionPlan(program=(), steps=(), predicted=0.0, allreduce_predicted=0.0,
+                             candidates=0, **common)
+    regular = True
+    if layout is None:
+        layout = group_positions(cluster, groups)
+        if layout is None:
+            regular = False
+            layout = (Hierarchy(()), {d: (gid, ()) for gid, g in enumerate(groups) for d in g})
+    hierarchy, positions = layout
+    flat_time = collective_time(net, ir.Collective.ALLREDUCE, groups, nbytes)
+    common["hierarchy"] = hierarchy
+    if reduction.mode is ir.ReductionMode.ALLREDUCE:
+        return ReductionPlan(program=FLAT_ALLREDUCE, steps=((ir.Collective.ALLREDUCE, groups),),
+                             predicted=flat_time, allreduce_predicted=flat_time, candidates=1, **common)
+    if reduction.mode is ir.ReductionMode.PROGRAM:
+        steps = _validate_pinned(reduction, hierarchy, positions, groups)
+        (a, b), = _program_coefficients(net, hierarchy, positions, [reduction.program], {})
+        return ReductionPlan(program=tuple(reduction.program), steps=steps, predicted=a * nbytes + b,
+                             allreduce_predicted=flat_time, candidates=1, **common)
+    programs = synthesize(hierarchy, synthesis.max_size, synthesis.collectives) if regular else ()
+    programs = tuple(p for p in programs) or FLAT_ALLREDUCE_ONLY
+    coeffs = _program_coefficients(net, hierarchy, positions, programs, {})
+    # ties (to 9 significant digits, below the model's precision) go to the shorter program
+    order = sorted(range(len(programs)),
+                   key=lambda i: (float(f"{coeffs[i][0] * nbytes + coeffs[i][1]:.9g}"), len(programs[i]), i))
+    chosen = programs[order[0]]
+    steps = lower_program(chosen, hierarchy, positions)
+    seen = {steps}
+    alternatives = []
+    for i in order[1:]:
+        if len(alternatives) == MAX_ALTERNATIVES:
+            break
+        alt_steps = lower_program(programs[i], hierarchy, positions)
+        if alt_steps in seen:
+            continue
+        seen.add(alt_steps)
+        why = check.check_program([(str(c), g) for c, g in alt_steps], groups)
+        if why is not None:
+            raise AssertionError(f"alternative {ir.program_text(programs[i])} fails the checker: {why}")
+        alternatives.append((ir.program_text(programs[i]), coeffs[i][0] * nbytes + coeffs[i][1]))
+    a, b = coeffs[order[0]]
+    return ReductionPlan(program=chosen, steps=steps, predicted=a * nbytes + b, allreduce_predicted=flat_time,
+                         candidates=len(programs), alternatives=tuple(alternatives), **common)
+
+
+# ---------------------------------------------------------------- all reductions of a program
+
+def _standalone_bytes(reduction: ir.Reduction) -> int:
+    if reduction.shape is None or reduction.dtype is None:
+        return 0
+    return math.prod(reduction.shape) * ir.DTYPE_BYTES[reduction.dtype]
+
+
+def plan_reductions(program: ir.Program, coords: Sequence[Sequence[int] | None] | None,
+                    stages: Sequence[ir.StageLayout], matrix: Sequence[Sequence[int]] | None,
+                    param_bytes: Mapping[int, int] | None = None) -> tuple[ReductionPlan, ...]:
+    """Plan every reduction of ``program``, in declaration order.
+
+    Gradients are reduced per stage (each reduction group lies in one stage);
+    all stages use one program. ``bytes`` is the largest stage's parameter
+    bytes (``param_bytes[stage index]``; 0 when unknown) and the prediction is
+    that program on every group with that size (conservative); the per-stage
+    sizes are listed in ``per_stage_bytes``.
+    """
+    cluster = program.cluster
+    explicit = program.stage_mode is ir.StageMode.EXPLICIT or coords is None or program.parallel is None
+    axis_names = program.parallel.axis_names() if program.parallel is not None else ()
+    out = []
+    for red in program.reductions:
+        if explicit:
+            groups = stage_reduction_groups(stages, red.axes)
+        else:
+            groups = reduction_groups(coords, axis_names, red.axes)
+        layout = None
+        if matrix is not None and not explicit:
+            hier, positions = matrix_positions(cluster, matrix, axis_names, red.axes)
+            by_gid: dict[int, list[int]] = {}
+            for d, (gid, _) in positions.items():
+                by_gid.setdefault(gid, []).append(d)
+            if tuple(sorted(tuple(g) for g in by_gid.values())) == groups:
+                layout = (hier, positions)
+        per_stage = None
+        if red.name == "gradients" and red.shape is None:
+            sizes = {st.index: int((param_bytes or {}).get(st.index, 0)) for st in stages}
+            per_stage = tuple(sorted(sizes.items()))
+            nbytes = max(sizes.values(), default=0)
+        else:
+            nbytes = _standalone_bytes(red)
+        out.append(plan_reduction(cluster, red, groups, nbytes, program.synthesis, layout, per_stage))
+    return tuple(out)
