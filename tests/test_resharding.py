@@ -279,3 +279,19 @@ def test_groups_used_lists_broadcast_groups_in_first_use_order():
     groups = groups_used([p], cl)
     assert [tuple(t.group) for t in p.tasks if t.group in groups] == [t.group for t in p.tasks]
     assert all(list(g) == sorted(g) for g in groups) and len(set(groups)) == len(groups)
+
+
+# ---------------------------------------------------------------- cost formulas (AlpaComm §3.1)
+
+def test_strategy_costs_follow_the_design_formulas():
+    from planc.cost.resharding import task_time
+    cl = Cluster((Level("node", 4, 1e9, 0.0), Level("gpu", 4, 1e11, 0.0)), "node")
+    S, K = 1e6, 8
+    t = S / 1e9
+    recv = [1, 1, 1, 2, 2, 2]  # A = 2 receiver hosts, B = 3 receivers each
+    assert task_time(Strategy.SEND_RECV, S, 0, recv, cl, K) == pytest.approx(2 * 3 * t)
+    assert task_time(Strategy.LOCAL_ALLGATHER, S, 0, recv, cl, K) == pytest.approx(2 * t + S / 1e11)
+    assert task_time(Strategy.GLOBAL_ALLGATHER, S, 0, recv, cl, K) == pytest.approx(2 * t)
+    assert task_time(Strategy.BROADCAST, S, 0, recv, cl, K) == pytest.approx(t + 2 * t / K)
+    # all receivers on the sender's host: in-host links only
+    assert task_time(Strategy.BROADCAST, S, 1, [1, 1], cl, K) == pytest.approx(S / 1e11 * (1 + 1 / K))
