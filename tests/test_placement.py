@@ -246,13 +246,13 @@ def test_heavy_transfer_keeps_the_pipe_axis_inside_the_node():
 
 
 def test_beam_search_beyond_exhaustive_limit():
-    cl = cluster(("rack", 2, 1e9), ("node", 4, 1e10), ("cpu", 2, 5e10), ("gpu", 8, 1e11))
-    prog = program(cl, {"data": 8, "model": 8, "extra": 2}, reductions=(ir.Reduction("gradients", ("model",)),))
+    cl = cluster(("rack", 2, 1e9), ("node", 2, 1e10), ("cpu", 2, 5e10), ("gpu", 4, 1e11))
+    prog = program(cl, {"data": 4, "model": 4, "extra": 2}, reductions=(ir.Reduction("gradients", ("model",)),))
     full = place(prog, exhaustive_limit=10_000)
     beam = place(prog, exhaustive_limit=1, beam_width=2)
     assert full.search == "exhaustive" and beam.search == "beam"
     assert beam.evaluated < full.candidates
-    assert beam.matrix[1][3] == 8  # model entirely on the gpu level
+    assert beam.matrix[1][3] == 4  # model entirely on the gpu level
     assert beam.ranked[0][1] == pytest.approx(full.ranked[0][1])
 
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from planc import ir
 from planc.placement import place
+from planc.reduction import plan_reductions
 
 GB = 1e9
 
@@ -63,16 +64,9 @@ def program_for(case: Case) -> ir.Program:
 
 
 def _programs(program: ir.Program, placement, grad_bytes: int) -> str:
-    """Reduction programs found valid for the chosen matrix (— while the reduction pass is missing)."""
-    try:
-        from planc.reduction import plan_reductions
-    except ImportError:
-        return "—"
-    plans = plan_reductions(program, placement, {0: grad_bytes})
-    counts = [getattr(p, "candidates", None) for p in plans]
-    if any(c is None for c in counts):
-        return "—"
-    return " + ".join(str(c) for c in counts)
+    """Reduction programs found valid for the chosen matrix, one count per reduction."""
+    plans = plan_reductions(program, placement.coords, placement.stages, placement.matrix, {0: grad_bytes})
+    return " + ".join(str(p.candidates) for p in plans)
 
 
 def run(cases: tuple[Case, ...] = CASES) -> str:

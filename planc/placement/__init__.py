@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from planc import ir
 from planc.cost.network import Network
@@ -67,15 +67,6 @@ class Placement:
 
 # ---------------------------------------------------------------- cost model access
 
-def _best_time_fn() -> Callable[..., float]:
-    try:
-        from planc.reduction import best_time
-        return best_time
-    except ImportError:  # the reduction package has not landed yet
-        from planc.placement._fallback import best_time
-        return best_time
-
-
 def _reduction_bytes(red: ir.Reduction, param_bytes: dict[int, int] | None) -> int:
     if red.shape is not None and red.dtype is not None:
         return math.prod(red.shape) * ir.DTYPE_BYTES[red.dtype]
@@ -102,7 +93,8 @@ class _Costing:
         self.fanouts = program.cluster.fanouts
         self.names = program.parallel.axis_names()
         self.sizes = tuple(a.size for a in program.parallel.axes)
-        self.best_time = _best_time_fn()
+        from planc.reduction import best_time  # imported here: planc.reduction may import placement
+        self.best_time = best_time
         self.net = Network(program.cluster)
         self.reductions = []
         for red in program.reductions:
