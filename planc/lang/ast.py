@@ -19,7 +19,13 @@ class Num:
 
     @property
     def is_int(self) -> bool:
-        return self.value == int(self.value) and "." not in self.text and "e" not in self.text.lower()
+        """Written as a whole number (digits only, optionally signed); exact even past float range."""
+        return self.text.lstrip("-").isdigit()
+
+    @property
+    def int_value(self) -> int:
+        """The exact integer written (only meaningful when ``is_int``)."""
+        return int(self.text)
 
 
 @dataclass(frozen=True, slots=True)

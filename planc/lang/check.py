@@ -26,6 +26,8 @@ SINGLE_BLOCKS = {
 }
 _SPEC_TOKEN = re.compile(r"R|S01|S0|S1")
 _IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+MAX_DEVICES = 1 << 20
+MAX_DIGITS = 18  # whole numbers in a plan fit in 64 bits
 
 
 class _Checker:
@@ -44,7 +46,10 @@ class _Checker:
         if not num.is_int:
             self.err(f"{what} must be a whole number, got {num.text}", num.span)
             return None
-        v = int(num.value)
+        if len(num.text.lstrip("-")) > MAX_DIGITS:
+            self.err(f"{what} is too large ({len(num.text)} digits)", num.span)
+            return None
+        v = num.int_value
         if v < minimum:
             self.err(f"{what} must be at least {minimum}, got {v}", num.span)
             return None
@@ -54,7 +59,11 @@ class _Checker:
         if q.unit not in table:
             self.err(f"'{q.unit}' is not a {kind} unit; expected one of " + ", ".join(table), q.span)
             return None
-        return float(Decimal(q.number.text) * Decimal(repr(table[q.unit])))
+        value = float(Decimal(q.number.text) * Decimal(repr(table[q.unit])))
+        if not math.isfinite(value):
+            self.err(f"{q.number.text} {q.unit} is too large", q.span)
+            return None
+        return value
 
     # ------------------------------------------------------------ driver
     def run(self) -> ir.Program:
@@ -71,7 +80,7 @@ class _Checker:
                 seen[kind] = st.span
             by_kind.setdefault(kind, []).append(st)
 
-        name = self.tree.name.value if self.tree.name else re.sub(r"\W", "_", Path(self.path).stem) or "plan"
+        name = self.tree.name.value if self.tree.name else _name_from_path(self.path)
         cluster = self.cluster(by_kind.get("cluster", [None])[0])
         parallel = self.parallel(by_kind.get("parallel", [None])[0], cluster)
         model = self.code(by_kind.get("model", [None])[0])
@@ -80,8 +89,8 @@ class _Checker:
         if model is not None:
             for what, ref in (("loss", loss), ("data", data)):
                 if ref is None:
-                    self.err(f"a plan with a model needs a '{what} \"file.py:function\"' line", self.tree.statements[0].span
-                             if self.tree.statements else self.tree.span)
+                    self.err(f"a plan with a model needs a '{what} \"file.py:function\"' line",
+                             by_kind["model"][0].span)
         stage_mode, stages = self.stages(by_kind.get("StageDecl", []), cluster, parallel, model is not None)
         transfers = self.transfers(by_kind.get("TransferDecl", []), stages)
         reductions = self.reductions(by_kind.get("ReduceDecl", []), cluster, parallel, stages, stage_mode)
@@ -91,7 +100,7 @@ class _Checker:
         ds = by_kind.get("deepspeed", [None])[0]
 
         if self.diags or cluster is None:
-            if cluster is None and not any("cluster" in d.message for d in self.diags):
+            if cluster is None and "cluster" not in by_kind:
                 self.err("a plan needs a 'cluster { ... }' block", self.tree.span if self.tree.span.line else Span(1, 1, 1, 2, self.path))
             raise PlanError(self.diags, {self.path: self.text})
         return ir.Program(
@@ -149,7 +158,13 @@ class _Checker:
         host = self.host_level(levels, block.host.value if block.host else None, block.host.span if block.host else block.span)
         if host is None or len(levels) != len(block.levels):
             return None
-        return ir.Cluster(tuple(levels), host)
+        return self.sized_cluster(ir.Cluster(tuple(levels), host), block.span)
+
+    def sized_cluster(self, cluster: ir.Cluster, span: Span) -> ir.Cluster | None:
+        if cluster.devices > MAX_DEVICES:
+            self.err(f"the cluster has {cluster.devices} devices; planc handles at most {MAX_DEVICES}", span)
+            return None
+        return cluster
 
     def host_level(self, levels: list[ir.Level], host: str | None, span: Span) -> str | None:
         if host is not None:
@@ -204,7 +219,7 @@ class _Checker:
             self.err(f"cluster file '{file.value}': level names repeat: {names}", file.span)
             return None
         host = self.host_level(levels, doc.get("host"), file.span)
-        return ir.Cluster(tuple(levels), host) if host else None
+        return self.sized_cluster(ir.Cluster(tuple(levels), host), file.span) if host else None
 
     # ------------------------------------------------------------ parallel
     def parallel(self, block: ast.ParallelBlock | None, cluster: ir.Cluster | None) -> ir.Parallel | None:
@@ -295,7 +310,7 @@ class _Checker:
 
     def plain_value(self, v):
         if isinstance(v, ast.Num):
-            return int(v.value) if v.is_int else v.value
+            return v.int_value if v.is_int and len(v.text) <= MAX_DIGITS else v.value
         if isinstance(v, ast.Str):
             return v.value
         if isinstance(v, ast.Name):
@@ -826,6 +841,14 @@ class _Checker:
         return train
 
     _parallel_cache = None
+
+
+def _name_from_path(path: str) -> str:
+    """A plan without `plan NAME { }` is named after its file: 'gpt-2x4.plan' -> 'gpt_2x4'."""
+    if not path or path.startswith("<"):
+        return "plan"
+    name = re.sub(r"\W", "_", Path(path).stem, flags=re.ASCII) or "plan"
+    return "_" + name if name[0].isdigit() else name
 
 
 def _yaml_quantity(v, kind: str) -> float | None:

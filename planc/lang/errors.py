@@ -33,8 +33,9 @@ class Diagnostic:
     span: Span
     hint: str | None = None
 
-    def sort_key(self) -> tuple[str, int, int, str]:
-        return (self.span.file, self.span.line, self.span.col, self.message)
+    def sort_key(self) -> tuple[str, int, int]:
+        # by position only: errors at the same place keep the order they were found in
+        return (self.span.file, self.span.line, self.span.col)
 
 
 class PlanError(Exception):

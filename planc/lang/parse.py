@@ -7,6 +7,7 @@ was expected; no ``lark`` object leaves this module.
 
 from __future__ import annotations
 
+import re
 from functools import cache
 
 import lark
@@ -70,12 +71,72 @@ def _describe(term: str) -> str:
 
 
 def _expected(terms) -> str:
-    words = sorted({_describe(t) for t in terms if not t.startswith("__")} | {_describe(t) for t in terms if t.startswith("__")})
+    words = sorted({_describe(t) for t in terms})
     if not words:
         return ""
     if len(words) > 8:
-        words = words[:8] + ["..."]
+        return "expected one of " + ", ".join(words[:8]) + f" (or {len(words) - 8} more)"
     return "expected " + (words[0] if len(words) == 1 else ", ".join(words[:-1]) + " or " + words[-1])
+
+
+def _acceptable(e: UnexpectedInput) -> set[str]:
+    """The terminals the parser really accepts here (LALR merges lookaheads, so ``e.expected`` may list more)."""
+    try:
+        ip = e.interactive_parser
+        acc = set(ip.accepts()) if ip is not None else set()
+    except Exception:  # an internal corner of lark: fall back to the state's lookaheads
+        acc = set()
+    return acc or set(getattr(e, "expected", None) or getattr(e, "allowed", None) or ())
+
+
+_BLANK = re.compile(r"(?:\s|#[^\n]*)*")
+
+
+def _unclosed(text: str) -> tuple[str, int, int] | None:
+    """The innermost bracket left open at the end of the text (outside strings and comments)."""
+    stack: list[tuple[str, int, int]] = []
+    line, col, i, n = 1, 1, 0, len(text)
+    pairs = {"}": "{", ")": "(", "]": "["}
+    while i < n:
+        ch = text[i]
+        if ch == "#":
+            while i < n and text[i] != "\n":
+                i += 1
+            continue
+        if ch == '"':
+            j = i + 1
+            while j < n and text[j] not in '"\n':
+                j += 1
+            col += j - i
+            i = j + 1 if j < n and text[j] == '"' else j
+            if j < n and text[j] == '"':
+                col += 1
+            continue
+        if ch in "{([":
+            stack.append((ch, line, col))
+        elif ch in pairs and stack and stack[-1][0] == pairs[ch]:
+            stack.pop()
+        if ch == "\n":
+            line, col = line + 1, 1
+        else:
+            col += 1
+        i += 1
+    return stack[-1] if stack else None
+
+
+def _eof_error(text: str, file: str, expected: str) -> PlanError:
+    if _BLANK.fullmatch(text):
+        return PlanError([Diagnostic("the plan is empty; it needs at least a 'cluster { ... }' block",
+                                     Span(1, 1, 1, 2, file))])
+    open_ = _unclosed(text)
+    if open_ is not None:
+        ch, line, col = open_
+        close = {"{": "}", "(": ")", "[": "]"}[ch]
+        return PlanError([Diagnostic(f"unexpected end of file: this '{ch}' is never closed (add '{close}')",
+                                     Span(line, col, line, col + 1, file))])
+    lines = text.splitlines() or [""]
+    span = Span(len(lines), len(lines[-1]) + 1, len(lines), len(lines[-1]) + 2, file)
+    return PlanError([Diagnostic(f"unexpected end of file; {expected}", span)])
 
 
 def _tok_text(tok: Token) -> str:
@@ -89,27 +150,24 @@ def _tok_text(tok: Token) -> str:
 def _syntax_error(e: UnexpectedInput, text: str, file: str) -> PlanError:
     if isinstance(e, UnexpectedToken):
         tok = e.token
+        expected = _expected(_acceptable(e))
         if tok.type == "$END" or tok.line is None:
-            lines = text.splitlines() or [""]
-            line, col = len(lines), len(lines[-1]) + 1
-            span = Span(line, col, line, col + 1, file)
+            return _eof_error(text, file, expected)
         else:
             span = Span(tok.line, tok.column, tok.line, tok.column + max(1, len(tok.value.split("\n")[0])), file)
             if tok.type == "_NL":
                 span = Span(tok.line, tok.column, tok.line, tok.column + 1, file)
-        return PlanError([Diagnostic(f"unexpected {_tok_text(tok)}; {_expected(e.expected)}", span)])
+        return PlanError([Diagnostic(f"unexpected {_tok_text(tok)}; {expected}", span)])
     if isinstance(e, UnexpectedCharacters):
         ch = text[e.pos_in_stream] if 0 <= e.pos_in_stream < len(text) else "?"
         span = Span(e.line, e.column, e.line, e.column + 1, file)
-        exp = _expected(e.allowed) if e.allowed else ""
+        exp = _expected(_acceptable(e))
         msg = f"unexpected character {ch!r}" + (f"; {exp}" if exp else "")
         if ch == '"':
             msg = "unterminated string (strings end on the same line)"
         return PlanError([Diagnostic(msg, span)])
     if isinstance(e, UnexpectedEOF):
-        lines = text.splitlines() or [""]
-        span = Span(len(lines), len(lines[-1]) + 1, len(lines), len(lines[-1]) + 2, file)
-        return PlanError([Diagnostic(f"unexpected end of file; {_expected(e.expected)}", span)])
+        return _eof_error(text, file, _expected(e.expected))
     return PlanError([Diagnostic(f"syntax error: {e}", Span(getattr(e, 'line', 0) or 0, getattr(e, 'column', 0) or 0, 0, 0, file))])
 
 

@@ -1,0 +1,115 @@
+"""Golden tests of the front end's diagnostics: the exact text a user sees.
+
+Each ``tests/golden/diagnostics/NAME.plan`` must fail to check; its rendered
+diagnostics (as printed by ``planc check``, file shown as ``NAME.plan``) are
+compared with ``NAME.txt``. To regenerate after an intended change::
+
+    PLANC_UPDATE_GOLDEN=1 .venv/bin/python -m pytest tests/test_lang_diagnostics.py
+
+then review every changed ``.txt`` by eye (``git diff tests/golden``): each must
+be what a user should see.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+import pytest
+
+from planc.lang import load_text
+from planc.lang.errors import PlanError
+
+GOLDEN = Path(__file__).parent / "golden" / "diagnostics"
+CASES = sorted(p.stem for p in GOLDEN.glob("*.plan"))
+UPDATE = os.environ.get("PLANC_UPDATE_GOLDEN") == "1"
+
+
+def render(name: str) -> str:
+    text = (GOLDEN / f"{name}.plan").read_text()
+    with pytest.raises(PlanError) as ei:
+        load_text(text, f"{name}.plan")
+    return ei.value.render() + "\n"
+
+
+def test_there_are_goldens():
+    assert len(CASES) >= 30
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_golden(name):
+    got = render(name)
+    want_path = GOLDEN / f"{name}.txt"
+    if UPDATE:
+        want_path.write_text(got)
+    assert want_path.exists(), f"no golden {want_path.name}; run with PLANC_UPDATE_GOLDEN=1 and review it"
+    assert got == want_path.read_text()
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_golden_shape(name):
+    """Every diagnostic names file:line:col, shows the line and a caret run under the culprit."""
+    got = render(name)
+    heads = [l for l in got.splitlines() if re.match(rf"{re.escape(name)}\.plan:\d+:\d+: error: ", l)]
+    assert heads, got
+    assert "Traceback" not in got
+    lines = got.splitlines()
+    for i, l in enumerate(lines):
+        if l in heads:
+            assert re.match(r"\s*\d+ \| ", lines[i + 1]), got
+            assert re.fullmatch(r" +\^+", lines[i + 2]), got
+
+
+def _positions(err: PlanError):
+    return [(d.span.line, d.span.col) for d in err.diagnostics]
+
+
+def test_multiple_errors_reported_together_sorted_by_position():
+    text = (GOLDEN / "multiple_errors.plan").read_text()
+    with pytest.raises(PlanError) as ei:
+        load_text(text, "m.plan")
+    pos = _positions(ei.value)
+    assert len(pos) >= 4 and pos == sorted(pos)
+
+
+def test_errors_at_the_same_place_keep_their_order():
+    with pytest.raises(PlanError) as ei:
+        load_text((GOLDEN / "matrix_column.plan").read_text(), "m.plan")
+    msgs = [d.message for d in ei.value.diagnostics]
+    assert [m.split("'")[1] for m in msgs] == ["node", "gpu"]  # level order, not alphabetical
+
+
+def test_did_you_mean_hints():
+    for name, hint in [("reduce_unknown_axis", "did you mean 'data'?"), ("host_level", "did you mean 'node'?"),
+                       ("spec_named_axis", "did you mean 'data'?")]:
+        assert f"hint: {hint}" in render(name)
+
+
+def test_unclosed_bracket_ignores_strings_and_comments():
+    text = 'cluster { level a x 2 : bandwidth 1 GB/s }\nmodel "a{b.py:f" { x = [1, "}"  # }\n'
+    with pytest.raises(PlanError) as ei:
+        load_text(text, "u.plan")
+    (d,) = ei.value.diagnostics
+    assert d.message == "unexpected end of file: this '[' is never closed (add ']')"
+    assert (d.span.line, d.span.col) == (2, 24)
+
+
+def test_unreadable_files(tmp_path):
+    from planc.lang import load
+
+    with pytest.raises(PlanError, match="cannot read plan file"):
+        load(tmp_path / "missing.plan")
+    (tmp_path / "bin.plan").write_bytes(b"cluster \xff")
+    with pytest.raises(PlanError, match=r"not UTF-8 text \(byte 8\)"):
+        load(tmp_path / "bin.plan")
+
+
+def test_huge_numbers_are_plan_errors():
+    for text, msg in [("cluster { level a x 1e999 }", "must be a whole number, got 1e999"),
+                      ("cluster { level a x " + "9" * 30 + " }", "is too large (30 digits)"),
+                      ("cluster { level a x 2048 : bandwidth 1 GB/s\n level b x 1024 : bandwidth 1 GB/s }",
+                       "the cluster has 2097152 devices; planc handles at most 1048576"),
+                      ("cluster { level a x 2 : bandwidth 1e999 GB/s }", "1e999 GB/s is too large")]:
+        with pytest.raises(PlanError, match=re.escape(msg)):
+            load_text(text)
