@@ -12,7 +12,8 @@ Public API (stable; used by engine.py):
                      index=None, device=None, backend=None)
         .is_sender / .is_receiver       this rank's role in this direction
         .send(local_shard, micro_batch=0) -> list[Work]
-            async; wait on every handle before reusing local_shard
+            async; wait on every handle before reusing local_shard (a shard of
+            another dtype is cast to the transfer's dtype first)
         .recv(micro_batch=0, out=None) -> Tensor
             this rank's shard under the destination spec (shape and dtype
             static from the plan; no metadata exchange)
@@ -199,6 +200,8 @@ class TransferExecutor:
         if tuple(local_shard.shape) != want:
             raise ValueError(f"transfer {self.name!r} ({self.direction}): rank {self.rank} sends a shard of "
                              f"shape {tuple(local_shard.shape)}, the plan says {want}")
+        if local_shard.dtype != self.dtype:  # the wire carries the plan's dtype
+            local_shard = local_shard.to(self.dtype)
         works = []
         for t in self.tasks:
             if t.sender != self.rank:
@@ -230,9 +233,8 @@ class TransferExecutor:
                         buf = flat
                     for i, r in enumerate(part):
                         works.append(dist.isend(buf[i * per:(i + 1) * per], dst=r, tag=tag))
-            # keep the contiguous copies alive until the caller waits
-            works = [w for w in works if w is not None]
-        return works
+        # the work objects keep the contiguous copies alive until the caller waits
+        return [w for w in works if w is not None]
 
     # -------------------------------------------------------------------- recv
     def recv(self, micro_batch: int = 0, out: torch.Tensor | None = None) -> torch.Tensor:
