@@ -155,3 +155,51 @@ def test_large_cluster_is_fast_enough():
 def test_missing_bandwidth_on_linked_level_rejected():
     with pytest.raises(ValueError):
         Network(ir.Cluster((ir.Level("node", 2, None),), "node"))
+
+
+def _walked_time(net, collective, groups, nbytes):
+    """Reference: every edge's path walked link by link (the pre-counting algorithm)."""
+    from planc.cost.collectives import _edge_bytes_and_rounds, _edges, _RING
+    flows, latency = [], 0.0
+    for g in groups:
+        members = sorted(g)
+        if len(members) < 2:
+            continue
+        per_edge, rounds = _edge_bytes_and_rounds(collective, len(members), nbytes)
+        edges = _edges(collective, members)
+        flows.extend((a, b, per_edge) for a, b in edges)
+        lats = [net._lat_from[net.crossing_level(a, b)] for a, b in edges]
+        latency = max(latency, rounds * max(lats) if collective in _RING else sum(lats))
+    loads = {}
+    for a, b, w in flows:
+        if a != b and w > 0:
+            for link in net.path_links(a, b):
+                loads[link] = loads.get(link, 0.0) + w
+    return max((x / net.link_capacity(l) for l, x in loads.items()), default=0.0) + latency
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_counted_step_time_equals_walked_paths(seed):
+    """Counting link loads per unit gives exactly the per-edge path walk, for arbitrary groups."""
+    import random
+    from planc.cost.collectives import step_coefficients
+    rng = random.Random(seed)
+    for cluster in (running_example(), two_by_four(),
+                    ir.Cluster((ir.Level("pod", 3, 1 * GB, 3e-5), ir.Level("rack", 1, None),
+                                ir.Level("node", 2, 7 * GB, 1e-5), ir.Level("gpu", 3, 90 * GB, 1e-6)), "node")):
+        net = Network(cluster)
+        for _ in range(40):
+            devices = list(range(cluster.devices))
+            rng.shuffle(devices)
+            groups, i = [], 0
+            while i < len(devices):
+                k = rng.randint(1, 5)
+                groups.append(tuple(devices[i:i + k]))
+                i += k
+            groups = groups[:rng.randint(1, len(groups))]
+            for c in C:
+                for nbytes in (0.0, 1.0, 3e6):
+                    assert collective_time(net, c, groups, nbytes) == _walked_time(net, c, groups, nbytes)
+                a, b = step_coefficients(net, c, groups)
+                assert b == collective_time(net, c, groups, 0.0)
+                assert a == collective_time(net, c, groups, 1.0) - b

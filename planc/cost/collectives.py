@@ -54,29 +54,105 @@ def _edges(collective: ir.Collective, members: Sequence[int]) -> list[tuple[int,
     return [(members[i + 1], members[i]) for i in range(k - 1)]  # reduce into members[0]
 
 
-def collective_time(net: Network, collective: ir.Collective | str, groups: Iterable[Group], nbytes: float) -> float:
-    """Seconds for one lowered step: ``collective`` on every group at once.
+def _step(net: Network, collective: ir.Collective, groups: Iterable[Group], nbytes: float
+          ) -> tuple[float, float]:
+    """``(bandwidth term, latency term)`` of one lowered step, by counting.
 
-    ``nbytes`` is the size each member holds before the step (for broadcast:
-    the root's). Groups of fewer than two devices cost nothing.
+    Members sorted by rank fill every unit of a level as one consecutive run,
+    so per group and linked level only the distinct units matter: a ring
+    sends exactly one edge out of (and into) each unit it touches when it
+    touches two or more; a chain sends one out of each unit but the last
+    (broadcast) or the first (reduce). Each link thus gets at most one
+    ``per_edge`` per group, added group by group — the same sums, in the same
+    order, as walking every edge's path (:meth:`Network.bandwidth_time`).
+    A ring's slowest hop crosses the outermost level its members span; a
+    chain's hop latencies are summed edge by edge in chain order.
     """
-    collective = ir.Collective(collective)
-    flows: list[tuple[int, int, float]] = []
+    levels = net.linked_inner_first
+    ups = [{} for _ in levels]
+    downs = [{} for _ in levels]
     latency = 0.0
+    ring = collective in _RING
+    bcast = collective is ir.Collective.BROADCAST
     for g in groups:
         members = sorted(g)
         k = len(members)
         if k < 2:
             continue
         per_edge, rounds = _edge_bytes_and_rounds(collective, k, nbytes)
-        edges = _edges(collective, members)
-        flows.extend((a, b, per_edge) for a, b in edges)
-        if collective in _RING:
-            lat = rounds * max(net.latency(a, b) for a, b in edges)
+        load = per_edge > 0
+        # distinct units per linked level, innermost first (until one unit is left)
+        spans: list[tuple[int, list[int]]] = []
+        units = None
+        prev_stride = 1
+        for idx, (l, stride) in enumerate(levels):
+            if units is None:
+                units = sorted(set(m // stride for m in members))
+            else:
+                q = stride // prev_stride
+                units = sorted(set(u // q for u in units))
+            prev_stride = stride
+            if len(units) < 2:
+                break
+            spans.append((idx, units))
+            if load:
+                up, down = ups[idx], downs[idx]
+                if ring:
+                    senders = receivers = units
+                elif bcast:
+                    senders, receivers = units[:-1], units[1:]
+                else:
+                    senders, receivers = units[1:], units[:-1]
+                for u in senders:
+                    up[u] = up.get(u, 0.0) + per_edge
+                for u in receivers:
+                    down[u] = down.get(u, 0.0) + per_edge
+        if ring:
+            # level l holds an edge's outermost crossing iff it has more runs than the level above
+            worst = 0.0
+            for n, (idx, units) in enumerate(spans):
+                outer_runs = len(spans[n + 1][1]) if n + 1 < len(spans) else 1
+                if len(units) > outer_runs:
+                    worst = max(worst, net.latency_from(levels[idx][0]))
+            lat = rounds * worst
         else:
-            lat = sum(net.latency(a, b) for a, b in edges)
-        latency = max(latency, lat)
-    return net.bandwidth_time(flows) + latency
+            hops = [0.0] * (k - 1)
+            for idx, _ in spans:
+                l, stride = levels[idx]
+                cross = net.latency_from(l)
+                u = [m // stride for m in members]
+                hops = [cross if u[i] != u[i + 1] else h for i, h in enumerate(hops)]
+            lat = sum(hops)
+        if lat > latency:
+            latency = lat
+    bandwidth = 0.0
+    for (l, _), up, down in zip(levels, ups, downs):
+        bw = net.level_bandwidth(l)
+        for loads in (up, down):
+            if loads:
+                bandwidth = max(bandwidth, max(loads.values()) / bw)
+    return bandwidth, latency
+
+
+def collective_time(net: Network, collective: ir.Collective | str, groups: Iterable[Group], nbytes: float) -> float:
+    """Seconds for one lowered step: ``collective`` on every group at once.
+
+    ``nbytes`` is the size each member holds before the step (for broadcast:
+    the root's). Groups of fewer than two devices cost nothing.
+    """
+    bandwidth, latency = _step(net, ir.Collective(collective), groups, nbytes)
+    return bandwidth + latency
+
+
+def step_coefficients(net: Network, collective: ir.Collective | str, groups: Iterable[Group]
+                      ) -> tuple[float, float]:
+    """``(a, b)`` with ``collective_time(net, collective, groups, S) = a·S + b`` (one pass).
+
+    Exactly ``(collective_time(.., 1) - collective_time(.., 0), collective_time(.., 0))``:
+    every cost term is linear in ``S`` and the latency term does not depend on it.
+    """
+    bandwidth, latency = _step(net, ir.Collective(collective), groups, 1.0)
+    return (bandwidth + latency) - latency, latency
 
 
 def held_after(collective: ir.Collective | str, k: int, nbytes: float) -> float:

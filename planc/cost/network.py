@@ -46,6 +46,7 @@ class Network:
     _linked: tuple[int, ...] = field(init=False, repr=False, compare=False)
     _bw: tuple[float, ...] = field(init=False, repr=False, compare=False)
     _lat_from: tuple[float, ...] = field(init=False, repr=False, compare=False)
+    _inner_first: tuple[tuple[int, int], ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         levels = self.cluster.levels
@@ -65,6 +66,9 @@ class Network:
         object.__setattr__(self, "_linked", linked)
         object.__setattr__(self, "_bw", bws)
         object.__setattr__(self, "_lat_from", tuple(lat))
+        # (level, stride) of the linked levels, innermost first: a transfer that
+        # stays inside a unit of level l stays inside every unit above it too.
+        object.__setattr__(self, "_inner_first", tuple((l, strides[l]) for l in reversed(linked)))
 
     # ------------------------------------------------------------ geometry
 
@@ -91,34 +95,75 @@ class Network:
         downs = tuple((l, b // self._strides[l], DOWN) for l in levels)
         return ups + downs
 
+    @property
+    def linked_inner_first(self) -> tuple[tuple[int, int], ...]:
+        """``(level, stride)`` of the levels with links, innermost first (unit of d = d // stride)."""
+        return self._inner_first
+
+    def latency_from(self, level: int) -> float:
+        """Latency of a transfer whose coordinates first differ at ``level``."""
+        return self._lat_from[level]
+
+    def level_bandwidth(self, level: int) -> float:
+        return self._bw[level]
+
     def link_capacity(self, link: LinkId) -> float:
         return self._bw[link[0]]
 
     def latency(self, a: int, b: int) -> float:
         """One-way latency a → b: sum of the crossed levels' latencies (0 for a == b)."""
-        return self._lat_from[self.crossing_level(a, b)]
+        # The crossing level is always a linked level (coordinates of a
+        # fanout-1 level are always 0): the outermost linked level whose
+        # units differ, found walking up from the innermost.
+        lat = 0.0
+        for l, s in self._inner_first:
+            if a // s == b // s:
+                break
+            lat = self._lat_from[l]
+        return lat
 
     # ------------------------------------------------------------ contention
 
     def link_loads(self, flows: Iterable[tuple[int, int, float]]) -> dict[LinkId, float]:
         """Bytes each link carries for the given flows (src, dst, nbytes)."""
-        loads: dict[LinkId, float] = defaultdict(float)
-        strides, linked = self._strides, self._linked
+        loads: dict[LinkId, float] = {}
+        for (l, _), (up, down) in zip(self._inner_first, self._level_loads(flows)):
+            loads.update(((l, u, UP), b) for u, b in up.items())
+            loads.update(((l, u, DOWN), b) for u, b in down.items())
+        return loads
+
+    def _level_loads(self, flows: Iterable[tuple[int, int, float]]
+                     ) -> list[tuple[dict[int, float], dict[int, float]]]:
+        """Per linked level (innermost first): bytes on each unit's up-link and down-link.
+
+        A flow is walked up from the innermost level and stops at the first
+        level whose unit holds both ends (no link above it is crossed either).
+        Each link's bytes are summed in flow order.
+        """
+        levels = self._inner_first
+        out = [(defaultdict(float), defaultdict(float)) for _ in levels]
+        strides = [s for _, s in levels]
         for src, dst, nbytes in flows:
             if src == dst or nbytes <= 0:
                 continue
-            for l in linked:
-                s = strides[l]
+            for (up, down), s in zip(out, strides):
                 us, ud = src // s, dst // s
-                if us != ud:
-                    loads[(l, us, UP)] += nbytes
-                    loads[(l, ud, DOWN)] += nbytes
-        return dict(loads)
+                if us == ud:
+                    break
+                up[us] += nbytes
+                down[ud] += nbytes
+        return out
 
     def bandwidth_time(self, flows: Iterable[tuple[int, int, float]]) -> float:
         """Max over links of bytes on the link / its capacity (the fluid bandwidth term)."""
-        loads = self.link_loads(flows)
-        return max((b / self._bw[l[0]] for l, b in loads.items()), default=0.0)
+        best = 0.0
+        for (l, _), (up, down) in zip(self._inner_first, self._level_loads(flows)):
+            bw = self._bw[l]
+            for loads in (up, down):
+                if loads:
+                    # x / bw is monotone in x, so this is the max of the quotients
+                    best = max(best, max(loads.values()) / bw)
+        return best
 
     def flows_time(self, flows: Iterable[tuple[int, int, float]]) -> float:
         """Time for concurrent flows: bottleneck link load / capacity + the largest flow latency."""

@@ -15,6 +15,7 @@ from typing import Mapping, Sequence
 
 from planc import ir
 from planc.cost import Network, collective_time, held_after
+from planc.cost.collectives import step_coefficients
 from planc.lang.errors import Diagnostic, PlanError, did_you_mean
 from planc.reduction import check, semantics
 from planc.reduction.hierarchy import (Hierarchy, group_positions, hierarchy_from_matrix,
@@ -116,24 +117,57 @@ def stage_reduction_groups(stages: Sequence[ir.StageLayout], reduction_axes: Seq
 
 # ---------------------------------------------------------------- costs
 
+_STEP_CACHE: dict[tuple, tuple[float, float]] = {}
+_STEP_CACHE_DEVICES = 1 << 22    # bound on the devices listed in the keys (memory)
+_step_cache_devices = 0
+
+
+def _step_coefficients(net: Network, collective: ir.Collective, groups: Groups) -> tuple[float, float]:
+    """:func:`step_coefficients`, cached across matrices by the exact lowered groups.
+
+    Different matrices often lower an instruction to the same groups; the
+    cost depends only on the cluster, the collective and the groups.
+    """
+    global _step_cache_devices
+    key = (net.cluster, collective, groups)
+    hit = _STEP_CACHE.get(key)
+    if hit is None:
+        hit = step_coefficients(net, collective, groups)
+        n = sum(len(g) for g in groups)
+        if _step_cache_devices + n > _STEP_CACHE_DEVICES:
+            _STEP_CACHE.clear()
+            _step_cache_devices = 0
+        _STEP_CACHE[key] = hit
+        _step_cache_devices += n
+    return hit
+
+
 def _program_coefficients(net: Network, hierarchy: Hierarchy, positions, programs, cache: dict
                           ) -> list[tuple[float, float]]:
     """Per program ``(a, b)`` with predicted time ``a·S + b`` for S bytes.
 
     Every cost term is linear in the held size, so one evaluation per
-    instruction (at 0 and 1 byte) serves every program and every size.
+    instruction (:func:`step_coefficients`, = the times at 1 and 0 bytes)
+    serves every program and every size. An instruction's groups depend only
+    on its slice and form, not on its collective, so they are lowered once
+    per ``(slice, form level, master?)``.
     """
     out = []
+    groups_of: dict[tuple, tuple] = cache.setdefault("groups", {})
     for program in programs:
         a = b = 0.0
         frac = 1.0
         for instr in program:
-            if instr not in cache:
-                groups = lower(instr, hierarchy, positions)
-                lat = collective_time(net, instr.collective, groups, 0.0)
-                bw = collective_time(net, instr.collective, groups, 1.0) - lat
-                cache[instr] = (bw, lat, len(groups[0]))
-            bw, lat, k = cache[instr]
+            hit = cache.get(instr)
+            if hit is None:
+                s, t = resolve(instr, hierarchy)
+                key = (s, t, instr.form is ir.FormKind.MASTER)
+                groups = groups_of.get(key)
+                if groups is None:
+                    groups = groups_of[key] = lower(instr, hierarchy, positions)
+                bw, lat = _step_coefficients(net, instr.collective, groups)
+                hit = cache[instr] = (bw, lat, len(groups[0]))
+            bw, lat, k = hit
             a += frac * bw
             b += lat
             frac = held_after(instr.collective, k, frac)

@@ -21,6 +21,7 @@ allreduce only. For matrix placements both ways agree.
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 from typing import Mapping, Sequence
@@ -97,33 +98,46 @@ def hierarchy_from_matrix(cluster: ir.Cluster, matrix: Sequence[Sequence[int]],
 def matrix_positions(cluster: ir.Cluster, matrix: Sequence[Sequence[int]],
                      axis_names: Sequence[str], reduction_axes: Sequence[str]
                      ) -> tuple[Hierarchy, dict[int, tuple[int, tuple[int, ...]]]]:
-    """Hierarchy and positions from a parallelism matrix (DESIGN.md "Rank mapping")."""
+    """Hierarchy and positions from a parallelism matrix (DESIGN.md "Rank mapping").
+
+    A level coordinate ``c`` splits into one digit per axis (axis 0 most
+    significant); the reduction axes' digits form the device's digit at that
+    level and the other axes' digits identify its reduction group. Both are
+    tabulated once per level and coordinate; devices are visited in rank
+    order (row-major over the level coordinates) and groups numbered by
+    first member.
+    """
     hier = hierarchy_from_matrix(cluster, matrix, axis_names, reduction_axes)
     red = set(_axis_indices(axis_names, reduction_axes))
     m = len(matrix)
-    kept = [j for j in range(len(cluster.levels)) if math.prod(matrix[i][j] for i in red) > 1]
-    group_ids: dict[tuple, int] = {}
-    out = {}
-    for d in range(cluster.devices):
-        coords = cluster.level_coords(d)
-        other: list[int] = []
-        pos: list[int] = []
-        for j, c in enumerate(coords):
+    fanouts = cluster.fanouts
+    kept = {j for j in range(len(fanouts)) if math.prod(matrix[i][j] for i in red) > 1}
+    tables = []
+    for j, fan in enumerate(fanouts):
+        table = []
+        for c in range(fan):
             digits = []
             for i in reversed(range(m)):          # axis 0 most significant
                 digits.append(c % matrix[i][j])
                 c //= matrix[i][j]
             digits.reverse()
             r = 0
+            other = []
             for i in range(m):
                 if i in red:
                     r = r * matrix[i][j] + digits[i]
                 else:
                     other.append(digits[i])
-            if j in kept:
-                pos.append(r)
-        gid = group_ids.setdefault(tuple(other), len(group_ids))
-        out[d] = (gid, tuple(pos))
+            table.append((tuple(other), (r,) if j in kept else ()))
+        tables.append(table)
+    group_ids: dict[tuple, int] = {}
+    out = {}
+    for d, combo in enumerate(itertools.product(*tables)):
+        other = tuple(o for o, _ in combo)
+        gid = group_ids.get(other)
+        if gid is None:
+            gid = group_ids[other] = len(group_ids)
+        out[d] = (gid, tuple(x for _, r in combo for x in r))
     return hier, out
 
 

@@ -56,14 +56,24 @@ def lower(instr: ir.Instruction, hierarchy: Hierarchy,
     """The device groups of one instruction on the whole system."""
     s, t = resolve(instr, hierarchy)
     buckets: dict[tuple, list[int]] = {}
-    for d, (gid, pos) in positions.items():
-        if t is None:
+    if t is None:
+        for d, (gid, pos) in positions.items():
             key = (gid, pos[:s])
-        else:
-            if instr.form is ir.FormKind.MASTER and any(pos[s:]):
+            if key in buckets:
+                buckets[key].append(d)
+            else:
+                buckets[key] = [d]
+    else:
+        master = instr.form is ir.FormKind.MASTER
+        for d, (gid, pos) in positions.items():
+            inner = pos[s:]
+            if master and any(inner):
                 continue
-            key = (gid, pos[:t], pos[s:])
-        buckets.setdefault(key, []).append(d)
+            key = (gid, pos[:t], inner)
+            if key in buckets:
+                buckets[key].append(d)
+            else:
+                buckets[key] = [d]
     groups = sorted(tuple(sorted(g)) for g in buckets.values() if len(g) > 1)
     if not groups:
         raise LoweringError(f"{instr} leaves no group of two or more devices")

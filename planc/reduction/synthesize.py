@@ -73,37 +73,123 @@ def _min_steps_table(allowed: frozenset) -> dict:
 def synthesize(hierarchy: Hierarchy, max_size: int = 5,
                collectives: tuple[ir.Collective, ...] = tuple(C)) -> tuple[Program, ...]:
     """Every valid program of at most ``max_size`` steps, shortest first, then in instruction order."""
-    return _synthesize(hierarchy, max_size, tuple(ir.Collective(c) for c in collectives))
+    return _named(hierarchy, max_size, tuple(ir.Collective(c) for c in collectives))
 
 
 @lru_cache(maxsize=256)
-def _synthesize(hierarchy: Hierarchy, max_size: int, collectives: tuple[ir.Collective, ...]) -> tuple[Program, ...]:
-    positions = hierarchy.canonical_positions()
+def _named(hierarchy: Hierarchy, max_size: int, collectives: tuple[ir.Collective, ...]) -> tuple[Program, ...]:
+    return _rename(_synthesize(hierarchy.factors, max_size, collectives), hierarchy.names)
+
+
+def _abstract_hierarchy(factors: tuple[int, ...]) -> Hierarchy:
+    """The hierarchy with these factors and placeholder level names ``_1 .. _p``."""
+    return Hierarchy(tuple((f"_{i}", f) for i, f in enumerate(factors, 1)))
+
+
+def _rename(programs: tuple[Program, ...], names: tuple[str, ...]) -> tuple[Program, ...]:
+    """Programs of the abstract hierarchy spelled with the real level names (same level indices)."""
+    mapping = dict(zip(_abstract_hierarchy(tuple(2 for _ in names[1:])).names, names))
+    return tuple(
+        tuple(ir.Instruction(i.collective, mapping[i.slice], i.form,
+                             None if i.form_level is None else mapping[i.form_level])
+              for i in p)
+        for p in programs)
+
+
+@lru_cache(maxsize=256)
+def _synthesize(factors: tuple[int, ...], max_size: int, collectives: tuple[ir.Collective, ...]
+                ) -> tuple[Program, ...]:
+    """Synthesis on the abstract hierarchy of ``factors``.
+
+    Lowering, the search and the checker depend on the factors only, never on
+    the level names, so hierarchies with equal factors share one search; the
+    caller renames the levels (:func:`_rename`).
+
+    States are tuples of interned device-state ids; transitions of a state
+    (which instructions apply and to what) are computed once however many
+    ``steps left`` it is reached with, and a collective on a group whose
+    members hold the same (interned) states is simulated once.
+    """
+    hierarchy = _abstract_hierarchy(factors)
     devices = tuple(range(hierarchy.size))
     full = frozenset(devices)
     lowered = distinct_instructions(hierarchy, collectives)
     table = _min_steps_table(frozenset(collectives))
-    start = tuple(semantics.initial_state(devices)[d] for d in devices)
-    goal = tuple(((semantics.ZERO, semantics.ONE, full),) for _ in devices)
+
+    ids: dict[tuple, int] = {}          # device state -> id
+    states: list[tuple] = []            # id -> device state
+
+    def intern(ds: tuple) -> int:
+        i = ids.get(ds)
+        if i is None:
+            i = ids[ds] = len(states)
+            states.append(ds)
+        return i
+
+    init = semantics.initial_state(devices)
+    start = tuple(intern(init[d]) for d in devices)
+    goal_id = intern(((semantics.ZERO, semantics.ONE, full),))
+    goal = (goal_id,) * len(devices)
+
+    applied: dict[tuple, tuple[int, ...] | None] = {}   # (collective, member ids) -> new ids / None
+
+    def apply_group(collective: ir.Collective, members: tuple[int, ...]) -> tuple[int, ...] | None:
+        key = (collective, members)
+        if key in applied:
+            return applied[key]
+        try:
+            out = semantics.apply(collective, [states[m] for m in members])
+            res = tuple(intern(o) for o in out)
+        except semantics.SemanticsError:
+            res = None
+        applied[key] = res
+        return res
+
+    needs_of: dict[int, tuple[bool, bool, bool]] = {}  # device-state id -> its needs
+
+    def need(state: tuple[int, ...]) -> int | None:
+        acc = [False, False, False]
+        for i in set(state):
+            n = needs_of.get(i)
+            if n is None:
+                n = needs_of[i] = _needs((states[i],), full)
+            acc[0] |= n[0]
+            acc[1] |= n[1]
+            acc[2] |= n[2]
+        return table[tuple(acc)]
+
+    trans: dict[tuple, list[tuple[int, tuple[int, ...]]]] = {}
+
+    def transitions(state: tuple[int, ...]) -> list[tuple[int, tuple[int, ...]]]:
+        hit = trans.get(state)
+        if hit is not None:
+            return hit
+        out = []
+        for i, (instr, groups) in enumerate(lowered):
+            c = instr.collective
+            new = list(state)
+            for g in groups:
+                res = apply_group(c, tuple(state[d] for d in g))
+                if res is None:
+                    break
+                for d, x in zip(g, res):
+                    new[d] = x
+            else:
+                out.append((i, tuple(new)))
+        trans[state] = out
+        return out
+
     memo: dict[tuple, tuple[tuple[int, ...], ...]] = {}
 
-    def suffixes(state: tuple, left: int) -> tuple[tuple[int, ...], ...]:
+    def suffixes(state: tuple[int, ...], left: int) -> tuple[tuple[int, ...], ...]:
         key = (state, left)
         if key in memo:
             return memo[key]
         found: list[tuple[int, ...]] = [()] if state == goal else []
-        need = table[_needs(state, full)]
-        if left > 0 and need is not None and need <= left:
-            for i, (instr, groups) in enumerate(lowered):
-                new = list(state)
-                try:
-                    for g in groups:
-                        out = semantics.apply(instr.collective, [state[d] for d in g])
-                        for d, s in zip(g, out):
-                            new[d] = s
-                except semantics.SemanticsError:
-                    continue
-                for rest in suffixes(tuple(new), left - 1):
+        n = need(state)
+        if left > 0 and n is not None and n <= left:
+            for i, new in transitions(state):
+                for rest in suffixes(new, left - 1):
                     found.append((i,) + rest)
         memo[key] = tuple(found)
         return memo[key]
@@ -115,7 +201,8 @@ def _synthesize(hierarchy: Hierarchy, max_size: int, collectives: tuple[ir.Colle
         if not p:
             continue
         program = tuple(lowered[i][0] for i in p)
-        steps = [(str(c), g) for c, g in lower_program(program, hierarchy, positions)]
+        # lowered[i][1] are lower(instr, hierarchy, positions): the canonical lowering
+        steps = [(str(lowered[i][0].collective), lowered[i][1]) for i in p]
         why = check.check_program(steps, group)
         if why is not None:  # the synthesizer and the checker disagree: a bug in planc
             raise AssertionError(f"synthesized program {ir.program_text(program)} fails the checker: {why}")
