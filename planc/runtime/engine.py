@@ -146,7 +146,7 @@ def run_reference(layers, plan: dict, loss_fn, data_iter, micro_batches: int, st
                     sent[n] = tapped[graph.src_layer(graph.by_name[n])]
             loss = loss_fn(out, y) / micro_batches
             loss.backward()
-            total += float(loss)
+            total += float(loss.detach())
         optimizer.step()
         optimizer.zero_grad()
         losses.append(total)
@@ -207,14 +207,14 @@ class _RegionTransfer:
                     self.recvs.append((sender, piece))
         self.local_shape = None if self.mine_dst is None else tuple(y - x for x, y in self.mine_dst)
 
-    def send(self, local):
+    def send(self, local, micro_batch=0):
         works = []
         for r, piece in self.sends:
             buf = local[to_local(piece, self.mine_src)].contiguous()
             works.append((dist.isend(buf, r, tag=self.tag), buf))
         return works
 
-    def recv(self):
+    def recv(self, micro_batch=0):
         out = torch.empty(self.local_shape, dtype=self.dtype)
         pending = []
         for sender, piece in self.recvs:
@@ -362,7 +362,7 @@ class PlanEngine:
         for i, t in enumerate(self.graph.transfers):
             for direction in ("forward", "backward"):
                 if t["name"] in self.incoming + self.outgoing:
-                    ex = (TE(t, plan, groups, rank, direction) if TE
+                    ex = (TE(t, plan, groups, rank, direction, index=i, device=self.device) if TE
                           else _RegionTransfer(t, plan, rank, direction, tag=2 * i + (direction == "backward")))
                     self.executors[(t["name"], direction)] = ex
         self.reduction = None
@@ -386,7 +386,7 @@ class PlanEngine:
         buf["x"], buf["y"] = x[a:b].to(self.device), y[a:b].to(self.device)
 
     def _exec_recv_activations(self, buffer_id, transfer):
-        t = self.executors[(transfer, "forward")].recv().to(self.device)
+        t = self.executors[(transfer, "forward")].recv(micro_batch=buffer_id).to(self.device)
         if t.is_floating_point():
             t.requires_grad_(True)
         self.buffers.setdefault(buffer_id, {}).setdefault("in", {})[transfer] = t
@@ -403,10 +403,10 @@ class PlanEngine:
 
     def _exec_send_activations(self, buffer_id, transfer):
         out = self.buffers[buffer_id]["out"][transfer]
-        self.pending_sends.append(self.executors[(transfer, "forward")].send(out.detach()))
+        self.pending_sends.append(self.executors[(transfer, "forward")].send(out.detach(), micro_batch=buffer_id))
 
     def _exec_recv_grads(self, buffer_id, transfer):
-        g = self.executors[(transfer, "backward")].recv().to(self.device)
+        g = self.executors[(transfer, "backward")].recv(micro_batch=buffer_id).to(self.device)
         self.buffers[buffer_id].setdefault("grad", {})[transfer] = g
 
     def _exec_backward_pass(self, buffer_id):
@@ -433,7 +433,7 @@ class PlanEngine:
     def _exec_send_grads(self, buffer_id, transfer):
         t = self.buffers[buffer_id]["in"][transfer]
         g = t.grad if t.grad is not None else torch.zeros_like(t)
-        self.pending_sends.append(self.executors[(transfer, "backward")].send(g))
+        self.pending_sends.append(self.executors[(transfer, "backward")].send(g, micro_batch=buffer_id))
 
     def _exec_reduce_grads(self):
         self._wait_sends()
@@ -442,8 +442,7 @@ class PlanEngine:
             return
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
         flat = torch.cat([g.reshape(-1) for g in grads])
-        flat = self.reduction.run(flat)
-        flat /= self.dp_size
+        flat = self.reduction.run(flat) / self.dp_size
         off = 0
         for p in params:
             n = p.numel()

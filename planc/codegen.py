@@ -1,0 +1,192 @@
+"""Render a compiled plan into a launchable output directory.
+
+``write_output(plan_json, program, out_dir)`` writes::
+
+    OUT/plan.json  run.json  ds_config.json  train.py  launch.sh  hostfile  README.md
+    OUT/planc_runtime/   (a copy of planc/runtime/)
+    OUT/<model file>.py  (the plan's model, loss and data code)
+
+The same inputs give byte-identical files: JSON with fixed key order and
+indentation, templates rendered with StrictUndefined, files copied in sorted
+order. Templates come from the checkout's top-level ``templates/`` or, in an
+installed wheel, from ``planc/_data/templates``.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import jinja2
+
+from planc import ir
+
+__all__ = ["write_output", "templates_dir", "ds_config", "run_config", "CodegenError"]
+
+_PKG = Path(__file__).resolve().parent
+RUNTIME_DIR = _PKG / "runtime"
+
+
+class CodegenError(ValueError):
+    """The plan's files cannot be laid out in an output directory."""
+
+
+def templates_dir() -> Path:
+    for cand in (_PKG / "_data" / "templates", _PKG.parent / "templates"):
+        if (cand / "train.py.j2").is_file():
+            return cand
+    raise CodegenError("planc templates not found (looked in planc/_data/templates and ./templates)")
+
+
+def _version() -> str:
+    try:
+        from importlib.metadata import version
+        return version("planc")
+    except Exception:  # noqa: BLE001 - running from a checkout
+        return "0.1.0"
+
+
+def _data_size(plan: dict) -> int:
+    """Size of the mesh dimension named ``data`` (1 if none); equal on every stage or an error."""
+    sizes = set()
+    for st in plan.get("stages", ()):
+        axes = list(st.get("mesh_axes") or ())
+        if "data" in axes:
+            mesh, shape = st["mesh"], []
+            while isinstance(mesh, list):
+                shape.append(len(mesh))
+                mesh = mesh[0]
+            sizes.add(shape[axes.index("data")])
+        else:
+            sizes.add(1)
+    if len(sizes) > 1:
+        raise CodegenError(f"stages have different data sizes {sorted(sizes)}; DeepSpeed's batch "
+                           f"arithmetic needs one")
+    return sizes.pop() if sizes else 1
+
+
+def _merge(base: dict, extra: dict) -> dict:
+    out = dict(base)
+    for k, v in extra.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def ds_config(plan: dict, program: ir.Program) -> dict:
+    train = program.train
+    data = _data_size(plan)
+    if train.micro_batch % data:
+        raise CodegenError(f"train.micro_batch = {train.micro_batch} does not divide over data = {data}")
+    opt_params = {"lr": train.optimizer.lr, **dict(train.optimizer.params)}
+    cfg = {
+        "train_batch_size": train.micro_batch * train.micro_batches,
+        "train_micro_batch_size_per_gpu": train.micro_batch // data,
+        "gradient_accumulation_steps": train.micro_batches,
+        "optimizer": {"type": {"adam": "Adam", "sgd": "SGD"}.get(train.optimizer.name, train.optimizer.name),
+                      "params": opt_params},
+        "zero_optimization": {"stage": 0},
+        "pipeline": {"pipe_partitioned": False, "grad_partitioned": False},
+        "steps_per_print": 1,
+        "seed": train.seed,
+    }
+    if train.precision is ir.Precision.FP16:
+        cfg["fp16"] = {"enabled": True}
+    elif train.precision is ir.Precision.BF16:
+        cfg["bf16"] = {"enabled": True}
+    if program.deepspeed_overrides:
+        import yaml
+        path = Path(program.source_dir) / program.deepspeed_overrides
+        with open(path) as f:
+            extra = yaml.safe_load(f) or {}
+        if not isinstance(extra, dict):
+            raise CodegenError(f"{path}: DeepSpeed overrides must be a mapping of config keys")
+        cfg = _merge(cfg, extra)
+        stage = int(cfg.get("zero_optimization", {}).get("stage", 0))
+        if stage > 1:
+            raise CodegenError(f"{path}: ZeRO stage {stage} cannot run with pipeline parallelism (0 or 1)")
+    return cfg
+
+
+def _code_files(program: ir.Program) -> dict[str, Path]:
+    """Output name -> source path of every Python file the plan's code references."""
+    files: dict[str, Path] = {}
+    for ref in (program.model, program.loss, program.data):
+        if ref is None:
+            continue
+        src = (Path(program.source_dir) / ref.path).resolve()
+        name = src.name
+        if name in files and files[name] != src:
+            raise CodegenError(f"two code files share the name {name!r}: {files[name]} and {src}")
+        files[name] = src
+    return files
+
+
+def run_config(program: ir.Program) -> dict:
+    def ref(r):
+        if r is None:
+            return None
+        return {"file": Path(r.path).name, "function": r.function, "args": dict(r.args)}
+    t = program.train
+    return {
+        "model": ref(program.model), "loss": ref(program.loss), "data": ref(program.data),
+        "train": {"micro_batch": t.micro_batch, "micro_batches": t.micro_batches, "steps": t.steps,
+                  "schedule": str(t.schedule), "precision": str(t.precision), "seed": t.seed,
+                  "optimizer": {"name": t.optimizer.name, "lr": t.optimizer.lr,
+                                "params": dict(t.optimizer.params)}},
+    }
+
+
+def _dump(data) -> str:
+    return json.dumps(data, indent=2) + "\n"
+
+
+def write_output(plan: dict, program: ir.Program, out_dir) -> Path:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    plan = {k: v for k, v in plan.items() if not k.startswith("_")}
+    env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(templates_dir())),
+                             undefined=jinja2.StrictUndefined, keep_trailing_newline=True,
+                             autoescape=False)
+    code = _code_files(program)
+    cluster = plan["cluster"]
+    hosts = cluster["hosts"]
+    host_level = cluster.get("host_level", "host")
+    ctx = {
+        "name": plan.get("name", program.name),
+        "version": _version(),
+        "source_path": plan.get("source", {}).get("path", program.source_path),
+        "source_sha256": plan.get("source", {}).get("sha256", program.source_sha256),
+        "devices": int(cluster["devices"]),
+        "hosts": [{"name": "localhost" if len(hosts) == 1 else f"{host_level}{i}", "slots": len(h)}
+                  for i, h in enumerate(hosts)],
+        "host_level": host_level,
+        "stage_count": len(plan.get("stages", ())),
+        "schedule": (plan.get("pipeline") or {}).get("schedule", ""),
+        "micro_batches": (plan.get("pipeline") or {}).get("micro_batches", 0),
+        "model_files": sorted(code),
+        "ds_config_json": json.dumps(ds_config(plan, program), indent=2),
+    }
+    files = {
+        "plan.json": _dump(plan),
+        "run.json": _dump(run_config(program)),
+        "train.py": env.get_template("train.py.j2").render(ctx),
+        "ds_config.json": env.get_template("ds_config.json.j2").render(ctx),
+        "hostfile": env.get_template("hostfile.j2").render(ctx),
+        "launch.sh": env.get_template("launch.sh.j2").render(ctx),
+        "README.md": env.get_template("README.md.j2").render(ctx),
+    }
+    for name, text in sorted(files.items()):
+        (out / name).write_text(text)
+    os.chmod(out / "launch.sh", 0o755)
+    rt = out / "planc_runtime"
+    if rt.exists():
+        shutil.rmtree(rt)
+    rt.mkdir()
+    for src in sorted(RUNTIME_DIR.glob("*.py")):
+        shutil.copyfile(src, rt / src.name)
+    for name, src in sorted(code.items()):
+        if not src.is_file():
+            raise CodegenError(f"model code {src} not found")
+        shutil.copyfile(src, out / name)
+    return out
