@@ -186,6 +186,10 @@ def compile_program(program: ir.Program, probe: ModelProbe | None = None, second
 
     red_json = [r.to_json() for r in reductions]
     tr_json = [t.to_json() for t in transfers]
+    for fwd, t in zip(tr_json, program.transfers):
+        src = program.stage(t.src_stage)
+        fwd["src"]["layer"] = t.src_layer if t.src_layer is not None else (
+            src.layers[1] - 1 if src.layers is not None else None)
     for fwd, bwd in zip(tr_json, backward):
         b = bwd.to_json()
         fwd["backward"] = {k: b[k] for k in ("strategy", "chunks", "scheduler", "tasks", "makespan", "lower_bound",
