@@ -1,0 +1,193 @@
+"""The compiler driver end to end (no launch): every bundled plan compiles, and
+the plan.json it writes satisfies PLAN_FORMAT.md's invariants as checked by code
+that knows nothing of how the plan was found."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from planc.codegen import write_output
+from planc.compile import compile_file, dump_plan
+from planc.lang import load_text
+from planc.lang.errors import PlanError
+from planc.reduction.check import check_program
+from planc.resharding.check import check_transfer
+
+ROOT = Path(__file__).resolve().parents[1]
+PLANS = sorted((ROOT / "plans").glob("*.plan"))
+
+
+def _mixed_radix(digits, radices):
+    n = 0
+    for d, r in zip(digits, radices):
+        n = n * r + d
+    return n
+
+
+def expected_coords(matrix, fanouts):
+    """DESIGN.md's rank mapping, written out directly from the text (independent of planc.placement)."""
+    m = len(matrix)
+    out = []
+    for dev in range(math.prod(fanouts)):
+        level_coords, rest = [], dev
+        for f in reversed(fanouts):
+            level_coords.append(rest % f)
+            rest //= f
+        level_coords.reverse()
+        digits = [[0] * len(fanouts) for _ in range(m)]
+        for j, c in enumerate(level_coords):
+            radices = [matrix[i][j] for i in range(m)]
+            for i in reversed(range(m)):          # axis 0 most significant
+                digits[i][j] = c % radices[i]
+                c //= radices[i]
+        out.append([_mixed_radix(digits[i], [matrix[i][j] for j in range(len(fanouts))]) for i in range(m)])
+    return out
+
+
+def check_plan_json(plan: dict) -> None:
+    assert plan["format"] == "planc/1"
+    c = plan["cluster"]
+    fan = [l["fanout"] for l in c["levels"]]
+    assert c["devices"] == math.prod(fan)
+    h = [l["name"] for l in c["levels"]].index(c["host_level"])
+    per_host = math.prod(fan[h + 1:])
+    assert c["hosts"] == [list(range(i * per_host, (i + 1) * per_host)) for i in range(c["devices"] // per_host)]
+    groups = {tuple(g) for g in plan["groups"]}
+    assert len(groups) == len(plan["groups"]), "groups listed twice"
+    assert all(list(g) == sorted(g) and len(g) > 1 for g in groups)
+
+    pl = plan.get("placement")
+    if pl is not None:
+        assert pl["coords"] == expected_coords(pl["matrix"], fan)
+        assert pl["ranked"][0]["matrix"] == pl["matrix"]
+        assert 1 <= len(pl["ranked"]) <= 10
+        preds = [r["predicted"] for r in pl["ranked"]]
+        assert preds == sorted(preds)
+
+    stage_devs = [set(s["devices"]) for s in plan["stages"]]
+    assert all(not (a & b) for a, b in itertools.combinations(stage_devs, 2))
+
+    for r in plan["reductions"]:
+        steps = [(st["collective"], st["groups"]) for st in r["program"]["steps"]]
+        why = check_program(steps, r["groups"])
+        assert why is None, f"{r['name']}: {why}"
+        assert len(r["alternatives"]) <= 10
+        assert r["program"]["predicted"] <= r["allreduce_predicted"] * (1 + 1e-9) or r["program"]["text"] != \
+            "allreduce(slice=root, form=inside)"
+        for st in r["program"]["steps"]:
+            for g in st["groups"]:
+                assert tuple(g) in groups, f"step group {g} not in groups"
+        if pl is not None and plan["stage_mode"] == "pipe_axis":
+            names = [a["name"] for a in pl["axes"]]
+            keep = [i for i, n in enumerate(names) if n not in r["axes"]]
+            buckets: dict = {}
+            for d, co in enumerate(pl["coords"]):
+                buckets.setdefault(tuple(co[i] for i in keep), []).append(d)
+            assert sorted(r["groups"]) == sorted(g for g in buckets.values() if len(g) > 1) or \
+                sorted(r["groups"]) == sorted(buckets.values())
+
+    for t in plan["transfers"]:
+        assert check_transfer(t, plan) == [], check_transfer(t, plan)
+        for task in t["tasks"]:
+            if len(task["group"]) > 1:
+                assert tuple(task["group"]) in groups
+        if "backward" in t:
+            rev = dict(t, src=t["dst"], dst=t["src"], **{k: t["backward"][k] for k in t["backward"]})
+            assert check_transfer(rev, plan) == [], check_transfer(rev, plan)
+
+
+@pytest.mark.parametrize("path", PLANS, ids=lambda p: p.stem)
+def test_bundled_plan_compiles_to_a_valid_plan(path, tmp_path):
+    compiled = compile_file(path, probe=False)
+    check_plan_json(compiled.plan_json)
+    json.loads(dump_plan(compiled.plan_json))
+
+
+def test_output_directory_is_byte_identical(tmp_path):
+    path = ROOT / "plans" / "unet-skip.plan"
+    outs = []
+    for i in range(2):
+        c = compile_file(path, probe=False)
+        out = tmp_path / f"out{i}"
+        write_output(c.plan_json, c.program, out)
+        outs.append({p.relative_to(out): p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()})
+    assert outs[0] == outs[1]
+    assert Path("plan.json") in outs[0] and Path("planc_runtime/reshard.py") in outs[0]
+
+
+def test_probe_sizes_gradients_and_checks_shapes(tmp_path):
+    c = compile_file(ROOT / "plans" / "gpt-2x4.plan")
+    grads = c.plan_json["reductions"][0]
+    per_stage = {s["stage"]: s["bytes"] for s in grads["per_stage_bytes"]}
+    assert set(per_stage) == {0, 1} and all(b > 0 for b in per_stage.values())
+    assert grads["bytes"] == max(per_stage.values())
+    assert c.plan_json["train"]["layer_params"] and len(c.plan_json["train"]["layer_params"]) == 6
+    check_plan_json(c.plan_json)
+
+
+def _variant(tmp_path, old: str, new: str, name="gpt-2x4.plan") -> Path:
+    text = (ROOT / "plans" / name).read_text().replace("../examples/", str(ROOT / "examples") + "/")
+    assert old in text
+    p = tmp_path / name
+    p.write_text(text.replace(old, new))
+    return p
+
+
+def test_declared_transfer_shape_must_match_the_model(tmp_path):
+    p = _variant(tmp_path, "f32[8, 32, 64]", "f32[8, 32, 48]")
+    with pytest.raises(PlanError) as e:
+        compile_file(p)
+    msg = e.value.render()
+    assert "transfer 'hidden' declares f32[8, 32, 48] but stage 0 layer 2 produces [8, 32, 64]" in msg
+    assert f"{p}:24:" in msg
+
+
+def test_stages_of_different_sizes_train_is_not_yet_supported(tmp_path):
+    text = """
+plan uneven {
+  cluster { level node x 3 : bandwidth 10 GB/s
+            level gpu x 2 : bandwidth 100 GB/s }
+  model "EX/mlp.py:build" { }
+  loss "EX/mlp.py:loss"
+  data "EX/mlp.py:batches"
+  stage 0 : layers 0..2 on devices 0..4 as (data = 4)
+  stage 1 : layers 2..4 on devices 4..6 as (data = 2)
+  transfer h : f32[8, 16] from stage 0 as S0 R to stage 1 as S0 R
+}
+""".replace("EX", str(ROOT / "examples"))
+    program = load_text(text, str(tmp_path / "uneven.plan"))
+    from planc.compile import compile_program
+    with pytest.raises(PlanError) as e:
+        compile_program(program)
+    assert "not yet supported (stage 0 has 4, stage 1 has 2)" in e.value.render()
+    # the same plan without a model is a communication-only plan and compiles
+    comm = load_text("\n".join(l for l in text.splitlines() if not l.strip().startswith(("model", "loss", "data")))
+                     .replace(": layers 0..2 ", "").replace(": layers 2..4 ", ""), str(tmp_path / "c.plan"))
+    c = compile_program(comm)
+    check_plan_json(c.plan_json)
+
+
+def test_pinned_invalid_program_is_a_located_error(tmp_path):
+    p = _variant(tmp_path, "reduce gradients over data",
+                 "reduce gradients over data using all_gather(slice=root, form=inside)")
+    r = subprocess.run([sys.executable, "-m", "planc", "compile", str(p), "--no-probe", "-o", str(tmp_path / "o")],
+                       capture_output=True, text=True)
+    assert r.returncode == 2, r.stderr
+    assert "Traceback" not in r.stderr
+    assert "all_gather" in r.stderr and ":26:" in r.stderr
+
+
+def test_compile_cli_writes_the_output(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "planc", "compile", str(ROOT / "plans" / "alpacomm-2x4.plan"),
+                        "-o", str(tmp_path / "out")], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    plan = json.loads((tmp_path / "out" / "plan.json").read_text())
+    check_plan_json(plan)
+    assert plan["stage_mode"] == "explicit" and "placement" not in plan and "pipeline" not in plan
