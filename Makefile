@@ -20,7 +20,7 @@ install: $(VENV)/.installed
 
 demo: install
 	$(PLANC) compile $(DEMO_PLAN) -o $(DEMO_OUT)
-	bash $(DEMO_OUT)/launch.sh
+	PATH="$(abspath $(VENV))/bin:$$PATH" bash $(DEMO_OUT)/launch.sh
 
 test: install
 	$(PY) -m pytest -n 2 -q -p no:cacheprovider

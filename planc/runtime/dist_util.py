@@ -173,3 +173,8 @@ def lookup_group(groups: dict, members):
         raise GroupMissing(f"process group {list(key)} is not in plan.json \"groups\"; the compiler "
                            f"must list every group a step or task uses")
     return groups[key]
+
+
+# torch 2.13 deprecates the *_tensor spellings in favour of *_single; torch 2.4 has only the former.
+all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor

@@ -39,7 +39,7 @@ from fractions import Fraction
 import torch
 import torch.distributed as dist
 
-from .dist_util import lookup_group
+from .dist_util import all_gather_flat, lookup_group, reduce_scatter_flat
 
 __all__ = ["ReductionExecutor", "simulate", "ReductionError", "COLLECTIVES"]
 
@@ -203,14 +203,14 @@ class ReductionExecutor:
                 if self.impl["reduce_scatter"] == "native":
                     p, q = rng(after)
                     out = torch.empty(q - p, dtype=buf.dtype, device=buf.device)
-                    dist.reduce_scatter_tensor(out, buf[x:y], group=pg)
+                    reduce_scatter_flat(out, buf[x:y], group=pg)
                     buf[p:q] = out
                 else:
                     dist.all_reduce(buf[x:y], group=pg)
             elif coll == "all_gather":
                 p, q = rng(before)
                 x, y = rng(after)
-                dist.all_gather_into_tensor(buf[x:y], buf[p:q].clone(), group=pg)
+                all_gather_flat(buf[x:y], buf[p:q].clone(), group=pg)
             elif coll == "reduce":
                 x, y = rng(before)
                 dist.reduce(buf[x:y], dst=root, group=pg)

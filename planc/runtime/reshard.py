@@ -51,7 +51,7 @@ import torch.distributed as dist
 
 from .plan import PlanError, host_of, stage_layout
 from .regions import Layout, intersect, numel, to_local
-from .dist_util import lookup_group
+from .dist_util import all_gather_flat, lookup_group
 
 __all__ = ["TransferExecutor", "build_tasks", "tag_for", "DTYPES", "STRATEGIES"]
 
@@ -305,7 +305,7 @@ class TransferExecutor:
                     per, padded = self._part_bounds(t.numel, len(part))
                     i = part.index(self.rank)
                     full = bufs[t.index]
-                    dist.all_gather_into_tensor(full, full[i * per:(i + 1) * per].clone(), group=pg)
+                    all_gather_flat(full, full[i * per:(i + 1) * per].clone(), group=pg)
         for t in mine:
             for w in pending.get(t.index, ()):
                 w.wait()
