@@ -71,14 +71,14 @@ def explain(plan: dict) -> str:
 
     for t in plan["transfers"]:
         out.append("")
-        ratio = t["makespan"] / t["lower_bound"] if t["lower_bound"] else float("nan")
+        ratio = f"{t['makespan'] / t['lower_bound']:.2f}x" if t["lower_bound"] else "no bytes cross hosts"
         out.append(f"transfer {t['name']}: {t['dtype']}{t['shape']} stage {t['src']['stage']} ({t['src']['spec']}) -> "
                    f"stage {t['dst']['stage']} ({t['dst']['spec']})")
         out.append(f"  {len(t['tasks'])} unit task(s), strategy {t['strategy']}"
                    + (f" in {t['chunks']} chunks" if t["strategy"] == "broadcast" else "")
                    + f", scheduled by {t['scheduler']}")
         out.append(f"  makespan {_t(t['makespan'])}; lower bound {_t(t['lower_bound'])} "
-                   f"({ratio:.2f}x); naive schedule {_t(t['naive_makespan'])}")
+                   f"({ratio}); naive schedule {_t(t['naive_makespan'])}")
     pipe = plan.get("pipeline")
     if pipe:
         out.append("")
