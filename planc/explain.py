@@ -44,8 +44,12 @@ def explain(plan: dict) -> str:
         else:
             why = f"pinned by the plan; predicted communication per iteration {_t(ranked[0]['predicted'])}"
         out.append(f"  why: {why}")
-        for r in ranked[1:]:
-            out.append(f"    {r['matrix']}: {_t(r['predicted'])}")
+        search = pl.get("search")
+        if search:
+            out.append(f"  ranking: {search}, {pl.get('evaluated')} matrices costed by the cost model")
+        for r in ranked:
+            parts = ", ".join(f"{k} {_t(v)}" for k, v in (r.get("breakdown") or {}).items())
+            out.append(f"    {str(r['matrix']):<24} {_t(r['predicted']):>10}" + (f"  = {parts}" if parts else ""))
     out.append("")
     for s in plan["stages"]:
         layers = f"layers {s['layers'][0]}..{s['layers'][1]}" if s.get("layers") else "no layers"

@@ -51,6 +51,7 @@ class Placement:
     axes: tuple[tuple[str, int], ...] = ()
     search: str | None = None
     evaluated: int = 0
+    breakdown: tuple[tuple[tuple[str, float], ...], ...] = ()   # per ranked matrix: (what, seconds)
 
     def to_json(self) -> dict[str, Any] | None:
         """The plan.json ``placement`` section (PLAN_FORMAT.md)."""
@@ -60,7 +61,11 @@ class Placement:
             "axes": [{"name": n, "size": s} for n, s in self.axes],
             "matrix": [list(r) for r in self.matrix],
             "candidates": self.candidates,
-            "ranked": [{"matrix": [list(r) for r in m], "predicted": t} for m, t in self.ranked],
+            "ranked": [{"matrix": [list(r) for r in m], "predicted": t,
+                        "breakdown": {what: sec for what, sec in parts}}
+                       for (m, t), parts in zip(self.ranked, self.breakdown or ((),) * len(self.ranked))],
+            "search": self.search,
+            "evaluated": self.evaluated,
             "coords": [list(c) for c in self.coords],
         }
 
@@ -71,7 +76,8 @@ def _reduction_bytes(red: ir.Reduction, param_bytes: dict[int, int] | None) -> i
     if red.shape is not None and red.dtype is not None:
         return math.prod(red.shape) * ir.DTYPE_BYTES[red.dtype]
     if red.name == "gradients" and param_bytes:
-        return sum(param_bytes.values())
+        # every stage reduces its own gradients at the same time: the largest one bounds the step
+        return max(param_bytes.values())
     return NOMINAL_REDUCTION_BYTES
 
 
@@ -104,20 +110,25 @@ class _Costing:
             if red.mode is ir.ReductionMode.ALLREDUCE:
                 # A one-instruction program of allreduce is exactly the flat AllReduce.
                 syn = ir.Synthesis(max_size=1, collectives=(ir.Collective.ALLREDUCE,))
-            self.reductions.append((tuple(red.axes), _reduction_bytes(red, param_bytes), syn))
+            self.reductions.append((red.name, tuple(red.axes), _reduction_bytes(red, param_bytes), syn))
         self.cache: dict[Matrix, float] = {}
+        self.parts: dict[Matrix, tuple[tuple[str, float], ...]] = {}
 
     def __call__(self, matrix: Matrix) -> float:
         hit = self.cache.get(matrix)
         if hit is not None:
             return hit
-        t = 0.0
-        for axes, nbytes, syn in self.reductions:
-            t += self.best_time(self.cluster, matrix, self.names, axes, nbytes, syn)
+        parts = []
+        for name, axes, nbytes, syn in self.reductions:
+            parts.append((f"reduce {name}", self.best_time(self.cluster, matrix, self.names, axes, nbytes, syn)))
         if self.program.transfers:
             coords = coords_for(matrix, self.fanouts, self.sizes)
-            t += self.transfer_time(stage_layouts(self.program, coords))
+            parts.append(("transfers", self.transfer_time(stage_layouts(self.program, coords))))
+        t = 0.0
+        for _, sec in parts:
+            t += sec
         self.cache[matrix] = t
+        self.parts[matrix] = tuple(parts)
         return t
 
     def transfer_time(self, stages: tuple[ir.StageLayout, ...]) -> float:
@@ -214,5 +225,6 @@ def place(program: ir.Program, param_bytes: dict[int, int] | None = None, *,
         evaluated = len(table)
 
     coords = coords_for(matrix, fanouts, sizes)
+    breakdown = tuple(cost.parts[m] for m, _ in ranked)
     return Placement(matrix, candidates, ranked, coords, stage_layouts(program, coords),
-                     axes, search, evaluated)
+                     axes, search, evaluated, breakdown)
