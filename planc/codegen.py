@@ -20,7 +20,7 @@ from pathlib import Path
 
 import jinja2
 
-from planc import ir
+from planc import ir, resources
 
 __all__ = ["write_output", "templates_dir", "ds_config", "run_config", "CodegenError"]
 
@@ -33,10 +33,11 @@ class CodegenError(ValueError):
 
 
 def templates_dir() -> Path:
-    for cand in (_PKG / "_data" / "templates", _PKG.parent / "templates"):
-        if (cand / "train.py.j2").is_file():
-            return cand
-    raise CodegenError("planc templates not found (looked in planc/_data/templates and ./templates)")
+    """templates/ of a checkout, or <prefix>/share/planc/templates of an installed wheel."""
+    try:
+        return resources.templates_dir()
+    except FileNotFoundError as e:
+        raise CodegenError(str(e)) from None
 
 
 def _version() -> str:
@@ -104,7 +105,14 @@ def ds_config(plan: dict, program: ir.Program) -> dict:
         cfg = _merge(cfg, extra)
         stage = int(cfg.get("zero_optimization", {}).get("stage", 0))
         if stage > 1:
-            raise CodegenError(f"{path}: ZeRO stage {stage} cannot run with pipeline parallelism (0 or 1)")
+            raise CodegenError(f"{path}: ZeRO stage {stage} cannot run with pipeline parallelism")
+        if stage == 1:
+            raise CodegenError(f"{path}: ZeRO stage 1 is not supported by the planc engine (stage 0 only: "
+                               f"gradients are reduced by the plan's program, not by ZeRO)")
+        for key in ("pipe_partitioned", "grad_partitioned"):
+            if (cfg.get("pipeline") or {}).get(key):
+                raise CodegenError(f"{path}: pipeline.{key} must stay false (the plan's transfers carry "
+                                   f"whole data-parallel slices)")
     return cfg
 
 
