@@ -1,5 +1,6 @@
-"""Helpers for the end-to-end tests: a hand-written plan.json (until planc.compile
-lands), the single-process reference, and the deepspeed launch."""
+"""Helpers for the end-to-end tests: the launch of a compiled output (launch_sh), the
+single-process reference, and a hand-written plan.json (hand_plan; the e2e tests use
+the real compiler, tests/test_codegen.py and tests/test_pipeline_engine.py use it)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-from planc import ir
 from planc.pipeline.schedules import build
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -80,26 +80,19 @@ def hand_plan(name, stages_layers, data, tensor, transfers, schedule, micro_batc
     }
 
 
-def hand_program(name, source_dir, model_file, model_args, micro_batch, micro_batches, schedule,
-                 optimizer="adam", lr=1e-2, steps=3, seed=7):
-    ref = lambda fn, args=(): ir.CodeRef(model_file, fn, tuple(args))  # noqa: E731
-    return ir.Program(
-        name=name, source_path=f"{name}.plan", source_sha256="0" * 64, source_dir=str(source_dir),
-        cluster=ir.Cluster((ir.Level("node", 2, 1e10), ir.Level("gpu", 4, 1e11)), "node"),
-        parallel=None, stage_mode=ir.StageMode.PIPE_AXIS, stages=(),
-        model=ref("build", tuple(model_args.items())), loss=ref("loss"), data=ref("batches"),
-        train=ir.Train(micro_batch=micro_batch, micro_batches=micro_batches, steps=steps,
-                       schedule=ir.PipeSchedule(schedule),
-                       optimizer=ir.Optimizer(optimizer, lr), seed=seed))
+def launch_env():
+    """CPU/gloo, one thread per rank, this venv's deepspeed and python first on PATH."""
+    bin_dir = str(Path(PY).parent)
+    return dict(os.environ, DS_ACCELERATOR="cpu", PLANC_BACKEND="gloo", OMP_NUM_THREADS="1",
+                PLANC_COLLECTIVE_TIMEOUT_S="120", PYTHONPATH="", PYTHON=PY,
+                PATH=bin_dir + os.pathsep + os.environ.get("PATH", ""),
+                PLANC_MASTER_PORT=str(29500 + os.getpid() % 2000))
 
 
-def launch(out: Path, ranks: int, *args, timeout=240):
-    env = dict(os.environ, DS_ACCELERATOR="cpu", PLANC_BACKEND="gloo", OMP_NUM_THREADS="1",
-               PLANC_COLLECTIVE_TIMEOUT_S="120", PYTHONPATH="")
-    deepspeed = str(Path(PY).parent / "deepspeed")
-    cmd = [deepspeed, "--num_nodes", "1", "--num_gpus", str(ranks), "--master_port",
-           str(29500 + os.getpid() % 2000), str(out / "train.py"), *args]
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=out)
+def launch_sh(out: Path, *args, timeout=300):
+    """``bash OUT/launch.sh ARGS`` (the compiled output's own launcher)."""
+    return subprocess.run(["bash", str(out / "launch.sh"), *args], env=launch_env(), capture_output=True,
+                          text=True, timeout=timeout, cwd=out)
 
 
 def reference(out: Path, plan: dict, steps: int):

@@ -52,16 +52,19 @@ def test_ds_config_batch_arithmetic(tmp_path):
 
 def test_overrides_are_merged(tmp_path):
     p, plan = _gpt()
-    (tmp_path / "ds.yaml").write_text("zero_optimization:\n  stage: 1\nsteps_per_print: 10\n")
+    (tmp_path / "ds.yaml").write_text("zero_optimization:\n  stage: 0\nsteps_per_print: 10\n")
     p = dataclasses.replace(p, source_dir=str(tmp_path), deepspeed_overrides="ds.yaml",
                             model=dataclasses.replace(p.model, path=str(ROOT / "examples" / "gpt.py")),
                             loss=dataclasses.replace(p.loss, path=str(ROOT / "examples" / "gpt.py")),
                             data=dataclasses.replace(p.data, path=str(ROOT / "examples" / "gpt.py")))
     cfg = json.loads((codegen.write_output(plan, p, tmp_path / "o") / "ds_config.json").read_text())
-    assert cfg["zero_optimization"] == {"stage": 1} and cfg["steps_per_print"] == 10
-    (tmp_path / "ds.yaml").write_text("zero_optimization:\n  stage: 2\n")
-    with pytest.raises(codegen.CodegenError, match="ZeRO stage 2"):
-        codegen.write_output(plan, p, tmp_path / "o2")
+    assert cfg["zero_optimization"] == {"stage": 0} and cfg["steps_per_print"] == 10
+    for text, msg in [("zero_optimization:\n  stage: 2\n", "ZeRO stage 2"),
+                      ("zero_optimization:\n  stage: 1\n", "ZeRO stage 1 is not supported"),
+                      ("pipeline:\n  pipe_partitioned: true\n", "pipe_partitioned must stay false")]:
+        (tmp_path / "ds.yaml").write_text(text)
+        with pytest.raises(codegen.CodegenError, match=msg):
+            codegen.write_output(plan, p, tmp_path / "o2")
 
 
 def test_hostfile_and_launcher(tmp_path):
@@ -71,6 +74,7 @@ def test_hostfile_and_launcher(tmp_path):
     assert lines == ["node0 slots=4", "node1 slots=4"]
     launch = (out / "launch.sh").read_text()
     assert "--num_gpus 8" in launch and "DS_ACCELERATOR=cpu" in launch and "nccl" in launch
+    assert "PLANC_MASTER_PORT" in launch and "--master_port" in launch
     one = dict(plan, cluster=dict(plan["cluster"], hosts=[list(range(8))]))
     out1 = codegen.write_output(one, p, tmp_path / "one")
     assert (out1 / "hostfile").read_text().strip() == "localhost slots=8"

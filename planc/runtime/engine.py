@@ -1,13 +1,15 @@
-"""The pipeline engine: runs a plan's per-stage instruction lists.
+"""The pipeline engine: DeepSpeed's ``PipelineEngine`` running a plan.
 
-It executes DeepSpeed's pipeline instruction classes
-(``deepspeed.runtime.pipe.schedule``: LoadMicroBatch, RecvActivation,
-ForwardPass, SendActivation, RecvGrad, BackwardPass, SendGrad, ReduceGrads,
-OptimizerStep) through its own ``_INSTRUCTION_MAP``, with the plan's
-transfers (cross-mesh resharding, skips included) in place of DeepSpeed's
-neighbour-only p2p and the plan's reduction program in place of DeepSpeed's
-data-parallel all-reduce. Why this is not a ``PipelineEngine`` subclass is
-written down in docs/runtime-engine.md.
+``PlanEngine(PipelineEngine)`` rebuilds ``_INSTRUCTION_MAP`` so that DeepSpeed's
+instruction classes (``deepspeed.runtime.pipe.schedule``: LoadMicroBatch,
+RecvActivation, ForwardPass, SendActivation, RecvGrad, BackwardPass, SendGrad,
+ReduceGrads, OptimizerStep) run the plan: the plan's transfers (cross-mesh
+resharding, skips included) in place of DeepSpeed's neighbour-only p2p, and the
+plan's reduction program in place of DeepSpeed's data-parallel all-reduce.
+``PlanSchedule(PipeSchedule)`` turns the plan's per-stage list into those
+instructions; ``PlanPipelineModule(PipelineModule)`` holds the stage's layers
+(the plan's layer ranges) on ``PlanGridTopology`` (the plan's rank mapping).
+docs/runtime-engine.md lists the DeepSpeed internals this relies on.
 
 Stage dataflow convention: a stage's first layer receives the stage's
 incoming transfers as positional arguments, in transfer declaration order
@@ -17,19 +19,23 @@ output of layer ``L`` (default: the stage's last layer).
 """
 from __future__ import annotations
 
+import contextlib
 import os
 from collections import OrderedDict
-from types import MethodType
 
 import torch
 import torch.distributed as dist
+from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.runtime.pipe import schedule as ds_schedule
+from deepspeed.runtime.pipe.engine import PipelineEngine
+from deepspeed.runtime.pipe.module import PipelineModule
 
-from .plan import PlanError, mesh_devices, mesh_position, mesh_shape, stage_layout, stage_of
+from .plan import PlanError, mesh_position, mesh_shape, stage_layout, stage_of
 from .regions import Layout, intersect, parse_spec, to_local
+from .topology import PlanGridTopology
 
-__all__ = ["StageGraph", "StageModule", "PlanSchedule", "PlanEngine", "EngineError",
-           "run_reference", "build_optimizer", "DTYPES"]
+__all__ = ["StageGraph", "PlanPipelineModule", "PlanSchedule", "PlanEngine", "EngineError",
+           "run_reference", "build_optimizer", "check_stage_shapes", "plan_problems", "DTYPES"]
 
 DTYPES = {"f64": torch.float64, "f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16,
           "i64": torch.int64, "i32": torch.int32, "i16": torch.int16, "i8": torch.int8,
@@ -101,18 +107,6 @@ def apply_layers(layers, first: int, inputs, taps=()):
             tapped[first + i] = out
         args = tuple(out) if isinstance(out, (tuple, list)) else (out,)
     return out, tapped
-
-
-class StageModule(torch.nn.Module):
-    """The layers of one stage; parameters are named ``layers.<global index>.<name>``."""
-
-    def __init__(self, layers, first: int):
-        super().__init__()
-        self.first = first
-        self.layers = torch.nn.ModuleDict({str(first + i): l for i, l in enumerate(layers)})
-
-    def forward(self, *inputs, taps=()):
-        return apply_layers(list(self.layers.values()), self.first, inputs, taps)
 
 
 def build_optimizer(params, ds_config: dict):
@@ -331,127 +325,281 @@ def trainable_spec_problem(plan: dict, t: dict) -> str | None:
     return None
 
 
-class PlanEngine:
-    """One rank's share of a pipeline: its stage's layers, transfers and reduction."""
+def check_stage_shapes(plan: dict, rank: int, layers, sample_x, device=None) -> list[str]:
+    """Start-up check: the tensors this rank's stage produces against the declared transfer shapes.
 
-    def __init__(self, plan, groups, rank, layers, loss_fn, data_iter, ds_config, device=None):
-        self.plan, self.groups, self.rank = plan, groups, rank
-        self.device = device or torch.device("cpu")
+    Runs the stage's layers once without gradients on the declared input shapes
+    (stage 0: a real micro-batch slice); local to the rank, no messages. Runs
+    before DeepSpeed builds anything, so every rank can fail together.
+    """
+    device = device or torch.device("cpu")
+    graph = StageGraph(plan)
+    stage = stage_of(plan, rank)
+    first, _ = graph.layers(stage)
+    incoming, outgoing = graph.incoming(stage), graph.outgoing(stage)
+    problems = []
+    if stage == 0:
+        inputs = [sample_x.to(device)]
+    else:
+        inputs = []
+        for n in incoming:
+            t = graph.by_name[n]
+            a, b, _ = data_slice(plan, stage, rank, t["shape"][0])
+            inputs.append(torch.zeros((b - a,) + tuple(t["shape"][1:]), dtype=DTYPES[t["dtype"]], device=device))
+    taps = {graph.src_layer(graph.by_name[n]) for n in outgoing}
+    with torch.no_grad():
+        try:
+            _, tapped = apply_layers(layers, first, inputs, taps)
+        except Exception as e:  # noqa: BLE001 - reported with the stage
+            return [f"stage {stage}: its layers fail on the declared inputs "
+                    f"{[tuple(i.shape) for i in inputs]}: {e}"]
+    for n in outgoing:
+        t = graph.by_name[n]
+        out = tapped[graph.src_layer(t)]
+        if not torch.is_tensor(out):
+            problems.append(f"stage {stage}, transfer {n!r}: layer {graph.src_layer(t)} "
+                            f"returns {type(out).__name__}, not a tensor")
+            continue
+        _, _, dsize = data_slice(plan, stage, rank, t["shape"][0])
+        real = (out.shape[0] * dsize,) + tuple(out.shape[1:])
+        if real != tuple(t["shape"]):
+            problems.append(f"stage {stage}, transfer {n!r}: declared shape {list(t['shape'])} "
+                            f"but the stage produces {list(real)}")
+        elif out.dtype != DTYPES[t["dtype"]]:
+            problems.append(f"stage {stage}, transfer {n!r}: declared dtype {t['dtype']} "
+                            f"but the stage produces {out.dtype}")
+    return problems
+
+
+def plan_problems(plan: dict, ds_config: dict) -> list[str]:
+    """Pure checks of a training plan against what the engine supports (same on every rank)."""
+    problems = []
+    try:
+        StageGraph(plan).check()
+        PlanGridTopology(plan)
+    except (EngineError, PlanError) as e:
+        problems.append(str(e))
+    for t in plan.get("transfers", ()):
+        p = trainable_spec_problem(plan, t)
+        if p:
+            problems.append(p)
+    stage = int((ds_config.get("zero_optimization") or {}).get("stage", 0))
+    if stage != 0:
+        problems.append(f"ZeRO stage {stage}: the planc engine reduces gradients with the plan's program "
+                        f"and runs ZeRO stage 0 only")
+    pipe = ds_config.get("pipeline") or {}
+    if pipe.get("pipe_partitioned", False) or pipe.get("grad_partitioned", False):
+        problems.append("ds_config pipeline.pipe_partitioned / grad_partitioned must be false: the plan's "
+                        "transfers carry whole data-parallel slices")
+    return problems
+
+
+class PlanPipelineModule(PipelineModule):
+    """A ``PipelineModule`` whose partition is the plan's layer ranges and whose
+    grid is the plan's placement (``PlanGridTopology``).
+
+    Parameters keep DeepSpeed's names, ``<global layer index>.<name>``.
+    ``forward(*inputs, taps=())`` runs the stage with the planc dataflow
+    convention and returns ``(last output, {tapped layer: output})``.
+    """
+
+    def __init__(self, plan: dict, layers, loss_fn=None, topology=None):
+        graph = StageGraph(plan)
+        bounds = [graph.layers(s)[0] for s in range(graph.num_stages)] + [graph.layers(graph.num_stages - 1)[1]]
+        for s in range(graph.num_stages):
+            a, b = graph.layers(s)
+            if a != bounds[s] or (s + 1 < graph.num_stages and b != bounds[s + 1]) or b <= a:
+                raise EngineError(f"stage {s} layers {a}..{b}: DeepSpeed's partition needs contiguous, "
+                                  f"non-empty layer ranges in stage order")
+        if bounds[0] != 0 or bounds[-1] != len(layers):
+            raise EngineError(f"the stages cover layers {bounds[0]}..{bounds[-1]} but the model has "
+                              f"{len(layers)} layers")
+        object.__setattr__(self, "_plan_bounds", bounds)
+        super().__init__(layers=list(layers), topology=topology or PlanGridTopology(plan), loss_fn=loss_fn,
+                         partition_method="plan")
+
+    def _partition_layers(self, method="plan"):
+        """The plan's layer boundaries (PipelineModule.__init__ calls this)."""
+        self.parts = list(self._plan_bounds)
+        stage_id = self._topo.get_coord(self.global_rank).pipe
+        self._set_bounds(start=self.parts[stage_id], stop=self.parts[stage_id + 1])
+
+    def forward(self, *inputs, taps=()):
+        return apply_layers(self.forward_funcs, self._local_start, inputs, taps)
+
+
+@contextlib.contextmanager
+def groups_with_timeout(timeout):
+    """Make every ``dist.new_group`` DeepSpeed calls use the runtime's collective timeout."""
+    original = dist.new_group
+
+    def new_group(*args, **kwargs):
+        kwargs.setdefault("timeout", timeout)
+        return original(*args, **kwargs)
+
+    dist.new_group = new_group
+    try:
+        yield
+    finally:
+        dist.new_group = original
+
+
+class PlanEngine(PipelineEngine):
+    """DeepSpeed's ``PipelineEngine`` running a plan.
+
+    ``_INSTRUCTION_MAP`` is rebuilt below the class body: DeepSpeed's
+    ``_exec_schedule`` dispatches through that class attribute, so methods
+    overridden by name alone would never run. Transfers (skips included) replace
+    DeepSpeed's neighbour-only p2p, the plan's reduction program replaces its
+    data-parallel all-reduce, and ``PlanSchedule`` (a ``PipeSchedule``) replaces
+    ``TrainSchedule``.
+    """
+
+    def __init__(self, *ds_args, plan: dict, groups: dict, data_iter=None, **ds_kwargs):
+        super().__init__(*ds_args, **ds_kwargs)
+        rank = self.global_rank
+        self.plan, self.plan_groups, self.rank = plan, groups, rank
         self.graph = StageGraph(plan)
-        self.graph.check()
-        self.stage_id = stage_of(plan, rank)
-        if self.stage_id is None:
-            raise EngineError(f"rank {rank} is in no stage")
-        self.num_stages = self.graph.num_stages
-        pipe = plan["pipeline"]
-        self.micro_batches = int(pipe["micro_batches"])
-        self.ops = pipe["per_stage"][self.stage_id]
-        self.first, self.stop = self.graph.layers(self.stage_id)
-        self.module = StageModule(layers, self.first).to(self.device)
-        self.loss_fn, self.data_iter = loss_fn, data_iter
+        if stage_of(plan, rank) != self.stage_id:
+            raise EngineError(f"rank {rank}: DeepSpeed puts it in stage {self.stage_id}, the plan in stage "
+                              f"{stage_of(plan, rank)}")
+        self.ops = plan["pipeline"]["per_stage"][self.stage_id]
+        if int(plan["pipeline"]["micro_batches"]) != self.micro_batches:
+            raise EngineError(f"gradient_accumulation_steps = {self.micro_batches} but the plan has "
+                              f"{plan['pipeline']['micro_batches']} micro-batches")
         self.incoming = self.graph.incoming(self.stage_id)
         self.outgoing = self.graph.outgoing(self.stage_id)
-        self.is_first_stage = self.stage_id == 0
-        self.is_last_stage = self.stage_id == self.num_stages - 1
-        for t in self.graph.transfers:
-            problem = trainable_spec_problem(plan, t)
-            if problem:
-                raise EngineError(problem)
+        self.data_iterator = data_iter if (self.is_first_stage() or self.is_last_stage()) else None
         TE, RE = _executor_classes()
         self.executors = {}
         for i, t in enumerate(self.graph.transfers):
+            if t["name"] not in self.incoming + self.outgoing:
+                continue
             for direction in ("forward", "backward"):
-                if t["name"] in self.incoming + self.outgoing:
-                    ex = (TE(t, plan, groups, rank, direction, index=i, device=self.device) if TE
-                          else _RegionTransfer(t, plan, rank, direction, tag=2 * i + (direction == "backward")))
-                    self.executors[(t["name"], direction)] = ex
-        self.reduction = None
-        self.dp_size = 1
+                self.executors[(t["name"], direction)] = (
+                    TE(t, plan, groups, rank, direction, index=i, device=self.device) if TE
+                    else _RegionTransfer(t, plan, rank, direction, tag=2 * i + (direction == "backward")))
+        self.reduction, self.reduce_size = None, 1
         red = next((r for r in plan.get("reductions", ()) if r["name"] == "gradients"), None)
         if red is not None and any(rank in g for g in red["groups"]):
             self.reduction = RE(red, groups, rank) if RE else _ProgramReduction(red, groups, rank)
-            self.dp_size = len(next(g for g in red["groups"] if rank in g))
-        self.optimizer = build_optimizer(self.module.parameters(), ds_config)
-        self.buffers = {}
+            self.reduce_size = len(next(g for g in red["groups"] if rank in g))
+        for key in ("grads", "losses"):   # _reserve_pipe_buffers extends every key
+            self.pipe_buffers.setdefault(key, [None] * self.num_pipe_buffers)
         self.pending_sends = []
-        self.total_loss = 0.0
 
-    _INSTRUCTION_MAP = {}   # filled below the class body: instruction type -> method
+    @classmethod
+    def build(cls, plan: dict, groups: dict, layers, loss_fn, data_iter, ds_config: dict, optimizer=None,
+              timeout=None):
+        """Construct the engine the way ``deepspeed.initialize`` does for a ``PipelineModule``
+        (which always picks ``PipelineEngine``): module, mpu = module.mpu(), DeepSpeedConfig."""
+        import deepspeed
+        from deepspeed.runtime.config import DeepSpeedConfig
+        from .dist_util import collective_timeout
+        timeout = timeout or collective_timeout()
+        deepspeed.init_distributed(dist_backend=dist.get_backend(), dist_init_required=False, timeout=timeout)
+        with groups_with_timeout(timeout):
+            module = PlanPipelineModule(plan, layers, loss_fn=loss_fn)
+            if optimizer is None:
+                optimizer = build_optimizer(module.parameters(), ds_config)
+            mpu = module.mpu()
+            config_class = DeepSpeedConfig(ds_config, mpu)
+            engine = cls(args=None, model=module, optimizer=optimizer, model_parameters=None,
+                         training_data=None, lr_scheduler=None, mpu=mpu, dist_init_required=False,
+                         collate_fn=None, config=ds_config, config_class=config_class,
+                         plan=plan, groups=groups, data_iter=data_iter)
+        return engine
 
     # ---- instructions
     def _exec_load_micro_batch(self, buffer_id):
-        x, y = next(self.data_iter)
+        x, y = self._next_batch()
         a, b, _ = data_slice(self.plan, self.stage_id, self.rank, x.shape[0])
-        buf = self.buffers.setdefault(buffer_id, {})
-        buf["x"], buf["y"] = x[a:b].to(self.device), y[a:b].to(self.device)
+        if self.is_first_stage():
+            self.pipe_buffers["inputs"][buffer_id] = {"x": x[a:b].to(self.device)}
+        if self.is_last_stage():
+            self.pipe_buffers["labels"][buffer_id] = y[a:b].to(self.device)
 
     def _exec_recv_activations(self, buffer_id, transfer):
         t = self.executors[(transfer, "forward")].recv(micro_batch=buffer_id).to(self.device)
         if t.is_floating_point():
             t.requires_grad_(True)
-        self.buffers.setdefault(buffer_id, {}).setdefault("in", {})[transfer] = t
+        if self.pipe_buffers["inputs"][buffer_id] is None:
+            self.pipe_buffers["inputs"][buffer_id] = {}
+        self.pipe_buffers["inputs"][buffer_id][transfer] = t
 
     def _exec_forward_pass(self, buffer_id):
-        buf = self.buffers.setdefault(buffer_id, {})
-        inputs = [buf["x"]] if self.is_first_stage else [buf["in"][n] for n in self.incoming]
+        held = self.pipe_buffers["inputs"][buffer_id]
+        inputs = [held["x"]] if self.is_first_stage() else [held[n] for n in self.incoming]
         taps = {self.graph.src_layer(self.graph.by_name[n]) for n in self.outgoing}
         out, tapped = self.module(*inputs, taps=taps)
-        buf["out"] = {n: tapped[self.graph.src_layer(self.graph.by_name[n])] for n in self.outgoing}
-        if self.is_last_stage:
-            buf["loss"] = self.loss_fn(out, buf["y"]) / self.micro_batches
-            self.total_loss += float(buf["loss"].detach())
+        self.pipe_buffers["outputs"][buffer_id] = {
+            n: tapped[self.graph.src_layer(self.graph.by_name[n])] for n in self.outgoing}
+        if self.is_last_stage():
+            # unscaled, as in PipelineEngine: DeepSpeedEngine.backward divides by gradient_accumulation_steps
+            self.loss = self.module.loss_fn(out, self.pipe_buffers["labels"][buffer_id])
+            self.pipe_buffers["losses"][buffer_id] = self.loss   # plan lists may run F m+1 before B m
+            self.total_loss = self.loss.detach() if self.total_loss is None else self.total_loss + self.loss.detach()
 
     def _exec_send_activations(self, buffer_id, transfer):
-        out = self.buffers[buffer_id]["out"][transfer]
+        out = self.pipe_buffers["outputs"][buffer_id][transfer]
         self.pending_sends.append(self.executors[(transfer, "forward")].send(out.detach(), micro_batch=buffer_id))
 
     def _exec_recv_grads(self, buffer_id, transfer):
         g = self.executors[(transfer, "backward")].recv(micro_batch=buffer_id).to(self.device)
-        self.buffers[buffer_id].setdefault("grad", {})[transfer] = g
+        if self.pipe_buffers["grads"][buffer_id] is None:
+            self.pipe_buffers["grads"][buffer_id] = {}
+        self.pipe_buffers["grads"][buffer_id][transfer] = g
 
     def _exec_backward_pass(self, buffer_id):
-        buf = self.buffers[buffer_id]
-        if self.is_last_stage:
-            buf["loss"].backward()
+        if self.is_last_stage():
+            # DeepSpeedEngine.backward (PipelineEngine.backward raises): loss / gradient_accumulation_steps
+            self.loss = self.pipe_buffers["losses"][buffer_id]
+            DeepSpeedEngine.backward(self, self.loss)
         else:
             # one output may feed several transfers (a skip and the main path): sum its gradients
-            tensors, grads = [], []
+            outs, grads = self.pipe_buffers["outputs"][buffer_id], self.pipe_buffers["grads"][buffer_id]
+            tensors, sums = [], []
             for n in self.outgoing:
-                out, g = buf["out"][n], buf["grad"][n]
+                out, g = outs[n], grads[n]
                 for i, t in enumerate(tensors):
                     if t is out:
-                        grads[i] = grads[i] + g
+                        sums[i] = sums[i] + g
                         break
                 else:
                     tensors.append(out)
-                    grads.append(g)
-            torch.autograd.backward(tensors, grads)
-        buf.pop("out", None)
-        buf.pop("grad", None)
-        buf.pop("loss", None)
+                    sums.append(g)
+            self._running_engine_backward = True
+            try:
+                torch.autograd.backward(tensors, sums)
+            finally:
+                self._running_engine_backward = False
+        for key in ("outputs", "grads", "losses", "labels"):
+            self.pipe_buffers[key][buffer_id] = None
 
     def _exec_send_grads(self, buffer_id, transfer):
-        t = self.buffers[buffer_id]["in"][transfer]
+        t = self.pipe_buffers["inputs"][buffer_id][transfer]
         g = t.grad if t.grad is not None else torch.zeros_like(t)
         self.pending_sends.append(self.executors[(transfer, "backward")].send(g, micro_batch=buffer_id))
 
     def _exec_reduce_grads(self):
+        """The plan's reduction program on one flat gradient buffer, then / data-parallel size."""
         self._wait_sends()
+        self.pipe_buffers["inputs"] = [None] * self.num_pipe_buffers
         params = [p for p in self.module.parameters() if p.requires_grad]
         if self.reduction is None or not params:
             return
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        flat = self.reduction.run(flat) / self.dp_size
-        off = 0
-        for p in params:
-            n = p.numel()
-            p.grad = flat[off:off + n].view_as(p).clone()
-            off += n
-
-    def _exec_optimizer_step(self):
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        self._force_grad_boundary = True
+        try:
+            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            flat = self.reduction.run(flat) / self.reduce_size
+            off = 0
+            for p in params:
+                n = p.numel()
+                p.grad = flat[off:off + n].view_as(p).clone()
+                off += n
+        finally:
+            self._force_grad_boundary = False
 
     def _wait_sends(self):
         for works in self.pending_sends:
@@ -462,65 +610,27 @@ class PlanEngine:
         self.pending_sends = []
 
     # ---- driver
-    def schedule(self):
+    def _train_schedule(self):
         return PlanSchedule(self.ops, self.micro_batches, self.num_stages, self.stage_id,
-                            self.incoming, self.outgoing, self.is_first_stage or self.is_last_stage)
+                            self.incoming, self.outgoing, self.is_first_stage() or self.is_last_stage())
 
-    def train_batch(self) -> float:
-        """One iteration; returns this rank's loss (the last stage's; 0.0 elsewhere)."""
+    def train_batch(self, data_iter=None):
+        """One iteration of the plan's schedule; returns the batch loss (mean over micro-batches
+        and data-parallel replicas) on every rank, via DeepSpeed's ``_aggregate_total_loss``."""
+        if data_iter is not None:
+            self.set_dataiterator(data_iter)
         self.module.train()
-        self.total_loss = 0.0
-        self.buffers = {}
-        for step_cmds in self.schedule():
-            for cmd in step_cmds:
-                if type(cmd) not in self._INSTRUCTION_MAP:
-                    raise RuntimeError(f"{type(self).__name__} does not understand instruction {cmd!r}")
-                MethodType(self._INSTRUCTION_MAP[type(cmd)], self)(**cmd.kwargs)
-        self.buffers = {}
-        return self.total_loss
-
-    def check_shapes(self, sample_x) -> list[str]:
-        """Start-up check: the tensors this stage produces against the declared transfer shapes.
-
-        Runs the stage once without gradients on the declared input shapes
-        (stage 0: a real micro-batch slice); local to the rank, no messages.
-        """
-        problems = []
-        if self.is_first_stage:
-            inputs = [sample_x.to(self.device)]
-        else:
-            inputs = []
-            for n in self.incoming:
-                t = self.graph.by_name[n]
-                a, b, _ = data_slice(self.plan, self.stage_id, self.rank, t["shape"][0])
-                inputs.append(torch.zeros((b - a,) + tuple(t["shape"][1:]), dtype=DTYPES[t["dtype"]],
-                                          device=self.device))
-        taps = {self.graph.src_layer(self.graph.by_name[n]) for n in self.outgoing}
+        self.total_loss = None
+        self.total_additional_losses = None
+        self._compute_loss = True
+        self._exec_schedule(self._train_schedule())
         with torch.no_grad():
-            try:
-                _, tapped = self.module(*inputs, taps=taps)
-            except Exception as e:  # noqa: BLE001 - reported with the stage
-                return [f"stage {self.stage_id}: its layers fail on the declared inputs "
-                        f"{[tuple(i.shape) for i in inputs]}: {e}"]
-        for n in self.outgoing:
-            t = self.graph.by_name[n]
-            out = tapped[self.graph.src_layer(t)]
-            if not torch.is_tensor(out):
-                problems.append(f"stage {self.stage_id}, transfer {n!r}: layer {self.graph.src_layer(t)} "
-                                f"returns {type(out).__name__}, not a tensor")
-                continue
-            _, _, dsize = data_slice(self.plan, self.stage_id, self.rank, t["shape"][0])
-            real = (out.shape[0] * dsize,) + tuple(out.shape[1:])
-            if real != tuple(t["shape"]):
-                problems.append(f"stage {self.stage_id}, transfer {n!r}: declared shape {list(t['shape'])} "
-                                f"but the stage produces {list(real)}")
-            elif out.dtype != DTYPES[t["dtype"]]:
-                problems.append(f"stage {self.stage_id}, transfer {n!r}: declared dtype {t['dtype']} "
-                                f"but the stage produces {out.dtype}")
-        return problems
+            self.agg_train_loss = self._aggregate_total_loss()
+        return self.agg_train_loss
 
-    def named_parameters(self):
-        return OrderedDict((k, v.detach().cpu()) for k, v in self.module.named_parameters())
+    def plan_named_parameters(self):
+        """``layers.<global index>.<name>`` -> CPU tensor (the single-process model's names)."""
+        return OrderedDict((f"layers.{k}", v.detach().cpu()) for k, v in self.module.named_parameters())
 
 
 PlanEngine._INSTRUCTION_MAP = {
@@ -532,5 +642,5 @@ PlanEngine._INSTRUCTION_MAP = {
     ds_schedule.BackwardPass: PlanEngine._exec_backward_pass,
     ds_schedule.SendGrad: PlanEngine._exec_send_grads,
     ds_schedule.ReduceGrads: PlanEngine._exec_reduce_grads,
-    ds_schedule.OptimizerStep: PlanEngine._exec_optimizer_step,
+    ds_schedule.OptimizerStep: PipelineEngine._exec_optimizer_step,   # DeepSpeed's _take_model_step
 }

@@ -2,8 +2,9 @@
 
 Reads OUT/plan.json (the compiler's decisions), OUT/run.json (model, loss,
 data and train settings) and OUT/ds_config.json (optimizer), initializes the
-process group, runs the start-up checks, builds this rank's stage from the
-copied model file and trains; rank 0 prints ``step N loss X``.
+process group, runs the start-up checks, builds the DeepSpeed pipeline engine
+(``PlanEngine``, a ``PipelineEngine`` subclass) from the copied model file and
+trains; rank 0 prints ``step N loss X``.
 """
 from __future__ import annotations
 
@@ -18,8 +19,9 @@ import torch
 import torch.distributed as dist
 
 from .dist_util import init_distributed, startup_checks
-from .engine import EngineError, PlanEngine, _executor_classes, _ProgramReduction, _RegionTransfer, data_slice
-from .plan import load_plan, mesh_position, plan_digest, stage_of
+from .engine import (EngineError, PlanEngine, _executor_classes, _ProgramReduction, _RegionTransfer,
+                     check_stage_shapes, data_slice, plan_problems)
+from .plan import load_plan, plan_digest, stage_of
 from .topology import create_groups
 
 
@@ -44,12 +46,6 @@ def parse_args(argv):
                    help="after training, save each rank's stage parameters to DIR/rank<R>.pt")
     p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     return p.parse_args(argv)
-
-
-def _device(backend: str) -> torch.device:
-    if backend == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 def _fail_together(problems: list[str]) -> None:
@@ -97,7 +93,7 @@ def main(argv=None, out_dir: str | None = None) -> int:
     train = run.get("train", {})
     steps = args.steps if args.steps is not None else int(train.get("steps", 1))
 
-    backend = init_distributed()
+    init_distributed()
     startup_checks(plan, plan_digest(plan))
     rank = dist.get_rank()
     groups = create_groups(plan)
@@ -119,37 +115,28 @@ def main(argv=None, out_dir: str | None = None) -> int:
     batches = load_function(out_dir, run["data"])
     stage = stage_of(plan, rank)
 
-    engine, problems = None, []
-    if stage is not None:
+    # everything that can stop the plan is checked before DeepSpeed builds its groups (collective),
+    # and gathered so that all ranks stop together with one message
+    problems = plan_problems(plan, ds_config)   # pure: the same on every rank
+    if not problems:
         try:
             lo, hi = (int(v) for v in next(s for s in plan["stages"] if s["index"] == stage)["layers"])
-            engine = PlanEngine(plan, groups, rank, layers[lo:hi], loss_fn,
-                                batches(micro_batch, seed, **model_args), ds_config, _device(backend))
             x, _ = next(batches(micro_batch, seed, **model_args))
             a, b, _ = data_slice(plan, stage, rank, micro_batch)
-            problems = engine.check_shapes(x[a:b])
+            problems = check_stage_shapes(plan, rank, layers[lo:hi], x[a:b])
         except (EngineError, ValueError, KeyError) as e:
             problems = [f"rank {rank}: {e}"]
     _fail_together(problems)
 
-    # one copy of each data slice reports: the last stage's ranks at 0 on every non-data axis
-    is_reporter = False
-    if engine is not None and engine.is_last_stage:
-        st = next(s for s in plan["stages"] if s["index"] == stage)
-        axes = list(st.get("mesh_axes") or ())
-        pos = mesh_position(st["mesh"], rank)
-        is_reporter = all(v == 0 for i, v in enumerate(pos) if i >= len(axes) or axes[i] != "data")
+    engine = PlanEngine.build(plan, groups, layers, loss_fn, batches(micro_batch, seed, **model_args), ds_config)
     for step in range(steps):
-        loss = engine.train_batch() if engine is not None else 0.0
-        dsize = data_slice(plan, stage, rank, micro_batch)[2] if engine is not None else 1
-        total = torch.tensor([loss / dsize if is_reporter else 0.0], dtype=torch.float64)
-        dist.all_reduce(total)
+        loss = engine.train_batch()
         if rank == 0:
-            print(f"step {step} loss {total.item():.6f}", flush=True)
+            print(f"step {step} loss {float(loss):.6f}", flush=True)
 
-    if args.dump_params and engine is not None:
+    if args.dump_params:
         os.makedirs(args.dump_params, exist_ok=True)
-        torch.save(dict(engine.named_parameters()), os.path.join(args.dump_params, f"rank{rank}.pt"))
+        torch.save(dict(engine.plan_named_parameters()), os.path.join(args.dump_params, f"rank{rank}.pt"))
     dist.barrier()
     dist.destroy_process_group()
     return 0

@@ -8,6 +8,13 @@ Public API (stable):
                              use axes ("pipe", "m0", "m1", ...) = (stage, mesh index).
         .axes, .dims, .get_rank(**coord), .get_coord(rank), .get_axis_comm_lists(axis)
         .stage_of(rank), .mesh_position(rank)
+    PlanGridTopology(plan)   the same rank mapping folded onto DeepSpeed's
+                             (pipe, data, model) axes, for PipelineModule /
+                             PipelineParallelGrid: pipe = stage, data = the stage
+                             mesh axis named "data", model = the other mesh axes
+                             (row-major). TopologyError when the plan is not a
+                             rectangular grid (idle devices, stages of different
+                             data or model sizes).
     create_groups(plan, timeout=None) -> dict[tuple[int, ...], ProcessGroup | None]
         creates plan["groups"] in order on every rank (dist.new_group is
         collective); the value is None on ranks outside the group.
@@ -21,7 +28,7 @@ from deepspeed.runtime.pipe.topology import ProcessTopology
 from .dist_util import GroupMissing, create_groups, lookup_group
 from .plan import PlanError, mesh_devices, mesh_position, mesh_shape, stage_of
 
-__all__ = ["PlanTopology", "create_groups", "lookup_group", "GroupMissing"]
+__all__ = ["PlanTopology", "PlanGridTopology", "TopologyError", "create_groups", "lookup_group", "GroupMissing"]
 
 
 class PlanTopology(ProcessTopology):
@@ -75,3 +82,66 @@ class PlanTopology(ProcessTopology):
             return None
         st = next(x for x in self.plan["stages"] if x["index"] == s)
         return mesh_position(st["mesh"], rank)
+
+
+class TopologyError(PlanError):
+    """The plan's placement is not a rectangular (pipe, data, model) grid."""
+
+
+class PlanGridTopology(PlanTopology):
+    """DeepSpeed's (pipe, data, model) grid with the plan's rank mapping.
+
+    ``PipelineParallelGrid`` reads the axes ``pipe``, ``data`` and ``model`` and
+    asserts that their product is the world size, so a training plan must put
+    every device in a stage and give every stage the same data and model sizes.
+    """
+
+    AXES = ["pipe", "data", "model"]
+
+    def __init__(self, plan: dict):
+        self.plan = plan
+        stages = sorted(plan["stages"], key=lambda s: s["index"])
+        if [s["index"] for s in stages] != list(range(len(stages))):
+            raise TopologyError(f"stage indices {[s['index'] for s in stages]} are not 0..{len(stages) - 1}")
+        coords, sizes = {}, set()
+        for st in stages:
+            shape = mesh_shape(st["mesh"])
+            axes = list(st.get("mesh_axes") or ())
+            k = axes.index("data") if "data" in axes else None
+            data = shape[k] if k is not None else 1
+            model = 1
+            for i, n in enumerate(shape):
+                if i != k:
+                    model *= n
+            sizes.add((data, model))
+            for d in mesh_devices(st["mesh"]):
+                pos = mesh_position(st["mesh"], d)
+                m = 0
+                for i, n in enumerate(shape):
+                    if i != k:
+                        m = m * n + pos[i]
+                coords[d] = (st["index"], pos[k] if k is not None else 0, m)
+        if len(sizes) != 1:
+            raise TopologyError(
+                "DeepSpeed's pipeline grid needs every stage to have the same data and model sizes; "
+                "the stages have (data, model) = " + ", ".join(
+                    f"stage {s['index']}: {self._sizes(s)}" for s in stages))
+        world = int(plan.get("cluster", {}).get("devices", len(coords)))
+        idle = sorted(set(range(world)) - set(coords))
+        if idle:
+            raise TopologyError(f"devices {idle} are in no stage; DeepSpeed's pipeline grid needs every rank "
+                                f"in a stage (pipe x data x model = world size) to train")
+        data, model = sizes.pop()
+        ProcessTopology.__init__(self, axes=list(self.AXES), dims=[len(stages), data, model])
+        self.mapping = {self.ProcessCoord(*c): r for r, c in sorted(coords.items())}
+
+    @staticmethod
+    def _sizes(st):
+        shape = mesh_shape(st["mesh"])
+        axes = list(st.get("mesh_axes") or ())
+        k = axes.index("data") if "data" in axes else None
+        data = shape[k] if k is not None else 1
+        total = 1
+        for n in shape:
+            total *= n
+        return (data, total // data)
