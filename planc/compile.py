@@ -199,6 +199,7 @@ def compile_program(program: ir.Program, probe: ModelProbe | None = None, second
         groups_used(transfers, program.cluster),
         groups_used(backward, program.cluster),
     )
+    backward_groups = _ordered_groups(groups_used(backward, program.cluster))
     c = program.cluster
     plan = {
         "format": FORMAT,
@@ -216,6 +217,8 @@ def compile_program(program: ir.Program, probe: ModelProbe | None = None, second
     if pj is not None:
         plan["placement"] = pj
     plan["groups"] = groups
+    if backward_groups:
+        plan["backward_groups"] = backward_groups
     plan["stage_mode"] = str(program.stage_mode)
     plan["stages"] = [
         {"index": s.index, "layers": list(s.layers) if s.layers else None, "devices": sorted(s.devices),

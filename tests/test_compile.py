@@ -63,6 +63,8 @@ def check_plan_json(plan: dict) -> None:
     assert len(groups) == len(plan["groups"]), "groups listed twice"
     assert all(list(g) == sorted(g) and len(g) > 1 for g in groups)
 
+    assert {tuple(g) for g in plan.get("backward_groups", ())} <= groups
+
     pl = plan.get("placement")
     if pl is not None:
         assert pl["coords"] == expected_coords(pl["matrix"], fan)

@@ -153,18 +153,37 @@ class GroupMissing(KeyError):
         return self.args[0] if self.args else "group missing"
 
 
+BACKWARD = "backward"
+
+
 def create_groups(plan: dict, timeout=None) -> dict:
-    """Create every group of plan["groups"], in order, on every rank."""
+    """Create every group of plan["groups"], in order, on every rank.
+
+    Then a second communicator for each member set in plan["backward_groups"]
+    (keyed ``("backward", *members)``): gradients flowing back never share a
+    communicator with activations flowing forward, so an eager schedule that
+    has both in flight cannot interleave them on one NCCL stream.
+    """
     timeout = timeout or collective_timeout()
     me = dist.get_rank()
     out = {}
-    for members in plan.get("groups", ()):
-        key = tuple(int(m) for m in members)
-        if key in out:
-            continue
-        pg = dist.new_group(ranks=list(key), timeout=timeout)
-        out[key] = pg if me in key else None
+    for prefix, lists in ((), plan.get("groups", ())), ((BACKWARD,), plan.get("backward_groups", ())):
+        for members in lists:
+            key = prefix + tuple(int(m) for m in members)
+            if key in out:
+                continue
+            pg = dist.new_group(ranks=list(key[len(prefix):]), timeout=timeout)
+            out[key] = pg if me in key[len(prefix):] else None
     return out
+
+
+def direction_groups(groups: dict, direction: str) -> dict:
+    """The groups as one direction sees them: backward prefers its own communicators."""
+    if direction != BACKWARD:
+        return groups
+    view = {k: v for k, v in groups.items() if not (k and k[0] == BACKWARD)}
+    view.update({k[1:]: v for k, v in groups.items() if k and k[0] == BACKWARD})
+    return view
 
 
 def lookup_group(groups: dict, members):

@@ -51,7 +51,7 @@ import torch.distributed as dist
 
 from .plan import PlanError, host_of, stage_layout
 from .regions import Layout, intersect, numel, to_local
-from .dist_util import all_gather_flat, lookup_group
+from .dist_util import all_gather_flat, direction_groups, lookup_group
 
 __all__ = ["TransferExecutor", "build_tasks", "tag_for", "DTYPES", "STRATEGIES"]
 
@@ -119,7 +119,7 @@ class TransferExecutor:
         self.name = transfer.get("name", "?")
         self.direction = direction
         self.rank = int(rank)
-        self.groups = groups
+        self.groups = direction_groups(groups, direction)
         if index is None:
             names = [t.get("name") for t in plan.get("transfers", ())]
             index = names.index(transfer.get("name")) if transfer.get("name") in names else 0
