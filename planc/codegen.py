@@ -21,6 +21,7 @@ from pathlib import Path
 import jinja2
 
 from planc import ir, resources
+from planc.lang.errors import Diagnostic, PlanError, Span
 
 __all__ = ["write_output", "templates_dir", "ds_config", "run_config", "CodegenError"]
 
@@ -28,8 +29,11 @@ _PKG = Path(__file__).resolve().parent
 RUNTIME_DIR = _PKG / "runtime"
 
 
-class CodegenError(ValueError):
-    """The plan's files cannot be laid out in an output directory."""
+class CodegenError(PlanError):
+    """The plan's files cannot be laid out in an output directory (a user error: exit 2, no traceback)."""
+
+    def __init__(self, message: str, file: str = "planc compile"):
+        super().__init__([Diagnostic(message, Span.unknown(file))])
 
 
 def templates_dir() -> Path:
@@ -76,7 +80,7 @@ def _merge(base: dict, extra: dict) -> dict:
 
 def ds_config(plan: dict, program: ir.Program) -> dict:
     train = program.train
-    data = _data_size(plan)
+    data = _data_size(plan) if program.model is not None else 1   # communication-only: no batches
     if train.micro_batch % data:
         raise CodegenError(f"train.micro_batch = {train.micro_batch} does not divide over data = {data}")
     opt_params = {"lr": train.optimizer.lr, **dict(train.optimizer.params)}
@@ -98,8 +102,14 @@ def ds_config(plan: dict, program: ir.Program) -> dict:
     if program.deepspeed_overrides:
         import yaml
         path = Path(program.source_dir) / program.deepspeed_overrides
-        with open(path) as f:
-            extra = yaml.safe_load(f) or {}
+        try:
+            extra = yaml.safe_load(path.read_text()) or {}
+        except OSError as e:
+            raise CodegenError(f"cannot read DeepSpeed overrides '{program.deepspeed_overrides}': {e.strerror or e}",
+                               program.source_path) from None
+        except yaml.YAMLError as e:
+            raise CodegenError(f"DeepSpeed overrides '{program.deepspeed_overrides}' are not valid YAML: "
+                               f"{str(e).splitlines()[0]}", program.source_path) from None
         if not isinstance(extra, dict):
             raise CodegenError(f"{path}: DeepSpeed overrides must be a mapping of config keys")
         cfg = _merge(cfg, extra)

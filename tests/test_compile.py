@@ -193,3 +193,16 @@ def test_compile_cli_writes_the_output(tmp_path):
     plan = json.loads((tmp_path / "out" / "plan.json").read_text())
     check_plan_json(plan)
     assert plan["stage_mode"] == "explicit" and "placement" not in plan and "pipeline" not in plan
+
+
+@pytest.mark.parametrize("content,needle", [(None, "cannot read DeepSpeed overrides 'ds.yaml'"),
+                                            ("a: [1,\n", "are not valid YAML"),
+                                            ("zero_optimization: {stage: 3}\n", "ZeRO stage 3 cannot run")])
+def test_bad_deepspeed_overrides_are_user_errors(tmp_path, content, needle):
+    p = _variant(tmp_path, "  synthesis  { max_size = 5 }", '  synthesis  { max_size = 5 }\n  deepspeed "ds.yaml"')
+    if content is not None:
+        (tmp_path / "ds.yaml").write_text(content)
+    r = subprocess.run([sys.executable, "-m", "planc", "compile", str(p), "--no-probe", "-o", str(tmp_path / "o")],
+                       capture_output=True, text=True)
+    assert r.returncode == 2, r.stderr
+    assert needle in r.stderr and "Traceback" not in r.stderr

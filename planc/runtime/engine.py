@@ -20,7 +20,6 @@ output of layer ``L`` (default: the stage's last layer).
 from __future__ import annotations
 
 import contextlib
-import os
 from collections import OrderedDict
 
 import torch
@@ -31,7 +30,9 @@ from deepspeed.runtime.pipe.engine import PipelineEngine
 from deepspeed.runtime.pipe.module import PipelineModule
 
 from .plan import PlanError, mesh_position, mesh_shape, stage_layout, stage_of
-from .regions import Layout, intersect, parse_spec, to_local
+from .reduce import ReductionExecutor
+from .regions import parse_spec
+from .reshard import TransferExecutor
 from .topology import PlanGridTopology
 
 __all__ = ["StageGraph", "PlanPipelineModule", "PlanSchedule", "PlanEngine", "EngineError",
@@ -145,122 +146,6 @@ def run_reference(layers, plan: dict, loss_fn, data_iter, micro_batches: int, st
         optimizer.zero_grad()
         losses.append(total)
     return losses
-
-
-# ---------------------------------------------------------------- transfers
-
-def _executor_classes():
-    """The planned executors (reshard.py, reduce.py) when present; else the built-in ones."""
-    if os.environ.get("PLANC_EXECUTORS") == "builtin":
-        return None, None
-    try:
-        from .reshard import TransferExecutor
-    except ImportError:
-        TransferExecutor = None
-    try:
-        from .reduce import ReductionExecutor
-    except ImportError:
-        ReductionExecutor = None
-    return TransferExecutor, ReductionExecutor
-
-
-class _RegionTransfer:
-    """Built-in cross-mesh transfer by point-to-point messages.
-
-    Every receiver gets each piece of its region from one holder, chosen round
-    robin over the holders of that piece; sends are isend (buffered), receives
-    block. ``direction="backward"`` moves gradients from the destination
-    layout back to every source holder.
-    """
-
-    def __init__(self, transfer: dict, plan: dict, rank: int, direction: str, tag: int):
-        src = stage_layout(plan, transfer["src"]["stage"])
-        dst = stage_layout(plan, transfer["dst"]["stage"])
-        shape = transfer["shape"]
-        a = Layout(shape, src["mesh"], transfer["src"]["spec"], src.get("mesh_axes"))
-        b = Layout(shape, dst["mesh"], transfer["dst"]["spec"], dst.get("mesh_axes"))
-        if direction == "backward":
-            a, b = b, a
-        self.rank, self.tag, self.dtype = rank, tag, DTYPES[transfer["dtype"]]
-        self.mine_src, self.mine_dst = a.region(rank), b.region(rank)
-        self.sends, self.recvs = [], []
-        holders: dict = {}
-        for d in a.devices:
-            holders.setdefault(a.region(d), []).append(d)
-        for r in b.devices:
-            want = b.region(r)
-            for reg, hs in holders.items():
-                piece = intersect(reg, want)
-                if piece is None:
-                    continue
-                k = sorted(x for x in b.devices if b.region(x) == want).index(r)
-                sender = hs[k % len(hs)]
-                if sender == rank:
-                    self.sends.append((r, piece))
-                if r == rank:
-                    self.recvs.append((sender, piece))
-        self.local_shape = None if self.mine_dst is None else tuple(y - x for x, y in self.mine_dst)
-
-    def send(self, local, micro_batch=0):
-        works = []
-        for r, piece in self.sends:
-            buf = local[to_local(piece, self.mine_src)].contiguous()
-            works.append((dist.isend(buf, r, tag=self.tag), buf))
-        return works
-
-    def recv(self, micro_batch=0):
-        out = torch.empty(self.local_shape, dtype=self.dtype)
-        pending = []
-        for sender, piece in self.recvs:
-            buf = torch.empty(tuple(y - x for x, y in piece), dtype=self.dtype)
-            pending.append((dist.irecv(buf, sender, tag=self.tag), buf, piece))
-        for work, buf, piece in pending:
-            work.wait()
-            out[to_local(piece, self.mine_dst)] = buf
-        return out
-
-
-class _ProgramReduction:
-    """Built-in executor of a lowered reduction program (DESIGN.md semantics), by all_reduce.
-
-    Each device tracks the interval of the flat buffer it holds; reduce_scatter
-    and all_gather are realized with all_reduce on the interval, which gloo
-    supports everywhere.
-    """
-
-    def __init__(self, reduction: dict, groups: dict, rank: int):
-        self.steps = []
-        for step in reduction["program"]["steps"]:
-            for members in step["groups"]:
-                if rank in members:
-                    key = tuple(sorted(members))
-                    self.steps.append((step["collective"], key, groups[key]))
-
-    def run(self, flat):
-        lo, hi = 0, flat.numel()
-        for coll, members, pg in self.steps:
-            k, r = len(members), members.index(dist.get_rank())
-            if coll == "allreduce":
-                dist.all_reduce(flat[lo:hi], group=pg)
-            elif coll == "reduce_scatter":
-                dist.all_reduce(flat[lo:hi], group=pg)
-                bounds = [lo + (hi - lo) * i // k for i in range(k + 1)]
-                lo, hi = bounds[r], bounds[r + 1]
-            elif coll == "all_gather":
-                n = (hi - lo) * k
-                start = lo - r * (hi - lo)
-                piece = flat[lo:hi].clone()
-                flat[start:start + n] = 0
-                flat[lo:hi] = piece
-                dist.all_reduce(flat[start:start + n], group=pg)
-                lo, hi = start, start + n
-            elif coll == "reduce":
-                dist.reduce(flat[lo:hi], dst=members[0], group=pg)
-            elif coll == "broadcast":
-                dist.broadcast(flat[lo:hi], src=members[0], group=pg)
-            else:
-                raise EngineError(f"unknown collective {coll!r}")
-        return flat
 
 
 # ---------------------------------------------------------------- schedule
@@ -470,19 +355,17 @@ class PlanEngine(PipelineEngine):
         self.incoming = self.graph.incoming(self.stage_id)
         self.outgoing = self.graph.outgoing(self.stage_id)
         self.data_iterator = data_iter if (self.is_first_stage() or self.is_last_stage()) else None
-        TE, RE = _executor_classes()
         self.executors = {}
         for i, t in enumerate(self.graph.transfers):
             if t["name"] not in self.incoming + self.outgoing:
                 continue
             for direction in ("forward", "backward"):
-                self.executors[(t["name"], direction)] = (
-                    TE(t, plan, groups, rank, direction, index=i, device=self.device) if TE
-                    else _RegionTransfer(t, plan, rank, direction, tag=2 * i + (direction == "backward")))
+                self.executors[(t["name"], direction)] = TransferExecutor(
+                    t, plan, groups, rank, direction, index=i, device=self.device)
         self.reduction, self.reduce_size = None, 1
         red = next((r for r in plan.get("reductions", ()) if r["name"] == "gradients"), None)
         if red is not None and any(rank in g for g in red["groups"]):
-            self.reduction = RE(red, groups, rank) if RE else _ProgramReduction(red, groups, rank)
+            self.reduction = ReductionExecutor(red, groups, rank)
             self.reduce_size = len(next(g for g in red["groups"] if rank in g))
         for key in ("grads", "losses"):   # _reserve_pipe_buffers extends every key
             self.pipe_buffers.setdefault(key, [None] * self.num_pipe_buffers)

@@ -19,9 +19,10 @@ import torch
 import torch.distributed as dist
 
 from .dist_util import init_distributed, startup_checks
-from .engine import (EngineError, PlanEngine, _executor_classes, _ProgramReduction, _RegionTransfer,
-                     check_stage_shapes, data_slice, plan_problems)
+from .engine import (EngineError, PlanEngine, check_stage_shapes, data_slice, plan_problems)
 from .plan import load_plan, plan_digest, stage_of
+from .reduce import ReductionExecutor
+from .reshard import TransferExecutor
 from .topology import create_groups
 
 
@@ -57,29 +58,62 @@ def _fail_together(problems: list[str]) -> None:
         raise EngineError("the plan cannot train:\n  " + "\n  ".join(dict.fromkeys(every)))
 
 
+def pattern(shape, region, dtype) -> torch.Tensor:
+    """A tensor's values over ``region``, a pure function of the global index (so any rank can predict them)."""
+    strides = [1] * len(shape)
+    for d in range(len(shape) - 2, -1, -1):
+        strides[d] = strides[d + 1] * int(shape[d + 1])
+    values = torch.zeros([b - a for a, b in region], dtype=torch.int64)
+    for d, (a, b) in enumerate(region):
+        view = [1] * len(region)
+        view[d] = b - a
+        values = values + (torch.arange(a, b, dtype=torch.int64) * strides[d]).view(view)
+    modulus = 2 if dtype == torch.bool else 127 if dtype in (torch.int8, torch.uint8) else 251
+    return (values % modulus).to(dtype)
+
+
 def comm_only(plan: dict, groups: dict, rank: int, steps: int) -> None:
-    """Run every transfer forward and every reduction once per step; rank 0 prints the times."""
-    TE, RE = _executor_classes()
+    """Run every transfer forward and every reduction once per step, and check every byte.
+
+    Source ranks send a known pattern; each destination rank compares what it
+    assembled with the pattern over its own region. Each reduction sums
+    ``rank + 1`` over its group. Any difference stops the run with the
+    transfer or reduction named; rank 0 prints the time per step.
+    """
+    stage = stage_of(plan, rank)
+    transfers = [(t, TransferExecutor(t, plan, groups, rank, "forward", index=i))
+                 for i, t in enumerate(plan.get("transfers", ()))]
+    reductions = [(r, ReductionExecutor(r, groups, rank), next(g for g in r["groups"] if rank in g))
+                  for r in plan.get("reductions", ()) if any(rank in g for g in r["groups"])]
     for step in range(steps):
+        problems = []
         dist.barrier()
         t0 = time.perf_counter()
-        for i, t in enumerate(plan.get("transfers", ())):
-            ex = TE(t, plan, groups, rank, "forward") if TE else _RegionTransfer(t, plan, rank, "forward", 2 * i)
+        for t, ex in transfers:
             works = []
-            if stage_of(plan, rank) == t["src"]["stage"]:
-                held = getattr(ex, "my_src", None) or getattr(ex, "mine_src", None)
-                works = ex.send(torch.randn(tuple(b - a for a, b in held)), micro_batch=step)
-            if stage_of(plan, rank) == t["dst"]["stage"]:
-                ex.recv(micro_batch=step)
+            if stage == t["src"]["stage"] and ex.my_src is not None:
+                works = ex.send(pattern(t["shape"], ex.my_src, ex.dtype), micro_batch=step)
+            if stage == t["dst"]["stage"] and ex.my_dst is not None:
+                got = ex.recv(micro_batch=step)
+                if not torch.equal(got, pattern(t["shape"], ex.my_dst, ex.dtype)):
+                    problems.append(f"rank {rank}: transfer {t['name']!r} delivered wrong data for region {ex.my_dst}")
             for w in works or ():
                 (w[0] if isinstance(w, tuple) else w).wait()
-        for r in plan.get("reductions", ()):
-            if any(rank in g for g in r["groups"]):
-                n = max(1, int(r.get("bytes", 4)) // 4)
-                (RE(r, groups, rank) if RE else _ProgramReduction(r, groups, rank)).run(torch.ones(n))
+        for r, ex, group in reductions:
+            n = max(1, int(r.get("bytes", 4)) // 4)
+            out = ex.run(torch.full((n,), float(rank + 1)))
+            if not torch.all(out == float(sum(g + 1 for g in group))):
+                problems.append(f"rank {rank}: reduction {r['name']!r} over {group} gave a wrong sum")
         dist.barrier()
+        elapsed = time.perf_counter() - t0
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, problems)
+        every = [p for ps in gathered for p in ps]
+        if every:
+            raise EngineError("communication check failed:\n  " + "\n  ".join(every))
         if rank == 0:
-            print(f"step {step} comm {time.perf_counter() - t0:.6f} s", flush=True)
+            print(f"step {step} comm {elapsed:.6f} s (verified {len(transfers)} transfer(s), "
+                  f"{len(plan.get('reductions', ()))} reduction(s))", flush=True)
 
 
 def main(argv=None, out_dir: str | None = None) -> int:
