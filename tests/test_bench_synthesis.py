@@ -7,10 +7,10 @@ def test_run_renders_one_row_per_case():
     cases = synthesis.CASES[:3]
     table = synthesis.run(cases)
     lines = table.splitlines()
-    assert lines[0] == "| hierarchy | axes | matrices | programs | time |"
+    assert lines[0] == "| hierarchy | axes | matrices | programs | slowest synthesis (factors) | placement + synthesis |"
     assert len(lines) == 2 + len(cases)
     assert lines[2].startswith("| P² Fig. 2: rack 1 × server 2 × cpu 2 × gpu 4 | data 4 × param 4 (reduce data) | 4 ")
-    assert all(l.count("|") == 6 and l.endswith(" s |") for l in lines[2:])
+    assert all(l.count("|") == 7 and l.endswith(" s |") for l in lines[2:])
 
 
 def test_cases_cover_the_p2_systems_and_512_devices():

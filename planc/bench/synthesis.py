@@ -69,18 +69,46 @@ def _programs(program: ir.Program, placement, grad_bytes: int) -> str:
     return " + ".join(str(p.candidates) for p in plans)
 
 
+def _slowest_synthesis(program: ir.Program, reduce_over, limit: int = 600) -> tuple[float, tuple[int, ...]]:
+    """P²'s measure: synthesis alone with empty caches, for every distinct synthesis hierarchy
+    among the first ``limit`` matrices; returns the slowest (seconds, factors)."""
+    import importlib
+    import itertools
+
+    from planc.placement.matrices import enumerate_matrices
+    from planc.reduction import matrix_positions
+    syn = importlib.import_module("planc.reduction.synthesize")   # the module (the package re-exports the function)
+
+    fanouts, sizes = program.cluster.fanouts, tuple(a.size for a in program.parallel.axes)
+    shapes = {}
+    for matrix in itertools.islice(enumerate_matrices(fanouts, sizes), limit):
+        for axis in reduce_over:
+            hierarchy, _ = matrix_positions(program.cluster, matrix, program.parallel.axis_names(), (axis,))
+            shapes.setdefault(hierarchy.factors, hierarchy)
+    worst = (0.0, ())
+    for factors, hierarchy in sorted(shapes.items()):
+        syn._named.cache_clear()
+        syn._synthesize.cache_clear()
+        start = time.perf_counter()
+        syn.synthesize(hierarchy, program.synthesis.max_size, program.synthesis.collectives)
+        worst = max(worst, (time.perf_counter() - start, factors))
+    return worst
+
+
 def run(cases: tuple[Case, ...] = CASES) -> str:
-    rows = ["| hierarchy | axes | matrices | programs | time |", "|---|---|---|---|---|"]
+    rows = ["| hierarchy | axes | matrices | programs | slowest synthesis (factors) | placement + synthesis |",
+            "|---|---|---|---|---|---|"]
     for case in cases:
         program = program_for(case)
         start = time.perf_counter()
         placement = place(program, {0: case.grad_bytes})
         programs = _programs(program, placement, case.grad_bytes)
         seconds = time.perf_counter() - start
+        slowest, factors = _slowest_synthesis(program, case.reduce_over)
         fanouts = " × ".join(f"{n} {f}" for n, f, _, _ in case.levels)
         axes = " × ".join(f"{n} {s}" for n, s in case.axes) + " (reduce " + ", ".join(case.reduce_over) + ")"
         matrices = f"{placement.candidates} ({placement.search}, {placement.evaluated} costed)"
-        rows.append(f"| {case.label}: {fanouts} | {axes} | {matrices} | {programs} | {seconds:.3f} s |")
+        rows.append(f"| {case.label}: {fanouts} | {axes} | {matrices} | {programs} | {slowest:.3f} s ({'×'.join(map(str, factors))}) | {seconds:.3f} s |")
     return "\n".join(rows) + "\n"
 
 
