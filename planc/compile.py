@@ -125,6 +125,9 @@ def check_against_model(program: ir.Program, probe: ModelProbe) -> None:
 def check_trainable(program: ir.Program, stages: tuple[ir.StageLayout, ...]) -> None:
     """What the training runtime supports today; communication-only plans have no such limits."""
     errs = []
+    if program.train.precision is not ir.Precision.FP32:
+        errs.append(Diagnostic(f"training in {program.train.precision} is not yet supported by the planc runtime "
+                               "(fp32 only); use precision = fp32", program.model.span))
     sizes = {len(s.devices) for s in stages}
     if len(sizes) > 1:
         desc = ", ".join(f"stage {s.index} has {len(s.devices)}" for s in stages)

@@ -206,3 +206,31 @@ def test_bad_deepspeed_overrides_are_user_errors(tmp_path, content, needle):
                        capture_output=True, text=True)
     assert r.returncode == 2, r.stderr
     assert needle in r.stderr and "Traceback" not in r.stderr
+
+
+HIER = "reduce_scatter(slice=node, form=inside); allreduce(slice=node, form=parallel(root)); all_gather(slice=node, form=inside)"
+
+
+def test_auto_placement_honours_a_pinned_program(tmp_path):
+    """place = auto only ranks matrices under which the pinned program is valid, costed as pinned."""
+    p = _variant(tmp_path, "reduce gradients over data                 # synthesized reduction program",
+                 f"reduce gradients over data using {HIER}")
+    text = p.read_text().replace("pipe = 2", "pipe = 2").replace("data = 2", "data = 4").replace(
+        "    tensor = 2\n", "").replace("reduce tensor_traffic over tensor : f32[1048576]", "")
+    p.write_text(text.replace("as S0 R R to stage 1 as S0 R R", "as S0 R R to stage 1 as S0 R R"))
+    c = compile_file(p, probe=False)
+    pl = c.plan_json["placement"]
+    assert pl["matrix"][1] == [2, 2]                     # data spans node and gpu: the program needs both
+    assert all(r["matrix"][1] == [2, 2] for r in pl["ranked"])
+    red = c.plan_json["reductions"][0]
+    assert red["program"]["text"] == HIER
+    assert pl["ranked"][0]["breakdown"]["reduce gradients"] == pytest.approx(red["program"]["predicted"], rel=1e-9) \
+        or red["bytes"] == 0
+    check_plan_json(c.plan_json)
+
+
+def test_half_precision_training_is_not_yet_supported(tmp_path):
+    p = _variant(tmp_path, "precision = fp32", "precision = bf16")
+    with pytest.raises(PlanError) as e:
+        compile_file(p, probe=False)
+    assert "training in bf16 is not yet supported" in e.value.render()

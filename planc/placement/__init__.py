@@ -99,8 +99,10 @@ class _Costing:
         self.fanouts = program.cluster.fanouts
         self.names = program.parallel.axis_names()
         self.sizes = tuple(a.size for a in program.parallel.axes)
-        from planc.reduction import best_time  # imported here: planc.reduction may import placement
+        from planc.reduction import best_time, pinned_time  # imported here: planc.reduction may import placement
         self.best_time = best_time
+        self.pinned_time = pinned_time
+        self.honour_pinned = True
         self.net = Network(program.cluster)
         self.reductions = []
         for red in program.reductions:
@@ -110,7 +112,8 @@ class _Costing:
             if red.mode is ir.ReductionMode.ALLREDUCE:
                 # A one-instruction program of allreduce is exactly the flat AllReduce.
                 syn = ir.Synthesis(max_size=1, collectives=(ir.Collective.ALLREDUCE,))
-            self.reductions.append((red.name, tuple(red.axes), _reduction_bytes(red, param_bytes), syn))
+            pinned = red.program if red.mode is ir.ReductionMode.PROGRAM else None
+            self.reductions.append((red.name, tuple(red.axes), _reduction_bytes(red, param_bytes), syn, pinned))
         self.cache: dict[Matrix, float] = {}
         self.parts: dict[Matrix, tuple[tuple[str, float], ...]] = {}
 
@@ -119,8 +122,15 @@ class _Costing:
         if hit is not None:
             return hit
         parts = []
-        for name, axes, nbytes, syn in self.reductions:
-            parts.append((f"reduce {name}", self.best_time(self.cluster, matrix, self.names, axes, nbytes, syn)))
+        for name, axes, nbytes, syn, pinned in self.reductions:
+            if pinned is not None and self.honour_pinned:
+                t = self.pinned_time(self.cluster, matrix, self.names, axes, pinned, nbytes)
+                if t is None:           # the pinned program is not valid under this matrix
+                    self.cache[matrix] = math.inf
+                    return math.inf
+            else:
+                t = self.best_time(self.cluster, matrix, self.names, axes, nbytes, syn)
+            parts.append((f"reduce {name}", t))
         if self.program.transfers:
             coords = coords_for(matrix, self.fanouts, self.sizes)
             parts.append(("transfers", self.transfer_time(stage_layouts(self.program, coords))))
@@ -159,7 +169,8 @@ class _Costing:
 
 
 def _rank(evaluated: dict[Matrix, float]) -> tuple[tuple[Matrix, float], ...]:
-    best = sorted(evaluated.items(), key=lambda kv: (kv[1], kv[0]))
+    """Best first, at most MAX_RANKED; matrices that cannot run a pinned program are left out."""
+    best = sorted(((m, t) for m, t in evaluated.items() if math.isfinite(t)), key=lambda kv: (kv[1], kv[0]))
     return tuple(best[:MAX_RANKED])
 
 
@@ -209,7 +220,11 @@ def place(program: ir.Program, param_bytes: dict[int, int] | None = None, *,
         if problems:
             raise PlanError([Diagnostic(f"the pinned placement matrix is not valid: {p}", par.span)
                              for p in problems])
-        ranked = ((matrix, cost(matrix)),)
+        t = cost(matrix)
+        if not math.isfinite(t):    # the reduction pass explains why the pinned program cannot run here
+            cost.honour_pinned, cost.cache = False, {}
+            t = cost(matrix)
+        ranked = ((matrix, t),)
         search, evaluated = "pinned", 1
     else:
         if candidates == 0:
@@ -221,6 +236,12 @@ def place(program: ir.Program, param_bytes: dict[int, int] | None = None, *,
             table = _beam(cost, fanouts, sizes, beam_width)
             search = "beam"
         ranked = _rank(table)
+        if not ranked:
+            # no matrix admits the pinned program(s): rank as if synthesized, and let the
+            # reduction pass explain, for the best matrix, which step fails and why
+            cost.honour_pinned, cost.cache = False, {}
+            table = {mx: cost(mx) for mx in table}
+            ranked = _rank(table)
         matrix = ranked[0][0]
         evaluated = len(table)
 

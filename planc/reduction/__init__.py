@@ -195,6 +195,35 @@ def best_time(cluster: ir.Cluster, matrix: Sequence[Sequence[int]], axis_names: 
     return min(a * nbytes + b for a, b in coeffs)
 
 
+def _groups_of(positions) -> Groups:
+    by_gid: dict[int, list[int]] = {}
+    for d, (gid, _) in positions.items():
+        by_gid.setdefault(gid, []).append(d)
+    return tuple(sorted(tuple(sorted(g)) for g in by_gid.values()))
+
+
+@lru_cache(maxsize=4096)
+def _pinned_costs(cluster: ir.Cluster, matrix, axis_names, reduction_axes, program: tuple[ir.Instruction, ...]):
+    hier, positions = matrix_positions(cluster, matrix, axis_names, reduction_axes)
+    if hier.size < 2:
+        return (0.0, 0.0)
+    try:
+        steps = lower_program(program, hier, positions)
+    except (LoweringError, KeyError, ValueError):
+        return None
+    if check.check_program([(str(c), g) for c, g in steps], _groups_of(positions)) is not None:
+        return None
+    return _program_coefficients(Network(cluster), hier, positions, (program,), {})[0]
+
+
+def pinned_time(cluster: ir.Cluster, matrix: Sequence[Sequence[int]], axis_names: Sequence[str],
+                reduction_axes: Sequence[str], program: Sequence[ir.Instruction], nbytes: float) -> float | None:
+    """Predicted time of a pinned program under a matrix; None when it is not valid there."""
+    coeffs = _pinned_costs(cluster, tuple(tuple(r) for r in matrix), tuple(axis_names), tuple(reduction_axes),
+                           tuple(program))
+    return None if coeffs is None else coeffs[0] * nbytes + coeffs[1]
+
+
 # ---------------------------------------------------------------- one reduction
 
 def _invalid(reduction: ir.Reduction, reason: str, hint: str | None = None) -> PlanError:

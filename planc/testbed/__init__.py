@@ -1,0 +1,29 @@
+"""An emulated cluster on one machine: network namespaces joined by a bridge, host links shaped by ``tc``.
+
+Public API::
+
+    Testbed(hosts, link_mbit, *, subnet=None, burst_kb=None, prefix=None)
+        context manager (root only). ``__enter__`` creates, ``__exit__`` removes
+        everything it created, also when the body raises or is interrupted.
+        .namespaces     host namespace names, host h → namespaces[h]
+        .bridge_ns      the namespace holding the bridge
+        .addresses      host h's address (on its veth ``IFNAME`` only)
+        .ifname         the veth inside every host namespace (GLOO_SOCKET_IFNAME)
+        .exec(h, argv, **subprocess kwargs)    run a command inside host h's namespace
+        .launch(out, steps=..., timeout=...) -> LaunchResult
+                        run a compiled output's ranks (host h's ranks in namespace h)
+                        with ``train.py --comm-only``; every process is killed on timeout
+    LaunchResult        returncode, stdout (rank 0), logs (per rank), step_times, timed_out
+    available() -> str | None      why a testbed cannot be built here (None: it can)
+    cleanup_stale() -> list[str]   remove testbed namespaces left by processes that died
+    scaled_link_mbit(plan, intra_bytes_per_s=3e9) -> float
+                        the host-link rate that keeps the plan's host/in-host bandwidth ratio
+
+See docs/testbed.md.
+"""
+
+from planc.testbed.netns import (IFNAME, LaunchResult, Testbed, TestbedError, available, cleanup_stale,
+                                 scaled_link_mbit)
+
+__all__ = ["Testbed", "TestbedError", "LaunchResult", "IFNAME", "available", "cleanup_stale",
+           "scaled_link_mbit"]
