@@ -346,3 +346,17 @@ def test_large_system_plans_quickly():
     cl = ir.Cluster((ir.Level("node", 512, 25 * GB, 1e-5), ir.Level("gpu", 8, 300 * GB, 1e-6)), "node")
     t = best_time(cl, ((64, 1), (8, 8)), ("data", "tensor"), ("data",), 1e9)
     assert t > 0
+
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+
+@settings(max_examples=60, deadline=None)
+@given(factors=st.lists(st.integers(2, 3), min_size=1, max_size=3).filter(lambda f: math.prod(f) <= 12),
+       size=st.integers(1, 3),
+       colls=st.lists(st.sampled_from(tuple(C)), min_size=1, max_size=5, unique=True))
+def test_pruned_synthesis_equals_brute_force_on_random_hierarchies(factors, size, colls):
+    hier = Hierarchy(tuple((f"l{i}", f) for i, f in enumerate(factors)))
+    colls = tuple(c for c in C if c in colls)
+    assert set(synthesize(hier, size, colls)) == brute_force(hier, size, colls)
