@@ -1,4 +1,4 @@
-"""planc command line: compile | check | explain | bench.
+"""planc command line: compile | check | explain | bench | testbed.
 
 User errors (PlanError) print as file:line:col with the source line and a caret
 run, and exit 2. Anything else is a bug in planc: one line and exit 3, the
@@ -70,6 +70,53 @@ def _cmd_bench(args) -> int:
     return 0
 
 
+def _cmd_testbed(args) -> int:
+    import json
+    import signal
+
+    from planc.testbed import Testbed, available, cleanup_stale, scaled_link_mbit
+
+    if args.action == "down":
+        removed = cleanup_stale()
+        print(f"removed {len(removed)} stale testbed namespace(s)" + (": " + " ".join(removed) if removed else ""))
+        return 0
+    if not args.target:
+        print(f"planc testbed {args.action}: needs {'a PLAN' if args.action == 'up' else 'a compiled output folder'}",
+              file=sys.stderr)
+        return EXIT_USER
+    why = available()
+    if why:
+        print(f"planc testbed: {why}", file=sys.stderr)
+        return EXIT_USER
+    if args.action == "up":
+        from planc.compile import compile_file
+
+        plan = compile_file(Path(args.target), probe=False).plan_json
+    else:
+        plan = json.loads((Path(args.target) / "plan.json").read_text())
+    hosts = len(plan["cluster"]["hosts"])
+    mbit = args.link_mbit or scaled_link_mbit(plan)
+    with Testbed(hosts, mbit) as tb:
+        print(f"testbed: {hosts} host namespace(s) {' '.join(tb.namespaces)} on bridge {tb.bridge_ns}, "
+              f"{tb.subnet}, host links {mbit:g} Mbit/s")
+        if args.action == "up":
+            print("run a command in host h: ip netns exec NAMESPACE ...; Ctrl-C removes everything", flush=True)
+            try:
+                signal.pause()
+            except KeyboardInterrupt:
+                pass
+            return 0
+        r = tb.launch(args.target, steps=args.steps, timeout=args.timeout)
+        print(r.stdout, end="")
+        if r.returncode:
+            bad = next((k for k, v in sorted(r.logs.items()) if k and v.strip() and "Error" in v), None)
+            if bad is not None:
+                print(f"--- rank {bad} ---\n{r.logs[bad][-3000:]}", file=sys.stderr)
+            print(f"planc testbed: launch {'timed out' if r.timed_out else f'failed ({r.returncode})'}",
+                  file=sys.stderr)
+        return r.returncode
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="planc", description="Compile distributed training plans (.plan) into launchable DeepSpeed programs.")
     p.add_argument("--version", action="version", version=f"planc {__version__}")
@@ -94,9 +141,21 @@ def build_parser() -> argparse.ArgumentParser:
     c.set_defaults(func=_cmd_explain)
 
     c = sub.add_parser("bench", help="run a benchmark and print its table")
-    c.add_argument("what", choices=["synthesis", "resharding"])
+    from planc.bench import BENCHES
+    c.add_argument("what", choices=list(BENCHES))
     c.add_argument("--write", metavar="FILE", help="also write the table into FILE (e.g. docs/benchmarks.md)")
     c.set_defaults(func=_cmd_bench)
+
+    c = sub.add_parser("testbed", help="emulated cluster: network namespaces + tc shaping (root; docs/testbed.md)")
+    c.add_argument("action", choices=["up", "run", "down"],
+                   help="up PLAN: build and hold until Ctrl-C; run OUT: launch a compiled output's ranks "
+                        "(--comm-only) inside; down: remove namespaces left by dead testbeds")
+    c.add_argument("target", nargs="?", help="PLAN (up) or compiled output folder (run)")
+    c.add_argument("--link-mbit", type=float, default=None,
+                   help="host link rate (default: the plan's host/in-host bandwidth ratio scaled to 3 GB/s)")
+    c.add_argument("--steps", type=int, default=3)
+    c.add_argument("--timeout", type=float, default=300.0, help="seconds before every rank is killed")
+    c.set_defaults(func=_cmd_testbed)
     return p
 
 

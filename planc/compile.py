@@ -187,7 +187,7 @@ def compile_program(program: ir.Program, probe: ModelProbe | None = None, second
         edges = tuple((t.src_stage, t.dst_stage) for t in program.transfers)
         pipeline = build_pipeline(program.train.schedule, len(stages), program.train.micro_batches, edges)
 
-    red_json = [r.to_json() for r in reductions]
+    red_json = [dict(r.to_json(), mode=str(red.mode)) for r, red in zip(reductions, program.reductions)]
     tr_json = [t.to_json() for t in transfers]
     for fwd, t in zip(tr_json, program.transfers):
         src = program.stage(t.src_stage)

@@ -64,14 +64,14 @@ def train_and_compare(tmp_path, plan_path, ranks):
             torch.testing.assert_close(v, ref_state[k], rtol=1e-5, atol=atol, msg=f"rank {rank} {k}")
         seen.update(mine)
     assert seen == set(ref_state), "some parameters are held by no rank"
-    return plan
+    return plan, r.stdout
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "eager_1f1b"])
 def test_gpt_2x4_schedules_match_reference(tmp_path, schedule):
     """plans/gpt-2x4.plan: pipe 2 x data 2 x tensor 2 on 2 hosts of 4, synthesized program."""
-    plan = train_and_compare(tmp_path, variant(tmp_path, "gpt-2x4.plan", schedule), 8)
+    plan, stdout = train_and_compare(tmp_path, variant(tmp_path, "gpt-2x4.plan", schedule), 8)
     assert plan["pipeline"]["schedule"] == schedule
 
 
@@ -82,18 +82,19 @@ def test_gpt_hierarchical_program_matches_reference(tmp_path):
         (r"place = auto[^\n]*", "place = [[1, 2], [2, 2]]"),
         (r"reduce gradients over data[^\n]*", HIER),
         (r"\n\s*reduce tensor_traffic over tensor[^\n]*(\n\s*#[^\n]*)*", "")])
-    plan = train_and_compare(tmp_path, path, 8)
+    plan, stdout = train_and_compare(tmp_path, path, 8)
     steps = plan["reductions"][0]["program"]["steps"]
     assert [s["collective"] for s in steps] == ["reduce_scatter", "allreduce", "all_gather"]
     hosts = [set(h) for h in plan["cluster"]["hosts"]]
     assert all(any(set(g) <= h for h in hosts) for g in steps[0]["groups"])       # inside a node
     assert all(not any(set(g) <= h for h in hosts) for g in steps[1]["groups"])   # across nodes
+    assert f"gradients: planc program {plan['reductions'][0]['program']['text']}" in stdout
 
 
 @pytest.mark.slow
 def test_unet_skips_match_reference(tmp_path):
     """plans/unet-skip.plan as bundled: 3 stages, skips from stage 0 to stage 2, eager_1f1b."""
-    plan = train_and_compare(tmp_path, variant(tmp_path, "unet-skip.plan"), 6)
+    plan, stdout = train_and_compare(tmp_path, variant(tmp_path, "unet-skip.plan"), 6)
     assert {(t["src"]["stage"], t["dst"]["stage"]) for t in plan["transfers"]} >= {(0, 2)}
 
 
@@ -101,8 +102,9 @@ def test_unet_skips_match_reference(tmp_path):
 def test_unet_using_allreduce_matches_reference(tmp_path):
     path = variant(tmp_path, "unet-skip.plan", "1f1b",
                    edits=[(r"reduce gradients over data[^\n]*", "reduce gradients over data using allreduce")])
-    plan = train_and_compare(tmp_path, path, 6)
+    plan, stdout = train_and_compare(tmp_path, path, 6)
     assert plan["reductions"][0]["program"]["text"] == "allreduce(slice=root, form=inside)"
+    assert "gradients: DeepSpeed's data-parallel all-reduce" in stdout
 
 
 @pytest.mark.slow

@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib
 from pathlib import Path
 
-BENCHES = ("synthesis", "resharding")
+BENCHES = ("synthesis", "resharding", "testbed")
 
 
 def run_bench(name: str, write: str | None = None) -> str:

@@ -364,7 +364,13 @@ class PlanEngine(PipelineEngine):
                     t, plan, groups, rank, direction, index=i, device=self.device)
         self.reduction, self.reduce_size = None, 1
         red = next((r for r in plan.get("reductions", ()) if r["name"] == "gradients"), None)
-        if red is not None and any(rank in g for g in red["groups"]):
+        # `using allreduce` keeps DeepSpeed's own data-parallel all-reduce, when its groups are the plan's
+        self.deepspeed_reduce = red is not None and red.get("mode") == "allreduce" and (
+            {tuple(g) for g in red["groups"]}
+            == {tuple(sorted(g)) for g in self._topo.get_axis_comm_lists("data") if len(g) > 1})
+        self.reduce_description = ("none" if red is None else "DeepSpeed's data-parallel all-reduce"
+                                   if self.deepspeed_reduce else f"planc program {red['program']['text']}")
+        if red is not None and any(rank in g for g in red["groups"]) and not self.deepspeed_reduce:
             self.reduction = ReductionExecutor(red, groups, rank)
             self.reduce_size = len(next(g for g in red["groups"] if rank in g))
         for key in ("grads", "losses"):   # _reserve_pipe_buffers extends every key
@@ -468,6 +474,9 @@ class PlanEngine(PipelineEngine):
         """The plan's reduction program on one flat gradient buffer, then / data-parallel size."""
         self._wait_sends()
         self.pipe_buffers["inputs"] = [None] * self.num_pipe_buffers
+        if self.deepspeed_reduce:
+            PipelineEngine._exec_reduce_grads(self)
+            return
         params = [p for p in self.module.parameters() if p.requires_grad]
         if self.reduction is None or not params:
             return

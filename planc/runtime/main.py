@@ -163,6 +163,8 @@ def main(argv=None, out_dir: str | None = None) -> int:
     _fail_together(problems)
 
     engine = PlanEngine.build(plan, groups, layers, loss_fn, batches(micro_batch, seed, **model_args), ds_config)
+    if rank == 0:
+        print(f"gradients: {engine.reduce_description}", flush=True)
     for step in range(steps):
         loss = engine.train_batch()
         if rank == 0:

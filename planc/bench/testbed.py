@@ -1,0 +1,162 @@
+"""`planc bench testbed`: strategies and reduction programs measured on an emulated cluster.
+
+Two network namespaces (hosts) of 4 gloo ranks each, host links shaped to
+400 Mbit/s (50 MB/s) by tc; inside a host ranks talk over the namespace's own
+stack (≈ 3 GB/s, DESIGN.md). The plans below declare exactly these bandwidths,
+so the cost model's predictions and the measured times are in the same units.
+Every case is compiled by planc, launched with ``train.py --comm-only`` inside
+one testbed (all cases side by side, one after the other) and timed by the
+program itself; every byte moved is checked by it.
+
+Needs root and iproute2 (``ip``, ``tc``); otherwise ``run()`` returns a note
+saying why it was skipped.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+HOSTS, PER_HOST, LINK_MBIT = 2, 4, 400.0
+STEPS = 4                  # step 0 warms up; the median of steps 1..3 is reported
+STRATEGIES = ("send_recv", "local_allgather", "global_allgather", "broadcast")
+
+CLUSTER = """
+  cluster {
+    level node x 2 : bandwidth 50 MB/s, latency 100 us
+    level gpu  x 4 : bandwidth 3 GB/s,  latency 20 us
+  }
+"""
+
+TRANSFERS = {
+    # 16 MB from one device on host 0 to a (1,4) mesh on host 1, replicated on every receiver
+    "1 -> (1,4)  R R -> R R": """
+plan tb_fanout {{{CLUSTER}
+  stage 0 on devices 0..1 as (1, 1)
+  stage 1 on devices 4..8 as (1, 4)
+  transfer x : f32[1024, 4096] from stage 0 as R R to stage 1 as R R
+  resharding {{ strategy = {STRATEGY}, chunks = 32, schedule = load_balance }}
+}}
+""",
+    # n-to-m between two (2,2) meshes on different hosts, sharded along different dimensions
+    "(2,2) -> (2,2)  R S0 -> S0 R": """
+plan tb_n2m {{{CLUSTER}
+  stage 0 on devices 0..4 as (2, 2)
+  stage 1 on devices 4..8 as (2, 2)
+  transfer x : f32[1024, 4096] from stage 0 as R S0 to stage 1 as S0 R
+  resharding {{ strategy = {STRATEGY}, chunks = 32, schedule = load_balance }}
+}}
+""",
+}
+
+HIERARCHICAL = ("reduce_scatter(slice=node, form=inside); allreduce(slice=node, form=parallel(root)); "
+                "all_gather(slice=node, form=inside)")
+PROGRAMS = {"allreduce (flat)": "allreduce", "hierarchical": HIERARCHICAL}
+REDUCTION = """
+plan tb_reduce {{{CLUSTER}
+  stage 0 on devices 0..8 as (data = 8)
+  reduce grads over data using {PROGRAM} : f32[4194304]
+}}
+"""
+
+
+def _why_skipped() -> str | None:
+    from planc.testbed import available
+    return available()
+
+
+def _compile(text: str, out: Path) -> dict:
+    from planc.codegen import write_output
+    from planc.compile import compile_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    src = out.with_suffix(".plan")
+    src.write_text(text)
+    compiled = compile_file(src, probe=False)
+    write_output(compiled.plan_json, compiled.program, out)
+    return compiled.plan_json
+
+
+def _cases(tmp: Path) -> list[dict]:
+    cases = []
+    for i, (name, tmpl) in enumerate(TRANSFERS.items()):
+        for strategy in STRATEGIES:
+            text = tmpl.format(CLUSTER=CLUSTER.rstrip(), STRATEGY=strategy)
+            out = tmp / f"t{i}_{strategy}"
+            plan = _compile(text, out)
+            t = plan["transfers"][0]
+            assert t["strategy"] == strategy, (t["strategy"], strategy)
+            cases.append({"kind": "transfer", "case": name, "what": strategy, "out": out,
+                          "predicted": float(t["makespan"]), "bound": float(t["lower_bound"])})
+    for label, program in PROGRAMS.items():
+        text = REDUCTION.format(CLUSTER=CLUSTER.rstrip(), PROGRAM=program)
+        out = tmp / f"r_{label.split()[0]}"
+        plan = _compile(text, out)
+        r = plan["reductions"][0]
+        cases.append({"kind": "reduction", "case": "8 ranks, 16 MB f32", "what": label,
+                      "text": r["program"]["text"], "out": out, "predicted": float(r["program"]["predicted"])})
+    return cases
+
+
+def _fmt(x: float | None, digits: int = 3) -> str:
+    return "—" if x is None else f"{x:.{digits}f}"
+
+
+def measure(steps: int = STEPS, timeout: float = 120) -> list[dict]:
+    """Compile every case and run it on one testbed; adds ``measured`` (median s/step) or ``error``."""
+    from planc.testbed import Testbed
+
+    with tempfile.TemporaryDirectory(prefix="planc-bench-testbed-") as tmp:
+        cases = _cases(Path(tmp))
+        with Testbed(HOSTS, LINK_MBIT) as tb:
+            for c in cases:
+                r = tb.launch(c["out"], steps=steps, timeout=timeout)
+                times = r.step_times[1:] if len(r.step_times) > 1 else r.step_times
+                if r.returncode != 0 or not times:
+                    c["measured"], c["error"] = None, f"failed ({'timeout' if r.timed_out else r.returncode})"
+                else:
+                    c["measured"] = statistics.median(times)
+                c["launch_s"] = r.seconds
+                c.pop("out")
+    return cases
+
+
+def table(cases: list[dict]) -> str:
+    lines = ["| case | strategy / program | measured s/step | ÷ baseline (measured) | predicted s | "
+             "÷ baseline (predicted) | lower bound s |",
+             "|---|---|---|---|---|---|---|"]
+    for c in cases:
+        base_name = "send_recv" if c["kind"] == "transfer" else "allreduce (flat)"
+        base = next(b for b in cases if b["case"] == c["case"] and b["what"] == base_name)
+        mr = c["measured"] / base["measured"] if c.get("measured") and base.get("measured") else None
+        pr = c["predicted"] / base["predicted"] if base["predicted"] else None
+        measured = c.get("error") or _fmt(c["measured"])
+        what = c["what"] if c["kind"] == "transfer" else f"{c['what']}: `{c['text']}`"
+        lines.append(f"| {c['case']} | {what} | {measured} | {_fmt(mr, 2)} | {_fmt(c['predicted'])} | "
+                     f"{_fmt(pr, 2)} | {_fmt(c.get('bound'))} |")
+    return "\n".join(lines)
+
+
+def run() -> str:
+    why = _why_skipped()
+    if why:
+        return f"_Skipped: {why}. The testbed needs root and iproute2 (`ip`, `tc`); see docs/testbed.md._\n"
+    import torch
+
+    t0 = time.monotonic()
+    cases = measure()
+    took = time.monotonic() - t0
+    head = (f"Testbed: {HOSTS} hosts × {PER_HOST} gloo ranks, host links {LINK_MBIT:g} Mbit/s (tbf, each "
+            f"direction); measured = median of steps 1–{STEPS - 1} as `train.py --comm-only` prints them "
+            f"(pattern generation and the byte-for-byte check included); baseline = send_recv for transfers, "
+            f"flat allreduce for reductions. Machine: {os.cpu_count()} CPU cores ({platform.machine()}), "
+            f"Python {platform.python_version()}, torch {torch.__version__}; the whole bench took {took:.0f} s.")
+    return head + "\n\n" + table(cases) + "\n"
+
+
+if __name__ == "__main__":   # pragma: no cover
+    print(run())

@@ -1,0 +1,360 @@
+"""Network namespaces, a bridge, veth pairs and tc shaping; launching a compiled output's ranks inside them.
+
+Everything lives in namespaces this module creates: one per host (``<prefix>h<i>``)
+and one for the bridge (``<prefix>br``). Nothing is added to, or changed in, the
+machine's own (root) namespace: veth pairs are created inside the bridge
+namespace with their peer placed directly in the host namespace, so no
+interface, address or route of the machine is ever touched. Removing the
+namespaces removes every interface, address, route and qdisc with them.
+"""
+
+from __future__ import annotations
+
+import atexit
+import ipaddress
+import itertools
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+IFNAME = "tb0"                  # the veth inside every host namespace
+BRIDGE = "br0"                  # the bridge inside the bridge namespace
+NAME_RE = re.compile(r"^planc(\d+)t(\d+)(?:h\d+|br)$")
+STEP_RE = re.compile(r"step (\d+) comm ([0-9.]+) s \(verified")
+_counter = itertools.count()
+
+
+class TestbedError(RuntimeError):
+    """The testbed could not be built, or a launch inside it failed."""
+
+    __test__ = False   # not a pytest class
+
+
+def available() -> str | None:
+    """Why a testbed cannot be built here, or None when it can."""
+    if os.name != "posix" or not sys.platform.startswith("linux"):
+        return "network namespaces need Linux"
+    if os.geteuid() != 0:
+        return "not root (network namespaces, veth and tc need root)"
+    for tool in ("ip", "tc"):
+        if shutil.which(tool) is None:
+            return f"`{tool}` (iproute2) is not installed"
+    return None
+
+
+def _run(argv: list[str], check: bool = True, timeout: float = 30) -> subprocess.CompletedProcess:
+    r = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
+    if check and r.returncode != 0:
+        raise TestbedError(f"`{' '.join(argv)}` failed ({r.returncode}): {r.stderr.strip() or r.stdout.strip()}")
+    return r
+
+
+def _netns_list() -> list[str]:
+    r = _run(["ip", "netns", "list"], check=False)
+    return [line.split()[0] for line in r.stdout.splitlines() if line.strip()]
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _kill_netns_pids(ns: str) -> None:
+    """Kill what still runs inside ``ns`` (only processes this testbed launched can be there)."""
+    r = _run(["ip", "netns", "pids", ns], check=False)
+    for tok in r.stdout.split():
+        try:
+            os.kill(int(tok), signal.SIGKILL)
+        except (ValueError, ProcessLookupError, PermissionError):
+            pass
+
+
+def _delete_netns(ns: str) -> None:
+    _kill_netns_pids(ns)
+    _run(["ip", "netns", "del", ns], check=False)
+
+
+def cleanup_stale() -> list[str]:
+    """Remove testbed namespaces (``planc<pid>t<n>h<i>`` / ``...br``) whose creating process is gone."""
+    removed = []
+    for ns in _netns_list():
+        m = NAME_RE.match(ns)
+        if m and not _pid_alive(int(m.group(1))):
+            _delete_netns(ns)
+            removed.append(ns)
+    return removed
+
+
+def _used_networks() -> list[ipaddress.IPv4Network]:
+    """Networks routed or addressed in the root namespace (so ours never overlaps them)."""
+    nets = []
+    for argv in (["ip", "-4", "route", "show", "table", "all"], ["ip", "-4", "-o", "addr", "show"]):
+        out = _run(argv, check=False).stdout
+        for tok in re.findall(r"\b(\d+\.\d+\.\d+\.\d+(?:/\d+)?)\b", out):
+            try:
+                nets.append(ipaddress.ip_network(tok, strict=False))
+            except ValueError:
+                pass
+    return nets
+
+
+def _pick_subnet() -> ipaddress.IPv4Network:
+    used = _used_networks()
+    start = os.getpid() % 200
+    for i in range(254):
+        n = 1 + (start + i) % 254
+        net = ipaddress.ip_network(f"10.213.{n}.0/24")
+        if not any(net.overlaps(u) for u in used if u.prefixlen > 0):
+            return net
+    raise TestbedError("no free /24 in 10.213.0.0/16 on this machine")
+
+
+def scaled_link_mbit(plan: dict, intra_bytes_per_s: float = 3e9) -> float:
+    """The host-link rate (Mbit/s) that keeps the plan's host-level ÷ innermost-level bandwidth ratio,
+    given the testbed's in-namespace rate (DESIGN.md measured ≈ 3 GB/s)."""
+    levels = plan["cluster"]["levels"]
+    host = plan["cluster"].get("host_level") or levels[0]["name"]
+    host_bw = next(float(lv["bandwidth"]) for lv in levels if lv["name"] == host)
+    inner_bw = float(levels[-1]["bandwidth"])
+    return intra_bytes_per_s * host_bw / inner_bw * 8 / 1e6
+
+
+@dataclass
+class LaunchResult:
+    returncode: int                       # 0 when every rank exited 0; 124 on timeout
+    stdout: str                           # rank 0's output (stdout and stderr)
+    logs: dict[int, str] = field(default_factory=dict)
+    step_times: list[float] = field(default_factory=list)
+    timed_out: bool = False
+    seconds: float = 0.0
+
+    def check(self) -> "LaunchResult":
+        if self.returncode != 0:
+            bad = next((r for r, text in sorted(self.logs.items()) if "Error" in text or "error" in text), 0)
+            what = "timed out" if self.timed_out else f"exited {self.returncode}"
+            raise TestbedError(f"launch {what}; rank {bad}'s output ends:\n{self.logs.get(bad, '')[-3000:]}")
+        return self
+
+
+class Testbed:
+    """``hosts`` network namespaces on one bridge, each host's link shaped to ``link_mbit`` per direction.
+
+    Ranks inside one namespace talk over its own stack (loopback path); between
+    namespaces traffic crosses the host's veth (shaped on the way out) and the
+    bridge port towards the receiver (shaped on the way in), so a host's link
+    is ``link_mbit`` in each direction, as in the cost model's tree of links.
+    """
+
+    __test__ = False   # not a pytest class
+
+    def __init__(self, hosts: int, link_mbit: float, *, subnet: str | None = None,
+                 burst_kb: float | None = None, latency_ms: float = 50.0, prefix: str | None = None):
+        if hosts < 1 or hosts > 250:
+            raise ValueError(f"hosts must be 1..250, not {hosts}")
+        if link_mbit <= 0:
+            raise ValueError(f"link_mbit must be positive, not {link_mbit}")
+        self.hosts = hosts
+        self.link_mbit = float(link_mbit)
+        self.prefix = prefix or f"planc{os.getpid()}t{next(_counter)}"
+        if prefix is not None and not NAME_RE.match(prefix + "br"):
+            raise ValueError(f"prefix {prefix!r} must look like planc<pid>t<n>")
+        self.namespaces = [f"{self.prefix}h{h}" for h in range(hosts)]
+        self.bridge_ns = f"{self.prefix}br"
+        self.ifname = IFNAME
+        self._subnet = ipaddress.ip_network(subnet) if subnet else None
+        # tbf needs a bucket of at least one (GSO) packet; ~2 ms of traffic, at least 64 KB
+        self.burst_bytes = int((burst_kb * 1024) if burst_kb else max(64 * 1024, self.link_mbit * 1e6 / 8 * 0.002))
+        self.latency_ms = latency_ms
+        self.addresses: list[str] = []
+        self._created: list[str] = []
+        self._lock = threading.Lock()
+        self._procs: list[subprocess.Popen] = []
+        self._ports = itertools.count(29500)
+        self._old_sigterm = None
+        self.up = False
+
+    # -- building and removing -------------------------------------------------
+    def __enter__(self) -> "Testbed":
+        why = available()
+        if why:
+            raise TestbedError(f"cannot build a testbed: {why}")
+        atexit.register(self.close)
+        if threading.current_thread() is threading.main_thread():
+            # SIGTERM → SystemExit, so __exit__ (and the cleanup) runs
+            self._old_sigterm = signal.signal(signal.SIGTERM, _sigterm_to_exit)
+        try:
+            self._build()
+        except BaseException:
+            self.close()
+            raise
+        self.up = True
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _ns_add(self, ns: str) -> None:
+        if ns in _netns_list():
+            raise TestbedError(f"network namespace {ns} already exists (run `planc testbed down`)")
+        _run(["ip", "netns", "add", ns])
+        self._created.append(ns)
+
+    def _build(self) -> None:
+        net = self._subnet or _pick_subnet()
+        self.subnet = str(net)
+        hosts_ip = list(net.hosts())
+        self.addresses = [str(hosts_ip[h]) for h in range(self.hosts)]
+        br = self.bridge_ns
+        self._ns_add(br)
+        _run(["ip", "-n", br, "link", "set", "lo", "up"])
+        _run(["ip", "-n", br, "link", "add", BRIDGE, "type", "bridge"])
+        _run(["ip", "-n", br, "link", "set", BRIDGE, "up"])
+        rate = f"{self.link_mbit:g}mbit"
+        tbf = ["tbf", "rate", rate, "burst", str(self.burst_bytes), "latency", f"{self.latency_ms:g}ms"]
+        for h, ns in enumerate(self.namespaces):
+            self._ns_add(ns)
+            port = f"p{h}"
+            # both ends are born inside our namespaces: nothing appears in the machine's own
+            _run(["ip", "-n", br, "link", "add", port, "type", "veth", "peer", "name", IFNAME, "netns", ns])
+            _run(["ip", "-n", br, "link", "set", port, "master", BRIDGE])
+            _run(["ip", "-n", br, "link", "set", port, "up"])
+            _run(["ip", "-n", ns, "link", "set", "lo", "up"])
+            _run(["ip", "-n", ns, "addr", "add", f"{self.addresses[h]}/{net.prefixlen}", "dev", IFNAME])
+            _run(["ip", "-n", ns, "link", "set", IFNAME, "up"])
+            _run(["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", IFNAME, "root", *tbf])   # host → bridge
+            _run(["ip", "netns", "exec", br, "tc", "qdisc", "add", "dev", port, "root", *tbf])     # bridge → host
+
+    def close(self) -> None:
+        """Kill what was launched, delete every namespace created (idempotent, never raises)."""
+        with self._lock:
+            for p in self._procs:
+                _killpg(p)
+            self._procs.clear()
+            for ns in reversed(self._created):
+                try:
+                    _delete_netns(ns)
+                except Exception:   # keep removing the rest
+                    pass
+            self._created.clear()
+            self.up = False
+        try:
+            atexit.unregister(self.close)
+        except Exception:
+            pass
+        if self._old_sigterm is not None and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, self._old_sigterm)
+            self._old_sigterm = None
+
+    # -- running inside --------------------------------------------------------
+    def exec(self, host: int, argv: list[str], **kwargs) -> subprocess.CompletedProcess:
+        """Run ``argv`` inside host ``host``'s namespace (subprocess.run keyword arguments pass through)."""
+        kwargs.setdefault("capture_output", True)
+        kwargs.setdefault("text", True)
+        kwargs.setdefault("timeout", 60)
+        return subprocess.run(["ip", "netns", "exec", self.namespaces[host], *argv], **kwargs)
+
+    def launch(self, out: str | os.PathLike, steps: int = 3, timeout: float = 300, *,
+               args: tuple[str, ...] = ("--comm-only",), env: dict | None = None,
+               python: str | None = None, grace: float = 15.0) -> LaunchResult:
+        """Run OUT/train.py's ranks: plan host h's ranks in namespace h, gloo over the veth.
+
+        Every rank gets RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR
+        (host 0's address), MASTER_PORT, GLOO_SOCKET_IFNAME, DS_ACCELERATOR=cpu,
+        PLANC_BACKEND=gloo, OMP_NUM_THREADS=1. After ``timeout`` seconds (or
+        ``grace`` seconds after a rank fails) every rank's process group is killed.
+        """
+        if not self.up:
+            raise TestbedError("the testbed is not up (use it as a context manager)")
+        out = Path(out).resolve()
+        plan = json.loads((out / "plan.json").read_text())
+        hosts = [sorted(int(r) for r in h) for h in plan["cluster"]["hosts"]]
+        if len(hosts) > self.hosts:
+            raise TestbedError(f"the plan has {len(hosts)} hosts, the testbed {self.hosts}")
+        world = int(plan["cluster"]["devices"])
+        base = {k: v for k, v in os.environ.items()
+                if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")}
+        python = python or sys.executable
+        base.update(DS_ACCELERATOR="cpu", PLANC_BACKEND="gloo", OMP_NUM_THREADS="1", PYTHONPATH="",
+                    PLANC_COLLECTIVE_TIMEOUT_S=str(int(max(30, timeout))),
+                    PATH=str(Path(python).parent) + os.pathsep + os.environ.get("PATH", ""),
+                    MASTER_ADDR=self.addresses[0], MASTER_PORT=str(next(self._ports)),
+                    WORLD_SIZE=str(world), GLOO_SOCKET_IFNAME=IFNAME)
+        base.update(env or {})
+        logdir = Path(tempfile.mkdtemp(prefix="planc-testbed-"))
+        procs: dict[int, subprocess.Popen] = {}
+        files = {}
+        t0 = time.monotonic()
+        timed_out = False
+        try:
+            for h, ranks in enumerate(hosts):
+                for local, rank in enumerate(ranks):
+                    e = dict(base, RANK=str(rank), LOCAL_RANK=str(local), LOCAL_WORLD_SIZE=str(len(ranks)))
+                    f = open(logdir / f"rank{rank}.log", "w")
+                    files[rank] = f
+                    p = subprocess.Popen(["ip", "netns", "exec", self.namespaces[h], python, str(out / "train.py"),
+                                          *args, "--steps", str(steps)],
+                                         env=e, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                         cwd=str(out), start_new_session=True)
+                    procs[rank] = p
+                    with self._lock:
+                        self._procs.append(p)
+            deadline = t0 + timeout
+            failed_at = None
+            while any(p.poll() is None for p in procs.values()):
+                now = time.monotonic()
+                if failed_at is None and any(p.returncode not in (None, 0) for p in procs.values()):
+                    failed_at = now
+                if now > deadline or (failed_at is not None and now > failed_at + grace):
+                    timed_out = now > deadline
+                    break
+                time.sleep(0.05)
+        finally:
+            for p in procs.values():
+                if p.poll() is None:
+                    _killpg(p)
+            for p in procs.values():
+                try:
+                    p.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    pass
+            for f in files.values():
+                f.close()
+            with self._lock:
+                self._procs = [p for p in self._procs if p not in procs.values()]
+        logs = {r: (logdir / f"rank{r}.log").read_text(errors="replace") for r in procs}
+        shutil.rmtree(logdir, ignore_errors=True)
+        codes = [procs[r].returncode for r in sorted(procs)]
+        rc = 124 if timed_out else next((c for c in codes if c != 0), 0)
+        stdout = logs.get(0, "")
+        steps_seen = [float(m.group(2)) for m in STEP_RE.finditer(stdout)]
+        return LaunchResult(rc, stdout, logs, steps_seen, timed_out, time.monotonic() - t0)
+
+
+def _killpg(p: subprocess.Popen) -> None:
+    if p.poll() is not None:
+        return
+    try:
+        os.killpg(p.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        try:
+            p.kill()
+        except ProcessLookupError:
+            pass
+
+
+def _sigterm_to_exit(signum, frame):
+    raise SystemExit(128 + signum)

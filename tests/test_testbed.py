@@ -1,0 +1,138 @@
+"""The testbed (network namespaces + tc): what it creates, that it removes all of it, and a
+comm-only launch inside it. Needs root and iproute2; skipped otherwise. No timing assertions."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from planc.testbed import IFNAME, Testbed, available
+
+pytestmark = pytest.mark.skipif(available() is not None, reason=f"testbed unavailable: {available()}")
+
+
+def _sh(*argv: str) -> str:
+    return subprocess.run(argv, capture_output=True, text=True, timeout=30).stdout
+
+
+def _root_state() -> tuple[str, str, str]:
+    """The machine's own interfaces, addresses and routes (the testbed must leave them alone)."""
+    links = re.sub(r"\s+", " ", " ".join(sorted(
+        line.split(":")[1].strip() for line in _sh("ip", "-o", "link", "show").splitlines())))
+    return links, _sh("ip", "-o", "addr", "show"), _sh("ip", "route", "show", "table", "all")
+
+
+def _leftovers(prefix: str) -> list[str]:
+    names = [n for n in _sh("ip", "netns", "list").split() if n.startswith(prefix)]
+    names += [l for l in _sh("ip", "-o", "link", "show").splitlines() if prefix in l]
+    return names
+
+
+SERVER = textwrap.dedent("""
+    import socket, sys
+    s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.bind((sys.argv[1], 5011)); s.listen(1); s.settimeout(20)
+    c, peer = s.accept(); c.sendall(b"hello " + peer[0].encode()); c.close()
+""")
+CLIENT = textwrap.dedent("""
+    import socket, sys, time
+    for _ in range(100):
+        try:
+            c = socket.create_connection((sys.argv[1], 5011), timeout=2); break
+        except ConnectionRefusedError:
+            time.sleep(0.05)
+    print(c.recv(100).decode())
+""")
+PROBE = textwrap.dedent("""
+    import socket, sys
+    try:
+        socket.create_connection((sys.argv[1], 22), timeout=2); print("reached")
+    except OSError as e:
+        print("unreachable", e.errno)
+""")
+
+
+def test_namespaces_links_shaping_and_cleanup():
+    before = _root_state()
+    root_addrs = [a.split("/")[0] for a in re.findall(r"inet (\S+)", _sh("ip", "-4", "-o", "addr", "show"))
+                  if not a.startswith("127.")]
+    with Testbed(2, 100) as tb:
+        prefix = tb.prefix
+        assert set(tb.namespaces) | {tb.bridge_ns} <= set(_sh("ip", "netns", "list").split())
+        for h in range(2):
+            addrs = re.findall(r"inet (\S+)", tb.exec(h, ["ip", "-4", "-o", "addr", "show"]).stdout)
+            assert sorted(addrs) == sorted(["127.0.0.1/8", f"{tb.addresses[h]}/24"])
+            assert tb.addresses[h].startswith("10.213.")
+            links = tb.exec(h, ["ip", "-o", "link", "show"]).stdout
+            assert "lo:" in links and "LOWER_UP" in links.split("lo:")[1].splitlines()[0]
+            assert f"{IFNAME}@" in links
+            qdisc = tb.exec(h, ["tc", "qdisc", "show", "dev", IFNAME]).stdout
+            assert "tbf" in qdisc and "100Mbit" in qdisc, qdisc
+        bridge_qdisc = _sh("ip", "netns", "exec", tb.bridge_ns, "tc", "qdisc", "show")
+        assert bridge_qdisc.count("tbf") == 2, bridge_qdisc
+        # host 0 reaches host 1 on its created address...
+        srv = subprocess.Popen(["ip", "netns", "exec", tb.namespaces[1], sys.executable, "-c", SERVER,
+                                tb.addresses[1]], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            r = tb.exec(0, [sys.executable, "-c", CLIENT, tb.addresses[1]], timeout=30)
+            assert r.stdout.strip() == f"hello {tb.addresses[0]}", r.stderr
+        finally:
+            srv.kill()
+            srv.wait()
+        # ...and nothing of the machine's own
+        for a in root_addrs:
+            r = tb.exec(0, [sys.executable, "-c", PROBE, a], timeout=30)
+            assert r.stdout.startswith("unreachable"), (a, r.stdout, r.stderr)
+        assert _root_state() == before          # nothing created in the root namespace
+    assert _leftovers(prefix) == []
+    assert _root_state() == before
+
+
+def test_cleanup_when_the_body_raises():
+    before = _root_state()
+    with pytest.raises(RuntimeError, match="boom"):
+        with Testbed(2, 50) as tb:
+            prefix = tb.prefix
+            assert _leftovers(prefix)
+            raise RuntimeError("boom")
+    assert _leftovers(prefix) == []
+    assert _root_state() == before
+
+
+TINY = """
+plan tb_tiny {
+  cluster {
+    level node x 2 : bandwidth 10 MB/s, latency 100 us
+    level gpu  x 2 : bandwidth 3 GB/s,  latency 20 us
+  }
+  stage 0 on devices 0..2 as (data = 2)
+  stage 1 on devices 2..4 as (data = 2)
+  transfer a : f32[8, 6]  from stage 0 as S0 R to stage 1 as R R
+  transfer b : i32[4, 10] from stage 1 as R R  to stage 0 as R S0
+  reduce g over data : f32[256]
+  resharding { strategy = broadcast, chunks = 2 }
+}
+"""
+
+
+def test_comm_only_plan_runs_inside_the_testbed(tmp_path):
+    from planc.codegen import write_output
+    from planc.compile import compile_file
+
+    src = tmp_path / "tiny.plan"
+    src.write_text(TINY)
+    c = compile_file(src, probe=False)
+    out = tmp_path / "out"
+    write_output(c.plan_json, c.program, out)
+    with Testbed(2, 80) as tb:
+        prefix = tb.prefix
+        r = tb.launch(out, steps=2, timeout=90)
+    assert r.returncode == 0, "\n".join(f"rank {k}: {v[-1500:]}" for k, v in r.logs.items())
+    lines = re.findall(r"step \d+ comm [0-9.]+ s \(verified 2 transfer\(s\), 1 reduction\(s\)\)", r.stdout)
+    assert len(lines) == 2, r.stdout[-2000:]
+    assert len(r.step_times) == 2
+    assert _leftovers(prefix) == []
