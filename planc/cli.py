@@ -49,6 +49,11 @@ def _cmd_compile(args) -> int:
     out = Path(args.output) if args.output else Path("build") / compiled.program.name
     write_output(compiled.plan_json, compiled.program, out)
     print(f"wrote {out}/ ({compiled.describe()})")
+    if compiled.untrainable:
+        print(PlanError(list(compiled.untrainable), {str(src): src.read_text()}).render(), file=sys.stderr)
+        print(f"planc: this plan cannot train yet; {out}/ runs its communication only: "
+              f"bash {out}/launch.sh --comm-only", file=sys.stderr)
+        return EXIT_USER
     print(f"launch: bash {out}/launch.sh    (or: deepspeed {out}/train.py, see {out}/README.md)")
     return 0
 

@@ -80,7 +80,8 @@ def _merge(base: dict, extra: dict) -> dict:
 
 def ds_config(plan: dict, program: ir.Program) -> dict:
     train = program.train
-    data = _data_size(plan) if program.model is not None else 1   # communication-only: no batches
+    trainable = program.model is not None and (plan.get("train") or {}).get("trainable", True)
+    data = _data_size(plan) if trainable else 1   # communication-only: no batches to split
     if train.micro_batch % data:
         raise CodegenError(f"train.micro_batch = {train.micro_batch} does not divide over data = {data}")
     opt_params = {"lr": train.optimizer.lr, **dict(train.optimizer.params)}

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 import subprocess
 import sys
@@ -21,7 +20,7 @@ from pathlib import Path
 
 from planc import __version__, ir
 from planc.lang import load
-from planc.lang.errors import Diagnostic, PlanError, Span
+from planc.lang.errors import Diagnostic, PlanError
 from planc.pipeline.schedules import build as build_pipeline
 from planc.placement import place
 from planc.reduction import plan_reductions
@@ -51,6 +50,7 @@ class ModelProbe:
 class CompiledPlan:
     program: ir.Program
     plan_json: dict
+    untrainable: tuple[Diagnostic, ...] = ()   # why training is not supported yet (comm-only still works)
 
     def describe(self) -> str:
         p = self.plan_json
@@ -122,8 +122,12 @@ def check_against_model(program: ir.Program, probe: ModelProbe) -> None:
         raise PlanError(errs)
 
 
-def check_trainable(program: ir.Program, stages: tuple[ir.StageLayout, ...]) -> None:
-    """What the training runtime supports today; communication-only plans have no such limits."""
+def check_trainable(program: ir.Program, stages: tuple[ir.StageLayout, ...]) -> tuple[Diagnostic, ...]:
+    """Why the training runtime cannot train this plan yet (empty: it can).
+
+    Such a plan still compiles: its output runs with ``--comm-only``, and
+    ``planc compile`` reports these as errors (exit 2) after writing it.
+    """
     errs = []
     if program.train.precision is not ir.Precision.FP32:
         errs.append(Diagnostic(f"training in {program.train.precision} is not yet supported by the planc runtime "
@@ -144,13 +148,16 @@ def check_trainable(program: ir.Program, stages: tuple[ir.StageLayout, ...]) -> 
                     f"transfer '{t.name}': training needs each device's {side} shard to be its data-parallel slice "
                     f"({ir.ShardingSpec(want)} on stage {st_index}), got {spec}; other specs are supported in "
                     "communication-only plans", t.span))
+    for t in program.transfers:
+        if t.src_stage > t.dst_stage:
+            errs.append(Diagnostic(f"transfer '{t.name}' goes from stage {t.src_stage} back to stage {t.dst_stage}; "
+                                   "training needs activations to flow to later stages", t.span))
     for s in program.stages[1:]:
         if not any(t.dst_stage == s.index and t.src_stage == s.index - 1 for t in program.transfers):
             errs.append(Diagnostic(f"stage {s.index} receives no activation from stage {s.index - 1}; declare "
                                    f"'transfer NAME : DTYPE[...] from stage {s.index - 1} as ... to stage {s.index} as ...'",
                                    s.span))
-    if errs:
-        raise PlanError(errs)
+    return tuple(errs)
 
 
 # ---------------------------------------------------------------- the passes
@@ -176,15 +183,14 @@ def compile_program(program: ir.Program, probe: ModelProbe | None = None, second
     param_bytes = probe.stage_param_bytes(program.stages, program.train.precision) if probe else None
     placement = place(program, param_bytes)
     stages = placement.stages
-    if program.model is not None:
-        check_trainable(program, stages)
+    untrainable = check_trainable(program, stages) if program.model is not None else ()
     reductions = plan_reductions(program, placement.coords, stages, placement.matrix, param_bytes)
     transfers = plan_transfers(program, stages)
     backward = plan_transfers(dataclasses.replace(program, transfers=tuple(_reverse(t) for t in program.transfers)),
                               stages) if program.model is not None else ()
     pipeline = None
     if program.model is not None:
-        edges = tuple((t.src_stage, t.dst_stage) for t in program.transfers)
+        edges = None if untrainable else tuple((t.src_stage, t.dst_stage) for t in program.transfers)
         pipeline = build_pipeline(program.train.schedule, len(stages), program.train.micro_batches, edges)
 
     red_json = [dict(r.to_json(), mode=str(red.mode)) for r, red in zip(reductions, program.reductions)]
@@ -234,7 +240,10 @@ def compile_program(program: ir.Program, probe: ModelProbe | None = None, second
     if pipeline is not None:
         plan["pipeline"] = pipeline.to_json()
     plan["train"] = _train_json(program, probe)
-    return CompiledPlan(program, plan)
+    if plan["train"] is not None:
+        plan["train"]["trainable"] = not untrainable
+        plan["train"]["not_trainable_because"] = [d.message for d in untrainable]
+    return CompiledPlan(program, plan, untrainable)
 
 
 def _as_lists(x):

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from planc import codegen, ir
+from planc import codegen
 from planc.lang import load
 
 sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))

@@ -52,7 +52,6 @@ def assert_valid(cl, src, dst, plans):
 # ---------------------------------------------------------------- unit tasks
 
 def test_unit_tasks_alpacomm_figure2_like():
-    cl = cluster(2, 4)
     src, dst = layout(0, (2, 2), range(4)), layout(1, (2, 2), range(4, 8))
     tasks = unit_tasks((4, 4), src, ShardingSpec.parse("S0 S1"), dst, ShardingSpec.parse("S0 R"))
     assert [t.slice for t in tasks] == [((0, 2), (0, 2)), ((0, 2), (2, 4)), ((2, 4), (0, 2)), ((2, 4), (2, 4))]

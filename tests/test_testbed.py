@@ -92,15 +92,32 @@ def test_namespaces_links_shaping_and_cleanup():
     assert _root_state() == before
 
 
-def test_cleanup_when_the_body_raises():
+@pytest.mark.parametrize("error", [RuntimeError, KeyboardInterrupt])
+def test_cleanup_when_the_body_raises(error):
     before = _root_state()
-    with pytest.raises(RuntimeError, match="boom"):
+    with pytest.raises(error, match="boom"):
         with Testbed(2, 50) as tb:
             prefix = tb.prefix
             assert _leftovers(prefix)
-            raise RuntimeError("boom")
+            raise error("boom")
     assert _leftovers(prefix) == []
     assert _root_state() == before
+
+
+def test_cleanup_stale_removes_only_dead_testbeds():
+    from planc.testbed import cleanup_stale
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    stale = f"planc{dead.pid}t0h0"
+    subprocess.run(["ip", "netns", "add", stale], check=True)
+    with Testbed(1, 50) as tb:
+        try:
+            removed = cleanup_stale()
+        finally:
+            subprocess.run(["ip", "netns", "del", stale], capture_output=True)
+        assert stale in removed
+        assert tb.namespaces[0] in _sh("ip", "netns", "list").split()   # a live testbed is kept
 
 
 TINY = """

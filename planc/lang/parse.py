@@ -212,7 +212,6 @@ class _ToAst(Transformer):
     def cluster_inline(self, meta, *items):
         levels: list[ast.LevelDecl] = []
         host = None
-        pending: list = []
         errors = []
         for it in items:
             if isinstance(it, ast.LevelDecl):

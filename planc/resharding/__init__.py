@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from planc import ir
 from planc.ir import Cluster, SchedulerKind, StageLayout, Strategy, Transfer
 from planc.resharding.bounds import lower_bound
-from planc.resharding.schedulers import Job, Schedule, makespan
+from planc.resharding.schedulers import Job, Schedule
 from planc.resharding.strategies import build_jobs, choose_strategy, run_scheduler
 from planc.resharding.tiles import UnitTask, unit_tasks
 
