@@ -68,8 +68,16 @@ def _cmd_explain(args) -> int:
 
 
 def _cmd_bench(args) -> int:
+    import os
+
     from planc.bench import run_bench
 
+    if args.write:
+        folder = Path(args.write).resolve().parent
+        if not folder.is_dir() or not os.access(folder, os.W_OK):
+            print(f"planc bench: cannot write {args.write}: folder {folder} does not exist or is not writable",
+                  file=sys.stderr)
+            return EXIT_USER
     text = run_bench(args.what, write=args.write)
     print(text)
     return 0
@@ -98,7 +106,14 @@ def _cmd_testbed(args) -> int:
 
         plan = compile_file(Path(args.target), probe=False).plan_json
     else:
-        plan = json.loads((Path(args.target) / "plan.json").read_text())
+        path = Path(args.target) / "plan.json"
+        try:
+            plan = json.loads(path.read_text())
+            hosts = len(plan["cluster"]["hosts"])
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            print(f"planc testbed run: {args.target} is not a compiled output folder (its plan.json: "
+                  f"{getattr(e, 'strerror', None) or e})", file=sys.stderr)
+            return EXIT_USER
     hosts = len(plan["cluster"]["hosts"])
     mbit = args.link_mbit or scaled_link_mbit(plan)
     with Testbed(hosts, mbit) as tb:

@@ -9,7 +9,7 @@
 The same inputs give byte-identical files: JSON with fixed key order and
 indentation, templates rendered with StrictUndefined, files copied in sorted
 order. Templates come from the checkout's top-level ``templates/`` or, in an
-installed wheel, from ``planc/_data/templates``.
+installed wheel, from ``<prefix>/share/planc/templates`` (``planc.resources``).
 """
 from __future__ import annotations
 
@@ -25,8 +25,6 @@ from planc.lang.errors import Diagnostic, PlanError, Span
 
 __all__ = ["write_output", "templates_dir", "ds_config", "run_config", "CodegenError"]
 
-_PKG = Path(__file__).resolve().parent
-RUNTIME_DIR = _PKG / "runtime"
 
 
 class CodegenError(PlanError):
@@ -161,7 +159,15 @@ def _dump(data) -> str:
 
 
 def write_output(plan: dict, program: ir.Program, out_dir) -> Path:
-    out = Path(out_dir)
+    """Write OUT/; a folder that cannot be written is a user error naming it."""
+    try:
+        return _write_output(plan, program, Path(out_dir))
+    except OSError as e:
+        raise CodegenError(f"cannot write the output folder {out_dir}: {e.strerror or e}"
+                           + (f" ({e.filename})" if e.filename else "")) from None
+
+
+def _write_output(plan: dict, program: ir.Program, out: Path) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     plan = {k: v for k, v in plan.items() if not k.startswith("_")}
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(templates_dir())),
@@ -202,7 +208,7 @@ def write_output(plan: dict, program: ir.Program, out_dir) -> Path:
     if rt.exists():
         shutil.rmtree(rt)
     rt.mkdir()
-    for src in sorted(RUNTIME_DIR.glob("*.py")):
+    for src in sorted(resources.runtime_dir().glob("*.py")):
         shutil.copyfile(src, rt / src.name)
     for name, src in sorted(code.items()):
         if not src.is_file():

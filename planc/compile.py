@@ -138,6 +138,20 @@ def check_trainable(program: ir.Program, stages: tuple[ir.StageLayout, ...]) -> 
         errs.append(Diagnostic("training with stages of different device counts is not yet supported "
                                f"({desc}); drop the model to compile a communication-only plan",
                                program.stages[0].span))
+    else:
+        # DeepSpeed's pipeline grid is pipe x data x model: every stage needs the same split
+        def split(st: ir.StageLayout) -> tuple[int, int]:
+            data = st.shape[st.axes.index("data")] if "data" in st.axes else 1
+            return data, len(st.devices) // data
+        if len({split(st) for st in stages}) > 1:
+            desc = ", ".join(f"stage {st.index}: {split(st)}" for st in stages)
+            errs.append(Diagnostic("training needs every stage to have the same (data, other) mesh sizes for "
+                                   f"DeepSpeed's pipeline grid; the stages have {desc}", program.stages[0].span))
+    idle = sorted(set(range(program.cluster.devices)) - {d for st in stages for d in st.devices})
+    if idle:
+        shown = ", ".join(map(str, idle[:8])) + (", ..." if len(idle) > 8 else "")
+        errs.append(Diagnostic(f"training needs every device in a stage, but devices {shown} are in none "
+                               "(DeepSpeed's pipeline grid spans the whole world)", program.stages[0].span))
     for t in program.transfers:
         for side, st_index, spec in (("source", t.src_stage, t.src_spec), ("destination", t.dst_stage, t.dst_spec)):
             st = next(s for s in stages if s.index == st_index)

@@ -12,7 +12,7 @@ _CHECKOUT = Path(__file__).resolve().parent.parent
 
 def _find(folder: str) -> Path:
     candidates = [_CHECKOUT / folder]
-    for prefix in {sys.prefix, sysconfig.get_paths().get("data", sys.prefix)}:
+    for prefix in dict.fromkeys([sys.prefix, sysconfig.get_paths().get("data", sys.prefix)]):   # ordered
         candidates.append(Path(prefix) / "share" / "planc" / folder)
     for c in candidates:
         if c.is_dir():

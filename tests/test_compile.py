@@ -81,11 +81,23 @@ def check_plan_json(plan: dict) -> None:
         why = check_program(steps, r["groups"])
         assert why is None, f"{r['name']}: {why}"
         assert len(r["alternatives"]) <= 10
-        assert r["program"]["predicted"] <= r["allreduce_predicted"] * (1 + 1e-9) or r["program"]["text"] != \
-            "allreduce(slice=root, form=inside)"
+        if r["mode"] == "synthesize":   # the chosen program is never predicted slower than flat allreduce
+            assert r["program"]["predicted"] <= r["allreduce_predicted"] * (1 + 1e-9)
         for st in r["program"]["steps"]:
             for g in st["groups"]:
                 assert tuple(g) in groups, f"step group {g} not in groups"
+        if plan["stage_mode"] == "explicit":
+            # in each stage, devices equal on every mesh dimension not reduced over
+            want = []
+            for st in plan["stages"]:
+                keep = [i for i, a in enumerate(st["mesh_axes"]) if a not in r["axes"]]
+                shape = st["mesh_shape"]
+                buckets = {}
+                for flat, d in enumerate(st["mesh_devices"]):
+                    pos = [(flat // math.prod(shape[i + 1:])) % shape[i] for i in range(len(shape))]
+                    buckets.setdefault(tuple(pos[i] for i in keep), []).append(d)
+                want += [sorted(g) for g in buckets.values() if len(g) > 1]
+            assert sorted(r["groups"]) == sorted(want)
         if pl is not None and plan["stage_mode"] == "pipe_axis":
             names = [a["name"] for a in pl["axes"]]
             keep = [i for i, n in enumerate(names) if n not in r["axes"]]

@@ -203,7 +203,7 @@ def place(program: ir.Program, param_bytes: dict[int, int] | None = None, *,
     """Choose the parallelism matrix and lay out devices and stages (a pure pass).
 
     ``param_bytes`` maps a stage index to its parameter-gradient bytes; it
-    sizes ``reduce gradients`` (the sum over stages) when ranking.
+    sizes ``reduce gradients`` (the largest stage's, as the reduction pass does) when ranking.
     """
     par = program.parallel
     if par is None:

@@ -42,6 +42,8 @@ TIMEOUT_ENV = "PLANC_COLLECTIVE_TIMEOUT_S"
 class StartupError(RuntimeError):
     """The launched job does not match the plan it is asked to run."""
 
+    same_on_every_rank = True   # every rank raises the same message (the checks gather first)
+
 
 def collective_timeout() -> datetime.timedelta:
     raw = os.environ.get(TIMEOUT_ENV)

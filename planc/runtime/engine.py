@@ -32,15 +32,12 @@ from deepspeed.runtime.pipe.module import PipelineModule
 from .plan import PlanError, mesh_position, mesh_shape, stage_layout, stage_of
 from .reduce import ReductionExecutor
 from .regions import parse_spec
-from .reshard import TransferExecutor
+from .reshard import DTYPES, TransferExecutor
 from .topology import PlanGridTopology
 
 __all__ = ["StageGraph", "PlanPipelineModule", "PlanSchedule", "PlanEngine", "EngineError",
            "run_reference", "build_optimizer", "check_stage_shapes", "plan_problems", "DTYPES"]
 
-DTYPES = {"f64": torch.float64, "f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16,
-          "i64": torch.int64, "i32": torch.int32, "i16": torch.int16, "i8": torch.int8,
-          "u8": torch.uint8, "bool": torch.bool}
 
 
 class EngineError(RuntimeError):

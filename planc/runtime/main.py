@@ -18,10 +18,11 @@ import time
 import torch
 import torch.distributed as dist
 
-from .dist_util import init_distributed, startup_checks
+from .dist_util import GroupMissing, StartupError, init_distributed, startup_checks
 from .engine import (EngineError, PlanEngine, check_stage_shapes, data_slice, plan_problems)
-from .plan import load_plan, plan_digest, stage_of
-from .reduce import ReductionExecutor
+from .plan import PlanError, load_plan, plan_digest, stage_of
+from .reduce import ReductionError, ReductionExecutor
+from .regions import SpecError
 from .reshard import TransferExecutor
 from .topology import create_groups
 
@@ -55,7 +56,9 @@ def _fail_together(problems: list[str]) -> None:
     dist.all_gather_object(gathered, problems)
     every = [p for ps in gathered for p in ps]
     if every:
-        raise EngineError("the plan cannot train:\n  " + "\n  ".join(dict.fromkeys(every)))
+        error = EngineError("the plan cannot train:\n  " + "\n  ".join(dict.fromkeys(every)))
+        error.same_on_every_rank = True   # gathered from all ranks: rank 0 says it for everyone
+        raise error
 
 
 def pattern(shape, region, dtype) -> torch.Tensor:
@@ -116,7 +119,28 @@ def comm_only(plan: dict, groups: dict, rank: int, steps: int) -> None:
                   f"{len(plan.get('reductions', ()))} reduction(s))", flush=True)
 
 
+# Failures the runtime plans for and words itself: one line per rank, exit 2, no traceback
+# (PLANC_DEBUG=1 shows it). Anything else is a bug and keeps its traceback.
+EXPECTED = (StartupError, GroupMissing, EngineError, PlanError, ReductionError, SpecError, OSError,
+            json.JSONDecodeError)
+
+
 def main(argv=None, out_dir: str | None = None) -> int:
+    try:
+        return _main(argv, out_dir)
+    except EXPECTED as e:
+        if os.environ.get("PLANC_DEBUG") == "1":
+            raise
+        rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
+        message = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
+        if rank == 0 or not getattr(e, "same_on_every_rank", False):
+            print(f"planc: rank {rank}: {message}", file=sys.stderr, flush=True)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        return 2
+
+
+def _main(argv=None, out_dir: str | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     out_dir = out_dir or os.path.dirname(os.path.abspath(sys.argv[0]))
     plan = load_plan(os.path.join(out_dir, "plan.json"))
