@@ -191,7 +191,7 @@ def _ordered_groups(*lists) -> list[list[int]]:
     return [list(g) for g in seen]
 
 
-def compile_program(program: ir.Program, probe: ModelProbe | None = None, seconds: float | None = None) -> CompiledPlan:
+def compile_program(program: ir.Program, probe: ModelProbe | None = None) -> CompiledPlan:
     if probe is not None:
         check_against_model(program, probe)
     param_bytes = probe.stage_param_bytes(program.stages, program.train.precision) if probe else None
@@ -228,7 +228,7 @@ def compile_program(program: ir.Program, probe: ModelProbe | None = None, second
         "format": FORMAT,
         "name": program.name,
         "source": {"path": program.source_path, "sha256": program.source_sha256},
-        "compiler": {"version": __version__, "seconds": seconds},
+        "compiler": {"version": __version__, "seconds": None},   # compile_file(timings=True) fills it
         "cluster": {
             "levels": [{"name": l.name, "fanout": l.fanout, "bandwidth": l.bandwidth, "latency": l.latency}
                        for l in c.levels],

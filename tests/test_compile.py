@@ -18,7 +18,7 @@ from planc.compile import compile_file, compile_program, dump_plan
 from planc.lang import load_text
 from planc.lang.errors import PlanError
 from planc.reduction.check import check_program
-from planc.resharding.check import check_transfer
+from planc.resharding.check import check_plan, check_transfer
 
 ROOT = Path(__file__).resolve().parents[1]
 PLANS = sorted((ROOT / "plans").glob("*.plan"))
@@ -107,6 +107,11 @@ def check_plan_json(plan: dict) -> None:
             assert sorted(r["groups"]) == sorted(g for g in buckets.values() if len(g) > 1) or \
                 sorted(r["groups"]) == sorted(buckets.values())
 
+    assert check_plan(plan) == [], check_plan(plan)     # incl. NIC timelines shared by one source stage
+    backward = [dict(t, src=t["dst"], dst=t["src"], **t["backward"]) for t in plan["transfers"] if "backward" in t]
+    if backward:   # gradients: planned as transfers from the destination stages, with their own groups
+        as_plan = dict(plan, transfers=backward, groups=plan.get("backward_groups", []))
+        assert check_plan(as_plan) == [], check_plan(as_plan)
     for t in plan["transfers"]:
         assert check_transfer(t, plan) == [], check_transfer(t, plan)
         for task in t["tasks"]:
