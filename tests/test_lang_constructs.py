@@ -309,3 +309,17 @@ def test_statements_are_separated_by_newlines():
 def test_keywords_stay_usable_as_names():
     p = ok(CLUSTER + "parallel { data = 4, layers = 2 }\nreduce reduce over data : f32[4]\n")
     assert p.parallel.axis_names() == ("data", "layers") and p.reductions[0].name == "reduce"
+
+
+@pytest.mark.parametrize("setting, needle", [
+    ("resharding { schedule = randomized_greedy(trials = 999999999999999999) }", "trials = 999999999999999999 is too many"),
+    ("resharding { schedule = dfs(budget = 1e9 s) }", "dfs budget of 1e+09 s is too large"),
+    ("train { micro_batches = 999999999999 }", "micro_batches 999999999999 is too many"),
+])
+def test_settings_that_would_make_compile_run_forever_are_errors(setting, needle):
+    """Each of these was accepted and made `planc compile` run (or allocate) without end."""
+    text = "cluster { level node x 2 : bandwidth 1 GB/s }\nparallel { data = 2 }\n" + setting + "\n"
+    with pytest.raises(PlanError) as e:
+        load_text(text, "big.plan")
+    out = e.value.render()
+    assert needle in out and "big.plan:3:" in out

@@ -360,3 +360,46 @@ def test_pruned_synthesis_equals_brute_force_on_random_hierarchies(factors, size
     hier = Hierarchy(tuple((f"l{i}", f) for i, f in enumerate(factors)))
     colls = tuple(c for c in C if c in colls)
     assert set(synthesize(hier, size, colls)) == brute_force(hier, size, colls)
+
+
+def test_synthesis_is_bounded_on_deep_hierarchies():
+    """Six levels of two (64 devices) at max_size 5 used to take ~40 s and list ~10,000 programs;
+    twelve levels never ended. The search now stops at a work budget, deterministically."""
+    import time
+    from planc.reduction.synthesize import MAX_PROGRAMS
+    deep = Hierarchy(tuple((f"l{i}", 2) for i in range(6)))
+    t0 = time.perf_counter()
+    found = synthesize(deep, 5)
+    assert time.perf_counter() - t0 < 20
+    assert found and found[0] == FLAT_ALLREDUCE and len(found) <= MAX_PROGRAMS
+    assert [len(p) for p in found] == sorted(len(p) for p in found)
+    assert all(is_valid(p, deep) for p in found[:50])
+    # every program up to the largest size reached is there: compare with a small budget-free case
+    assert set(synthesize(Hierarchy((("a", 2), ("b", 2))), 3)) <= set(
+        synthesize(Hierarchy((("a", 2), ("b", 2))), 4))
+    huge = Hierarchy(tuple((f"l{i}", 2) for i in range(12)))
+    t0 = time.perf_counter()
+    assert synthesize(huge, 8) == ()          # too large to search: callers fall back to the flat allreduce
+    assert time.perf_counter() - t0 < 5
+    cl = ir.Cluster(tuple(ir.Level(f"l{i}", 2, 1e10, 1e-6) for i in range(12)), "l0")
+    plan = plan_reduction(cl, ir.Reduction("x", ("data",)), [tuple(range(4096))], 1 << 20,
+                          ir.Synthesis(max_size=8))
+    assert plan.program == FLAT_ALLREDUCE and plan.candidates == 1
+
+
+def test_checker_accepts_reduce_scatter_over_groups_of_different_sizes():
+    """Explicit stages of different sizes reduce in one step over groups of 4 and 9 devices; the
+    checker's integer intervals must cut both exactly (it used the largest size only)."""
+    from planc.compile import compile_program
+    from planc.lang import load_text
+    steps = [("reduce_scatter", [[0, 1, 2, 3], [4, 5, 6, 7, 8, 9, 10, 11, 12]]),
+             ("all_gather", [[0, 1, 2, 3], [4, 5, 6, 7, 8, 9, 10, 11, 12]])]
+    assert check.check_program(steps, [list(range(4)), list(range(4, 13))]) is None
+    prog = load_text("""cluster { level node x 13 : bandwidth 10 GB/s }
+stage 0 on devices 0..4 as (4)
+stage 1 on devices 4..13 as (9)
+reduce r over m0 using reduce_scatter(slice=root, form=inside); all_gather(slice=root, form=inside) : f32[36]
+""", "uneven.plan")
+    red = compile_program(prog).plan_json["reductions"][0]
+    assert [len(g) for g in red["groups"]] == [4, 9]
+    assert red["program"]["text"].startswith("reduce_scatter")

@@ -28,6 +28,11 @@ _SPEC_TOKEN = re.compile(r"R|S01|S0|S1")
 _IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 MAX_DEVICES = 1 << 20
 MAX_DIGITS = 18  # whole numbers in a plan fit in 64 bits
+# Settings whose work grows linearly with their value at compile time: capped so that no accepted
+# plan makes `planc compile` run (or allocate) without end.
+MAX_TRIALS = 4096               # randomized_greedy: each trial is a full pass over the jobs
+MAX_DFS_BUDGET_S = 600.0        # dfs: a node count of budget x DFS_NODES_PER_SECOND
+MAX_MICRO_BATCHES = 100_000     # the pipeline lists and simulates 2 x micro_batches ops per stage
 
 
 class _Checker:
@@ -777,6 +782,14 @@ class _Checker:
                     res["seed"] = args.get("seed", 0)
                     if res["trials"] < 1:
                         self.err("trials must be at least 1", v.span)
+                    elif res["trials"] > MAX_TRIALS:
+                        self.err(f"trials = {res['trials']} is too many (at most {MAX_TRIALS}; each trial "
+                                 "is a pass over every unit task)", v.span)
+                        res["trials"] = MAX_TRIALS
+                    if res["dfs_budget_s"] > MAX_DFS_BUDGET_S:
+                        self.err(f"a dfs budget of {res['dfs_budget_s']:g} s is too large (at most "
+                                 f"{MAX_DFS_BUDGET_S:g} s)", v.span)
+                        res["dfs_budget_s"] = MAX_DFS_BUDGET_S
         return ir.Resharding(strategy, chunks, res["scheduler"], float(res["dfs_budget_s"]), int(res["trials"]), int(res["seed"]))
 
     def synthesis(self, block) -> ir.Synthesis:
@@ -828,6 +841,9 @@ class _Checker:
             precision=self.enum_value(s.get("precision"), ir.Precision, ir.Precision.FP32),
             seed=seed,
         )
+        if train.micro_batches > MAX_MICRO_BATCHES:
+            self.err(f"micro_batches {train.micro_batches} is too many (at most {MAX_MICRO_BATCHES})",
+                     s["micro_batches"].value.span)
         if "micro_batch" in s:
             for st in stages:
                 shape = st.mesh_shape if st.mesh_shape is not None else (

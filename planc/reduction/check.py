@@ -2,14 +2,15 @@
 
 It re-implements DESIGN.md's collective semantics on its own terms and shares
 no code with ``semantics.py`` (the synthesizer's state machinery): intervals
-are integers in ``[0, D)`` with ``D`` the product of every reduce_scatter's
-group size (so every cut is exact), contributor sets are int bitmasks. It also
+are integers in ``[0, D)`` with ``D`` the product over reduce_scatter steps of the
+lcm of their group sizes (so every cut is exact), contributor sets are int bitmasks. It also
 checks the structural invariants of PLAN_FORMAT.md (groups of a step disjoint,
 members sorted, no one-device groups, no empty step).
 """
 
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 _SUMMING = ("allreduce", "reduce_scatter", "reduce")
@@ -20,8 +21,9 @@ def check_program(steps: Sequence[tuple[str, Sequence[Sequence[int]]]],
     """None if the lowered ``steps`` reduce exactly over ``reduction_groups``; else why not."""
     D = 1
     for collective, groups in steps:
-        if str(collective) == "reduce_scatter":
-            D *= max(len(g) for g in groups) if groups else 1
+        if str(collective) == "reduce_scatter" and groups:
+            # groups of one step may differ in size (stages of different shapes): every size must cut exactly
+            D *= math.lcm(*(len(g) for g in groups))
     held: dict[int, list[tuple[int, int, int]]] = {}
     for g in reduction_groups:
         for d in g:

@@ -28,12 +28,25 @@ from functools import lru_cache
 from planc import ir
 from planc.reduction import check, semantics
 from planc.reduction.hierarchy import Hierarchy
-from planc.reduction.lower import LoweringError, distinct_instructions, lower_program
+from planc.reduction.lower import LoweringError, distinct_instructions, instructions, lower_program
 
 C = ir.Collective
 _SUMMING = frozenset((C.ALLREDUCE, C.REDUCE_SCATTER, C.REDUCE))
 
 Program = tuple[ir.Instruction, ...]
+
+# Bounds that keep synthesis (and ranking its programs under every matrix) fast on any hierarchy.
+# The state space grows exponentially with the hierarchy's depth and ``max_size``: six levels of
+# two at max_size 5 took ~40 s and ~10,000 programs, 20 levels would never end. Past the budget
+# synthesis returns every program of the largest size it finished (shortest first), at most
+# MAX_PROGRAMS of them; a hierarchy too large even to lower every instruction once gets none
+# (callers then use the flat allreduce). All bounds count work, not time: results stay deterministic.
+SEARCH_BUDGET = 1_500_000    # group applications while expanding states
+MAX_PROGRAMS = 2_000
+
+
+class _OverBudget(Exception):
+    pass
 
 
 def _needs(state: tuple, full: frozenset) -> tuple[bool, bool, bool]:
@@ -111,6 +124,8 @@ def _synthesize(factors: tuple[int, ...], max_size: int, collectives: tuple[ir.C
     members hold the same (interned) states is simulated once.
     """
     hierarchy = _abstract_hierarchy(factors)
+    if len(instructions(hierarchy, collectives)) * hierarchy.size > SEARCH_BUDGET:
+        return ()   # too deep and wide even to lower every instruction once: callers use the flat allreduce
     devices = tuple(range(hierarchy.size))
     full = frozenset(devices)
     lowered = distinct_instructions(hierarchy, collectives)
@@ -159,11 +174,16 @@ def _synthesize(factors: tuple[int, ...], max_size: int, collectives: tuple[ir.C
         return table[tuple(acc)]
 
     trans: dict[tuple, list[tuple[int, tuple[int, ...]]]] = {}
+    per_state = sum(len(groups) for _, groups in lowered)   # group applications to expand one state
+    spent = [0]
 
     def transitions(state: tuple[int, ...]) -> list[tuple[int, tuple[int, ...]]]:
         hit = trans.get(state)
         if hit is not None:
             return hit
+        spent[0] += per_state
+        if spent[0] > SEARCH_BUDGET:
+            raise _OverBudget
         out = []
         for i, (instr, groups) in enumerate(lowered):
             c = instr.collective
@@ -194,7 +214,18 @@ def _synthesize(factors: tuple[int, ...], max_size: int, collectives: tuple[ir.C
         memo[key] = tuple(found)
         return memo[key]
 
-    programs = sorted(suffixes(start, max_size), key=lambda p: (len(p), p))
+    # Iterative deepening: every program of at most `size` steps, for size = 1, 2, ...; memo and
+    # transitions carry over between rounds. A round that would pass SEARCH_BUDGET is abandoned
+    # and the last complete round stands (a deterministic bound on the run time, never on time).
+    found: tuple[tuple[int, ...], ...] = ()
+    for size in range(1, max_size + 1):
+        try:
+            found = suffixes(start, size)
+        except _OverBudget:
+            break
+        if len(found) >= MAX_PROGRAMS:
+            break
+    programs = sorted(found, key=lambda p: (len(p), p))[:MAX_PROGRAMS]
     group = [devices]
     out = []
     for p in programs:
