@@ -207,7 +207,8 @@ def compile_program(program: ir.Program, probe: ModelProbe | None = None) -> Com
         edges = None if untrainable else tuple((t.src_stage, t.dst_stage) for t in program.transfers)
         pipeline = build_pipeline(program.train.schedule, len(stages), program.train.micro_batches, edges)
 
-    red_json = [dict(r.to_json(), mode=str(red.mode)) for r, red in zip(reductions, program.reductions)]
+    red_json = [dict(r.to_json(), mode=str(red.mode), collectives=[str(c) for c in program.synthesis.collectives])
+                for r, red in zip(reductions, program.reductions)]
     tr_json = [t.to_json() for t in transfers]
     for fwd, t in zip(tr_json, program.transfers):
         src = program.stage(t.src_stage)
@@ -284,8 +285,11 @@ def _train_json(program: ir.Program, probe: ModelProbe | None) -> dict | None:
 def compile_file(path: str | Path, probe: bool = True, timings: bool = False) -> CompiledPlan:
     t0 = time.perf_counter()
     program = load(path)
-    model_probe = probe_model(program) if (probe and program.model is not None) else None
-    compiled = compile_program(program, model_probe)
+    try:
+        model_probe = probe_model(program) if (probe and program.model is not None) else None
+        compiled = compile_program(program, model_probe)
+    except PlanError as e:   # errors found by the passes point into the plan: show its lines too
+        raise e.with_source(program.source_path, Path(path).read_text()) from None
     if timings:
         compiled.plan_json["compiler"]["seconds"] = round(time.perf_counter() - t0, 3)
     return compiled
