@@ -178,12 +178,13 @@ def test_explicit_stages_without_parallel():
     assert pl.stages[1].mesh() == ((4, 5, 6, 7),) and pl.stages[1].axes == ("m0", "m1")
 
 
-def test_explicit_stages_with_parallel_still_get_coords():
+def test_explicit_stages_with_parallel_decide_no_matrix():
+    """Explicit meshes fix every device's role; a matrix would only contradict them."""
     stages = (ir.Stage(0, None, 0, (2, 2), ("data", "tensor")), ir.Stage(1, None, 4, (2, 2), ("data", "tensor")))
     prog = program(NODE_GPU, {"data": 4, "tensor": 2}, matrix=((2, 2), (1, 2)), stages=stages,
                    mode=ir.StageMode.EXPLICIT)
     pl = place(prog)
-    assert len(pl.coords) == 8 and pl.to_json()["matrix"] == [[2, 2], [1, 2]]
+    assert pl.matrix is None and pl.to_json() is None and pl.coords == ()
     assert [s.devices for s in pl.stages] == [(0, 1, 2, 3), (4, 5, 6, 7)]
 
 

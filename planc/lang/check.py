@@ -579,9 +579,9 @@ class _Checker:
     def reductions(self, decls, cluster, parallel, stages, mode) -> tuple[ir.Reduction, ...]:
         out, names = [], set()
         if mode is ir.StageMode.EXPLICIT:
+            # explicit stages reduce over their own mesh dimensions (LANGUAGE.md); a `parallel`
+            # axis that no mesh has would reduce over nothing
             known = list(dict.fromkeys(a for s in stages for a in s.mesh_axes))
-            if parallel is not None:
-                known += [a for a in parallel.axis_names() if a not in known]
         else:
             known = list(parallel.axis_names()) if parallel else []
         for r in decls:

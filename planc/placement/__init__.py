@@ -206,7 +206,8 @@ def place(program: ir.Program, param_bytes: dict[int, int] | None = None, *,
     sizes ``reduce gradients`` (the largest stage's, as the reduction pass does) when ranking.
     """
     par = program.parallel
-    if par is None:
+    if par is None or program.stage_mode is ir.StageMode.EXPLICIT:
+        # explicit meshes fix every device's role: there is no matrix to choose (docs/placement.md)
         return Placement(None, 0, (), (), stage_layouts(program, ()))
     fanouts = program.cluster.fanouts
     sizes = tuple(a.size for a in par.axes)
