@@ -14,6 +14,7 @@ from typing import Any
 
 from planc import ir
 from planc.cost.network import Network
+from planc.resharding.tiles import parts_per_dim
 from planc.lang.errors import Diagnostic, PlanError
 from planc.placement.mapping import Coords, coords_for, device_of, level_coords, stage_layouts
 from planc.placement.matrices import (
@@ -73,27 +74,19 @@ class Placement:
 # ---------------------------------------------------------------- cost model access
 
 def _reduction_bytes(red: ir.Reduction, param_bytes: dict[int, int] | None) -> int:
-    if red.shape is not None and red.dtype is not None:
-        return math.prod(red.shape) * ir.DTYPE_BYTES[red.dtype]
-    if red.name == "gradients" and param_bytes:
-        # every stage reduces its own gradients at the same time: the largest one bounds the step
-        return max(param_bytes.values())
-    return NOMINAL_REDUCTION_BYTES
+    from planc.reduction import reduction_bytes  # imported here: planc.reduction may import placement
+    nbytes = reduction_bytes(red, param_bytes)
+    return NOMINAL_REDUCTION_BYTES if nbytes is None else nbytes
 
 
 def _region_bytes(nbytes: int, spec: ir.ShardingSpec, layout: ir.StageLayout) -> float:
-    shards = 1
-    for dim in spec.dims:
-        for a in dim:
-            if a < len(layout.shape):
-                shards *= layout.shape[a]
-    return nbytes / shards
+    return nbytes / math.prod(parts_per_dim(layout.shape, spec))
 
 
 class _Costing:
     """Predicted communication seconds of one iteration under a matrix."""
 
-    def __init__(self, program: ir.Program, param_bytes: dict[int, int] | None):
+    def __init__(self, program: ir.Program, param_bytes: dict[int, int] | None, honour_pinned: bool = True):
         self.program = program
         self.cluster = program.cluster
         self.fanouts = program.cluster.fanouts
@@ -102,7 +95,7 @@ class _Costing:
         from planc.reduction import best_time, pinned_time  # imported here: planc.reduction may import placement
         self.best_time = best_time
         self.pinned_time = pinned_time
-        self.honour_pinned = True
+        self.honour_pinned = honour_pinned   # False: cost pinned programs as if synthesized
         self.net = Network(program.cluster)
         self.reductions = []
         for red in program.reductions:
@@ -223,7 +216,7 @@ def place(program: ir.Program, param_bytes: dict[int, int] | None = None, *,
                              for p in problems])
         t = cost(matrix)
         if not math.isfinite(t):    # the reduction pass explains why the pinned program cannot run here
-            cost.honour_pinned, cost.cache = False, {}
+            cost = _Costing(program, param_bytes, honour_pinned=False)
             t = cost(matrix)
         ranked = ((matrix, t),)
         search, evaluated = "pinned", 1
@@ -240,7 +233,7 @@ def place(program: ir.Program, param_bytes: dict[int, int] | None = None, *,
         if not ranked:
             # no matrix admits the pinned program(s): rank as if synthesized, and let the
             # reduction pass explain, for the best matrix, which step fails and why
-            cost.honour_pinned, cost.cache = False, {}
+            cost = _Costing(program, param_bytes, honour_pinned=False)
             table = {mx: cost(mx) for mx in table}
             ranked = _rank(table)
         matrix = ranked[0][0]

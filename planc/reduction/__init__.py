@@ -27,7 +27,7 @@ from planc.reduction.synthesize import synthesize
 __all__ = [
     "ReductionPlan", "plan_reduction", "plan_reductions", "best_time", "reduction_groups",
     "stage_reduction_groups", "Hierarchy", "hierarchy_from_matrix", "synthesize", "parse_program",
-    "FLAT_ALLREDUCE",
+    "FLAT_ALLREDUCE", "reduction_bytes", "pinned_time",
 ]
 
 Groups = tuple[tuple[int, ...], ...]
@@ -313,10 +313,17 @@ def plan_reduction(cluster: ir.Cluster, reduction: ir.Reduction, groups: Sequenc
 
 # ---------------------------------------------------------------- all reductions of a program
 
-def _standalone_bytes(reduction: ir.Reduction) -> int:
-    if reduction.shape is None or reduction.dtype is None:
-        return 0
-    return math.prod(reduction.shape) * ir.DTYPE_BYTES[reduction.dtype]
+def reduction_bytes(reduction: ir.Reduction, param_bytes: Mapping[int, int] | None) -> int | None:
+    """Bytes each group reduces, or None when unknown.
+
+    A standalone reduction: its declared tensor. Gradients: the largest stage's
+    parameter bytes, since every stage reduces its own at the same time.
+    """
+    if reduction.shape is not None and reduction.dtype is not None:
+        return math.prod(reduction.shape) * ir.DTYPE_BYTES[reduction.dtype]
+    if reduction.name == "gradients" and param_bytes:
+        return max(param_bytes.values())
+    return None
 
 
 def plan_reductions(program: ir.Program, coords: Sequence[Sequence[int] | None] | None,
@@ -342,17 +349,14 @@ def plan_reductions(program: ir.Program, coords: Sequence[Sequence[int] | None] 
         layout = None
         if matrix is not None and not explicit:
             hier, positions = matrix_positions(cluster, matrix, axis_names, red.axes)
-            by_gid: dict[int, list[int]] = {}
-            for d, (gid, _) in positions.items():
-                by_gid.setdefault(gid, []).append(d)
-            if tuple(sorted(tuple(g) for g in by_gid.values())) == groups:
+            if _groups_of(positions) == groups:
                 layout = (hier, positions)
         per_stage = None
         if red.name == "gradients" and red.shape is None:
             sizes = {st.index: int((param_bytes or {}).get(st.index, 0)) for st in stages}
             per_stage = tuple(sorted(sizes.items()))
-            nbytes = max(sizes.values(), default=0)
+            nbytes = reduction_bytes(red, sizes) or 0
         else:
-            nbytes = _standalone_bytes(red)
+            nbytes = reduction_bytes(red, None) or 0
         out.append(plan_reduction(cluster, red, groups, nbytes, program.synthesis, layout, per_stage))
     return tuple(out)
