@@ -1,4 +1,4 @@
-"""Lower bound of a transfer (PLAN_FORMAT.md) and the naive baseline makespan."""
+"""Lower bound of a transfer (PLAN_FORMAT.md): the NIC bound over hosts."""
 
 from __future__ import annotations
 
@@ -6,7 +6,6 @@ from collections.abc import Sequence
 
 from planc.cost.resharding import nic_seconds
 from planc.ir import Cluster
-from planc.resharding.schedulers import Job, makespan, naive
 from planc.resharding.tiles import UnitTask
 
 
@@ -34,6 +33,3 @@ def lower_bound(tasks: Sequence[UnitTask], itemsize: int, cluster: Cluster) -> f
     worst = max((max(v) for v in per_host.values()), default=0)
     return nic_seconds(worst, cluster)
 
-
-def naive_makespan(jobs: Sequence[Job]) -> float:
-    return makespan(jobs, naive(jobs))
