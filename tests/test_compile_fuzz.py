@@ -20,7 +20,6 @@ import time
 from functools import lru_cache
 from pathlib import Path
 
-import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from planc.compile import compile_program, dump_plan

@@ -16,8 +16,9 @@ bandwidth_l`` (the slowest level below the host).
 A task with no receiver off the sender's host uses only in-host links: the
 same formulas with ``t_loc`` for ``t`` and the receivers for ``A``.
 
-Until ``planc.cost.network`` lands, the bandwidths and latencies are read from
-``ir.Cluster`` directly, here and nowhere else.
+This is AlpaComm's host-level model (one NIC per host is the bottleneck), so it
+reads two links of the tree: the host level's and the slowest one below it.
+Collectives use the full tree-of-links model in ``planc.cost.network``.
 """
 
 from __future__ import annotations
