@@ -23,7 +23,7 @@ from planc.lang import load
 from planc.lang.errors import Diagnostic, PlanError
 from planc.pipeline.schedules import build as build_pipeline
 from planc.placement import place
-from planc.reduction import plan_reductions
+from planc.reduction import plan_reductions, stage_reduction_groups
 from planc.resharding import groups_used, plan_transfers
 
 FORMAT = "planc/1"
@@ -191,6 +191,14 @@ def _ordered_groups(*lists) -> list[list[int]]:
     return [list(g) for g in seen]
 
 
+def _tensor_groups(stages) -> list[list[int]]:
+    """Tensor-parallel groups: in each stage with a mesh axis ``tensor`` of size > 1, the devices
+    equal on every other mesh dimension (members sorted; sorted list, as the reductions' groups)."""
+    if not any("tensor" in st.axes and st.shape[st.axes.index("tensor")] > 1 for st in stages):
+        return []
+    return [list(g) for g in stage_reduction_groups(stages, ("tensor",)) if len(g) > 1]
+
+
 def compile_program(program: ir.Program, probe: ModelProbe | None = None) -> CompiledPlan:
     if probe is not None:
         check_against_model(program, probe)
@@ -218,10 +226,12 @@ def compile_program(program: ir.Program, probe: ModelProbe | None = None) -> Com
         b = bwd.to_json()
         fwd["backward"] = {k: b[k] for k in ("strategy", "chunks", "scheduler", "tasks", "makespan", "lower_bound",
                                              "naive_makespan")}
+    tensor_groups = _tensor_groups(stages) if program.model is not None else []
     groups = _ordered_groups(
         *[[g for st in r["program"]["steps"] for g in st["groups"]] for r in red_json],
         groups_used(transfers, program.cluster),
         groups_used(backward, program.cluster),
+        tensor_groups,
     )
     backward_groups = _ordered_groups(groups_used(backward, program.cluster))
     c = program.cluster
@@ -243,6 +253,8 @@ def compile_program(program: ir.Program, probe: ModelProbe | None = None) -> Com
     plan["groups"] = groups
     if backward_groups:
         plan["backward_groups"] = backward_groups
+    if tensor_groups:
+        plan["tensor_groups"] = tensor_groups
     plan["stage_mode"] = str(program.stage_mode)
     plan["stages"] = [
         {"index": s.index, "layers": list(s.layers) if s.layers else None, "devices": sorted(s.devices),

@@ -118,3 +118,54 @@ def reference(out: Path, plan: dict, steps: int):
                            run["train"]["micro_batches"], steps, opt)
     state = {f"layers.{i}.{k}": v.detach() for i, l in enumerate(layers) for k, v in l.named_parameters()}
     return losses, state
+
+
+def shard_of(full, dim, index, parts, blocks=1):
+    """The part of a reference tensor a tensor-parallel rank holds (planc_runtime.tensor_parallel.shard_of):
+    ``dim`` viewed as ``blocks`` equal blocks, part ``index`` of ``parts`` of each, concatenated."""
+    import torch
+    n = full.shape[dim]
+    assert n % (blocks * parts) == 0, (tuple(full.shape), dim, parts, blocks)
+    step, block = n // (blocks * parts), n // blocks
+    return torch.cat([full.narrow(dim, b * block + index * step, step) for b in range(blocks)], dim=dim)
+
+
+def compare_dumps(dump_dir: Path, ranks: int, ref_state: dict, rtol: float, atol: float) -> dict:
+    """Every rank's dumped parameters (``--dump-params``) against the reference.
+
+    A parameter listed in ``rank<R>.shards.json`` (``[dim, index, parts, blocks]``) is compared with
+    its slice of the reference. Every reference parameter must be held by some rank, whole or as
+    shards that tile it exactly: one layout per parameter, every index ``0..parts-1`` present, the
+    shards' shapes adding up to the reference's. Returns ``{name: layout}`` of the sharded ones.
+    """
+    import json
+    import torch
+    whole, shards = set(), {}
+    for rank in range(ranks):
+        mine = torch.load(dump_dir / f"rank{rank}.pt")
+        assert mine, f"rank {rank} dumped no parameters"
+        info_path = dump_dir / f"rank{rank}.shards.json"
+        info = json.loads(info_path.read_text()) if info_path.exists() else {}
+        assert set(info) <= set(mine), f"rank {rank}: shard records for parameters it did not dump"
+        for k, v in mine.items():
+            assert k in ref_state, f"rank {rank} dumped {k}, which the reference does not have"
+            if k in info:
+                dim, index, parts, blocks = info[k]
+                want = shard_of(ref_state[k], dim, index, parts, blocks)
+                layout, held = shards.setdefault(k, ((dim, parts, blocks), {}))
+                assert layout == (dim, parts, blocks), f"{k}: ranks disagree on its layout"
+                held.setdefault(index, tuple(v.shape))
+                assert held[index] == tuple(v.shape), f"{k}: shard {index} dumped with two shapes"
+            else:
+                want = ref_state[k]
+                whole.add(k)
+            torch.testing.assert_close(v, want, rtol=rtol, atol=atol, msg=f"rank {rank} {k}")
+    assert not whole & set(shards), f"held both whole and sharded: {sorted(whole & set(shards))}"
+    for k, ((dim, parts, blocks), held) in shards.items():
+        assert set(held) == set(range(parts)), f"{k}: shards {sorted(held)} of {parts}"
+        shape = list(held[0])
+        shape[dim] = sum(s[dim] for s in held.values())
+        assert tuple(shape) == tuple(ref_state[k].shape), f"{k}: shards {held} do not tile {tuple(ref_state[k].shape)}"
+    seen = whole | set(shards)
+    assert seen == set(ref_state), f"parameters held by no rank: {sorted(set(ref_state) - seen)}"
+    return {k: layout for k, (layout, _) in shards.items()}

@@ -64,6 +64,7 @@ def check_plan_json(plan: dict) -> None:
     assert all(list(g) == sorted(g) and len(g) > 1 for g in groups)
 
     assert {tuple(g) for g in plan.get("backward_groups", ())} <= groups
+    assert {tuple(g) for g in plan.get("tensor_groups", ())} <= groups
 
     pl = plan.get("placement")
     if pl is not None:

@@ -7,12 +7,11 @@ import json
 import re
 
 import pytest
-import torch
 
 from planc.compile import compile_file
 from planc.codegen import write_output
 
-from e2e_util import ROOT, launch_sh, reference
+from e2e_util import ROOT, compare_dumps, launch_sh, reference
 
 STEPS = 3
 
@@ -56,23 +55,24 @@ def train_and_compare(tmp_path, plan_path, ranks):
     # SGD carries gradient rounding linearly; Adam divides by sqrt(v) and lifts it for
     # near-zero gradients (observed <= 4e-5 after 3 steps at lr 1e-3), hence two tolerances
     atol = 1e-6 if c.program.train.optimizer.name == "sgd" else 1e-4
-    seen = set()
-    for rank in range(ranks):
-        mine = torch.load(tmp_path / "dump" / f"rank{rank}.pt")
-        assert mine, f"rank {rank} dumped no parameters"
-        for k, v in mine.items():
-            torch.testing.assert_close(v, ref_state[k], rtol=1e-5, atol=atol, msg=f"rank {rank} {k}")
-        seen.update(mine)
-    assert seen == set(ref_state), "some parameters are held by no rank"
-    return plan, r.stdout
+    # tensor-parallel shards are compared with their slice of the reference and must tile it
+    sharded = compare_dumps(tmp_path / "dump", ranks, ref_state, rtol=1e-5, atol=atol)
+    return plan, r.stdout, sharded
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "eager_1f1b"])
 def test_gpt_2x4_schedules_match_reference(tmp_path, schedule):
-    """plans/gpt-2x4.plan: pipe 2 x data 2 x tensor 2 on 2 hosts of 4, synthesized program."""
-    plan, stdout = train_and_compare(tmp_path, variant(tmp_path, "gpt-2x4.plan", schedule), 8)
+    """plans/gpt-2x4.plan: pipe 2 x data 2 x tensor 2 on 2 hosts of 4, synthesized program;
+    the blocks really split over the tensor axis (Megatron-style)."""
+    plan, stdout, sharded = train_and_compare(tmp_path, variant(tmp_path, "gpt-2x4.plan", schedule), 8)
     assert plan["pipeline"]["schedule"] == schedule
+    assert len(plan["tensor_groups"]) == 4 and all(
+        len(g) == 2 and g in plan["groups"] and any(set(g) <= set(st["devices"]) for st in plan["stages"])
+        for g in plan["tensor_groups"])
+    # 4 blocks x (qkv.weight, qkv.bias, proj.weight, fc1.weight, fc1.bias, fc2.weight), each in 2 parts
+    assert len(sharded) == 24 and all(parts == 2 for _, parts, _ in sharded.values())
+    assert sharded["layers.1.qkv.weight"] == (0, 2, 3) and sharded["layers.4.mlp.2.weight"] == (1, 2, 1)
 
 
 @pytest.mark.slow
@@ -82,7 +82,8 @@ def test_gpt_hierarchical_program_matches_reference(tmp_path):
         (r"place = auto[^\n]*", "place = [[1, 2], [2, 2]]"),
         (r"reduce gradients over data[^\n]*", HIER),
         (r"\n\s*reduce tensor_traffic over tensor[^\n]*(\n\s*#[^\n]*)*", "")])
-    plan, stdout = train_and_compare(tmp_path, path, 8)
+    plan, stdout, sharded = train_and_compare(tmp_path, path, 8)
+    assert "tensor_groups" not in plan and not sharded   # no tensor axis: whole layers
     steps = plan["reductions"][0]["program"]["steps"]
     assert [s["collective"] for s in steps] == ["reduce_scatter", "allreduce", "all_gather"]
     hosts = [set(h) for h in plan["cluster"]["hosts"]]
@@ -94,7 +95,8 @@ def test_gpt_hierarchical_program_matches_reference(tmp_path):
 @pytest.mark.slow
 def test_unet_skips_match_reference(tmp_path):
     """plans/unet-skip.plan as bundled: 3 stages, skips from stage 0 to stage 2, eager_1f1b."""
-    plan, stdout = train_and_compare(tmp_path, variant(tmp_path, "unet-skip.plan"), 6)
+    plan, stdout, sharded = train_and_compare(tmp_path, variant(tmp_path, "unet-skip.plan"), 6)
+    assert not sharded
     assert {(t["src"]["stage"], t["dst"]["stage"]) for t in plan["transfers"]} >= {(0, 2)}
 
 
@@ -102,7 +104,7 @@ def test_unet_skips_match_reference(tmp_path):
 def test_unet_using_allreduce_matches_reference(tmp_path):
     path = variant(tmp_path, "unet-skip.plan", "1f1b",
                    edits=[(r"reduce gradients over data[^\n]*", "reduce gradients over data using allreduce")])
-    plan, stdout = train_and_compare(tmp_path, path, 6)
+    plan, stdout, _ = train_and_compare(tmp_path, path, 6)
     assert plan["reductions"][0]["program"]["text"] == "allreduce(slice=root, form=inside)"
     assert "gradients: DeepSpeed's data-parallel all-reduce" in stdout
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import inspect
 import json
 import os
 import sys
@@ -24,6 +25,7 @@ from .plan import PlanError, load_plan, plan_digest, stage_of
 from .reduce import ReductionError, ReductionExecutor
 from .regions import SpecError
 from .reshard import TransferExecutor
+from .tensor_parallel import context_from_plan, shard_info
 from .topology import create_groups
 
 
@@ -39,13 +41,43 @@ def load_function(out_dir: str, ref: dict):
     return getattr(mod, ref["function"])
 
 
+def accepts_tensor_parallel(builder) -> bool:
+    """Whether the model builder takes a keyword ``tensor_parallel`` (opts in to tensor-parallel layers)."""
+    try:
+        params = inspect.signature(builder).parameters
+    except (TypeError, ValueError):
+        return False
+    p = params.get("tensor_parallel")
+    return p is not None and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+
+
+def build_layers(builder, model_args: dict, tensor_parallel=None):
+    """Call the model builder: with ``tensor_parallel=`` when it accepts that keyword, else as
+    before (its layers are then replicas along the tensor axis)."""
+    if accepts_tensor_parallel(builder):
+        return builder(**model_args, tensor_parallel=tensor_parallel)
+    return builder(**model_args)
+
+
+def dump_params(engine, directory: str, rank: int) -> None:
+    """DIR/rank<R>.pt: name -> tensor; DIR/rank<R>.shards.json: name -> [dim, index, parts, blocks]
+    for each tensor-parallel shard (replicated parameters are not listed)."""
+    os.makedirs(directory, exist_ok=True)
+    torch.save(dict(engine.plan_named_parameters()), os.path.join(directory, f"rank{rank}.pt"))
+    shards = {f"layers.{k}": list(info) for k, p in engine.module.named_parameters()
+              if (info := shard_info(p)) is not None}
+    with open(os.path.join(directory, f"rank{rank}.shards.json"), "w") as f:
+        json.dump(shards, f, indent=1, sort_keys=True)
+
+
 def parse_args(argv):
     p = argparse.ArgumentParser(prog="train.py", description="Run a planc-compiled training plan.")
     p.add_argument("--comm-only", action="store_true",
                    help="run only the plan's transfers and reductions on random data, and time them")
     p.add_argument("--steps", type=int, default=None, help="override train.steps")
     p.add_argument("--dump-params", default=None, metavar="DIR",
-                   help="after training, save each rank's stage parameters to DIR/rank<R>.pt")
+                   help="after training, save each rank's stage parameters to DIR/rank<R>.pt "
+                        "(and its tensor-parallel shards' positions to DIR/rank<R>.shards.json)")
     p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
@@ -167,8 +199,20 @@ def _main(argv=None, out_dir: str | None = None) -> int:
     model_args = dict(run["model"].get("args", {}))
     seed = int(train.get("seed", 0))
     micro_batch = int(train["micro_batch"])
-    torch.manual_seed(seed)   # every rank builds all layers alike, then keeps its stage's
-    layers = load_function(out_dir, run["model"])(**model_args)
+    builder = load_function(out_dir, run["model"])
+    tp = None
+    if accepts_tensor_parallel(builder):
+        try:
+            tp = context_from_plan(plan, groups, rank)
+        except (ValueError, KeyError) as e:
+            raise EngineError(f"rank {rank}: {e.args[0] if e.args else e}") from None
+    torch.manual_seed(seed)   # every rank builds all layers alike (then shards them), and keeps its stage's
+    try:
+        layers = build_layers(builder, model_args, tp)
+    except ValueError as e:
+        if tp is None:
+            raise
+        raise EngineError(f"rank {rank}: the model cannot be split over its tensor group of {tp.size}: {e}") from None
     loss_fn = load_function(out_dir, run["loss"])
     batches = load_function(out_dir, run["data"])
     stage = stage_of(plan, rank)
@@ -195,8 +239,7 @@ def _main(argv=None, out_dir: str | None = None) -> int:
             print(f"step {step} loss {float(loss):.6f}", flush=True)
 
     if args.dump_params:
-        os.makedirs(args.dump_params, exist_ok=True)
-        torch.save(dict(engine.plan_named_parameters()), os.path.join(args.dump_params, f"rank{rank}.pt"))
+        dump_params(engine, args.dump_params, rank)
     dist.barrier()
     dist.destroy_process_group()
     return 0

@@ -1,0 +1,161 @@
+"""Megatron-style tensor parallelism for models that opt in (imports only torch and the stdlib).
+
+A model builder that takes a keyword ``tensor_parallel`` receives a
+``TensorParallel`` for the rank's tensor group (plan.json ``tensor_groups``),
+or ``None`` when the rank's stage has no mesh axis ``tensor`` of size > 1.
+Builders without that keyword are called as before and hold replicas.
+
+Public API (stable):
+
+    TensorParallel(group, rank, size, members=())
+        .group    the torch.distributed group of the rank's tensor group
+        .rank     the rank's coordinate along the stage's ``tensor`` axis (0..size-1):
+                  the shard it holds; data-parallel peers share it
+        .size     the tensor group's size
+        .members  the group's global ranks (sorted)
+        .all_reduce(t)             in-place sum over the group (returns t)
+        .copy_to_region(x)         Megatron's f: identity forward, all_reduce backward
+        .reduce_from_region(x)     Megatron's g: all_reduce forward, identity backward
+        .shard(tensor, dim, blocks=1) -> nn.Parameter
+                  this rank's part of ``tensor`` along ``dim`` (see shard_of), marked
+                  ``planc_shard = (dim, rank, size)`` (and ``planc_shard_blocks``)
+    copy_to_region(x, tp) / reduce_from_region(x, tp)     the same as functions
+    shard_of(tensor, dim, index, parts, blocks=1) -> Tensor
+        ``dim`` viewed as ``blocks`` equal blocks (e.g. 3 for a fused q|k|v); part
+        ``index`` of ``parts`` of every block, concatenated. blocks = 1: a plain chunk.
+    shard_info(param) -> None | (dim, index, parts, blocks)
+    context_from_plan(plan, groups, rank) -> TensorParallel | None
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["TensorParallel", "copy_to_region", "reduce_from_region", "shard_of", "shard_info",
+           "context_from_plan", "TENSOR_AXIS"]
+
+TENSOR_AXIS = "tensor"
+
+
+def shard_of(tensor: torch.Tensor, dim: int, index: int, parts: int, blocks: int = 1) -> torch.Tensor:
+    n = tensor.shape[dim]
+    if n % (blocks * parts):
+        raise ValueError(f"dimension {dim} of size {n} does not split into {blocks} block(s) of {parts} parts")
+    step = n // (blocks * parts)
+    block = n // blocks
+    pieces = [tensor.narrow(dim, b * block + index * step, step) for b in range(blocks)]
+    return pieces[0] if blocks == 1 else torch.cat(pieces, dim=dim)
+
+
+def shard_info(param):
+    """(dim, index, parts, blocks) of a parameter marked by ``TensorParallel.shard``; None if replicated."""
+    s = getattr(param, "planc_shard", None)
+    if s is None:
+        return None
+    dim, index, parts = (int(v) for v in s)
+    return dim, index, parts, int(getattr(param, "planc_shard_blocks", 1))
+
+
+class _CopyToRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, tp):
+        ctx.tp = tp
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ctx.tp.all_reduce(grad.clone(memory_format=torch.contiguous_format)), None
+
+
+class _ReduceFromRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, tp):
+        return tp.all_reduce(x.clone(memory_format=torch.contiguous_format))
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def copy_to_region(x: torch.Tensor, tp: "TensorParallel") -> torch.Tensor:
+    """Megatron's f: the input of a column-parallel layer (identity; gradients summed over the group)."""
+    return x if tp is None or tp.size == 1 else _CopyToRegion.apply(x, tp)
+
+
+def reduce_from_region(x: torch.Tensor, tp: "TensorParallel") -> torch.Tensor:
+    """Megatron's g: the partial outputs of a row-parallel layer summed over the group."""
+    return x if tp is None or tp.size == 1 else _ReduceFromRegion.apply(x, tp)
+
+
+class TensorParallel:
+    """One rank's view of its tensor-parallel group."""
+
+    def __init__(self, group, rank: int, size: int, members=()):
+        if not 0 <= rank < size:
+            raise ValueError(f"tensor-parallel rank {rank} is not in 0..{size - 1}")
+        self.group, self.rank, self.size, self.members = group, int(rank), int(size), tuple(members)
+
+    def __repr__(self):
+        return f"TensorParallel(rank={self.rank}, size={self.size}, members={list(self.members)})"
+
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        if self.size > 1:
+            dist.all_reduce(t, group=self.group)
+        return t
+
+    def copy_to_region(self, x: torch.Tensor) -> torch.Tensor:
+        return copy_to_region(x, self)
+
+    def reduce_from_region(self, x: torch.Tensor) -> torch.Tensor:
+        return reduce_from_region(x, self)
+
+    def shard(self, tensor: torch.Tensor, dim: int, blocks: int = 1) -> torch.nn.Parameter:
+        p = torch.nn.Parameter(shard_of(tensor.detach(), dim, self.rank, self.size, blocks).clone(),
+                               requires_grad=tensor.requires_grad)
+        p.planc_shard = (int(dim), self.rank, self.size)
+        if blocks != 1:
+            p.planc_shard_blocks = int(blocks)
+        return p
+
+
+def _mesh_shape(mesh) -> list[int]:
+    shape = []
+    while isinstance(mesh, list):
+        shape.append(len(mesh))
+        mesh = mesh[0] if mesh else None
+    return shape
+
+
+def _mesh_position(mesh, rank: int):
+    def walk(m, prefix):
+        if not isinstance(m, list):
+            return prefix if int(m) == rank else None
+        for i, sub in enumerate(m):
+            found = walk(sub, prefix + (i,))
+            if found is not None:
+                return found
+        return None
+    return walk(mesh, ())
+
+
+def context_from_plan(plan: dict, groups: dict, rank: int) -> TensorParallel | None:
+    """This rank's ``TensorParallel`` from plan.json ``tensor_groups`` and its stage mesh; None when
+    its stage has no ``tensor`` axis of size > 1. The shard index is the rank's coordinate along
+    ``tensor`` (so data-parallel peers, which share it, hold the same shard)."""
+    members = next((tuple(int(m) for m in g) for g in plan.get("tensor_groups", ()) if rank in g), None)
+    if members is None:
+        return None
+    stage = next((s for s in plan["stages"] if rank in s["devices"]), None)
+    axes = list((stage or {}).get("mesh_axes") or ())
+    if TENSOR_AXIS not in axes:
+        raise ValueError(f"rank {rank} is in tensor group {list(members)} but its stage has no "
+                         f"'{TENSOR_AXIS}' mesh axis")
+    k = axes.index(TENSOR_AXIS)
+    size = _mesh_shape(stage["mesh"])[k]
+    if size != len(members):
+        raise ValueError(f"tensor group {list(members)} has {len(members)} devices but the stage's "
+                         f"'{TENSOR_AXIS}' axis has size {size}")
+    key = tuple(sorted(members))
+    if key not in groups:
+        raise KeyError(f"tensor group {list(key)} is not in plan.json \"groups\"")
+    return TensorParallel(groups[key], _mesh_position(stage["mesh"], rank)[k], size, key)
