@@ -73,6 +73,9 @@ def explain(plan: dict) -> str:
             for a in r["alternatives"]:
                 out.append(f"    {_t(a['predicted']):>10}  {a['text']}")
 
+    by_src: dict[int, list[str]] = {}
+    for t in plan["transfers"]:
+        by_src.setdefault(t["src"]["stage"], []).append(t["name"])
     for t in plan["transfers"]:
         out.append("")
         ratio = f"{t['makespan'] / t['lower_bound']:.2f}x" if t["lower_bound"] else "no bytes cross hosts"
@@ -82,7 +85,11 @@ def explain(plan: dict) -> str:
                    + (f" in {t['chunks']} chunks" if t["strategy"] == "broadcast" else "")
                    + f", scheduled by {t['scheduler']}")
         out.append(f"  makespan {_t(t['makespan'])}; lower bound {_t(t['lower_bound'])} "
-                   f"({ratio}); naive schedule {_t(t['naive_makespan'])}")
+                   f"({ratio}; the bound counts NIC bytes, not latency); naive schedule {_t(t['naive_makespan'])}")
+        peers = [n for n in by_src[t["src"]["stage"]] if n != t["name"]]
+        if peers:
+            out.append(f"  scheduled on one NIC timeline with {', '.join(peers)} (same source stage): "
+                       "times are where this transfer ends on it")
     pipe = plan.get("pipeline")
     if pipe:
         out.append("")
