@@ -105,6 +105,7 @@ def _cmd_testbed(args) -> int:
         from planc.compile import compile_file
 
         plan = compile_file(Path(args.target), probe=False).plan_json
+        hosts = len(plan["cluster"]["hosts"])
     else:
         path = Path(args.target) / "plan.json"
         try:
@@ -114,7 +115,6 @@ def _cmd_testbed(args) -> int:
             print(f"planc testbed run: {args.target} is not a compiled output folder (its plan.json: "
                   f"{getattr(e, 'strerror', None) or e})", file=sys.stderr)
             return EXIT_USER
-    hosts = len(plan["cluster"]["hosts"])
     mbit = args.link_mbit or scaled_link_mbit(plan)
     with Testbed(hosts, mbit) as tb:
         print(f"testbed: {hosts} host namespace(s) {' '.join(tb.namespaces)} on bridge {tb.bridge_ns}, "

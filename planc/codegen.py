@@ -22,6 +22,7 @@ import jinja2
 
 from planc import ir, resources
 from planc.lang.errors import Diagnostic, PlanError, Span
+from planc.runtime.plan import mesh_shape   # stdlib-only module of the runtime
 
 __all__ = ["write_output", "templates_dir", "ds_config", "run_config", "CodegenError"]
 
@@ -56,11 +57,7 @@ def _data_size(plan: dict) -> int:
     for st in plan.get("stages", ()):
         axes = list(st.get("mesh_axes") or ())
         if "data" in axes:
-            mesh, shape = st["mesh"], []
-            while isinstance(mesh, list):
-                shape.append(len(mesh))
-                mesh = mesh[0]
-            sizes.add(shape[axes.index("data")])
+            sizes.add(mesh_shape(st["mesh"])[axes.index("data")])
         else:
             sizes.add(1)
     if len(sizes) > 1:

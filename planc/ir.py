@@ -79,6 +79,15 @@ ROOT_LEVEL = "root"
 
 # ---------------------------------------------------------------- cluster
 
+def level_coords(device: int, fanouts) -> tuple[int, ...]:
+    """Row-major level coordinates of a device under ``fanouts``, outermost level first."""
+    out = []
+    for f in reversed(fanouts):
+        out.append(device % f)
+        device //= f
+    return tuple(reversed(out))
+
+
 @dataclass(frozen=True, slots=True)
 class Level:
     name: str
@@ -113,11 +122,7 @@ class Cluster:
 
     def level_coords(self, device: int) -> tuple[int, ...]:
         """Row-major level coordinates of a device, outermost level first."""
-        out = []
-        for f in reversed(self.fanouts):
-            out.append(device % f)
-            device //= f
-        return tuple(reversed(out))
+        return level_coords(device, self.fanouts)
 
     @property
     def devices_per_host(self) -> int:

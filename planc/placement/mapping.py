@@ -13,17 +13,9 @@ import math
 from collections.abc import Sequence
 
 from planc import ir
+from planc.ir import level_coords
 
 Coords = tuple[tuple[int, ...], ...]
-
-
-def level_coords(device: int, fanouts: Sequence[int]) -> tuple[int, ...]:
-    """Row-major level coordinates of a device, outermost level first."""
-    out = []
-    for f in reversed(fanouts):
-        out.append(device % f)
-        device //= f
-    return tuple(reversed(out))
 
 
 def coords_for(matrix: Sequence[Sequence[int]], fanouts: Sequence[int], axis_sizes: Sequence[int]) -> Coords:
