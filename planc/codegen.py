@@ -22,7 +22,7 @@ import jinja2
 
 from planc import ir, resources
 from planc.lang.errors import Diagnostic, PlanError, Span
-from planc.runtime.plan import mesh_shape   # stdlib-only module of the runtime
+from planc.runtime import planfile
 
 __all__ = ["write_output", "templates_dir", "ds_config", "run_config", "CodegenError"]
 
@@ -51,19 +51,15 @@ def _version() -> str:
         return "0.1.0"
 
 
-def _data_size(plan: dict) -> int:
-    """Size of the mesh dimension named ``data`` (1 if none); equal on every stage or an error."""
-    sizes = set()
-    for st in plan.get("stages", ()):
-        axes = list(st.get("mesh_axes") or ())
-        if "data" in axes:
-            sizes.add(mesh_shape(st["mesh"])[axes.index("data")])
-        else:
-            sizes.add(1)
-    if len(sizes) > 1:
-        raise CodegenError(f"stages have different data sizes {sorted(sizes)}; DeepSpeed's batch "
-                           f"arithmetic needs one")
-    return sizes.pop() if sizes else 1
+def _rows_per_device(plan: dict, micro_batch: int) -> int:
+    """Rows of a micro-batch one device of stage 0 computes. Stages may differ: every rank's engine sets
+    ``train_micro_batch_size_per_gpu`` to its own stage's rows (plan.json ``stages[].rows``) at start."""
+    stages = plan.get("stages") or ()
+    rows = (stages[0].get("rows") if stages else None) or {}
+    if not rows:
+        return micro_batch
+    a, b = next(iter(rows.values()))
+    return b - a
 
 
 def _merge(base: dict, extra: dict) -> dict:
@@ -76,13 +72,11 @@ def _merge(base: dict, extra: dict) -> dict:
 def ds_config(plan: dict, program: ir.Program) -> dict:
     train = program.train
     trainable = program.model is not None and (plan.get("train") or {}).get("trainable", True)
-    data = _data_size(plan) if trainable else 1   # communication-only: no batches to split
-    if train.micro_batch % data:
-        raise CodegenError(f"train.micro_batch = {train.micro_batch} does not divide over data = {data}")
+    per_device = _rows_per_device(plan, train.micro_batch) if trainable else train.micro_batch
     opt_params = {"lr": train.optimizer.lr, **dict(train.optimizer.params)}
     cfg = {
         "train_batch_size": train.micro_batch * train.micro_batches,
-        "train_micro_batch_size_per_gpu": train.micro_batch // data,
+        "train_micro_batch_size_per_gpu": per_device,
         "gradient_accumulation_steps": train.micro_batches,
         "optimizer": {"type": {"adam": "Adam", "sgd": "SGD"}.get(train.optimizer.name, train.optimizer.name),
                       "params": opt_params},
@@ -190,7 +184,7 @@ def _write_output(plan: dict, program: ir.Program, out: Path) -> Path:
         "ds_config_json": json.dumps(ds_config(plan, program), indent=2),
     }
     files = {
-        "plan.json": _dump(plan),
+        "plan.json": planfile.dumps(planfile.Plan.from_json(plan)),   # the plan file's one writer
         "run.json": _dump(run_config(program)),
         "train.py": env.get_template("train.py.j2").render(ctx),
         "ds_config.json": env.get_template("ds_config.json.j2").render(ctx),

@@ -1,7 +1,8 @@
 """The compiler driver: a straight line of passes from a checked plan to plan.json.
 
-    load → probe (model sizes) → place → plan_reductions → plan_transfers
-         → pipeline → plan.json (planc/1)
+    load → probe (the model's real sizes) → infer_transfers (dtype, shape, specs)
+         → place → check_trainable → plan_reductions → plan_transfers (forward, backward)
+         → pipeline → assemble (planfile.Plan) → plan.json (planc/1)
 
 Every pass is pure; this module only strings them together and validates what
 the model really produces against what the plan declares.
@@ -10,7 +11,6 @@ the model really produces against what the plan declares.
 from __future__ import annotations
 
 import dataclasses
-import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,18 +20,23 @@ from planc.lang import load
 from planc.lang.errors import Diagnostic, PlanError
 from planc.pipeline.schedules import build as build_pipeline
 from planc.placement import place
-from planc.probe import ModelProbe, check_against_model, probe_model
+from planc.infer import infer_transfers
+from planc.probe import ModelProbe, check_against_model, check_model_reductions, probe_model
 from planc.reduction import plan_reductions, stage_reduction_groups
 from planc.resharding import groups_used, plan_transfers
+from planc.resharding.tiles import device_region
+from planc.runtime import planfile
 
 FORMAT = "planc/1"
+DATA_AXIS, TENSOR_AXIS = "data", "tensor"
 
 
 @dataclass(frozen=True, slots=True)
 class CompiledPlan:
     program: ir.Program
     plan_json: dict
-    untrainable: tuple[Diagnostic, ...] = ()   # why training is not supported yet (comm-only still works)
+    untrainable: tuple[Diagnostic, ...] = ()   # why training is not supported (comm-only still works)
+    plan: planfile.Plan | None = None          # the typed plan file plan_json was written from
 
     def describe(self) -> str:
         p = self.plan_json
@@ -46,8 +51,10 @@ class CompiledPlan:
 
 
 def check_trainable(program: ir.Program, stages: tuple[ir.StageLayout, ...]) -> tuple[Diagnostic, ...]:
-    """Why the training runtime cannot train this plan yet (empty: it can).
+    """Why the training runtime cannot train this plan (empty: it can). Decided once, here.
 
+    The runtime repeats none of these policy checks; it only checks what needs
+    the real world (world size, ranks per host, digest, real output shapes).
     Such a plan still compiles: its output runs with ``--comm-only``, and
     ``planc compile`` reports these as errors (exit 2) after writing it.
     """
@@ -55,46 +62,36 @@ def check_trainable(program: ir.Program, stages: tuple[ir.StageLayout, ...]) -> 
     if program.train.precision is not ir.Precision.FP32:
         errs.append(Diagnostic(f"training in {program.train.precision} is not yet supported by the planc runtime "
                                "(fp32 only); use precision = fp32", program.model.span))
-    sizes = {len(s.devices) for s in stages}
-    if len(sizes) > 1:
-        desc = ", ".join(f"stage {s.index} has {len(s.devices)}" for s in stages)
-        errs.append(Diagnostic("training with stages of different device counts is not yet supported "
-                               f"({desc}); drop the model to compile a communication-only plan",
-                               program.stages[0].span))
-    else:
-        # DeepSpeed's pipeline grid is pipe x data x model: every stage needs the same split
-        def split(st: ir.StageLayout) -> tuple[int, int]:
-            data = st.shape[st.axes.index("data")] if "data" in st.axes else 1
-            return data, len(st.devices) // data
-        if len({split(st) for st in stages}) > 1:
-            desc = ", ".join(f"stage {st.index}: {split(st)}" for st in stages)
-            errs.append(Diagnostic("training needs every stage to have the same (data, other) mesh sizes for "
-                                   f"DeepSpeed's pipeline grid; the stages have {desc}", program.stages[0].span))
-    idle = sorted(set(range(program.cluster.devices)) - {d for st in stages for d in st.devices})
-    if idle:
-        shown = ", ".join(map(str, idle[:8])) + (", ..." if len(idle) > 8 else "")
-        errs.append(Diagnostic(f"training needs every device in a stage, but devices {shown} are in none "
-                               "(DeepSpeed's pipeline grid spans the whole world)", program.stages[0].span))
-    for t in program.transfers:
-        for side, st_index, spec in (("source", t.src_stage, t.src_spec), ("destination", t.dst_stage, t.dst_spec)):
-            st = next(s for s in stages if s.index == st_index)
-            want = tuple((st.axes.index("data"),) if (i == 0 and "data" in st.axes and st.shape[st.axes.index("data")] > 1)
-                         else () for i in range(len(t.shape)))
-            if spec.dims != want:
-                errs.append(Diagnostic(
-                    f"transfer '{t.name}': training needs each device's {side} shard to be its data-parallel slice "
-                    f"({ir.ShardingSpec(want)} on stage {st_index}), got {spec}; other specs are supported in "
-                    "communication-only plans", t.span))
+    rows = program.train.micro_batch
+    for st in stages:
+        data = stage_data_degree(st)
+        if rows % data:
+            errs.append(Diagnostic(f"micro_batch = {rows} rows do not split evenly over stage {st.index}'s "
+                                   f"data = {data}; use a multiple of {data}", program.stage(st.index).span))
+    ordered = sorted(program.stages, key=lambda s: s.index)
+    for prev, s in zip(ordered, ordered[1:]):
+        if prev.layers is not None and s.layers is not None and prev.layers[1] != s.layers[0]:
+            errs.append(Diagnostic(f"stage {s.index} starts at layer {s.layers[0]} but stage {prev.index} ends at "
+                                   f"layer {prev.layers[1]}; training runs the stages' layers as one contiguous "
+                                   "model, in stage order", s.span))
     for t in program.transfers:
         if t.src_stage > t.dst_stage:
             errs.append(Diagnostic(f"transfer '{t.name}' goes from stage {t.src_stage} back to stage {t.dst_stage}; "
                                    "training needs activations to flow to later stages", t.span))
-    for s in program.stages[1:]:
-        if not any(t.dst_stage == s.index and t.src_stage == s.index - 1 for t in program.transfers):
-            errs.append(Diagnostic(f"stage {s.index} receives no activation from stage {s.index - 1}; declare "
-                                   f"'transfer NAME : DTYPE[...] from stage {s.index - 1} as ... to stage {s.index} as ...'",
-                                   s.span))
+    last = max(s.index for s in program.stages)
+    for s in ordered:
+        if s.index > 0 and not any(t.dst_stage == s.index for t in program.transfers):
+            errs.append(Diagnostic(f"stage {s.index} receives no activation from an earlier stage; declare "
+                                   f"'transfer NAME from stage {s.index - 1} to stage {s.index}'", s.span))
+        if s.index < last and not any(t.src_stage == s.index for t in program.transfers):
+            errs.append(Diagnostic(f"stage {s.index} sends no activation to a later stage; only the last stage "
+                                   "may end the model", s.span))
     return tuple(errs)
+
+
+def stage_data_degree(st: ir.StageLayout) -> int:
+    """Size of the stage's mesh dimension named ``data`` (1 without one)."""
+    return st.shape[st.axes.index(DATA_AXIS)] if DATA_AXIS in st.axes else 1
 
 
 # ---------------------------------------------------------------- the passes
@@ -123,33 +120,60 @@ def _tensor_groups(stages) -> list[list[int]]:
 
 
 def compile_program(program: ir.Program, probe: ModelProbe | None = None) -> CompiledPlan:
+    """The passes in order; each is pure and returns a record, the last one is the plan file."""
     if probe is not None:
         check_against_model(program, probe)
+        check_model_reductions(program, probe)
+    program = infer_transfers(program, probe)
     param_bytes = probe.stage_param_bytes(program.stages, program.train.precision) if probe else None
     placement = place(program, param_bytes)
     stages = placement.stages
-    untrainable = check_trainable(program, stages) if program.model is not None else ()
+    training = program.model is not None
+    untrainable = check_trainable(program, stages) if training else ()
     reductions = plan_reductions(program, placement.coords, stages, placement.matrix, param_bytes)
     transfers = plan_transfers(program, stages)
     backward = plan_transfers(dataclasses.replace(program, transfers=tuple(_reverse(t) for t in program.transfers)),
-                              stages) if program.model is not None else ()
+                              stages) if training else ()
     pipeline = None
-    if program.model is not None:
+    if training:
         edges = None if untrainable else tuple((t.src_stage, t.dst_stage) for t in program.transfers)
         pipeline = build_pipeline(program.train.schedule, len(stages), program.train.micro_batches, edges)
+    plan = assemble(program, probe, placement, reductions, transfers, backward, pipeline, untrainable)
+    tags = plan.tag_layout()
+    if tags.total > planfile.TagLayout.MAX_BITS:
+        raise PlanError(Diagnostic(
+            f"the plan needs {tags.total}-bit message tags ({len(program.transfers)} transfers, "
+            f"{program.train.micro_batches if training else 1} micro-batches, up to {2 ** tags.task_bits} unit tasks "
+            f"per transfer) but point-to-point tags have {planfile.TagLayout.MAX_BITS} bits; use fewer micro-batches "
+            "or coarser shardings", program.transfers[0].span if program.transfers else program.span))
+    return CompiledPlan(program, plan.to_json(), untrainable, plan)
 
-    red_json = [dict(r.to_json(), mode=str(red.mode), collectives=[str(c) for c in program.synthesis.collectives])
-                for r, red in zip(reductions, program.reductions)]
-    tr_json = [t.to_json() for t in transfers]
-    for fwd, t in zip(tr_json, program.transfers):
+
+def assemble(program: ir.Program, probe: ModelProbe | None, placement, reductions, transfers, backward,
+             pipeline, untrainable) -> planfile.Plan:
+    """Every decision as the typed plan file (``planc_runtime.planfile``), validated on construction."""
+    training = program.model is not None
+    red_json = [dict(r.to_json(), mode=str(_reduction_of(program, r.name).mode),
+                     collectives=[str(c) for c in program.synthesis.collectives]) for r in reductions]
+    stages = placement.stages
+    layout = {s.index: s for s in stages}
+    tr_json = []
+    for i, (fwd, t) in enumerate(zip(transfers, program.transfers)):
+        rec = fwd.to_json()
         src = program.stage(t.src_stage)
-        fwd["src"]["layer"] = t.src_layer if t.src_layer is not None else (
+        rec["src"]["layer"] = t.src_layer if t.src_layer is not None else (
             src.layers[1] - 1 if src.layers is not None else None)
-    for fwd, bwd in zip(tr_json, backward):
-        b = bwd.to_json()
-        fwd["backward"] = {k: b[k] for k in ("strategy", "chunks", "scheduler", "tasks", "makespan", "lower_bound",
-                                             "naive_makespan")}
-    tensor_groups = _tensor_groups(stages) if program.model is not None else []
+        _add_parts(rec, program.cluster)
+        rec["regions"] = _regions(t.shape, layout[t.src_stage], t.src_spec, layout[t.dst_stage], t.dst_spec)
+        if backward:
+            b = backward[i].to_json()
+            back = {k: b[k] for k in ("strategy", "chunks", "scheduler", "tasks", "makespan", "lower_bound",
+                                      "naive_makespan")}
+            _add_parts(back, program.cluster)
+            back["regions"] = _regions(t.shape, layout[t.dst_stage], t.dst_spec, layout[t.src_stage], t.src_spec)
+            rec["backward"] = back
+        tr_json.append(rec)
+    tensor_groups = _tensor_groups(stages) if training else []
     groups = _ordered_groups(
         *[[g for st in r["program"]["steps"] for g in st["groups"]] for r in red_json],
         groups_used(transfers, program.cluster),
@@ -164,8 +188,8 @@ def compile_program(program: ir.Program, probe: ModelProbe | None = None) -> Com
         "source": {"path": program.source_path, "sha256": program.source_sha256},
         "compiler": {"version": __version__, "seconds": None},   # compile_file(timings=True) fills it
         "cluster": {
-            "levels": [{"name": l.name, "fanout": l.fanout, "bandwidth": l.bandwidth, "latency": l.latency}
-                       for l in c.levels],
+            "levels": [{"name": lv.name, "fanout": lv.fanout, "bandwidth": lv.bandwidth, "latency": lv.latency}
+                       for lv in c.levels],
             "host_level": c.host_level, "devices": c.devices,
             "hosts": [list(h) for h in c.hosts()],
         },
@@ -179,30 +203,84 @@ def compile_program(program: ir.Program, probe: ModelProbe | None = None) -> Com
     if tensor_groups:
         plan["tensor_groups"] = tensor_groups
     plan["stage_mode"] = str(program.stage_mode)
-    plan["stages"] = [
-        {"index": s.index, "layers": list(s.layers) if s.layers else None, "devices": sorted(s.devices),
-         "mesh": _as_lists(s.mesh()), "mesh_axes": list(s.axes), "mesh_shape": list(s.shape),
-         "mesh_devices": list(s.devices)}
-        for s in stages
-    ]
+    plan["stages"] = [_stage_json(s, program.train.micro_batch if training else None) for s in stages]
     plan["reductions"] = red_json
     plan["transfers"] = tr_json
     if pipeline is not None:
         plan["pipeline"] = pipeline.to_json()
-    plan["train"] = _train_json(program, probe)
-    if plan["train"] is not None:
+    if training:
+        plan["train"] = _train_json(program, probe, stages)
         plan["train"]["trainable"] = not untrainable
         plan["train"]["not_trainable_because"] = [d.message for d in untrainable]
-    return CompiledPlan(program, plan, untrainable)
+    try:
+        return planfile.Plan.from_json(plan)
+    except planfile.PlanFileError as e:   # a compiler bug, never the user's: say so
+        raise AssertionError(f"the compiler assembled an invalid plan file: {e}") from None
+
+
+def _reduction_of(program: ir.Program, name: str) -> ir.Reduction:
+    return next(r for r in program.reductions if r.name == name)
+
+
+def _regions(shape, src: ir.StageLayout, src_spec, dst: ir.StageLayout, dst_spec) -> dict:
+    """Every device's region on each mesh, half-open global ranges (plan.json ``regions``)."""
+    def side(layout, spec):
+        return {str(d): [list(r) for r in device_region(tuple(shape), layout, spec, d)]
+                for d in sorted(layout.devices)}
+    return {"src": side(src, src_spec), "dst": side(dst, dst_spec)}
+
+
+def _add_parts(rec: dict, cluster: ir.Cluster) -> None:
+    """Allgather strategies: each task's receiver sets that gather among themselves, written out."""
+    strategy = rec["strategy"]
+    if strategy not in (str(ir.Strategy.LOCAL_ALLGATHER), str(ir.Strategy.GLOBAL_ALLGATHER)):
+        return
+    for task in rec["tasks"]:
+        if strategy == str(ir.Strategy.GLOBAL_ALLGATHER):
+            task["parts"] = [sorted(task["receivers"])]
+        else:
+            by_host: dict[int, list[int]] = {}
+            for r in task["receivers"]:
+                by_host.setdefault(cluster.host_of(r), []).append(r)
+            task["parts"] = [sorted(v) for _, v in sorted(by_host.items())]
+
+
+def _stage_json(s: ir.StageLayout, micro_batch: int | None) -> dict:
+    out = {"index": s.index, "layers": list(s.layers) if s.layers else None, "devices": sorted(s.devices),
+           "mesh": _as_lists(s.mesh()), "mesh_axes": list(s.axes), "mesh_shape": list(s.shape),
+           "mesh_devices": list(s.devices)}
+    if micro_batch is None:
+        return out
+    data = stage_data_degree(s)
+    k = s.axes.index(DATA_AXIS) if DATA_AXIS in s.axes else None
+    rows = {}
+    for d in sorted(s.devices):
+        i = s.position(d)[k] if k is not None else 0
+        rows[str(d)] = [i * micro_batch // data, (i + 1) * micro_batch // data]
+    out["rows"] = rows
+    out["data_groups"] = [list(g) for g in _split(s, k, along=True)]
+    out["model_groups"] = [list(g) for g in _split(s, k, along=False)]
+    return out
+
+
+def _split(s: ir.StageLayout, k: int | None, along: bool) -> list[tuple[int, ...]]:
+    """along: devices equal on every mesh dim but ``k`` (a data group); else devices equal on ``k``."""
+    groups: dict[tuple, list[int]] = {}
+    for d in s.devices:
+        pos = s.position(d)
+        if along:
+            key = tuple(v for i, v in enumerate(pos) if i != k)
+        else:
+            key = (pos[k],) if k is not None else ()
+        groups.setdefault(key, []).append(d)
+    return sorted(tuple(sorted(g)) for g in groups.values())
 
 
 def _as_lists(x):
     return [_as_lists(y) for y in x] if isinstance(x, tuple) else x
 
 
-def _train_json(program: ir.Program, probe: ModelProbe | None) -> dict | None:
-    if program.model is None:
-        return None
+def _train_json(program: ir.Program, probe: ModelProbe | None, stages) -> dict:
     t = program.train
     m, lf, d = program.model, program.loss, program.data
     return {
@@ -214,7 +292,14 @@ def _train_json(program: ir.Program, probe: ModelProbe | None) -> dict | None:
         "optimizer": {"name": t.optimizer.name, "lr": t.optimizer.lr, **dict(t.optimizer.params)},
         "precision": str(t.precision), "seed": t.seed,
         "layer_params": list(probe.layer_params) if probe else None,
+        "loss_devices": _loss_devices(max(stages, key=lambda s: s.index)),
     }
+
+
+def _loss_devices(last: ir.StageLayout) -> list[int]:
+    """One device per row range of the last stage: the one at position 0 on every mesh dim but ``data``."""
+    k = last.axes.index(DATA_AXIS) if DATA_AXIS in last.axes else None
+    return sorted(d for d in last.devices if all(v == 0 for i, v in enumerate(last.position(d)) if i != k))
 
 
 def compile_file(path: str | Path, probe: bool = True, timings: bool = False) -> CompiledPlan:
@@ -231,5 +316,5 @@ def compile_file(path: str | Path, probe: bool = True, timings: bool = False) ->
 
 
 def dump_plan(plan: dict) -> str:
-    """plan.json text: stable key order as built, 1-space indent, trailing newline."""
-    return json.dumps(plan, indent=1, allow_nan=False) + "\n"
+    """plan.json text, written by the plan file's one writer (``planfile.dumps``)."""
+    return planfile.dumps(planfile.Plan.from_json(plan))

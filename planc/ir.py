@@ -188,6 +188,26 @@ class ShardingSpec:
         return ShardingSpec(tuple(dims))
 
 
+def stage_mesh(stage: "Stage", parallel: Parallel | None) -> tuple[tuple[int, ...], tuple[str, ...]] | None:
+    """A stage's mesh (shape, axis names) before placement: an explicit stage's as written; a stage of
+    the ``pipe`` axis spans the other parallel axes in declared order. None when it cannot be known
+    (derived stages without a ``parallel`` block)."""
+    if stage.mesh_shape is not None:
+        shape = tuple(stage.mesh_shape)
+        return shape, tuple(stage.mesh_axes) or tuple(f"m{k}" for k in range(len(shape)))
+    if parallel is None:
+        return None
+    axes = tuple(a for a in parallel.axes if a.name != "pipe")
+    return tuple(a.size for a in axes), tuple(a.name for a in axes)
+
+
+def axis_size(mesh: tuple[tuple[int, ...], tuple[str, ...]] | None, name: str) -> int:
+    """The size of the mesh axis ``name`` (1 when the mesh has none)."""
+    if mesh is None or name not in mesh[1]:
+        return 1
+    return mesh[0][mesh[1].index(name)]
+
+
 @dataclass(frozen=True, slots=True)
 class StageLayout:
     """A stage placed on devices: its mesh, row-major over ``shape``, axes named ``axes``."""
@@ -245,18 +265,33 @@ class Stage:
 
 @dataclass(frozen=True, slots=True)
 class Transfer:
+    """A tensor sent between stages. In a plan with a model, ``dtype``/``shape`` and either spec may be
+    None as written (measured and derived by ``planc.infer.infer_transfers``); after that pass, and
+    always in a plan without a model, every field is set."""
+
     name: str
-    dtype: str
-    shape: tuple[int, ...]
+    dtype: str | None
+    shape: tuple[int, ...] | None
     src_stage: int
     src_layer: int | None
-    src_spec: ShardingSpec
+    src_spec: ShardingSpec | None
     dst_stage: int
-    dst_spec: ShardingSpec
+    dst_spec: ShardingSpec | None
     span: Span = field(default=_NOSPAN, compare=False, repr=False)
+    # where the type and each spec are written (or, when omitted, the name / the `stage I` they belong to)
+    type_span: Span = field(default=_NOSPAN, compare=False, repr=False)
+    src_spec_span: Span = field(default=_NOSPAN, compare=False, repr=False)
+    dst_spec_span: Span = field(default=_NOSPAN, compare=False, repr=False)
+
+    @property
+    def complete(self) -> bool:
+        return None not in (self.dtype, self.shape, self.src_spec, self.dst_spec)
 
     @property
     def nbytes(self) -> int:
+        if self.shape is None or self.dtype is None:
+            raise ValueError(f"transfer '{self.name}' has no type yet; planc.infer.infer_transfers "
+                             "measures it before it is sized")
         return math.prod(self.shape) * DTYPE_BYTES[self.dtype]
 
 
@@ -351,6 +386,10 @@ class Program:
         if self.parallel is None:
             return None
         return "pipe" if "pipe" in self.parallel.axis_names() else None
+
+    def stage_mesh(self, index: int) -> tuple[tuple[int, ...], tuple[str, ...]] | None:
+        """Stage ``index``'s mesh (shape, axis names); see :func:`stage_mesh`."""
+        return stage_mesh(self.stage(index), self.parallel)
 
     def stage(self, index: int) -> Stage:
         for s in self.stages:

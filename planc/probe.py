@@ -1,6 +1,7 @@
 """The model probe pass: build the user's model once, in a subprocess (torch lives there, not in the
-compiler), and measure what each layer really is, so transfers and reductions are sized from the model
-rather than from what the plan declares."""
+compiler), run the plan's stage dataflow on one micro-batch and measure what really crosses each stage
+boundary and how many parameters each layer (and each tensor-parallel shard of it) holds, so transfers
+and reductions are sized from the model rather than from what the plan declares."""
 
 from __future__ import annotations
 
@@ -16,34 +17,93 @@ from planc.lang.errors import Diagnostic, PlanError
 
 PRECISION_BYTES = {ir.Precision.FP32: 4, ir.Precision.FP16: 2, ir.Precision.BF16: 2}
 PROBE_TIMEOUT_S = 300
+TENSOR_AXIS = "tensor"
+
+
+@dataclass(frozen=True, slots=True)
+class MeasuredTransfer:
+    """What a transfer's source layer really produced for one whole micro-batch (``error`` says why not)."""
+
+    name: str
+    dtype: str | None
+    shape: tuple[int, ...] | None
+    error: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class ModelProbe:
-    """What the model really is: parameters and output shape of each layer for one whole micro-batch."""
+    """What the model really is, for one whole micro-batch of ``micro_batch`` rows.
+
+    ``layer_params`` counts the unsplit model; ``sharded_layer_params`` holds, per tensor degree
+    ``k`` > 1 used by the plan, what one device of a tensor group of ``k`` holds per layer (only
+    when the builder opts in, ``tensor_parallel``). ``stage_tensor`` maps each stage to the size of
+    its mesh axis ``tensor`` (1 without one).
+    """
 
     layer_params: tuple[int, ...]
     layer_shapes: tuple[tuple[int, ...] | None, ...]
+    layer_dtypes: tuple[str | None, ...] = ()
+    transfers: tuple[MeasuredTransfer, ...] = ()
+    micro_batch: int | None = None
+    tensor_parallel: bool = False
+    sharded_layer_params: tuple[tuple[int, tuple[int, ...]], ...] = ()
+    stage_tensor: tuple[tuple[int, int], ...] = ()
+    graph_errors: tuple[str, ...] = ()
+
+    def measured(self, name: str) -> MeasuredTransfer | None:
+        return next((m for m in self.transfers if m.name == name), None)
+
+    def params_per_device(self, tensor: int) -> tuple[int, ...]:
+        """Per layer, the parameters one device holds when its stage's ``tensor`` axis has this size."""
+        if not self.tensor_parallel or tensor <= 1:
+            return self.layer_params
+        for k, counts in self.sharded_layer_params:
+            if k == tensor:
+                return counts
+        raise KeyError(f"the model was not probed at tensor degree {tensor}")
+
+    def tensor_degree(self, stage) -> int:
+        """The size of a stage's mesh axis ``tensor``: from a placed ``StageLayout`` (shape, axes), an
+        explicit ``Stage`` (mesh_shape, mesh_axes), else as recorded when the plan was probed."""
+        shape = getattr(stage, "shape", None)
+        axes = getattr(stage, "axes", None)
+        if shape is None or axes is None:
+            shape, axes = getattr(stage, "mesh_shape", None), getattr(stage, "mesh_axes", ())
+        if shape is not None:
+            return shape[tuple(axes).index(TENSOR_AXIS)] if TENSOR_AXIS in axes else 1
+        return dict(self.stage_tensor).get(stage.index, 1)
 
     def stage_param_bytes(self, stages, precision: ir.Precision) -> dict[int, int]:
+        """Per stage, the gradient bytes ONE device of it reduces (its tensor shard of the stage's layers)."""
         out = {}
         for s in stages:
             a, b = s.layers if s.layers is not None else (0, len(self.layer_params))
-            out[s.index] = sum(self.layer_params[a:b]) * PRECISION_BYTES[precision]
+            out[s.index] = sum(self.params_per_device(self.tensor_degree(s))[a:b]) * PRECISION_BYTES[precision]
         return out
 
 
+def _stage_tensor(program: ir.Program) -> tuple[tuple[int, int], ...]:
+    return tuple((s.index, ir.axis_size(program.stage_mesh(s.index), TENSOR_AXIS)) for s in program.stages)
+
+
 def probe_model(program: ir.Program) -> ModelProbe:
-    """Build the model in a subprocess (torch lives there, not in the compiler) and measure it."""
+    """Build the model in a subprocess (torch lives there, not in the compiler), run the plan's stage
+    dataflow on one micro-batch and measure it."""
     model = program.model
     path = Path(program.source_dir) / model.path
     if not path.is_file():
         raise PlanError(Diagnostic(f"model file '{model.path}' not found (looked for {path})", model.span))
+    stage_tensor = _stage_tensor(program)
+    stages = sorted(program.stages, key=lambda s: s.index)
     req = {
         "model_file": str(path), "function": model.function, "args": dict(model.args),
         "data_file": str(Path(program.source_dir) / program.data.path) if program.data else None,
         "data_function": program.data.function if program.data else None,
         "micro_batch": program.train.micro_batch, "seed": program.train.seed,
+        "stages": [list(s.layers) if s.layers is not None else None for s in stages] or [None],
+        "transfers": [{"name": t.name, "src_stage": t.src_stage, "src_layer": t.src_layer, "dst_stage": t.dst_stage}
+                      for t in program.transfers],
+        "tensor_degrees": sorted({k for _, k in stage_tensor if k > 1}),
     }
     env = dict(os.environ, PYTHONHASHSEED="0", CUDA_VISIBLE_DEVICES="")
     try:
@@ -59,12 +119,44 @@ def probe_model(program: ir.Program) -> ModelProbe:
         doc = json.loads(proc.stdout.strip().splitlines()[-1])
     except (ValueError, IndexError):
         raise PlanError(Diagnostic("the model probe printed no result", model.span)) from None
-    return ModelProbe(tuple(int(x) for x in doc["layer_params"]),
-                      tuple(tuple(s) if s is not None else None for s in doc["layer_shapes"]))
+    if doc.get("shard_errors"):
+        errs = []
+        for k, why in sorted(doc["shard_errors"].items(), key=lambda kv: int(kv[0])):
+            users = ", ".join(str(i) for i, d in stage_tensor if d == int(k))
+            errs.append(Diagnostic(f"the model cannot be split over a tensor group of {k} (the 'tensor' axis of "
+                                   f"stage {users}): {model.path}:{model.function} says {why}", model.span))
+        raise PlanError(errs)
+    return probe_from_json(doc, program.train.micro_batch, stage_tensor)
+
+
+def _shape(v) -> tuple[int, ...] | None:
+    return tuple(int(d) for d in v) if v is not None else None
+
+
+def probe_from_json(doc: dict, micro_batch: int, stage_tensor=()) -> ModelProbe:
+    """The ModelProbe of the runtime probe's JSON answer (``planc.runtime.probe._request``)."""
+    outs = doc.get("layer_outputs") or [None] * len(doc["layer_params"])
+    return ModelProbe(
+        layer_params=tuple(int(x) for x in doc["layer_params"]),
+        layer_shapes=tuple(_shape(o["shape"]) if o else None for o in outs),
+        layer_dtypes=tuple(o["dtype"] if o else None for o in outs),
+        transfers=tuple(MeasuredTransfer(m["name"], m.get("dtype"), _shape(m.get("shape")), m.get("error"))
+                        for m in doc.get("transfers", ())),
+        micro_batch=micro_batch,
+        tensor_parallel=bool(doc.get("tensor_parallel")),
+        sharded_layer_params=tuple(sorted((int(k), tuple(int(x) for x in v))
+                                          for k, v in (doc.get("sharded_layer_params") or {}).items())),
+        stage_tensor=tuple(stage_tensor),
+        graph_errors=tuple(doc.get("graph_errors") or ()),
+    )
+
+
+def _type_text(dtype: str | None, shape) -> str:
+    return f"{dtype}[{', '.join(map(str, shape))}]"
 
 
 def check_against_model(program: ir.Program, probe: ModelProbe) -> None:
-    """Stage ranges cover the model's layers; every transfer's declared shape is what its layer produces."""
+    """Stage ranges cover the model's layers; every transfer's declared type is what its layer produces."""
     errs: list[Diagnostic] = []
     n = len(probe.layer_params)
     staged = [s for s in program.stages if s.layers is not None]
@@ -74,18 +166,41 @@ def check_against_model(program: ir.Program, probe: ModelProbe) -> None:
             last = max(staged, key=lambda s: s.layers[1])
             errs.append(Diagnostic(f"the stages cover layers 0..{end} but the model has {n} layers (0..{n})", last.span))
     for t in program.transfers:
+        if t.shape is None:
+            continue
         src = program.stage(t.src_stage)
-        if src.layers is None:
+        last = src.layers[1] - 1 if src.layers is not None else n - 1
+        layer = t.src_layer if t.src_layer is not None else last
+        got = probe.measured(t.name)
+        if got is None or got.shape is None or layer >= n:
             continue
-        layer = t.src_layer if t.src_layer is not None else src.layers[1] - 1
-        if layer >= n:
-            continue
-        got = probe.layer_shapes[layer]
-        if got is not None and tuple(got) != tuple(t.shape):
-            errs.append(Diagnostic(f"transfer '{t.name}' declares {t.dtype}{list(t.shape)} but stage {t.src_stage} "
-                                   f"layer {layer} produces {list(got)} for a micro-batch of {program.train.micro_batch}",
-                                   t.span))
+        if tuple(got.shape) != tuple(t.shape) or (got.dtype is not None and got.dtype != t.dtype):
+            span = t.type_span if t.type_span.line else t.span
+            errs.append(Diagnostic(f"transfer '{t.name}' declares {_type_text(t.dtype, t.shape)} but stage "
+                                   f"{t.src_stage} layer {layer} produces {_type_text(got.dtype, got.shape)} for a "
+                                   f"micro-batch of {program.train.micro_batch}", span))
     if errs:
         raise PlanError(errs)
 
 
+def check_model_reductions(program: ir.Program, probe: ModelProbe) -> None:
+    """Gradients of a tensor-parallel model are shards: summing them over ``tensor`` mixes unrelated
+    parameters. Reject ``reduce gradients over ..., tensor`` when the model opts in and a stage splits."""
+    if not probe.tensor_parallel:
+        return
+    split = [s.index for s in program.stages if probe.tensor_degree(s) > 1]
+    if not split:
+        return
+    errs = []
+    for r in program.reductions:
+        if r.name != "gradients" or TENSOR_AXIS not in r.axes:
+            continue
+        rest = [a for a in r.axes if a != TENSOR_AXIS]
+        fix = f"reduce gradients over {', '.join(rest)} only" if rest else "drop 'tensor' from this reduction"
+        where = "stage " + ", ".join(map(str, split))
+        errs.append(Diagnostic(
+            f"gradients of tensor-parallel shards must not be reduced over '{TENSOR_AXIS}': the model "
+            f"({program.model.path}:{program.model.function}) splits its layers over the '{TENSOR_AXIS}' axis of "
+            f"{where}, so each device along it holds a different shard; {fix}", r.span))
+    if errs:
+        raise PlanError(errs)

@@ -147,6 +147,8 @@ def test_probe_sizes_gradients_and_checks_shapes(tmp_path):
     grads = c.plan_json["reductions"][0]
     per_stage = {s["stage"]: s["bytes"] for s in grads["per_stage_bytes"]}
     assert set(per_stage) == {0, 1} and all(b > 0 for b in per_stage.values())
+    # tensor = 2 and gpt.py opts in: each device reduces its shard of the blocks (not the whole model)
+    assert per_stage == {0: (18432 + 2 * 25184) * 4, 1: (2 * 25184 + 16768) * 4}
     assert grads["bytes"] == max(per_stage.values())
     assert c.plan_json["train"]["layer_params"] and len(c.plan_json["train"]["layer_params"]) == 6
     check_plan_json(c.plan_json)
@@ -165,8 +167,9 @@ def test_declared_transfer_shape_must_match_the_model(tmp_path):
     with pytest.raises(PlanError) as e:
         compile_file(p)
     msg = e.value.render()
-    assert "transfer 'hidden' declares f32[8, 32, 48] but stage 0 layer 2 produces [8, 32, 64]" in msg
-    assert f"{p}:24:" in msg
+    assert ("transfer 'hidden' declares f32[8, 32, 48] but stage 0 layer 2 produces f32[8, 32, 64] "
+            "for a micro-batch of 8") in msg
+    assert f"{p}:24:21: error:" in msg and "^^^^^^^^^^^^^^" in msg     # under the declared type
 
 
 def test_stages_of_different_sizes_train_is_not_yet_supported(tmp_path):

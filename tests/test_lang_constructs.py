@@ -181,6 +181,55 @@ reduce w over data : f32[1024]
     assert p.reductions[0].axes == ("data",)
 
 
+def test_transfer_type_and_specs_may_be_omitted_with_a_model():
+    p = ok(CLUSTER + "parallel { pipe = 2, data = 2, tensor = 2 }\n" + MODEL + """
+stage 0 : layers 0..3
+stage 1 : layers 3..6
+transfer hidden from stage 0 to stage 1
+transfer skip from stage 0 layer 1 as S(data) R R to stage 1
+transfer typed : f32[8, 32, 64] from stage 0 to stage 1 as S0 R R
+""")
+    hidden, skip, typed = p.transfers
+    assert (hidden.dtype, hidden.shape, hidden.src_spec, hidden.dst_spec) == (None, None, None, None)
+    assert not hidden.complete and typed.dst_spec is not None and typed.src_spec is None
+    assert skip.src_layer == 1 and skip.src_spec == ir.ShardingSpec(((0,), (), ())) and skip.shape is None
+    # the spans say where each part is written, or where it would be
+    assert (hidden.type_span.line, hidden.type_span.col) == (13, 10)            # the name
+    assert (hidden.src_spec_span.col, hidden.src_spec_span.end_col) == (22, 29)  # `stage 0`
+    assert (skip.src_spec_span.col, typed.type_span.col) == (39, 18)
+    with pytest.raises(ValueError, match="transfer 'hidden' has no type yet"):
+        hidden.nbytes
+    from planc.lang.format import summary, to_text
+    text = to_text(p)
+    assert "  transfer hidden from stage 0 to stage 1\n" in text
+    assert "  transfer skip from stage 0 layer 1 as S0 R R to stage 1\n" in text
+    assert load_text(text).transfers == p.transfers and to_text(load_text(text)) == text
+    assert "transfer   hidden (type measured on the model): stage 0 (derived) -> stage 1 (derived)" in summary(p)
+
+
+def test_untyped_transfer_spec_count_is_checked_later():
+    """Without a shape the front end checks the spec's form and axes only; planc.infer checks the rest."""
+    p = ok(CLUSTER + "parallel { pipe = 2, data = 2, tensor = 2 }\n" + MODEL + """
+stage 0 : layers 0..3
+stage 1 : layers 3..6
+transfer hidden from stage 0 as S0 R to stage 1 as R R R R R
+""")
+    assert len(p.transfers[0].src_spec.dims) == 2 and len(p.transfers[0].dst_spec.dims) == 5
+
+
+def test_without_a_model_every_transfer_part_is_required():
+    out = err(CLUSTER + """
+stage 0 on devices 0..4 as (2, 2)
+stage 1 on devices 4..8 as (2, 2)
+transfer a from stage 0 as S0 R to stage 1 as R R
+transfer b : f32[8, 4] from stage 0 to stage 1 as R R
+transfer c : f32[8, 4, 2] from stage 0 as R R R to stage 1
+""")
+    assert "t.plan:9:10: error: transfer 'a' needs its type" in out
+    assert "t.plan:10:29: error: transfer 'b' needs its source layout, e.g. 'stage 0 as S0 R'" in out
+    assert "t.plan:11:52: error: transfer 'c' needs its destination layout, e.g. 'stage 1 as S0 R R'" in out
+
+
 def test_comm_only_stages_without_layers():
     p = ok(CLUSTER + "stage 0 on devices 0..8 as (2, 4)\n")
     assert p.model is None and p.stages[0].layers is None and p.stages[0].mesh_shape == (2, 4)

@@ -163,13 +163,17 @@ class TensorType:
 
 @dataclass(frozen=True, slots=True)
 class TransferDecl:
+    """``type`` and the specs are None where omitted (allowed only in a plan with a model)."""
+
     name: Name
-    type: TensorType
+    type: TensorType | None
     src_stage: Num
     src_layer: Num | None
-    src_spec: Spec
+    src_spec: Spec | None
     dst_stage: Num
-    dst_spec: Spec
+    dst_spec: Spec | None
+    src_at: Span   # `stage I [layer L] [as SPEC]` after `from`
+    dst_at: Span   # `stage J [as SPEC]` after `to`
     span: Span
 
 

@@ -97,7 +97,7 @@ class _Checker:
                     self.err(f"a plan with a model needs a '{what} \"file.py:function\"' line",
                              by_kind["model"][0].span)
         stage_mode, stages = self.stages(by_kind.get("StageDecl", []), cluster, parallel, model is not None)
-        transfers = self.transfers(by_kind.get("TransferDecl", []), stages)
+        transfers = self.transfers(by_kind.get("TransferDecl", []), stages, model is not None or "model" in by_kind)
         reductions = self.reductions(by_kind.get("ReduceDecl", []), cluster, parallel, stages, stage_mode)
         resharding = self.resharding(by_kind.get("resharding", [None])[0])
         synthesis = self.synthesis(by_kind.get("synthesis", [None])[0])
@@ -459,14 +459,14 @@ class _Checker:
                 owner.setdefault(d, s.index)
 
     def stage_shape(self, stage: ir.Stage, parallel: ir.Parallel | None) -> tuple[int, ...] | None:
-        if stage.mesh_shape is not None:
-            return stage.mesh_shape
-        if parallel is None:
-            return None
-        return tuple(a.size for a in parallel.axes if a.name != "pipe")
+        mesh = ir.stage_mesh(stage, parallel)
+        return mesh[0] if mesh is not None else None
 
     # ------------------------------------------------------------ transfers
-    def transfers(self, decls, stages) -> tuple[ir.Transfer, ...]:
+    def transfers(self, decls, stages, has_model: bool) -> tuple[ir.Transfer, ...]:
+        """Without a model every transfer is complete; with one, an omitted type or spec stays None
+        for ``planc.infer`` (which also checks a written spec's entry count and divisibility
+        once the shape is measured)."""
         out, names = [], {}
         by_index = {s.index: s for s in stages}
         parallel = self._parallel_cache
@@ -475,7 +475,20 @@ class _Checker:
                 self.err(f"transfer '{t.name.value}' is declared twice", t.name.span)
                 continue
             names[t.name.value] = t.span
-            dtype, shape = self.tensor_type(t.type)
+            name = t.name.value
+            missing = False
+            if t.type is None and not has_model:
+                self.err(f"transfer '{name}' needs its type, e.g. 'transfer {name} : f32[8, 1024] from ...'; "
+                         "only a plan with a model may leave it out (planc measures it on the model)", t.name.span)
+                missing = True
+            example = " ".join(["S0"] + ["R"] * (len(t.type.dims) - 1 if t.type is not None else 1))
+            for side, spec, at in (("source", t.src_spec, t.src_at), ("destination", t.dst_spec, t.dst_at)):
+                if spec is None and not has_model:
+                    self.err(f"transfer '{name}' needs its {side} layout, e.g. '{_source_text(at, self.text)} as "
+                             f"{example}'; "
+                             "only a plan with a model may leave it out (planc derives it from the stage's mesh)", at)
+                    missing = True
+            dtype, shape = self.tensor_type(t.type) if t.type is not None else (None, None)
             src = self.stage_ref(t.src_stage, by_index)
             dst = self.stage_ref(t.dst_stage, by_index)
             if src is not None and dst is not None and src.index == dst.index:
@@ -488,13 +501,16 @@ class _Checker:
                     a, b = src.layers
                     if not a <= layer < b:
                         self.err(f"layer {layer} is not in stage {src.index} (layers {a}..{b})", t.src_layer.span)
-            if src is None or dst is None or dtype is None or shape is None:
+            if src is None or dst is None or (t.type is not None and shape is None):
                 continue
-            sspec = self.spec(t.src_spec, shape, src, parallel)
-            dspec = self.spec(t.dst_spec, shape, dst, parallel)
-            if sspec is None or dspec is None:
+            sspec = self.spec(t.src_spec, shape, src, parallel) if t.src_spec is not None else None
+            dspec = self.spec(t.dst_spec, shape, dst, parallel) if t.dst_spec is not None else None
+            if missing or (t.src_spec is not None and sspec is None) or (t.dst_spec is not None and dspec is None):
                 continue
-            out.append(ir.Transfer(t.name.value, dtype, shape, src.index, layer, sspec, dst.index, dspec, t.span))
+            out.append(ir.Transfer(name, dtype, shape, src.index, layer, sspec, dst.index, dspec, t.span,
+                                   type_span=t.type.span if t.type is not None else t.name.span,
+                                   src_spec_span=t.src_spec.span if t.src_spec is not None else t.src_at,
+                                   dst_spec_span=t.dst_spec.span if t.dst_spec is not None else t.dst_at))
         return tuple(out)
 
     def stage_ref(self, num: ast.Num, by_index) -> ir.Stage | None:
@@ -523,6 +539,7 @@ class _Checker:
         return (dtype, tuple(dims)) if ok else (None, None)
 
     def spec(self, sp: ast.Spec, shape, stage: ir.Stage, parallel) -> ir.ShardingSpec | None:
+        """The written spec; with ``shape`` None (to be measured) only its form and mesh axes are checked."""
         mesh_shape = self.stage_shape(stage, parallel)
         entries: list[tuple[tuple[int, ...], Span]] = []
         for item in sp.items:
@@ -551,9 +568,8 @@ class _Checker:
                 return None
             for tok in toks:
                 entries.append(((), item.span) if tok == "R" else (tuple(int(c) for c in tok[1:]), item.span))
-        if len(entries) != len(shape):
-            self.err(f"the spec has {len(entries)} entries but the tensor has {len(shape)} dimensions "
-                     f"{list(shape)}; write one entry per dimension", sp.span)
+        if shape is not None and len(entries) != len(shape):
+            self.err(spec_length_error(len(entries), shape), sp.span)
             return None
         used: dict[int, int] = {}
         for tdim, (axes, span) in enumerate(entries):
@@ -567,11 +583,10 @@ class _Checker:
                     self.err(f"S{a} needs a mesh dimension {a}, but stage {stage.index}'s mesh is "
                              f"{len(mesh_shape)}-dimensional {tuple(mesh_shape)}", span)
                     return None
-            if mesh_shape is not None and axes:
-                n = math.prod(mesh_shape[a] for a in axes)
-                if shape[tdim] % n:
-                    self.err(f"tensor dimension {tdim} of size {shape[tdim]} does not divide evenly over mesh size {n} "
-                             f"(stage {stage.index}, {'S' + ''.join(map(str, axes))})", span)
+            if mesh_shape is not None and axes and shape is not None:
+                why = spec_divide_error(tdim, shape[tdim], axes, mesh_shape, stage.index)
+                if why:
+                    self.err(why, span)
                     return None
         return ir.ShardingSpec(tuple(a for a, _ in entries))
 
@@ -846,10 +861,8 @@ class _Checker:
                      s["micro_batches"].value.span)
         if "micro_batch" in s:
             for st in stages:
-                shape = st.mesh_shape if st.mesh_shape is not None else (
-                    tuple(a.size for a in parallel.axes if a.name != "pipe") if parallel else ())
-                if "data" in st.mesh_axes and shape:
-                    n = shape[st.mesh_axes.index("data")]
+                n = ir.axis_size(ir.stage_mesh(st, parallel), "data")
+                if n > 1:
                     if train.micro_batch % n:
                         self.err(f"micro_batch {train.micro_batch} does not divide evenly over the data axis of size {n} "
                                  f"(stage {st.index})", s["micro_batch"].value.span)
@@ -857,6 +870,31 @@ class _Checker:
         return train
 
     _parallel_cache = None
+
+
+def spec_length_error(entries: int, shape) -> str | None:
+    """The message for a spec whose entry count is not the tensor's rank (None: it is)."""
+    if entries == len(shape):
+        return None
+    return (f"the spec has {entries} entries but the tensor has {len(shape)} dimensions "
+            f"{list(shape)}; write one entry per dimension")
+
+
+def spec_divide_error(tdim: int, size: int, axes: tuple[int, ...], mesh_shape, stage: int) -> str | None:
+    """The message for tensor dimension ``tdim`` of ``size`` not dividing over mesh ``axes`` (None: it does)."""
+    n = math.prod(mesh_shape[a] for a in axes)
+    if size % n == 0:
+        return None
+    return (f"tensor dimension {tdim} of size {size} does not divide evenly over mesh size {n} "
+            f"(stage {stage}, {'S' + ''.join(map(str, axes))})")
+
+
+def _source_text(span: Span, text: str) -> str:
+    """The source text under a one-line span (for messages that quote what was written)."""
+    lines = text.splitlines()
+    if span.line < 1 or span.line > len(lines) or span.end_line != span.line:
+        return "stage I"
+    return " ".join(lines[span.line - 1][span.col - 1:span.end_col - 1].split())
 
 
 def _name_from_path(path: str) -> str:

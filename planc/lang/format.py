@@ -22,7 +22,7 @@ def to_data(obj):
         return str(obj)
     if dataclasses.is_dataclass(obj):
         return {f.name: to_data(getattr(obj, f.name)) for f in dataclasses.fields(obj)
-                if f.name not in ("span", "program_span")}
+                if f.name != "span" and not f.name.endswith("_span")}
     if isinstance(obj, (tuple, list)):
         return [to_data(x) for x in obj]
     if isinstance(obj, dict):
@@ -96,10 +96,12 @@ def to_text(p: ir.Program) -> str:
             dims = ", ".join(f"{n} = {m}" for n, m in zip(s.mesh_axes, s.mesh_shape))
             line += f" on devices {s.first_device}..{s.first_device + len(s.explicit_devices)} as ({dims})"
         out.append(line)
-    for t in p.transfers:
+    for t in p.transfers:   # an omitted type or spec (measured / derived at compile time) stays omitted
         layer = f" layer {t.src_layer}" if t.src_layer is not None else ""
-        out.append(f"  transfer {t.name} : {t.dtype}[{', '.join(map(str, t.shape))}] from stage {t.src_stage}{layer} "
-                   f"as {_spec(t.src_spec)} to stage {t.dst_stage} as {_spec(t.dst_spec)}")
+        ttype = f" : {t.dtype}[{', '.join(map(str, t.shape))}]" if t.shape is not None else ""
+        src = f" as {_spec(t.src_spec)}" if t.src_spec is not None else ""
+        dst = f" as {_spec(t.dst_spec)}" if t.dst_spec is not None else ""
+        out.append(f"  transfer {t.name}{ttype} from stage {t.src_stage}{layer}{src} to stage {t.dst_stage}{dst}")
     for r in p.reductions:
         line = f"  reduce {r.name} over {', '.join(r.axes)}"
         if r.mode is ir.ReductionMode.ALLREDUCE:
@@ -144,8 +146,10 @@ def summary(p: ir.Program) -> str:
         where = f" on devices {s.explicit_devices[0]}..{s.explicit_devices[-1] + 1} as {s.mesh_shape}" if s.explicit_devices else ""
         lines.append(f"  stage {s.index}    {layers}, {n} device(s){where}, mesh axes ({', '.join(s.mesh_axes)})")
     for t in p.transfers:
-        lines.append(f"  transfer   {t.name} {t.dtype}{list(t.shape)}: stage {t.src_stage} ({t.src_spec}) -> "
-                     f"stage {t.dst_stage} ({t.dst_spec})")
+        ttype = f"{t.dtype}{list(t.shape)}" if t.shape is not None else "(type measured on the model)"
+        src = t.src_spec if t.src_spec is not None else "derived"
+        dst = t.dst_spec if t.dst_spec is not None else "derived"
+        lines.append(f"  transfer   {t.name} {ttype}: stage {t.src_stage} ({src}) -> stage {t.dst_stage} ({dst})")
     for r in p.reductions:
         how = {ir.ReductionMode.SYNTHESIZE: "synthesized", ir.ReductionMode.ALLREDUCE: "flat allreduce",
                ir.ReductionMode.PROGRAM: "pinned: " + (ir.program_text(r.program) if r.program else "")}[r.mode]

@@ -295,14 +295,19 @@ class _ToAst(Transformer):
         return ast.RangeNode(self._num(a), self._num(b), self._span(meta))
 
     # -- transfers
-    def transfer(self, meta, name, ttype, src, *rest):
-        if isinstance(rest[0], ast.Num):
-            layer, rest = rest[0], rest[1:]
-        else:
-            layer = None
-        src_spec, dst, dst_spec = rest
-        return ast.TransferDecl(self._name(name), ttype, self._num(src), layer, src_spec,
-                                self._num(dst), dst_spec, self._span(meta))
+    def transfer(self, meta, name, *rest):
+        ttype = rest[0] if isinstance(rest[0], ast.TensorType) else None
+        (src, layer, src_spec, src_at), (dst, _, dst_spec, dst_at) = rest[-2:]
+        return ast.TransferDecl(self._name(name), ttype, src, layer, src_spec, dst, dst_spec, src_at, dst_at,
+                                self._span(meta))
+
+    def transfer_src(self, meta, stage, *rest):
+        layer = next((r for r in rest if isinstance(r, ast.Num)), None)
+        spec = next((r for r in rest if isinstance(r, ast.Spec)), None)
+        return (self._num(stage), layer, spec, self._span(meta))
+
+    def transfer_dst(self, meta, stage, spec=None):
+        return (self._num(stage), None, spec, self._span(meta))
 
     def layer_ref(self, meta, n):
         return self._num(n)

@@ -16,8 +16,8 @@ Public API (stable):
     check_digests(digests) -> list[str]     pure: problems when ranks disagree
     startup_checks(plan, digest=None)       collective: all of the above on every rank
     StartupError(RuntimeError)
-    create_groups(plan, timeout=None) / lookup_group(groups, members) / GroupMissing
-        (documented in topology.py, which re-exports them; they live here so that
+    lookup_group(groups, members) / GroupMissing / direction_groups(groups, direction)
+        (topology.create_groups makes the groups; these live here so that
         reduce/reshard need not import deepspeed)
 """
 from __future__ import annotations
@@ -29,11 +29,12 @@ import socket
 import torch
 import torch.distributed as dist
 
-from .plan import plan_digest
+from .planfile import Plan
+from .planfile import digest as plan_digest
 
 __all__ = ["collective_timeout", "choose_backend", "init_distributed", "check_world",
            "check_hosts", "check_digests", "startup_checks", "StartupError", "DEFAULT_TIMEOUT_S",
-           "create_groups", "lookup_group", "GroupMissing"]
+           "lookup_group", "GroupMissing", "direction_groups", "BACKWARD"]
 
 DEFAULT_TIMEOUT_S = 300.0
 TIMEOUT_ENV = "PLANC_COLLECTIVE_TIMEOUT_S"
@@ -78,23 +79,23 @@ def init_distributed(backend: str | None = None, timeout: datetime.timedelta | N
     return backend
 
 
-def check_world(plan: dict, world_size: int) -> None:
-    want = int(plan["cluster"]["devices"])
+def check_world(plan: Plan, world_size: int) -> None:
+    want = plan.cluster.devices
     if world_size != want:
         raise StartupError(
-            f"world size {world_size} does not match the plan {plan.get('name', '?')!r}: "
-            f"cluster.devices = {want} ({len(plan['cluster']['hosts'])} hosts of "
-            f"{[len(h) for h in plan['cluster']['hosts']]} devices); launch {want} processes")
+            f"world size {world_size} does not match the plan {plan.name!r}: "
+            f"cluster.devices = {want} ({len(plan.cluster.hosts)} hosts of "
+            f"{[len(h) for h in plan.cluster.hosts]} devices); launch {want} processes")
 
 
-def check_hosts(plan: dict, infos) -> list[str]:
+def check_hosts(plan: Plan, infos) -> list[str]:
     """infos[r] = (hostname, local_world_size or None) of rank r.
 
     When the job spans several hostnames, ranks sharing a hostname must be exactly
     one plan host and each host's device count must match. A single hostname means
     an emulated cluster (testbed, one machine): nothing to compare.
     """
-    hosts = [sorted(h) for h in plan["cluster"]["hosts"]]
+    hosts = [sorted(h) for h in plan.cluster.hosts]
     by_name: dict[str, list[int]] = {}
     for r, (name, _) in enumerate(infos):
         by_name.setdefault(name, []).append(r)
@@ -125,7 +126,7 @@ def check_digests(digests) -> list[str]:
         f"ranks {rs} have sha256 {d[:16]}…" for d, rs in sorted(groups.items(), key=lambda kv: kv[1][0]))]
 
 
-def startup_checks(plan: dict, digest: str | None = None) -> None:
+def startup_checks(plan: Plan, digest: str | None = None) -> None:
     """World size, plan digest agreement and per-host device counts; collective.
 
     Every rank runs the same all_gather before raising, so all ranks fail
@@ -146,7 +147,7 @@ def startup_checks(plan: dict, digest: str | None = None) -> None:
     if not problems:
         problems += check_hosts(plan, [(g[1], g[2]) for g in gathered])
     if problems:
-        raise StartupError(f"rank {dist.get_rank()}: plan {plan.get('name', '?')!r} cannot run here:\n  "
+        raise StartupError(f"rank {dist.get_rank()}: plan {plan.name!r} cannot run here:\n  "
                            + "\n  ".join(problems))
 
 
@@ -156,27 +157,6 @@ class GroupMissing(KeyError):
 
 
 BACKWARD = "backward"
-
-
-def create_groups(plan: dict, timeout=None) -> dict:
-    """Create every group of plan["groups"], in order, on every rank.
-
-    Then a second communicator for each member set in plan["backward_groups"]
-    (keyed ``("backward", *members)``): gradients flowing back never share a
-    communicator with activations flowing forward, so an eager schedule that
-    has both in flight cannot interleave them on one NCCL stream.
-    """
-    timeout = timeout or collective_timeout()
-    me = dist.get_rank()
-    out = {}
-    for prefix, lists in ((), plan.get("groups", ())), ((BACKWARD,), plan.get("backward_groups", ())):
-        for members in lists:
-            key = prefix + tuple(int(m) for m in members)
-            if key in out:
-                continue
-            pg = dist.new_group(ranks=list(key[len(prefix):]), timeout=timeout)
-            out[key] = pg if me in key[len(prefix):] else None
-    return out
 
 
 def direction_groups(groups: dict, direction: str) -> dict:

@@ -1,4 +1,4 @@
-"""The pipeline engine: DeepSpeed's ``PipelineEngine`` running a plan.
+"""The pipeline engine: DeepSpeed's ``PipelineEngine`` executing a compiled plan.
 
 ``PlanEngine(PipelineEngine)`` rebuilds ``_INSTRUCTION_MAP`` so that DeepSpeed's
 instruction classes (``deepspeed.runtime.pipe.schedule``: LoadMicroBatch,
@@ -7,9 +7,18 @@ ReduceGrads, OptimizerStep) run the plan: the plan's transfers (cross-mesh
 resharding, skips included) in place of DeepSpeed's neighbour-only p2p, and the
 plan's reduction program in place of DeepSpeed's data-parallel all-reduce.
 ``PlanSchedule(PipeSchedule)`` turns the plan's per-stage list into those
-instructions; ``PlanPipelineModule(PipelineModule)`` holds the stage's layers
-(the plan's layer ranges) on ``PlanGridTopology`` (the plan's rank mapping).
+instructions; ``PlanPipelineModule(PipelineModule)`` holds the stage's layers.
+
+Stages may sit on meshes of any size and shape: DeepSpeed's grid is answered
+per rank from its own stage (``topology.PlanGrid``), so a stage of 1 device can
+feed a (2, 2) mesh, and devices outside every stage build no engine at all.
 docs/runtime-engine.md lists the DeepSpeed internals this relies on.
+
+Scaling: every gradient is the gradient of the global mean loss. A last-stage
+device computes the loss of its rows and weights it by its share of the
+micro-batch's rows (DeepSpeed divides by the micro-batch count), so the
+activation gradients it sends back and the parameter gradients each device
+holds are exact partial sums; reductions then *sum* over the data axis.
 
 Stage dataflow convention: a stage's first layer receives the stage's
 incoming transfers as positional arguments, in transfer declaration order
@@ -25,73 +34,50 @@ from collections import OrderedDict
 import torch
 import torch.distributed as dist
 from deepspeed.runtime.engine import DeepSpeedEngine
+from deepspeed.runtime.pipe import module as ds_module
+from deepspeed.runtime.pipe import p2p as ds_p2p
 from deepspeed.runtime.pipe import schedule as ds_schedule
 from deepspeed.runtime.pipe.engine import PipelineEngine
 from deepspeed.runtime.pipe.module import PipelineModule
 
-from .plan import PlanError, mesh_position, mesh_shape, stage_layout, stage_of
+from .planfile import Direction, Plan, Stage
 from .reduce import ReductionExecutor
-from .regions import parse_spec
 from .reshard import DTYPES, TransferExecutor
-from .topology import PlanGridTopology
+from .topology import PlanGrid, StageTopology
 
 __all__ = ["StageGraph", "PlanPipelineModule", "PlanSchedule", "PlanEngine", "EngineError",
-           "run_reference", "build_optimizer", "check_stage_shapes", "plan_problems", "DTYPES"]
-
+           "run_reference", "build_optimizer", "check_stage_shapes", "apply_layers", "DTYPES"]
 
 
 class EngineError(RuntimeError):
-    """The plan cannot be trained as written (shapes, specs, stage graph)."""
+    """The plan cannot run here as written (shapes, groups, launch)."""
 
 
 # ---------------------------------------------------------------- stage graph (pure)
 
 class StageGraph:
-    """Stages, their layer ranges and the transfers between them, from plan.json."""
+    """Stages, their layer ranges and the transfers between them, from the plan file."""
 
-    def __init__(self, plan: dict):
-        self.stages = sorted(plan["stages"], key=lambda s: s["index"])
-        self.num_stages = len(self.stages)
-        self.transfers = list(plan.get("transfers", ()))
-        self.by_name = {t["name"]: t for t in self.transfers}
-        for t in self.transfers:
-            a, b = t["src"]["stage"], t["dst"]["stage"]
-            if not a < b:
-                raise EngineError(f"transfer {t['name']!r} goes from stage {a} to stage {b}; the engine "
-                                  f"needs activations to flow to higher stages")
+    def __init__(self, plan: Plan):
+        self.stages = plan.stages
+        self.num_stages = len(plan.stages)
+        self.transfers = plan.transfers
+        self.by_name = {t.name: t for t in plan.transfers}
 
     def layers(self, s: int) -> tuple[int, int]:
-        lay = stage_layout({"stages": self.stages}, s).get("layers")
+        lay = self.stages[s].layers
         if lay is None:
             raise EngineError(f"stage {s} has no layer range")
-        return int(lay[0]), int(lay[1])
+        return lay
 
-    def src_layer(self, t: dict) -> int:
-        layer = t["src"].get("layer")
-        return self.layers(t["src"]["stage"])[1] - 1 if layer is None else int(layer)
+    def src_layer(self, t) -> int:
+        return self.layers(t.src_stage)[1] - 1 if t.src_layer is None else t.src_layer
 
     def incoming(self, s: int) -> list[str]:
-        return [t["name"] for t in self.transfers if t["dst"]["stage"] == s]
+        return [t.name for t in self.transfers if t.dst_stage == s]
 
     def outgoing(self, s: int) -> list[str]:
-        return [t["name"] for t in self.transfers if t["src"]["stage"] == s]
-
-    def edges(self) -> tuple[tuple[int, int], ...]:
-        return tuple((t["src"]["stage"], t["dst"]["stage"]) for t in self.transfers)
-
-    def check(self) -> None:
-        last = self.num_stages - 1
-        for s in range(self.num_stages):
-            if s > 0 and not self.incoming(s):
-                raise EngineError(f"stage {s} receives no transfer; declare the tensor it takes from an "
-                                  f"earlier stage")
-            if s < last and not self.outgoing(s):
-                raise EngineError(f"stage {s} sends no transfer; only the last stage may end the model")
-        for t in self.transfers:
-            a, b = self.layers(t["src"]["stage"])
-            if not a <= self.src_layer(t) < b:
-                raise EngineError(f"transfer {t['name']!r}: layer {self.src_layer(t)} is not in stage "
-                                  f"{t['src']['stage']} (layers {a}..{b})")
+        return [t.name for t in self.transfers if t.src_stage == s]
 
 
 def apply_layers(layers, first: int, inputs, taps=()):
@@ -120,7 +106,7 @@ def build_optimizer(params, ds_config: dict):
     return table[kind](params, **kw)
 
 
-def run_reference(layers, plan: dict, loss_fn, data_iter, micro_batches: int, steps: int, optimizer):
+def run_reference(layers, plan: Plan, loss_fn, data_iter, micro_batches: int, steps: int, optimizer):
     """Single-process training with the same stage dataflow; returns the loss per step."""
     graph = StageGraph(plan)
     losses = []
@@ -143,6 +129,51 @@ def run_reference(layers, plan: dict, loss_fn, data_iter, micro_batches: int, st
         optimizer.zero_grad()
         losses.append(total)
     return losses
+
+
+def check_stage_shapes(plan: Plan, rank: int, layers, sample_x, device=None) -> list[str]:
+    """Start-up check: the tensors this rank's stage produces against its transfers' regions.
+
+    Runs the stage's layers once without gradients on inputs of the planned
+    shapes (stage 0: a real micro-batch slice); local to the rank, no messages.
+    Runs before DeepSpeed builds anything, so every rank can fail together.
+    """
+    device = device or torch.device("cpu")
+    graph = StageGraph(plan)
+    stage = plan.stage_of(rank)
+    first, _ = graph.layers(stage.index)
+    incoming, outgoing = graph.incoming(stage.index), graph.outgoing(stage.index)
+    if stage.index == 0:
+        inputs = [sample_x.to(device)]
+    else:
+        inputs = []
+        for n in incoming:
+            t = graph.by_name[n]
+            region = t.forward.region("dst", rank)
+            inputs.append(torch.zeros([b - a for a, b in region], dtype=DTYPES[t.dtype], device=device))
+    taps = {graph.src_layer(graph.by_name[n]) for n in outgoing}
+    with torch.no_grad():
+        try:
+            _, tapped = apply_layers(layers, first, inputs, taps)
+        except Exception as e:  # noqa: BLE001 - reported with the stage
+            return [f"stage {stage.index}: its layers fail on the planned inputs "
+                    f"{[tuple(i.shape) for i in inputs]}: {e}"]
+    problems = []
+    for n in outgoing:
+        t = graph.by_name[n]
+        out = tapped[graph.src_layer(t)]
+        if not torch.is_tensor(out):
+            problems.append(f"stage {stage.index}, transfer {n!r}: layer {graph.src_layer(t)} "
+                            f"returns {type(out).__name__}, not a tensor")
+            continue
+        want = tuple(b - a for a, b in t.forward.region("src", rank))
+        if tuple(out.shape) != want:
+            problems.append(f"stage {stage.index}, transfer {n!r}: the plan moves a {list(want)} shard from "
+                            f"rank {rank} (of {t.dtype}{list(t.shape)}) but the stage produces {list(out.shape)}")
+        elif out.dtype != DTYPES[t.dtype]:
+            problems.append(f"stage {stage.index}, transfer {n!r}: the plan says {t.dtype} "
+                            f"but the stage produces {out.dtype}")
+    return problems
 
 
 # ---------------------------------------------------------------- schedule
@@ -172,133 +203,27 @@ class PlanSchedule(ds_schedule.PipeSchedule):
         yield [ds_schedule.ReduceGrads(), ds_schedule.OptimizerStep()]
 
     def num_pipe_buffers(self):
-        return self.micro_batches
+        return 1    # the engine keeps its own per-micro-batch buffers and frees each one early
 
 
-# ---------------------------------------------------------------- engine
-
-def data_slice(plan: dict, stage: int, rank: int, rows: int) -> tuple[int, int, int]:
-    """(start, stop, data size): the batch rows this rank's data coordinate owns."""
-    st = stage_layout(plan, stage)
-    axes = list(st.get("mesh_axes") or ())
-    if "data" not in axes:
-        return 0, rows, 1
-    k = axes.index("data")
-    size = mesh_shape(st["mesh"])[k]
-    if rows % size:
-        raise EngineError(f"micro_batch {rows} does not divide over data = {size} on stage {stage}")
-    d = mesh_position(st["mesh"], rank)[k]
-    return d * rows // size, (d + 1) * rows // size, size
-
-
-def trainable_spec_problem(plan: dict, t: dict) -> str | None:
-    """None when both ends hold the stage's data-parallel slice; else why not."""
-    for end in ("src", "dst"):
-        st = stage_layout(plan, t[end]["stage"])
-        axes = list(st.get("mesh_axes") or ())
-        entries = parse_spec(t[end]["spec"], len(t["shape"]), axes)
-        data = axes.index("data") if "data" in axes else None
-        dsize = mesh_shape(st["mesh"])[data] if data is not None else 1
-        want_first = ((data,),) if dsize > 1 else ((), (data,)) if data is not None else ((),)
-        if entries[0] not in want_first or any(entries[1:]):
-            return (f"transfer {t['name']!r} is {end} spec {t[end]['spec']!r} on stage {t[end]['stage']} "
-                    f"(mesh axes {axes}); training needs batch dim 0 sharded over 'data' and other "
-                    f"dims R, so this plan runs only with --comm-only")
-    return None
-
-
-def check_stage_shapes(plan: dict, rank: int, layers, sample_x, device=None) -> list[str]:
-    """Start-up check: the tensors this rank's stage produces against the declared transfer shapes.
-
-    Runs the stage's layers once without gradients on the declared input shapes
-    (stage 0: a real micro-batch slice); local to the rank, no messages. Runs
-    before DeepSpeed builds anything, so every rank can fail together.
-    """
-    device = device or torch.device("cpu")
-    graph = StageGraph(plan)
-    stage = stage_of(plan, rank)
-    first, _ = graph.layers(stage)
-    incoming, outgoing = graph.incoming(stage), graph.outgoing(stage)
-    problems = []
-    if stage == 0:
-        inputs = [sample_x.to(device)]
-    else:
-        inputs = []
-        for n in incoming:
-            t = graph.by_name[n]
-            a, b, _ = data_slice(plan, stage, rank, t["shape"][0])
-            inputs.append(torch.zeros((b - a,) + tuple(t["shape"][1:]), dtype=DTYPES[t["dtype"]], device=device))
-    taps = {graph.src_layer(graph.by_name[n]) for n in outgoing}
-    with torch.no_grad():
-        try:
-            _, tapped = apply_layers(layers, first, inputs, taps)
-        except Exception as e:  # noqa: BLE001 - reported with the stage
-            return [f"stage {stage}: its layers fail on the declared inputs "
-                    f"{[tuple(i.shape) for i in inputs]}: {e}"]
-    for n in outgoing:
-        t = graph.by_name[n]
-        out = tapped[graph.src_layer(t)]
-        if not torch.is_tensor(out):
-            problems.append(f"stage {stage}, transfer {n!r}: layer {graph.src_layer(t)} "
-                            f"returns {type(out).__name__}, not a tensor")
-            continue
-        _, _, dsize = data_slice(plan, stage, rank, t["shape"][0])
-        real = (out.shape[0] * dsize,) + tuple(out.shape[1:])
-        if real != tuple(t["shape"]):
-            problems.append(f"stage {stage}, transfer {n!r}: declared shape {list(t['shape'])} "
-                            f"but the stage produces {list(real)}")
-        elif out.dtype != DTYPES[t["dtype"]]:
-            problems.append(f"stage {stage}, transfer {n!r}: declared dtype {t['dtype']} "
-                            f"but the stage produces {out.dtype}")
-    return problems
-
-
-def plan_problems(plan: dict, ds_config: dict) -> list[str]:
-    """Pure checks of a training plan against what the engine supports (same on every rank)."""
-    problems = []
-    try:
-        StageGraph(plan).check()
-        PlanGridTopology(plan)
-    except (EngineError, PlanError) as e:
-        problems.append(str(e))
-    for t in plan.get("transfers", ()):
-        p = trainable_spec_problem(plan, t)
-        if p:
-            problems.append(p)
-    stage = int((ds_config.get("zero_optimization") or {}).get("stage", 0))
-    if stage != 0:
-        problems.append(f"ZeRO stage {stage}: the planc engine reduces gradients with the plan's program "
-                        f"and runs ZeRO stage 0 only")
-    pipe = ds_config.get("pipeline") or {}
-    if pipe.get("pipe_partitioned", False) or pipe.get("grad_partitioned", False):
-        problems.append("ds_config pipeline.pipe_partitioned / grad_partitioned must be false: the plan's "
-                        "transfers carry whole data-parallel slices")
-    return problems
-
+# ---------------------------------------------------------------- module and construction
 
 class PlanPipelineModule(PipelineModule):
-    """A ``PipelineModule`` whose partition is the plan's layer ranges and whose
-    grid is the plan's placement (``PlanGridTopology``).
+    """A ``PipelineModule`` holding this rank's stage: the plan's layer range, the plan's grid.
 
     Parameters keep DeepSpeed's names, ``<global layer index>.<name>``.
     ``forward(*inputs, taps=())`` runs the stage with the planc dataflow
     convention and returns ``(last output, {tapped layer: output})``.
     """
 
-    def __init__(self, plan: dict, layers, loss_fn=None, topology=None):
+    def __init__(self, plan: Plan, layers, loss_fn=None):
         graph = StageGraph(plan)
         bounds = [graph.layers(s)[0] for s in range(graph.num_stages)] + [graph.layers(graph.num_stages - 1)[1]]
-        for s in range(graph.num_stages):
-            a, b = graph.layers(s)
-            if a != bounds[s] or (s + 1 < graph.num_stages and b != bounds[s + 1]) or b <= a:
-                raise EngineError(f"stage {s} layers {a}..{b}: DeepSpeed's partition needs contiguous, "
-                                  f"non-empty layer ranges in stage order")
         if bounds[0] != 0 or bounds[-1] != len(layers):
             raise EngineError(f"the stages cover layers {bounds[0]}..{bounds[-1]} but the model has "
                               f"{len(layers)} layers")
         object.__setattr__(self, "_plan_bounds", bounds)
-        super().__init__(layers=list(layers), topology=topology or PlanGridTopology(plan), loss_fn=loss_fn,
-                         partition_method="plan")
+        super().__init__(layers=list(layers), topology=StageTopology(plan), loss_fn=loss_fn, partition_method="plan")
 
     def _partition_layers(self, method="plan"):
         """The plan's layer boundaries (PipelineModule.__init__ calls this)."""
@@ -311,139 +236,194 @@ class PlanPipelineModule(PipelineModule):
 
 
 @contextlib.contextmanager
-def groups_with_timeout(timeout):
-    """Make every ``dist.new_group`` DeepSpeed calls use the runtime's collective timeout."""
-    original = dist.new_group
+def deepspeed_on_plan(plan: Plan, rank: int, groups: dict, timeout):
+    """While DeepSpeed builds the module and engine: its grid is the plan's, its groups are the plan's.
 
-    def new_group(*args, **kwargs):
-        kwargs.setdefault("timeout", timeout)
-        return original(*args, **kwargs)
+    - ``PipelineParallelGrid`` (which would create a world-spanning pipe x data x
+      model grid) is replaced by ``PlanGrid`` for this rank's stage;
+    - ``dist.new_group`` returns the world group for the world and refuses any
+      other group (all of the plan's were created up front, collectively, so idle
+      ranks need not enter DeepSpeed);
+    - the engine's start-up p2p handshake between neighbouring stages is skipped:
+      planc's transfers are not neighbour-only and need no warm-up.
+    """
+    grid = PlanGrid(plan, rank, groups)
+    world = tuple(range(dist.get_world_size()))
+    saved = (ds_module.PipelineParallelGrid, dist.new_group, ds_p2p.send, ds_p2p.recv)
 
+    def new_group(ranks=None, *args, **kwargs):
+        if ranks is None or tuple(sorted(ranks)) == world:
+            return dist.GroupMember.WORLD
+        raise EngineError(f"DeepSpeed asked for a process group {sorted(ranks)} that the plan does not list")
+
+    ds_module.PipelineParallelGrid = lambda process_group=None, topology=None: grid
     dist.new_group = new_group
+    ds_p2p.send = ds_p2p.recv = lambda *a, **k: None
     try:
-        yield
+        yield grid
     finally:
-        dist.new_group = original
+        ds_module.PipelineParallelGrid, dist.new_group, ds_p2p.send, ds_p2p.recv = saved
 
+
+# ---------------------------------------------------------------- engine
 
 class PlanEngine(PipelineEngine):
     """DeepSpeed's ``PipelineEngine`` running a plan.
 
     ``_INSTRUCTION_MAP`` is rebuilt below the class body: DeepSpeed's
     ``_exec_schedule`` dispatches through that class attribute, so methods
-    overridden by name alone would never run. Transfers (skips included) replace
-    DeepSpeed's neighbour-only p2p, the plan's reduction program replaces its
-    data-parallel all-reduce, and ``PlanSchedule`` (a ``PipeSchedule``) replaces
-    ``TrainSchedule``.
+    overridden by name alone would never run.
+
+    Buffers: each micro-batch's saved input, output, labels, loss and received
+    gradient live in dicts keyed by micro-batch and are dropped as soon as its
+    backward (and the gradient sends that read its input) are done; a send's
+    buffer is dropped when the send completes. ``stats`` records the most
+    micro-batches held at once and the most pending sends.
     """
 
-    def __init__(self, *ds_args, plan: dict, groups: dict, data_iter=None, **ds_kwargs):
+    def __init__(self, *ds_args, plan: Plan, groups: dict, data_iter=None, **ds_kwargs):
         super().__init__(*ds_args, **ds_kwargs)
         rank = self.global_rank
         self.plan, self.plan_groups, self.rank = plan, groups, rank
         self.graph = StageGraph(plan)
-        if stage_of(plan, rank) != self.stage_id:
-            raise EngineError(f"rank {rank}: DeepSpeed puts it in stage {self.stage_id}, the plan in stage "
-                              f"{stage_of(plan, rank)}")
-        self.ops = plan["pipeline"]["per_stage"][self.stage_id]
-        if int(plan["pipeline"]["micro_batches"]) != self.micro_batches:
+        self.stage: Stage = plan.stage_of(rank)
+        self.ops = plan.pipeline.per_stage[self.stage_id]
+        if plan.pipeline.micro_batches != self.micro_batches:
             raise EngineError(f"gradient_accumulation_steps = {self.micro_batches} but the plan has "
-                              f"{plan['pipeline']['micro_batches']} micro-batches")
+                              f"{plan.pipeline.micro_batches} micro-batches")
         self.incoming = self.graph.incoming(self.stage_id)
         self.outgoing = self.graph.outgoing(self.stage_id)
+        self.rows = self.stage.rows_of(rank)
+        self.loss_weight = (self.rows[1] - self.rows[0]) / plan.train.micro_batch
+        self.counts_loss = rank in plan.train.loss_devices
         self.data_iterator = data_iter if (self.is_first_stage() or self.is_last_stage()) else None
+        tags = plan.tag_layout()
         self.executors = {}
-        for i, t in enumerate(self.graph.transfers):
-            if t["name"] not in self.incoming + self.outgoing:
-                continue
-            for direction in ("forward", "backward"):
-                self.executors[(t["name"], direction)] = TransferExecutor(
-                    t, plan, groups, rank, direction, index=i, device=self.device)
-        self.reduction, self.reduce_size = None, 1
-        red = next((r for r in plan.get("reductions", ()) if r["name"] == "gradients"), None)
-        # `using allreduce` keeps DeepSpeed's own data-parallel all-reduce, when its groups are the plan's
-        self.deepspeed_reduce = red is not None and red.get("mode") == "allreduce" and (
-            {tuple(g) for g in red["groups"]}
-            == {tuple(sorted(g)) for g in self._topo.get_axis_comm_lists("data") if len(g) > 1})
-        self.reduce_description = ("none" if red is None else "DeepSpeed's data-parallel all-reduce"
-                                   if self.deepspeed_reduce else f"planc program {red['program']['text']}")
-        if red is not None and any(rank in g for g in red["groups"]) and not self.deepspeed_reduce:
-            self.reduction = ReductionExecutor(red, groups, rank)
-            self.reduce_size = len(next(g for g in red["groups"] if rank in g))
-        for key in ("grads", "losses"):   # _reserve_pipe_buffers extends every key
-            self.pipe_buffers.setdefault(key, [None] * self.num_pipe_buffers)
-        self.pending_sends = []
+        for i, t in enumerate(plan.transfers):
+            if t.name in self.incoming + self.outgoing:
+                for direction in Direction:
+                    self.executors[(t.name, direction)] = TransferExecutor(
+                        t, direction, rank, groups, tags, index=i, device=self.device)
+        red = plan.gradient_reduction(rank)
+        self.reduction = None
+        self.deepspeed_reduce = red is not None and str(red.mode) == "allreduce"
+        if red is None:
+            self.reduce_description = "none (no data-parallel peers)"
+        elif self.deepspeed_reduce:
+            self.reduce_description = "DeepSpeed's data-parallel all-reduce"
+        else:
+            self.reduce_description = f"planc program {red.text}"
+            self.reduction = ReductionExecutor(red.to_json(), groups, rank)
+        self.reduce_size = len(red.group_of(rank)) if red is not None else 1
+        if red is not None and tuple(self.grid.get_data_parallel_group_ranks()) != red.group_of(rank):
+            raise EngineError(f"rank {rank}: its gradient reduction group {list(red.group_of(rank))} is not its "
+                              f"stage's data group {self.grid.get_data_parallel_group_ranks()}")
+        self.held = {k: {} for k in ("inputs", "outputs", "labels", "losses", "grads")}
+        self.pending_sends: list[tuple[int, list]] = []
+        self.stats = {"stage": self.stage_id, "peak_live_micro_batches": 0, "peak_pending_sends": 0}
 
     @classmethod
-    def build(cls, plan: dict, groups: dict, layers, loss_fn, data_iter, ds_config: dict, optimizer=None,
-              timeout=None):
+    def build(cls, plan: Plan, groups: dict, layers, loss_fn, data_iter, ds_config: dict, timeout=None):
         """Construct the engine the way ``deepspeed.initialize`` does for a ``PipelineModule``
-        (which always picks ``PipelineEngine``): module, mpu = module.mpu(), DeepSpeedConfig."""
+        (module, mpu = module.mpu(), DeepSpeedConfig), on the plan's grid and groups."""
         import deepspeed
         from deepspeed.runtime.config import DeepSpeedConfig
         from .dist_util import collective_timeout
         timeout = timeout or collective_timeout()
+        rank = dist.get_rank()
+        stage = plan.stage_of(rank)
+        a, b = stage.rows_of(rank)
+        cfg = dict(ds_config, train_micro_batch_size_per_gpu=b - a, gradient_accumulation_steps=plan.pipeline.micro_batches,
+                   train_batch_size=(b - a) * plan.pipeline.micro_batches * len(stage.group_of("data", rank)))
         deepspeed.init_distributed(dist_backend=dist.get_backend(), dist_init_required=False, timeout=timeout)
-        with groups_with_timeout(timeout):
+        with deepspeed_on_plan(plan, rank, groups, timeout):
             module = PlanPipelineModule(plan, layers, loss_fn=loss_fn)
-            if optimizer is None:
-                optimizer = build_optimizer(module.parameters(), ds_config)
+            optimizer = build_optimizer(module.parameters(), cfg)
             mpu = module.mpu()
-            config_class = DeepSpeedConfig(ds_config, mpu)
+            config_class = DeepSpeedConfig(cfg, mpu)
             engine = cls(args=None, model=module, optimizer=optimizer, model_parameters=None,
                          training_data=None, lr_scheduler=None, mpu=mpu, dist_init_required=False,
-                         collate_fn=None, config=ds_config, config_class=config_class,
+                         collate_fn=None, config=cfg, config_class=config_class,
                          plan=plan, groups=groups, data_iter=data_iter)
         return engine
 
+    # ---- buffer bookkeeping
+    def _reap_sends(self, wait: bool = False) -> None:
+        keep = []
+        for m, works in self.pending_sends:
+            if wait:
+                for w in works:
+                    w.wait()
+            elif not all(w.is_completed() for w in works):
+                keep.append((m, works))
+        self.pending_sends = keep
+
+    def _note(self) -> None:
+        live = set()
+        for d in self.held.values():
+            live.update(d)
+        s = self.stats
+        s["peak_live_micro_batches"] = max(s["peak_live_micro_batches"], len(live))
+        s["peak_pending_sends"] = max(s["peak_pending_sends"], len(self.pending_sends))
+
+    def _drop(self, m: int, *keys: str) -> None:
+        for k in keys:
+            self.held[k].pop(m, None)
+
     # ---- instructions
     def _exec_load_micro_batch(self, buffer_id):
+        self._reap_sends()
         x, y = self._next_batch()
-        a, b, _ = data_slice(self.plan, self.stage_id, self.rank, x.shape[0])
+        a, b = self.rows
         if self.is_first_stage():
-            self.pipe_buffers["inputs"][buffer_id] = {"x": x[a:b].to(self.device)}
+            self.held["inputs"][buffer_id] = {"x": x[a:b].to(self.device)}
         if self.is_last_stage():
-            self.pipe_buffers["labels"][buffer_id] = y[a:b].to(self.device)
+            self.held["labels"][buffer_id] = y[a:b].to(self.device)
+        self._note()
 
     def _exec_recv_activations(self, buffer_id, transfer):
-        t = self.executors[(transfer, "forward")].recv(micro_batch=buffer_id).to(self.device)
+        self._reap_sends()
+        t = self.executors[(transfer, Direction.FORWARD)].recv(micro_batch=buffer_id)
         if t.is_floating_point():
             t.requires_grad_(True)
-        if self.pipe_buffers["inputs"][buffer_id] is None:
-            self.pipe_buffers["inputs"][buffer_id] = {}
-        self.pipe_buffers["inputs"][buffer_id][transfer] = t
+        self.held["inputs"].setdefault(buffer_id, {})[transfer] = t
+        self._note()
 
     def _exec_forward_pass(self, buffer_id):
-        held = self.pipe_buffers["inputs"][buffer_id]
+        held = self.held["inputs"][buffer_id]
         inputs = [held["x"]] if self.is_first_stage() else [held[n] for n in self.incoming]
         taps = {self.graph.src_layer(self.graph.by_name[n]) for n in self.outgoing}
         out, tapped = self.module(*inputs, taps=taps)
-        self.pipe_buffers["outputs"][buffer_id] = {
-            n: tapped[self.graph.src_layer(self.graph.by_name[n])] for n in self.outgoing}
+        self.held["outputs"][buffer_id] = {n: tapped[self.graph.src_layer(self.graph.by_name[n])]
+                                           for n in self.outgoing}
         if self.is_last_stage():
-            # unscaled, as in PipelineEngine: DeepSpeedEngine.backward divides by gradient_accumulation_steps
-            self.loss = self.module.loss_fn(out, self.pipe_buffers["labels"][buffer_id])
-            self.pipe_buffers["losses"][buffer_id] = self.loss   # plan lists may run F m+1 before B m
-            self.total_loss = self.loss.detach() if self.total_loss is None else self.total_loss + self.loss.detach()
+            # this device's rows' share of the micro-batch loss; DeepSpeedEngine.backward divides by
+            # gradient_accumulation_steps, so gradients are those of the global mean loss
+            loss = self.module.loss_fn(out, self.held["labels"][buffer_id]) * self.loss_weight
+            self.held["losses"][buffer_id] = loss
+            self.total_loss = loss.detach() if self.total_loss is None else self.total_loss + loss.detach()
+        self._note()
 
     def _exec_send_activations(self, buffer_id, transfer):
-        out = self.pipe_buffers["outputs"][buffer_id][transfer]
-        self.pending_sends.append(self.executors[(transfer, "forward")].send(out.detach(), micro_batch=buffer_id))
+        out = self.held["outputs"][buffer_id][transfer]
+        works = self.executors[(transfer, Direction.FORWARD)].send(out.detach(), micro_batch=buffer_id)
+        self.pending_sends.append((buffer_id, works))
+        self._note()
 
     def _exec_recv_grads(self, buffer_id, transfer):
-        g = self.executors[(transfer, "backward")].recv(micro_batch=buffer_id).to(self.device)
-        if self.pipe_buffers["grads"][buffer_id] is None:
-            self.pipe_buffers["grads"][buffer_id] = {}
-        self.pipe_buffers["grads"][buffer_id][transfer] = g
+        self._reap_sends()
+        g = self.executors[(transfer, Direction.BACKWARD)].recv(micro_batch=buffer_id)
+        self.held["grads"].setdefault(buffer_id, {})[transfer] = g
+        self._note()
 
     def _exec_backward_pass(self, buffer_id):
         if self.is_last_stage():
             # DeepSpeedEngine.backward (PipelineEngine.backward raises): loss / gradient_accumulation_steps
-            self.loss = self.pipe_buffers["losses"][buffer_id]
+            self.loss = self.held["losses"][buffer_id]
             DeepSpeedEngine.backward(self, self.loss)
         else:
             # one output may feed several transfers (a skip and the main path): sum its gradients
-            outs, grads = self.pipe_buffers["outputs"][buffer_id], self.pipe_buffers["grads"][buffer_id]
+            outs, grads = self.held["outputs"][buffer_id], self.held["grads"][buffer_id]
             tensors, sums = [], []
             for n in self.outgoing:
                 out, g = outs[n], grads[n]
@@ -459,29 +439,42 @@ class PlanEngine(PipelineEngine):
                 torch.autograd.backward(tensors, sums)
             finally:
                 self._running_engine_backward = False
-        for key in ("outputs", "grads", "losses", "labels"):
-            self.pipe_buffers[key][buffer_id] = None
+        self._drop(buffer_id, "outputs", "grads", "losses", "labels")
+        if self.is_first_stage():
+            self._drop(buffer_id, "inputs")
+        self._note()
 
     def _exec_send_grads(self, buffer_id, transfer):
-        t = self.pipe_buffers["inputs"][buffer_id][transfer]
+        t = self.held["inputs"][buffer_id][transfer]
         g = t.grad if t.grad is not None else torch.zeros_like(t)
-        self.pending_sends.append(self.executors[(transfer, "backward")].send(g, micro_batch=buffer_id))
+        works = self.executors[(transfer, Direction.BACKWARD)].send(g, micro_batch=buffer_id)
+        self.pending_sends.append((buffer_id, works))
+        if transfer == self.incoming[-1]:
+            self._drop(buffer_id, "inputs")
+        self._note()
 
     def _exec_reduce_grads(self):
-        """The plan's reduction program on one flat gradient buffer, then / data-parallel size."""
-        self._wait_sends()
-        self.pipe_buffers["inputs"] = [None] * self.num_pipe_buffers
+        """The plan's reduction program on one flat gradient buffer; a sum (gradients are already
+        those of the global mean loss, see the module docstring)."""
+        self._reap_sends(wait=True)
+        if any(self.held.values()):
+            left = {k: sorted(v) for k, v in self.held.items() if v}
+            raise EngineError(f"rank {self.rank}: micro-batch buffers still held after the schedule: {left}")
+        params = [p for p in self.module.parameters() if p.requires_grad]
         if self.deepspeed_reduce:
+            # DeepSpeed averages over the data group; our gradients are partial sums
+            for p in params:
+                if p.grad is not None:
+                    p.grad.mul_(self.reduce_size)
             PipelineEngine._exec_reduce_grads(self)
             return
-        params = [p for p in self.module.parameters() if p.requires_grad]
         if self.reduction is None or not params:
             return
         self._force_grad_boundary = True
         try:
             grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
             flat = torch.cat([g.reshape(-1) for g in grads])
-            flat = self.reduction.run(flat) / self.reduce_size
+            flat = self.reduction.run(flat)
             off = 0
             for p in params:
                 n = p.numel()
@@ -490,32 +483,22 @@ class PlanEngine(PipelineEngine):
         finally:
             self._force_grad_boundary = False
 
-    def _wait_sends(self):
-        for works in self.pending_sends:
-            for item in works or ():
-                work = item[0] if isinstance(item, tuple) else item
-                if work is not None and hasattr(work, "wait"):
-                    work.wait()
-        self.pending_sends = []
-
     # ---- driver
     def _train_schedule(self):
         return PlanSchedule(self.ops, self.micro_batches, self.num_stages, self.stage_id,
                             self.incoming, self.outgoing, self.is_first_stage() or self.is_last_stage())
 
-    def train_batch(self, data_iter=None):
-        """One iteration of the plan's schedule; returns the batch loss (mean over micro-batches
-        and data-parallel replicas) on every rank, via DeepSpeed's ``_aggregate_total_loss``."""
+    def train_batch(self, data_iter=None) -> float:
+        """One iteration of the plan's schedule; returns this rank's share of the step's mean loss
+        (non-zero on ``train.loss_devices`` only; the caller sums the shares over the world)."""
         if data_iter is not None:
             self.set_dataiterator(data_iter)
         self.module.train()
         self.total_loss = None
-        self.total_additional_losses = None
-        self._compute_loss = True
         self._exec_schedule(self._train_schedule())
-        with torch.no_grad():
-            self.agg_train_loss = self._aggregate_total_loss()
-        return self.agg_train_loss
+        if not self.counts_loss or self.total_loss is None:
+            return 0.0
+        return float(self.total_loss) / self.micro_batches
 
     def plan_named_parameters(self):
         """``layers.<global index>.<name>`` -> CPU tensor (the single-process model's names)."""
@@ -533,3 +516,4 @@ PlanEngine._INSTRUCTION_MAP = {
     ds_schedule.ReduceGrads: PlanEngine._exec_reduce_grads,
     ds_schedule.OptimizerStep: PipelineEngine._exec_optimizer_step,   # DeepSpeed's _take_model_step
 }
+

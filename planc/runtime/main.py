@@ -19,11 +19,11 @@ import time
 import torch
 import torch.distributed as dist
 
+from . import planfile
 from .dist_util import GroupMissing, StartupError, init_distributed, startup_checks
-from .engine import (EngineError, PlanEngine, check_stage_shapes, data_slice, plan_problems)
-from .plan import PlanError, load_plan, plan_digest, stage_of
+from .engine import EngineError, PlanEngine, check_stage_shapes
+from .planfile import Direction, Plan, PlanFileError
 from .reduce import ReductionError, ReductionExecutor
-from .regions import SpecError
 from .reshard import TransferExecutor
 from .tensor_parallel import context_from_plan, shard_info
 from .topology import create_groups
@@ -78,6 +78,9 @@ def parse_args(argv):
     p.add_argument("--dump-params", default=None, metavar="DIR",
                    help="after training, save each rank's stage parameters to DIR/rank<R>.pt "
                         "(and its tensor-parallel shards' positions to DIR/rank<R>.shards.json)")
+    p.add_argument("--memory-stats", default=None, metavar="DIR",
+                   help="after training, write each stage rank's peak held micro-batches and pending sends "
+                        "to DIR/rank<R>.json")
     p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
@@ -107,7 +110,7 @@ def pattern(shape, region, dtype) -> torch.Tensor:
     return (values % modulus).to(dtype)
 
 
-def comm_only(plan: dict, groups: dict, rank: int, steps: int) -> None:
+def comm_only(plan: Plan, groups: dict, rank: int, steps: int) -> None:
     """Run every transfer forward and every reduction once per step, and check every byte.
 
     Source ranks send a known pattern; each destination rank compares what it
@@ -115,30 +118,30 @@ def comm_only(plan: dict, groups: dict, rank: int, steps: int) -> None:
     ``rank + 1`` over its group. Any difference stops the run with the
     transfer or reduction named; rank 0 prints the time per step.
     """
-    stage = stage_of(plan, rank)
-    transfers = [(t, TransferExecutor(t, plan, groups, rank, "forward", index=i))
-                 for i, t in enumerate(plan.get("transfers", ()))]
-    reductions = [(r, ReductionExecutor(r, groups, rank), next(g for g in r["groups"] if rank in g))
-                  for r in plan.get("reductions", ()) if any(rank in g for g in r["groups"])]
+    tags = plan.tag_layout()
+    transfers = [(t, TransferExecutor(t, Direction.FORWARD, rank, groups, tags, index=i))
+                 for i, t in enumerate(plan.transfers)]
+    reductions = [(r, ReductionExecutor(r.to_json(), groups, rank), r.group_of(rank))
+                  for r in plan.reductions if r.group_of(rank) is not None]
     for step in range(steps):
         problems = []
         dist.barrier()
         t0 = time.perf_counter()
         for t, ex in transfers:
             works = []
-            if stage == t["src"]["stage"] and ex.my_src is not None:
-                works = ex.send(pattern(t["shape"], ex.my_src, ex.dtype), micro_batch=step)
-            if stage == t["dst"]["stage"] and ex.my_dst is not None:
-                got = ex.recv(micro_batch=step)
-                if not torch.equal(got, pattern(t["shape"], ex.my_dst, ex.dtype)):
-                    problems.append(f"rank {rank}: transfer {t['name']!r} delivered wrong data for region {ex.my_dst}")
+            if ex.is_sender:
+                works = ex.send(pattern(t.shape, ex.my_src, ex.dtype), micro_batch=step % plan_micro_batches(plan))
+            if ex.my_dst is not None:
+                got = ex.recv(micro_batch=step % plan_micro_batches(plan))
+                if not torch.equal(got, pattern(t.shape, ex.my_dst, ex.dtype)):
+                    problems.append(f"rank {rank}: transfer {t.name!r} delivered wrong data for region {ex.my_dst}")
             for w in works or ():
-                (w[0] if isinstance(w, tuple) else w).wait()
+                w.wait()
         for r, ex, group in reductions:
-            n = max(1, int(r.get("bytes", 4)) // 4)
+            n = max(1, r.nbytes // 4)
             out = ex.run(torch.full((n,), float(rank + 1)))
             if not torch.all(out == float(sum(g + 1 for g in group))):
-                problems.append(f"rank {rank}: reduction {r['name']!r} over {group} gave a wrong sum")
+                problems.append(f"rank {rank}: reduction {r.name!r} over {list(group)} gave a wrong sum")
         dist.barrier()
         elapsed = time.perf_counter() - t0
         gathered = [None] * dist.get_world_size()
@@ -148,12 +151,16 @@ def comm_only(plan: dict, groups: dict, rank: int, steps: int) -> None:
             raise EngineError("communication check failed:\n  " + "\n  ".join(every))
         if rank == 0:
             print(f"step {step} comm {elapsed:.6f} s (verified {len(transfers)} transfer(s), "
-                  f"{len(plan.get('reductions', ()))} reduction(s))", flush=True)
+                  f"{len(plan.reductions)} reduction(s))", flush=True)
+
+
+def plan_micro_batches(plan: Plan) -> int:
+    return plan.pipeline.micro_batches if plan.pipeline is not None else 1
 
 
 # Failures the runtime plans for and words itself: one line per rank, exit 2, no traceback
 # (PLANC_DEBUG=1 shows it). Anything else is a bug and keeps its traceback.
-EXPECTED = (StartupError, GroupMissing, EngineError, PlanError, ReductionError, SpecError, OSError,
+EXPECTED = (StartupError, GroupMissing, EngineError, PlanFileError, ReductionError, OSError,
             json.JSONDecodeError)
 
 
@@ -175,7 +182,7 @@ def main(argv=None, out_dir: str | None = None) -> int:
 def _main(argv=None, out_dir: str | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     out_dir = out_dir or os.path.dirname(os.path.abspath(sys.argv[0]))
-    plan = load_plan(os.path.join(out_dir, "plan.json"))
+    plan = planfile.load(os.path.join(out_dir, "plan.json"))
     with open(os.path.join(out_dir, "run.json")) as f:
         run = json.load(f)
     with open(os.path.join(out_dir, "ds_config.json")) as f:
@@ -183,63 +190,84 @@ def _main(argv=None, out_dir: str | None = None) -> int:
     train = run.get("train", {})
     steps = args.steps if args.steps is not None else int(train.get("steps", 1))
 
+    if os.environ.get("PLANC_DUMP_STACKS_AFTER_S"):   # debugging a hang: every rank prints its stack
+        import faulthandler
+        faulthandler.dump_traceback_later(float(os.environ["PLANC_DUMP_STACKS_AFTER_S"]), exit=False)
     init_distributed()
-    startup_checks(plan, plan_digest(plan))
+    startup_checks(plan, planfile.digest(plan))
     rank = dist.get_rank()
     groups = create_groups(plan)
 
-    if args.comm_only or not run.get("model"):
+    if args.comm_only or plan.train is None:
         comm_only(plan, groups, rank, steps)
         dist.barrier()
         dist.destroy_process_group()
         return 0
+    if not plan.train.trainable:   # decided by the compiler; the same on every rank
+        error = EngineError("the plan cannot train (planc compile said why):\n  "
+                            + "\n  ".join(plan.train.not_trainable_because) + "\nrun it with --comm-only")
+        error.same_on_every_rank = True
+        raise error
 
-    if train.get("precision", "fp32") != "fp32":
-        raise EngineError(f"precision {train['precision']} is not supported by the planc engine yet (fp32 only)")
-    model_args = dict(run["model"].get("args", {}))
-    seed = int(train.get("seed", 0))
-    micro_batch = int(train["micro_batch"])
-    builder = load_function(out_dir, run["model"])
-    tp = None
-    if accepts_tensor_parallel(builder):
+    # DeepSpeed's communication backend starts collectively (its shared-memory ops wait for every
+    # local rank), so idle ranks start it too, though they build no engine
+    import deepspeed
+    from .dist_util import collective_timeout
+    deepspeed.init_distributed(dist_backend=dist.get_backend(), dist_init_required=False,
+                               timeout=collective_timeout())
+    stage = plan.stage_of(rank)
+    engine, problems = None, []
+    if stage is not None:
+        model_args = dict(run["model"].get("args", {}))
+        seed = int(train.get("seed", 0))
+        micro_batch = int(train["micro_batch"])
+        builder = load_function(out_dir, run["model"])
+        tp = None
+        if accepts_tensor_parallel(builder):
+            try:
+                tp = context_from_plan(plan, groups, rank)
+            except (ValueError, KeyError) as e:
+                raise EngineError(f"rank {rank}: {e.args[0] if e.args else e}") from None
+        torch.manual_seed(seed)   # every rank builds all layers alike (then shards them), and keeps its stage's
         try:
-            tp = context_from_plan(plan, groups, rank)
-        except (ValueError, KeyError) as e:
-            raise EngineError(f"rank {rank}: {e.args[0] if e.args else e}") from None
-    torch.manual_seed(seed)   # every rank builds all layers alike (then shards them), and keeps its stage's
-    try:
-        layers = build_layers(builder, model_args, tp)
-    except ValueError as e:
-        if tp is None:
-            raise
-        raise EngineError(f"rank {rank}: the model cannot be split over its tensor group of {tp.size}: {e}") from None
-    loss_fn = load_function(out_dir, run["loss"])
-    batches = load_function(out_dir, run["data"])
-    stage = stage_of(plan, rank)
-
-    # everything that can stop the plan is checked before DeepSpeed builds its groups (collective),
-    # and gathered so that all ranks stop together with one message
-    problems = plan_problems(plan, ds_config)   # pure: the same on every rank
-    if not problems:
+            layers = build_layers(builder, model_args, tp)
+        except ValueError as e:
+            if tp is None:
+                raise
+            raise EngineError(f"rank {rank}: the model cannot be split over its tensor group of {tp.size}: "
+                              f"{e}") from None
+        loss_fn = load_function(out_dir, run["loss"])
+        batches = load_function(out_dir, run["data"])
+        # what needs the real world is checked before DeepSpeed builds anything, and gathered so that
+        # all ranks stop together with one message
         try:
-            lo, hi = (int(v) for v in next(s for s in plan["stages"] if s["index"] == stage)["layers"])
+            lo, hi = stage.layers
             x, _ = next(batches(micro_batch, seed, **model_args))
-            a, b, _ = data_slice(plan, stage, rank, micro_batch)
+            a, b = stage.rows_of(rank)
             problems = check_stage_shapes(plan, rank, layers[lo:hi], x[a:b])
         except (EngineError, ValueError, KeyError) as e:
             problems = [f"rank {rank}: {e}"]
     _fail_together(problems)
 
-    engine = PlanEngine.build(plan, groups, layers, loss_fn, batches(micro_batch, seed, **model_args), ds_config)
+    if stage is not None:
+        engine = PlanEngine.build(plan, groups, layers, loss_fn, batches(micro_batch, seed, **model_args), ds_config)
     if rank == 0:
-        print(f"gradients: {engine.reduce_description}", flush=True)
+        print(f"gradients: {engine.reduce_description if engine else 'rank 0 is idle'}", flush=True)
+    device = engine.device if engine is not None else (
+        torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu"))
     for step in range(steps):
-        loss = engine.train_batch()
+        share = engine.train_batch() if engine is not None else 0.0   # idle ranks only add nothing
+        loss = torch.tensor([share], dtype=torch.float64, device=device)
+        dist.all_reduce(loss)   # the loss devices' shares add up to the step's mean loss
         if rank == 0:
             print(f"step {step} loss {float(loss):.6f}", flush=True)
 
-    if args.dump_params:
+    if engine is not None and args.dump_params:
         dump_params(engine, args.dump_params, rank)
+    if engine is not None and args.memory_stats:
+        os.makedirs(args.memory_stats, exist_ok=True)
+        with open(os.path.join(args.memory_stats, f"rank{rank}.json"), "w") as f:
+            json.dump(engine.stats, f, sort_keys=True)
     dist.barrier()
     dist.destroy_process_group()
     return 0

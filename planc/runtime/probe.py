@@ -1,14 +1,35 @@
-"""Size a model at compile time: parameter counts and output shapes per layer.
+"""Size a model at compile time: parameters, and the shape and dtype of what crosses each stage boundary.
 
     python -m planc_runtime.probe '{"model_file": .., "function": .., "args": {..},
-        "data_file": .., "data_function": .., "micro_batch": 8, "seed": 0}'
-        -> {"layer_params": [...], "layer_shapes": [[8, 32, 64], ..., null]}   (planc.compile)
+        "data_file": .., "data_function": .., "micro_batch": 8, "seed": 0,
+        "stages": [[0, 3], [3, 6]],
+        "transfers": [{"name": "hidden", "src_stage": 0, "src_layer": null, "dst_stage": 1}],
+        "tensor_degrees": [2]}'
+        -> {"layer_params": [...], "layer_outputs": [{"shape": [8, 32, 64], "dtype": "f32"}, ..., null],
+            "transfers": [{"name": "hidden", "shape": [8, 32, 64], "dtype": "f32", "error": null}],
+            "tensor_parallel": true, "sharded_layer_params": {"2": [...]}, "shard_errors": {},
+            "graph_errors": []}                                                     (planc.probe)
 
     python -m planc_runtime.probe MODEL_FILE FUNCTION JSON_ARGS MICRO_BATCH \\
         [--data FILE:FUNCTION] [--seed N] [--graph JSON]
 
-(from a checkout: ``python -m planc.runtime.probe ...``). Prints one JSON
-object on stdout::
+(from a checkout: ``python -m planc.runtime.probe ...``). The JSON-request form
+is the compiler's: it runs the plan's stage dataflow (stage 0 gets the data's
+input; every other stage gets its incoming transfers as positional arguments,
+in declaration order; a layer's tuple output is the next layer's arguments),
+so it measures each transfer's real shape and dtype even across skips and
+multi-input stages, for one whole micro-batch of ``micro_batch`` rows. A stage
+range ``null`` is every layer. ``layer_params`` counts the unsplit model's
+parameters. A builder that takes a keyword ``tensor_parallel`` opts in to
+tensor parallelism: the shapes come from a build with ``tensor_parallel=None``
+(the full model), and for each degree ``k`` in ``tensor_degrees`` it is built
+again with a stand-in context of size ``k`` (rank 0, no process group: its
+all-reduces are identities) to count what one device of a tensor group holds
+(``sharded_layer_params[k]``; a builder that refuses ``k`` lands in
+``shard_errors[k]``). A layer that fails, or a stage whose inputs never
+arrived, is listed in ``graph_errors`` and its transfers get ``error``.
+
+The command-line form prints one JSON object on stdout::
 
     {"layers": [{"index": 0, "params": 1234, "output_shapes": [[8, 32, 64]],
                  "output_dtypes": ["f32"]}, ...],
@@ -22,19 +43,22 @@ from the data function (default: ``batches`` in MODEL_FILE). Without
 ``--graph`` the layers run in a chain (each gets the previous output);
 ``--graph '{"stages": [[0, 3], [3, 6]], "transfers": [{"name": ..,
 "src_stage": 0, "src_layer": null, "dst_stage": 1}]}'`` runs the plan's
-stage dataflow instead (skips, multi-input stages), and reports each
-transfer's shape and dtype. Exit status 2 with a message on stderr when the
-model cannot be built or run. Runs on CPU, no process group, no gradients.
+stage dataflow instead, and reports each transfer's shape and dtype. Exit
+status 2 with a message on stderr when the model cannot be built or run.
+Runs on CPU, no process group, no gradients.
 """
 from __future__ import annotations
 
 import argparse
 import importlib.util
+import inspect
 import json
 import os
 import sys
 
 import torch
+
+from .tensor_parallel import TensorParallel
 
 DTYPE_NAMES = {torch.float64: "f64", torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16",
                torch.int64: "i64", torch.int32: "i32", torch.int16: "i16", torch.int8: "i8",
@@ -56,33 +80,121 @@ def _tensors(out):
     return list(out) if isinstance(out, (tuple, list)) else [out]
 
 
+def _dtype(t) -> str:
+    return DTYPE_NAMES.get(t.dtype, str(t.dtype))
+
+
+def accepts_tensor_parallel(builder) -> bool:
+    """Whether the builder takes a keyword ``tensor_parallel`` (as planc_runtime.main decides)."""
+    try:
+        params = inspect.signature(builder).parameters
+    except (TypeError, ValueError):
+        return False
+    p = params.get("tensor_parallel")
+    return p is not None and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+
+
+class StandInTensorParallel(TensorParallel):
+    """Rank 0 of a tensor group of ``size`` with no process group: shards are real, sums are identities.
+
+    Enough for what a builder uses at build time (``.rank``, ``.size``, ``.shard``); a forward through
+    it gives each rank's partial results in their full shapes.
+    """
+
+    def __init__(self, size: int):
+        super().__init__(None, 0, size, tuple(range(size)))
+
+    def all_reduce(self, t):
+        return t
+
+    def copy_to_region(self, x):
+        return x
+
+    def reduce_from_region(self, x):
+        return x
+
+
+def _build(builder, args: dict, seed: int, tensor_parallel=None, opts_in: bool = False):
+    torch.manual_seed(seed)
+    if opts_in:
+        return list(builder(**args, tensor_parallel=tensor_parallel))
+    return list(builder(**args))
+
+
+def _layer_params(layers) -> list[int]:
+    return [sum(p.numel() for p in layer.parameters()) for layer in layers]
+
+
+def run_graph(layers, x, stages, transfers):
+    """Run the stage dataflow once (no gradients).
+
+    ``stages``: (lo, hi) per stage in index order; ``transfers``: dicts with name, src_stage,
+    src_layer (None: the stage's last), dst_stage. Returns (outputs by layer index, value sent per
+    transfer name, errors): a failing layer stops its stage, and a stage whose inputs never arrived
+    is skipped, each with one message in ``errors``.
+    """
+    outputs: dict[int, object] = {}
+    sent: dict[str, object] = {}
+    errors: list[str] = []
+    with torch.no_grad():
+        for s, (lo, hi) in enumerate(stages):
+            if hi > len(layers):
+                errors.append(f"stage {s} has layers {lo}..{hi} but the model has {len(layers)}")
+                continue
+            if s == 0:
+                inputs = (x,)
+            else:
+                names = [t["name"] for t in transfers if t["dst_stage"] == s]
+                lost = [n for n in names if n not in sent]
+                if not names or lost:
+                    why = (f"transfer '{lost[0]}' was not measured" if lost
+                           else "no transfer is declared into it")
+                    errors.append(f"stage {s} could not run: {why}")
+                    continue
+                inputs = tuple(sent[n] for n in names)
+            a = inputs
+            for i in range(lo, hi):
+                try:
+                    out = layers[i](*a)
+                except Exception as e:  # noqa: BLE001 - the plan feeds it the wrong inputs; say which
+                    shapes = ", ".join(f"{_dtype(v)}{list(v.shape)}" if torch.is_tensor(v) else type(v).__name__
+                                       for v in a)
+                    errors.append(f"stage {s} layer {i} ({type(layers[i]).__name__}) failed on inputs "
+                                  f"({shapes}): {type(e).__name__}: {e}")
+                    break
+                outputs[i] = out
+                a = tuple(_tensors(out))
+            for t in transfers:
+                if t["src_stage"] == s:
+                    layer = hi - 1 if t.get("src_layer") is None else int(t["src_layer"])
+                    if layer in outputs:
+                        sent[t["name"]] = outputs[layer]
+    return outputs, sent, errors
+
+
+def _resolve(stages, n: int) -> list[tuple[int, int]]:
+    return [(0, n) if r is None else (int(r[0]), int(r[1])) for r in stages]
+
+
 def probe(model_file, function, args: dict, micro_batch: int, data=None, seed=0, graph=None) -> dict:
     torch.manual_seed(seed)
     layers = _load(model_file, function)(**args)
     data_file, data_fn = (data.rsplit(":", 1) if data else (model_file, "batches"))
     x, _ = next(_load(data_file, data_fn)(micro_batch, seed, **args))
     outputs: dict[int, object] = {}
-    with torch.no_grad():
-        if graph is None:
+    sent: dict[str, object] = {}
+    if graph is None:
+        with torch.no_grad():
             a = (x,)
             for i, layer in enumerate(layers):
                 out = layer(*a)
                 outputs[i] = out
                 a = tuple(_tensors(out))
-        else:
-            sent = {}
-            transfers = graph.get("transfers", [])
-            for s, (lo, hi) in enumerate(graph["stages"]):
-                inputs = (x,) if s == 0 else tuple(sent[t["name"]] for t in transfers if t["dst_stage"] == s)
-                a = inputs
-                for i in range(lo, hi):
-                    out = layers[i](*a)
-                    outputs[i] = out
-                    a = tuple(_tensors(out))
-                for t in transfers:
-                    if t["src_stage"] == s:
-                        layer = hi - 1 if t.get("src_layer") is None else int(t["src_layer"])
-                        sent[t["name"]] = outputs[layer]
+    else:
+        outputs, sent, errors = run_graph(layers, x, _resolve(graph["stages"], len(layers)),
+                                          graph.get("transfers", []))
+        if errors:
+            raise RuntimeError(errors[0])
     result = {"layers": [], "params": 0, "param_bytes": 0}
     for i, layer in enumerate(layers):
         n = sum(p.numel() for p in layer.parameters())
@@ -91,7 +203,7 @@ def probe(model_file, function, args: dict, micro_batch: int, data=None, seed=0,
         if i in outputs:
             ts = _tensors(outputs[i])
             rec["output_shapes"] = [list(t.shape) for t in ts]
-            rec["output_dtypes"] = [DTYPE_NAMES.get(t.dtype, str(t.dtype)) for t in ts]
+            rec["output_dtypes"] = [_dtype(t) for t in ts]
         result["layers"].append(rec)
         result["params"] += n
         result["param_bytes"] += nb
@@ -99,13 +211,13 @@ def probe(model_file, function, args: dict, micro_batch: int, data=None, seed=0,
         result["stages"] = [{"index": s, "layers": [lo, hi],
                              "params": sum(result["layers"][i]["params"] for i in range(lo, hi)),
                              "param_bytes": sum(result["layers"][i]["param_bytes"] for i in range(lo, hi))}
-                            for s, (lo, hi) in enumerate(graph["stages"])]
+                            for s, (lo, hi) in enumerate(_resolve(graph["stages"], len(layers)))]
         result["transfers"] = []
         for t in graph.get("transfers", []):
             v = sent.get(t["name"])
             rec = {"name": t["name"]}
             if torch.is_tensor(v):
-                rec.update(shape=list(v.shape), dtype=DTYPE_NAMES.get(v.dtype, str(v.dtype)))
+                rec.update(shape=list(v.shape), dtype=_dtype(v))
             else:
                 rec.update(shape=None, dtype=None, error=f"layer output is {type(v).__name__}, not a tensor")
             result["transfers"].append(rec)
@@ -113,32 +225,42 @@ def probe(model_file, function, args: dict, micro_batch: int, data=None, seed=0,
 
 
 def _request(req: dict) -> dict:
-    """planc.compile's form: one JSON request, answer {"layer_params", "layer_shapes"} (chain order).
-
-    A layer that cannot run in a chain (it needs a skip input) and every layer
-    after it get shape null; the compiler then skips their shape checks.
-    """
-    torch.manual_seed(int(req.get("seed", 0)))
-    layers = _load(req["model_file"], req["function"])(**req.get("args", {}))
+    """planc.probe's form: one JSON request, the stage dataflow measured (see the module docstring)."""
+    seed = int(req.get("seed", 0))
+    args = dict(req.get("args", {}))
+    builder = _load(req["model_file"], req["function"])
+    opts_in = accepts_tensor_parallel(builder)
+    layers = _build(builder, args, seed, None, opts_in)
     data_file = req.get("data_file") or req["model_file"]
-    x, _ = next(_load(data_file, req.get("data_function") or "batches")(
-        int(req["micro_batch"]), int(req.get("seed", 0)), **req.get("args", {})))
-    shapes, a = [], (x,)
-    with torch.no_grad():
-        for layer in layers:
-            if a is None:
-                shapes.append(None)
-                continue
+    x, _ = next(_load(data_file, req.get("data_function") or "batches")(int(req["micro_batch"]), seed, **args))
+    transfers = [dict(t) for t in req.get("transfers", [])]
+    stages = _resolve(req.get("stages") or [None], len(layers))
+    outputs, sent, errors = run_graph(layers, x, stages, transfers)
+
+    layer_outputs = []
+    for i in range(len(layers)):
+        first = _tensors(outputs[i])[0] if i in outputs else None
+        layer_outputs.append({"shape": list(first.shape), "dtype": _dtype(first)} if torch.is_tensor(first) else None)
+    measured = []
+    for t in transfers:
+        v = sent.get(t["name"])
+        if torch.is_tensor(v):
+            measured.append({"name": t["name"], "shape": list(v.shape), "dtype": _dtype(v), "error": None})
+        else:
+            why = (f"its layer returns a {type(v).__name__}, not one tensor" if t["name"] in sent
+                   else (errors[0] if errors else "its layer did not run"))
+            measured.append({"name": t["name"], "shape": None, "dtype": None, "error": why})
+
+    sharded, shard_errors = {}, {}
+    if opts_in:
+        for k in sorted({int(k) for k in req.get("tensor_degrees", ()) if int(k) > 1}):
             try:
-                out = layer(*a)
-            except Exception:  # noqa: BLE001 - needs inputs from another stage
-                shapes.append(None)
-                a = None
-                continue
-            first = _tensors(out)[0]
-            shapes.append(list(first.shape) if torch.is_tensor(first) else None)
-            a = tuple(_tensors(out))
-    return {"layer_params": [sum(p.numel() for p in l.parameters()) for l in layers], "layer_shapes": shapes}
+                sharded[str(k)] = _layer_params(_build(builder, args, seed, StandInTensorParallel(k), True))
+            except (ValueError, RuntimeError) as e:   # the builder refuses this split (e.g. heads % k)
+                shard_errors[str(k)] = f"{type(e).__name__}: {e}"
+    return {"layer_params": _layer_params(layers), "layer_outputs": layer_outputs, "transfers": measured,
+            "tensor_parallel": opts_in, "sharded_layer_params": sharded, "shard_errors": shard_errors,
+            "graph_errors": errors}
 
 
 def main(argv=None) -> int:

@@ -1,177 +1,112 @@
 """Cross-mesh resharding executor (AlpaComm §3.1) for one transfer, one direction.
 
-The compiler plans; this module only executes plan.json's `transfers[i].tasks`
-(or `transfers[i].backward.tasks` for gradients). A task moves one global slice
-from its `sender` (one of the holders) to its `receivers`. Tasks run in schedule
-order (`start`, then index) on every rank, so collective and p2p calls are
-issued in the same order everywhere (no deadlock, also on NCCL).
+The compiler plans; this module executes plan.json's ``transfers[i]`` (forward:
+activations, source stage → destination stage) or ``transfers[i].backward``
+(gradients, the other way), read through ``planfile.Transfer``. A unit task
+moves one global slice from its ``sender`` (one of the holders) to its
+``receivers``; every rank's own region on each mesh is read from the route's
+``regions``, never computed from a spec.
 
-Public API (stable; used by engine.py):
+    TransferExecutor(transfer, direction, rank, groups, tags, index, device=None, backend=None)
+        .my_src / .my_dst           this rank's region on the sending / receiving mesh (None: not there)
+        .send(local_shard, micro_batch) -> list[Work]   async; keep the shard until they complete
+        .recv(micro_batch, out=None) -> Tensor          this rank's assembled region (static shape)
 
-    TransferExecutor(transfer, plan, groups, rank, direction="forward",
-                     index=None, device=None, backend=None)
-        .is_sender / .is_receiver       this rank's role in this direction
-        .send(local_shard, micro_batch=0) -> list[Work]
-            async; wait on every handle before reusing local_shard (a shard of
-            another dtype is cast to the transfer's dtype first)
-        .recv(micro_batch=0, out=None) -> Tensor
-            this rank's shard under the destination spec (shape and dtype
-            static from the plan; no metadata exchange)
-        .src_layout / .dst_layout       regions.Layout of the sending/receiving side
-    build_tasks(src_layout, dst_layout, hosts, strategy="send_recv") -> list[dict]
-        a simple, valid task list (unit tiles, round-robin senders); the
-        fallback when a transfer has no `backward` record.
-    tag_for(transfer_index, direction, micro_batch, task_index) -> int
-
-Direction: "forward" sends src stage -> dst stage with `tasks`; "backward"
-sends gradients dst stage -> src stage with `transfer["backward"]["tasks"]`
-(planned by the compiler in the reverse direction). The code is the same with
-the two layouts swapped.
+Tasks run in schedule order (planned ``start``, then index) on every rank, so
+collective and p2p calls are issued in the same order everywhere.
 
 Strategies and how each backend runs them:
-  broadcast        slice cut in K=`chunks` pieces. gloo: pipelined chain by
-                   isend/irecv, sender -> receivers in rank order (gloo's own
+  broadcast        slice cut in K = ``chunks`` pieces. gloo: pipelined chain by
+                   isend/irecv, sender → receivers in rank order (gloo's own
                    broadcast does not pipeline; DESIGN.md testbed: 352 vs 1051 ms).
                    nccl: dist.broadcast per chunk on the task's group.
-  send_recv        sender isends the whole slice to every receiver.
-  local_allgather  per host of receivers: sender sends 1/n of the slice to each of
-                   the n receivers there, which all_gather on the group of exactly
-                   those receivers (must be listed in plan["groups"]).
-  global_allgather as local_allgather with n = all receivers of the task.
+  send_recv        the sender isends the whole slice to every receiver.
+  local_allgather, global_allgather
+                   the task's ``parts`` (receivers per host, or all receivers):
+                   the sender sends 1/n of the slice to each of a part's n
+                   receivers, which all_gather on the group of exactly that part.
 Slices whose element count does not divide n are zero-padded for the allgather.
 
-Tags: p2p tags never collide between transfers, directions, micro-batches and
-tasks (bit fields, see tag_for); chunks of one task share the tag and rely on
-per-(peer, tag) FIFO order, which gloo and NCCL both keep.
+Tags (``planfile.TagLayout``): transfer | direction | micro-batch | task, each
+field as wide as the plan needs, so none wraps; chunks of one task share the
+tag and rely on per-(peer, tag) FIFO order, which gloo and NCCL both keep.
 """
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 
-from .plan import PlanError, host_of, stage_layout
-from .regions import Layout, intersect, numel, to_local
 from .dist_util import all_gather_flat, direction_groups, lookup_group
+from .planfile import Direction, PlanFileError, Strategy, TagLayout, Task, Transfer
+from .regions import to_local
 
-__all__ = ["TransferExecutor", "build_tasks", "tag_for", "DTYPES", "STRATEGIES"]
+__all__ = ["TransferExecutor", "DTYPES", "STRATEGIES"]
 
 DTYPES = {"f64": torch.float64, "f32": torch.float32, "f16": torch.float16,
           "bf16": torch.bfloat16, "i64": torch.int64, "i32": torch.int32,
           "i16": torch.int16, "i8": torch.int8, "u8": torch.uint8, "bool": torch.bool}
-STRATEGIES = ("broadcast", "send_recv", "local_allgather", "global_allgather")
-
-
-def tag_for(transfer_index: int, direction: str, micro_batch: int, task_index: int) -> int:
-    """31-bit tag: transfer (7 bits) | direction (1) | micro-batch (10) | task (13).
-
-    Fields wrap modulo their width; a wrapped tag can only meet another one of the
-    same pair of ranks, which are issued in the same order on both sides.
-    """
-    d = 1 if direction == "backward" else 0
-    return (((transfer_index & 0x7F) << 24) | (d << 23) | ((micro_batch & 0x3FF) << 13)
-            | (task_index & 0x1FFF))
-
-
-def _layout(plan, side):
-    st = stage_layout(plan, side["stage"])
-    return st, side["spec"]
+STRATEGIES = tuple(str(s) for s in Strategy)
 
 
 class _Task:
-    """One task, resolved for this rank: its slice, chunking, groups, role."""
+    """One task of a route, as this rank runs it: slice, chunking, groups."""
 
-    __slots__ = ("index", "slice", "numel", "sender", "receivers", "group", "chunks",
-                 "strategy", "parts")
+    __slots__ = ("index", "slice", "numel", "sender", "receivers", "group", "chunks", "strategy", "parts")
 
-    def __init__(self, index, rec, strategy, chunks, hosts_of):
+    def __init__(self, index: int, task: Task, strategy: Strategy, chunks: int):
         self.index = index
-        self.slice = tuple((int(a), int(b)) for a, b in rec["slice"])
-        self.numel = numel(self.slice)
-        self.sender = int(rec["sender"])
-        self.receivers = tuple(sorted(int(r) for r in rec["receivers"]))
-        self.group = tuple(sorted(int(g) for g in rec["group"])) if rec.get("group") else None
-        self.strategy = rec.get("strategy", strategy)
-        if self.strategy not in STRATEGIES:
-            raise PlanError(f"task {index}: unknown strategy {self.strategy!r} (one of {STRATEGIES})")
+        self.slice = task.slice
+        self.numel = task.numel
+        self.sender = task.sender
+        self.receivers = task.receivers
+        self.group = task.group or tuple(sorted({task.sender, *task.receivers}))
+        self.strategy = strategy
         self.chunks = max(1, min(int(chunks), self.numel))
-        # allgather strategies: receiver sets that gather among themselves
-        if self.strategy == "local_allgather":
-            if rec.get("groups"):
-                self.parts = [tuple(sorted(int(x) for x in g)) for g in rec["groups"]]
-            else:
-                by_host: dict[int, list[int]] = {}
-                for r in self.receivers:
-                    by_host.setdefault(hosts_of(r), []).append(r)
-                self.parts = [tuple(v) for _, v in sorted(by_host.items())]
-        elif self.strategy == "global_allgather":
-            self.parts = [self.receivers]
+        if strategy in (Strategy.LOCAL_ALLGATHER, Strategy.GLOBAL_ALLGATHER):
+            if not task.parts:
+                raise PlanFileError(f"task {index}: an allgather strategy needs the task's receiver parts")
+            self.parts = task.parts
         else:
             self.parts = None
 
 
 class TransferExecutor:
-    def __init__(self, transfer: dict, plan: dict, groups: dict, rank: int,
-                 direction: str = "forward", index: int | None = None, device=None,
-                 backend: str | None = None):
-        if direction not in ("forward", "backward"):
-            raise ValueError(f"direction must be 'forward' or 'backward', not {direction!r}")
+    """Executes one direction of one transfer for one rank, exactly as plan.json lists it."""
+
+    def __init__(self, transfer: Transfer, direction: Direction, rank: int, groups: dict, tags: TagLayout,
+                 index: int, device=None, backend: str | None = None):
         self.transfer = transfer
-        self.name = transfer.get("name", "?")
-        self.direction = direction
+        self.name = transfer.name
+        self.direction = Direction(direction)
         self.rank = int(rank)
-        self.groups = direction_groups(groups, direction)
-        if index is None:
-            names = [t.get("name") for t in plan.get("transfers", ())]
-            index = names.index(transfer.get("name")) if transfer.get("name") in names else 0
+        self.groups = direction_groups(groups, str(self.direction))
         self.index = int(index)
-        self.dtype = DTYPES[transfer.get("dtype", "f32")]
-        self.shape = tuple(int(s) for s in transfer["shape"])
-        layouts = {}
-        for side in ("src", "dst"):
-            st = stage_layout(plan, transfer[side]["stage"])
-            layouts[side] = Layout(self.shape, st["mesh"], transfer[side]["spec"], st.get("mesh_axes"))
-        hosts_of = (lambda r: host_of(plan, r))
-        if direction == "forward":
-            self.src_layout, self.dst_layout = layouts["src"], layouts["dst"]
-            rec = transfer
-        else:
-            self.src_layout, self.dst_layout = layouts["dst"], layouts["src"]
-            rec = transfer.get("backward")
-            if rec is None:
-                hosts = plan["cluster"]["hosts"]
-                rec = {"strategy": "send_recv",
-                       "tasks": build_tasks(self.src_layout, self.dst_layout, hosts, "send_recv")}
-        strategy = rec.get("strategy", transfer.get("strategy", "send_recv"))
-        chunks = rec.get("chunks", transfer.get("chunks", 1))
-        order = sorted(range(len(rec["tasks"])), key=lambda i: (float(rec["tasks"][i].get("start", 0.0)), i))
-        self.tasks = [_Task(i, rec["tasks"][i], strategy, chunks, hosts_of) for i in order]
-        self.strategy = strategy
+        self.tags = tags
+        self.dtype = DTYPES[transfer.dtype]
+        self.shape = transfer.shape
+        route = transfer.route(self.direction)
+        self.route = route
+        self.tasks = [_Task(i, t, route.strategy, route.chunks) for i, t in route.ordered_tasks()]
+        self.strategy = route.strategy
         self.backend = backend or (dist.get_backend() if dist.is_initialized() else "gloo")
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
         self.device = torch.device(device)
-        self.my_src = self.src_layout.region(self.rank)
-        self.my_dst = self.dst_layout.region(self.rank)
+        self.my_src = route.region("src", self.rank)
+        self.my_dst = route.region("dst", self.rank)
         self.is_sender = any(t.sender == self.rank for t in self.tasks)
         self.is_receiver = self.my_dst is not None
-        for t in self.tasks:
-            if t.sender == self.rank and (self.my_src is None or intersect(t.slice, self.my_src) != t.slice):
-                raise PlanError(f"transfer {self.name!r} ({direction}) task {t.index}: sender {t.sender} "
-                                f"does not hold slice {t.slice} (holds {self.my_src})")
-            if self.rank in t.receivers and (self.my_dst is None or intersect(t.slice, self.my_dst) != t.slice):
-                raise PlanError(f"transfer {self.name!r} ({direction}) task {t.index}: slice {t.slice} "
-                                f"is outside receiver {self.rank}'s region {self.my_dst}")
-            # resolve groups now: a missing group is a plan error, found before any traffic
-            if t.parts is not None:
-                for p in t.parts:
-                    if len(p) > 1 and self.rank in p:
-                        lookup_group(groups, p)
-            if self.backend != "gloo" and t.strategy == "broadcast" and (self.rank == t.sender or self.rank in t.receivers):
-                lookup_group(groups, t.group or (t.sender,) + t.receivers)
+        for t in self.tasks:   # resolve groups now: a missing one is a plan error, found before any traffic
+            for p in t.parts or ():
+                if len(p) > 1 and self.rank in p:
+                    lookup_group(self.groups, p)
+            if self.backend != "gloo" and t.strategy is Strategy.BROADCAST and (
+                    self.rank == t.sender or self.rank in t.receivers):
+                lookup_group(self.groups, t.group)
 
     # ------------------------------------------------------------------ helpers
     def _tag(self, mb, t):
-        return tag_for(self.index, self.direction, mb, t.index)
+        return self.tags.tag(self.index, self.direction, mb, t.index)
 
     @staticmethod
     def _chunk_bounds(n, k):
@@ -195,7 +130,7 @@ class TransferExecutor:
     def send(self, local_shard: torch.Tensor, micro_batch: int = 0) -> list:
         """Start every task this rank sends; returns the work handles to wait on."""
         if self.my_src is None:
-            raise PlanError(f"rank {self.rank} holds nothing of transfer {self.name!r} ({self.direction})")
+            raise PlanFileError(f"rank {self.rank} holds nothing of transfer {self.name!r} ({self.direction})")
         want = tuple(b - a for a, b in self.my_src)
         if tuple(local_shard.shape) != want:
             raise ValueError(f"transfer {self.name!r} ({self.direction}): rank {self.rank} sends a shard of "
@@ -208,7 +143,7 @@ class TransferExecutor:
                 continue
             flat = local_shard[to_local(t.slice, self.my_src)].contiguous().view(-1)
             tag = self._tag(micro_batch, t)
-            if t.strategy == "broadcast":
+            if t.strategy is Strategy.BROADCAST:
                 if self.backend == "gloo":
                     nxt = self._chain(t)[1]
                     for a, b in self._chunk_bounds(t.numel, t.chunks):
@@ -217,7 +152,7 @@ class TransferExecutor:
                     pg = lookup_group(self.groups, t.group or (t.sender,) + t.receivers)
                     for a, b in self._chunk_bounds(t.numel, t.chunks):
                         works.append(dist.broadcast(flat[a:b], src=t.sender, group=pg, async_op=True))
-            elif t.strategy == "send_recv":
+            elif t.strategy is Strategy.SEND_RECV:
                 for r in t.receivers:
                     works.append(dist.isend(flat, dst=r, tag=tag))
             else:
@@ -240,7 +175,7 @@ class TransferExecutor:
     def recv(self, micro_batch: int = 0, out: torch.Tensor | None = None) -> torch.Tensor:
         """Receive (and forward, gather) everything; return this rank's assembled shard."""
         if self.my_dst is None:
-            raise PlanError(f"rank {self.rank} receives nothing of transfer {self.name!r} ({self.direction})")
+            raise PlanFileError(f"rank {self.rank} receives nothing of transfer {self.name!r} ({self.direction})")
         shape = tuple(b - a for a, b in self.my_dst)
         if out is None:
             out = torch.empty(shape, dtype=self.dtype, device=self.device)
@@ -251,7 +186,7 @@ class TransferExecutor:
         def post(t):
             """Post the receives of task t for this rank (non-blocking)."""
             tag = self._tag(micro_batch, t)
-            if t.strategy == "broadcast":
+            if t.strategy is Strategy.BROADCAST:
                 buf = torch.empty(t.numel, dtype=self.dtype, device=self.device)
                 bufs[t.index] = buf
                 if gloo:
@@ -263,7 +198,7 @@ class TransferExecutor:
                     pg = lookup_group(self.groups, t.group or (t.sender,) + t.receivers)
                     pending[t.index] = [dist.broadcast(buf[a:b], src=t.sender, group=pg, async_op=True)
                                         for a, b in self._chunk_bounds(t.numel, t.chunks)]
-            elif t.strategy == "send_recv":
+            elif t.strategy is Strategy.SEND_RECV:
                 buf = torch.empty(t.numel, dtype=self.dtype, device=self.device)
                 bufs[t.index] = buf
                 pending[t.index] = [dist.irecv(buf, src=t.sender, tag=tag)]
@@ -286,7 +221,7 @@ class TransferExecutor:
         for t in mine:
             if not gloo:
                 post(t)
-            if t.strategy == "broadcast" and gloo:
+            if t.strategy is Strategy.BROADCAST and gloo:
                 chain = self._chain(t)
                 pos = chain.index(self.rank)
                 if pos + 1 < len(chain):  # forward each chunk as soon as it lands
@@ -314,41 +249,3 @@ class TransferExecutor:
         for w in sends:
             w.wait()
         return out
-
-
-def build_tasks(src_layout: Layout, dst_layout: Layout, hosts, strategy: str = "send_recv") -> list[dict]:
-    """Unit tasks: tiles on the union of both layouts' region boundaries.
-
-    Each tile goes to every destination device whose region holds it, from a
-    holder picked round-robin (preferring one on a receiver's host). Not a
-    load-balanced schedule; a correct fallback and a test fixture.
-    """
-    if strategy not in STRATEGIES:
-        raise ValueError(f"unknown strategy {strategy!r}")
-    host = {d: h for h, ds in enumerate(hosts) for d in ds}
-    cuts = []
-    for dim, size in enumerate(src_layout.shape):
-        pts = {0, size}
-        for lay in (src_layout, dst_layout):
-            for d in lay.devices:
-                a, b = lay.region(d)[dim]
-                pts.update((a, b))
-        cuts.append(sorted(pts))
-    tiles = [()]
-    for c in cuts:
-        tiles = [t + ((a, b),) for t in tiles for a, b in zip(c, c[1:])]
-    tasks = []
-    for n, tile in enumerate(tiles):
-        holders = [d for d in src_layout.devices if intersect(tile, src_layout.region(d)) == tile]
-        receivers = [d for d in dst_layout.devices if intersect(tile, dst_layout.region(d)) == tile]
-        if not receivers:
-            continue
-        rh = {host.get(r) for r in receivers}
-        near = [h for h in holders if host.get(h) in rh] or holders
-        sender = near[n % len(near)]
-        task = {"slice": [list(r) for r in tile], "holders": holders, "receivers": receivers,
-                "sender": sender, "start": 0.0, "duration": 0.0}
-        if strategy == "broadcast":
-            task["group"] = sorted({sender, *receivers})
-        tasks.append(task)
-    return tasks

@@ -118,44 +118,22 @@ class TensorParallel:
         return p
 
 
-def _mesh_shape(mesh) -> list[int]:
-    shape = []
-    while isinstance(mesh, list):
-        shape.append(len(mesh))
-        mesh = mesh[0] if mesh else None
-    return shape
-
-
-def _mesh_position(mesh, rank: int):
-    def walk(m, prefix):
-        if not isinstance(m, list):
-            return prefix if int(m) == rank else None
-        for i, sub in enumerate(m):
-            found = walk(sub, prefix + (i,))
-            if found is not None:
-                return found
-        return None
-    return walk(mesh, ())
-
-
-def context_from_plan(plan: dict, groups: dict, rank: int) -> TensorParallel | None:
-    """This rank's ``TensorParallel`` from plan.json ``tensor_groups`` and its stage mesh; None when
-    its stage has no ``tensor`` axis of size > 1. The shard index is the rank's coordinate along
-    ``tensor`` (so data-parallel peers, which share it, hold the same shard)."""
-    members = next((tuple(int(m) for m in g) for g in plan.get("tensor_groups", ()) if rank in g), None)
+def context_from_plan(plan, groups: dict, rank: int) -> TensorParallel | None:
+    """This rank's ``TensorParallel`` from plan.json ``tensor_groups`` and its stage mesh
+    (``planfile.Plan``); None when its stage has no ``tensor`` axis of size > 1. The shard index is
+    the rank's coordinate along ``tensor`` (so data-parallel peers, which share it, hold the same shard)."""
+    members = next((g for g in plan.tensor_groups if rank in g), None)
     if members is None:
         return None
-    stage = next((s for s in plan["stages"] if rank in s["devices"]), None)
-    axes = list((stage or {}).get("mesh_axes") or ())
-    if TENSOR_AXIS not in axes:
+    stage = plan.stage_of(rank)
+    if stage is None or TENSOR_AXIS not in stage.mesh_axes:
         raise ValueError(f"rank {rank} is in tensor group {list(members)} but its stage has no "
                          f"'{TENSOR_AXIS}' mesh axis")
-    k = axes.index(TENSOR_AXIS)
-    size = _mesh_shape(stage["mesh"])[k]
+    k = stage.mesh_axes.index(TENSOR_AXIS)
+    size = stage.mesh_shape[k]
     if size != len(members):
         raise ValueError(f"tensor group {list(members)} has {len(members)} devices but the stage's "
                          f"'{TENSOR_AXIS}' axis has size {size}")
-    key = tuple(sorted(members))
-    if key not in groups:
-        raise KeyError(f"tensor group {list(key)} is not in plan.json \"groups\"")
-    return TensorParallel(groups[key], _mesh_position(stage["mesh"], rank)[k], size, key)
+    if members not in groups:
+        raise KeyError(f"tensor group {list(members)} is not in plan.json \"groups\"")
+    return TensorParallel(groups[members], stage.position(rank)[k], size, members)

@@ -1,147 +1,176 @@
-"""Rank mapping from the plan, and creation of every planned process group.
+"""Process groups from the plan, and DeepSpeed's pipeline grid answered from the plan.
 
 Public API (stable):
 
-    PlanTopology(plan)       deepspeed ProcessTopology whose rank mapping is the
-                             plan's placement (axes = placement.axes, coords =
-                             placement.coords); explicit stages without placement
-                             use axes ("pipe", "m0", "m1", ...) = (stage, mesh index).
-        .axes, .dims, .get_rank(**coord), .get_coord(rank), .get_axis_comm_lists(axis)
-        .stage_of(rank), .mesh_position(rank)
-    PlanGridTopology(plan)   the same rank mapping folded onto DeepSpeed's
-                             (pipe, data, model) axes, for PipelineModule /
-                             PipelineParallelGrid: pipe = stage, data = the stage
-                             mesh axis named "data", model = the other mesh axes
-                             (row-major). TopologyError when the plan is not a
-                             rectangular grid (idle devices, stages of different
-                             data or model sizes).
     create_groups(plan, timeout=None) -> dict[tuple[int, ...], ProcessGroup | None]
-        creates plan["groups"] in order on every rank (dist.new_group is
-        collective); the value is None on ranks outside the group.
-    lookup_group(groups, members) -> ProcessGroup | None
-        the group of exactly `members`; GroupMissing if the plan did not list it
+        every group of plan.json ``groups``, then ``backward_groups`` (keyed
+        ``("backward", *members)``), then each stage's DeepSpeed grid groups
+        (``stages[].data_groups`` / ``model_groups``, one-member groups included,
+        keyed ``("grid", *members)``), in that order on every rank (creation is
+        collective). The value is None on ranks outside the group.
+    lookup_group(groups, members) -> ProcessGroup | None   (GroupMissing if the plan did not list it)
+    StageTopology(plan)  a deepspeed ``ProcessTopology`` with axes (pipe, data, model) holding
+        exactly the plan's stage devices: pipe = stage, data = position along the stage's
+        ``data`` mesh dimension, model = row-major position over its other mesh dimensions.
+        Stages may differ in size; coordinates no device has are simply absent.
+    PlanGrid(plan, rank, groups)  what ``PipelineParallelGrid`` answers, for one rank of a
+        stage, from its stage alone (its data and model groups, its stage id, the number of
+        stages). DeepSpeed's own grid needs pipe x data x model = world; the plan's does not.
 """
 from __future__ import annotations
 
-from deepspeed.runtime.pipe.topology import ProcessTopology
+import torch.distributed as dist
+from deepspeed.runtime.pipe.topology import PipelineParallelGrid, ProcessTopology
 
-from .dist_util import GroupMissing, create_groups, lookup_group
-from .plan import PlanError, mesh_devices, mesh_position, mesh_shape, stage_of
+from .dist_util import BACKWARD, GroupMissing, collective_timeout, lookup_group
+from .planfile import Plan, PlanFileError
 
-__all__ = ["PlanTopology", "PlanGridTopology", "TopologyError", "create_groups", "lookup_group", "GroupMissing"]
+__all__ = ["create_groups", "lookup_group", "GroupMissing", "StageTopology", "PlanGrid", "GRID", "BACKWARD"]
+
+GRID = "grid"
 
 
-class PlanTopology(ProcessTopology):
-    """ProcessTopology with the plan's coordinates instead of row-major ranks."""
+def create_groups(plan: Plan, timeout=None) -> dict:
+    """Create every communicator the plan uses, in the plan's order, on every rank."""
+    timeout = timeout or collective_timeout()
+    me = dist.get_rank()
+    out: dict = {}
+    families = [((), plan.groups), ((BACKWARD,), plan.backward_groups),
+                ((GRID,), [g for s in plan.stages for g in (*s.data_groups, *s.model_groups)])]
+    for prefix, lists in families:
+        for members in lists:
+            key = prefix + tuple(members)
+            if key in out:
+                continue
+            if prefix == (GRID,) and tuple(members) in out:   # reuse the plan's own communicator
+                out[key] = out[tuple(members)]
+                continue
+            pg = dist.new_group(ranks=list(members), timeout=timeout)
+            out[key] = pg if me in members else None
+    return out
 
-    def __init__(self, plan: dict):
-        self.plan = plan
-        placement = plan.get("placement")
-        if placement:
-            axes = [a["name"] for a in placement["axes"]]
-            dims = [int(a["size"]) for a in placement["axes"]]
-            coords = {r: tuple(c) for r, c in enumerate(placement["coords"])}
-        else:
-            stages = plan["stages"]
-            nd = max(len(mesh_shape(s["mesh"])) for s in stages)
-            axes = ["pipe"] + [f"m{i}" for i in range(nd)]
-            dims = [len(stages)] + [max((mesh_shape(s["mesh"]) + (1,) * nd)[i] for s in stages)
-                                    for i in range(nd)]
-            coords = {}
-            for s in stages:
-                for d in mesh_devices(s["mesh"]):
-                    pos = mesh_position(s["mesh"], d)
-                    coords[d] = (s["index"],) + pos + (0,) * (nd - len(pos))
-        super().__init__(axes=axes, dims=dims)
-        self.mapping = {}
-        for r, c in sorted(coords.items()):
-            if len(c) != len(axes):
-                raise PlanError(f"placement.coords[{r}] = {list(c)} has {len(c)} entries for axes {axes}")
-            key = self.ProcessCoord(*c)
-            if key in self.mapping:
-                raise PlanError(f"ranks {self.mapping[key]} and {r} share coordinates {list(c)}")
-            self.mapping[key] = r
+
+class StageTopology(ProcessTopology):
+    """(pipe, data, model) coordinates of the plan's stage devices; stages may differ in size."""
+
+    AXES = ("pipe", "data", "model")
+
+    def __init__(self, plan: Plan):
+        coords = {}
+        dims = [len(plan.stages), 1, 1]
+        for st in plan.stages:
+            k = st.mesh_axes.index("data") if "data" in st.mesh_axes else None
+            for d in st.mesh_devices:
+                pos = st.position(d)
+                m = 0
+                for i, n in enumerate(st.mesh_shape):
+                    if i != k:
+                        m = m * n + pos[i]
+                c = (st.index, pos[k] if k is not None else 0, m)
+                coords[d] = c
+                dims[1], dims[2] = max(dims[1], c[1] + 1), max(dims[2], c[2] + 1)
+        super().__init__(axes=list(self.AXES), dims=dims)
+        self.mapping = {self.ProcessCoord(*c): r for r, c in sorted(coords.items())}
 
     def get_axis_comm_lists(self, axis):
-        """As ProcessTopology's, skipping coordinates no device has (uneven explicit meshes)."""
+        """As ProcessTopology's, skipping coordinates no device has."""
         if axis not in self.axes:
             return []
         k = self.axes.index(axis)
-        lists: dict[tuple, list[int]] = {}
+        lists: dict[tuple, list[tuple[int, int]]] = {}
         for coord, r in self.mapping.items():
             rest = tuple(v for i, v in enumerate(coord) if i != k)
             lists.setdefault(rest, []).append((coord[k], r))
         return [[r for _, r in sorted(v)] for _, v in sorted(lists.items())]
 
-    def stage_of(self, rank: int):
-        return stage_of(self.plan, rank)
 
-    def mesh_position(self, rank: int):
-        s = stage_of(self.plan, rank)
-        if s is None:
-            return None
-        st = next(x for x in self.plan["stages"] if x["index"] == s)
-        return mesh_position(st["mesh"], rank)
+class PlanGrid(PipelineParallelGrid):
+    """``PipelineParallelGrid`` for one rank, answered from its stage in the plan.
 
-
-class TopologyError(PlanError):
-    """The plan's placement is not a rectangular (pipe, data, model) grid."""
-
-
-class PlanGridTopology(PlanTopology):
-    """DeepSpeed's (pipe, data, model) grid with the plan's rank mapping.
-
-    ``PipelineParallelGrid`` reads the axes ``pipe``, ``data`` and ``model`` and
-    asserts that their product is the world size, so a training plan must put
-    every device in a stage and give every stage the same data and model sizes.
+    ``PipelineParallelGrid.__init__`` is not called: it would create DeepSpeed's
+    groups for a pipe x data x model grid spanning the world. The attributes it
+    sets are set here from the plan, and every group is one ``create_groups``
+    made. The pipe group is this rank alone: planc moves activations and the
+    loss itself, DeepSpeed's pipe-wide collectives are not used.
     """
 
-    AXES = ["pipe", "data", "model"]
+    def __init__(self, plan: Plan, rank: int, groups: dict):
+        st = plan.stage_of(rank)
+        if st is None:
+            raise PlanFileError(f"rank {rank} is in no stage; an idle rank builds no engine")
+        self._topo = StageTopology(plan)
+        self.global_rank = rank
+        self.world_size = dist.get_world_size()
+        self.stage = st
+        self.dp_group = list(st.group_of("data", rank))
+        self.mp_group = list(st.group_of("model", rank))
+        self.dp_proc_group = _grid_group(groups, self.dp_group)
+        self.ds_model_proc_group = self.slice_proc_group = _grid_group(groups, self.mp_group)
+        self.pp_group = [rank]
+        self.pp_proc_group = self.dp_proc_group   # a valid group holding this rank; never used for traffic
+        self.data_parallel_size = len(self.dp_group)
+        self.model_parallel_size = self.slice_parallel_size = len(self.mp_group)
+        self.pipe_parallel_size = len(plan.stages)
+        self.ds_model_world_size = self.model_parallel_size
+        self.ds_model_rank = self.mp_group.index(rank)
+        self.slice_group = self.mp_group
+        self.stage_id = st.index
+        self.data_parallel_id = self.dp_group.index(rank)
+        self.is_first_stage = st.index == 0
+        self.is_last_stage = st.index == len(plan.stages) - 1
+        self.p2p_groups = []
 
-    def __init__(self, plan: dict):
-        self.plan = plan
-        stages = sorted(plan["stages"], key=lambda s: s["index"])
-        if [s["index"] for s in stages] != list(range(len(stages))):
-            raise TopologyError(f"stage indices {[s['index'] for s in stages]} are not 0..{len(stages) - 1}")
-        coords, sizes = {}, set()
-        for st in stages:
-            shape = mesh_shape(st["mesh"])
-            axes = list(st.get("mesh_axes") or ())
-            k = axes.index("data") if "data" in axes else None
-            data = shape[k] if k is not None else 1
-            model = 1
-            for i, n in enumerate(shape):
-                if i != k:
-                    model *= n
-            sizes.add((data, model))
-            for d in mesh_devices(st["mesh"]):
-                pos = mesh_position(st["mesh"], d)
-                m = 0
-                for i, n in enumerate(shape):
-                    if i != k:
-                        m = m * n + pos[i]
-                coords[d] = (st["index"], pos[k] if k is not None else 0, m)
-        if len(sizes) != 1:
-            raise TopologyError(
-                "DeepSpeed's pipeline grid needs every stage to have the same data and model sizes; "
-                "the stages have (data, model) = " + ", ".join(
-                    f"stage {s['index']}: {self._sizes(s)}" for s in stages))
-        world = int(plan.get("cluster", {}).get("devices", len(coords)))
-        idle = sorted(set(range(world)) - set(coords))
-        if idle:
-            raise TopologyError(f"devices {idle} are in no stage; DeepSpeed's pipeline grid needs every rank "
-                                f"in a stage (pipe x data x model = world size) to train")
-        data, model = sizes.pop()
-        ProcessTopology.__init__(self, axes=list(self.AXES), dims=[len(stages), data, model])
-        self.mapping = {self.ProcessCoord(*c): r for r, c in sorted(coords.items())}
+    def get_stage_id(self):
+        return self.stage_id
 
-    @staticmethod
-    def _sizes(st):
-        shape = mesh_shape(st["mesh"])
-        axes = list(st.get("mesh_axes") or ())
-        k = axes.index("data") if "data" in axes else None
-        data = shape[k] if k is not None else 1
-        total = 1
-        for n in shape:
-            total *= n
-        return (data, total // data)
+    def get_data_parallel_id(self):
+        return self.data_parallel_id
+
+    def stage_to_global(self, stage_id, **kwargs):
+        raise PlanFileError("planc stages are not a rectangular grid: ask the plan, not stage_to_global")
+
+    def get_pipe_parallel_rank(self):
+        return self.stage_id
+
+    def get_pipe_parallel_world_size(self):
+        return self.pipe_parallel_size
+
+    def get_pipe_parallel_group(self):
+        return self.pp_proc_group
+
+    def get_data_parallel_rank(self):
+        return self.data_parallel_id
+
+    def get_data_parallel_world_size(self):
+        return self.data_parallel_size
+
+    def get_data_parallel_group(self):
+        return self.dp_proc_group
+
+    def get_data_parallel_group_ranks(self):
+        return list(self.dp_group)
+
+    def get_model_parallel_rank(self):
+        return self.ds_model_rank
+
+    def get_model_parallel_world_size(self):
+        return self.model_parallel_size
+
+    def get_model_parallel_group(self):
+        return self.ds_model_proc_group
+
+    def get_slice_parallel_rank(self):
+        return self.ds_model_rank
+
+    def get_slice_parallel_world_size(self):
+        return self.slice_parallel_size
+
+    def get_slice_parallel_group(self):
+        return self.slice_proc_group
+
+
+def _grid_group(groups: dict, members):
+    key = (GRID, *members)
+    if key not in groups:
+        raise GroupMissing(f"process group {list(members)} is not among the plan's stage grid groups")
+    return groups[key]

@@ -1,0 +1,146 @@
+"""Complete every transfer of a training plan: its type measured on the model, its layouts derived.
+
+``infer_transfers(program, probe) -> program`` is pure. In a plan with a model
+a transfer may omit its type (taken from the model probe, which ran the plan's
+stage dataflow on one whole micro-batch) and either sharding spec (derived from
+the stage's mesh: the batch dimension, dim 0, split over the mesh axis named
+``data`` when it has size > 1, replicated over every other mesh axis; every
+other tensor dimension replicated). That derived layout is what a stage of a
+training plan computes, so a written spec must be it (written forms that
+describe the same layout, such as ``S(data)`` or a split over an axis of size
+1, are equal). A plan without a model is returned unchanged: the front end has
+already required everything.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from planc import ir
+from planc.lang.check import spec_divide_error, spec_length_error
+from planc.lang.errors import Diagnostic, PlanError, Span
+from planc.probe import ModelProbe
+
+DATA_AXIS = "data"
+
+Mesh = tuple[tuple[int, ...], tuple[str, ...]]
+
+
+def derived_spec(ndim: int, mesh: Mesh | None) -> ir.ShardingSpec:
+    """The layout a training stage computes: dim 0 over the mesh axis ``data`` (size > 1), else R."""
+    dims: list[tuple[int, ...]] = [()] * ndim
+    if ndim and ir.axis_size(mesh, DATA_AXIS) > 1:
+        dims[0] = (mesh[1].index(DATA_AXIS),)
+    return ir.ShardingSpec(tuple(dims))
+
+
+def same_layout(a: ir.ShardingSpec, b: ir.ShardingSpec, mesh: Mesh | None) -> bool:
+    """Whether two specs place every element alike on this mesh (splits over axes of size 1 are no splits)."""
+    if len(a.dims) != len(b.dims):
+        return False
+    shape = mesh[0] if mesh is not None else ()
+
+    def norm(spec):
+        return tuple(tuple(x for x in d if x >= len(shape) or shape[x] > 1) for d in spec.dims)
+    return norm(a) == norm(b)
+
+
+def describe_layout(spec: ir.ShardingSpec, mesh: Mesh | None) -> str:
+    """``S0 R R (batch rows split over data = 4, replicated over tensor)`` for a derived layout."""
+    if mesh is None:
+        return str(spec)
+    shape, axes = mesh
+    split = {a for d in spec.dims for a in d}
+    parts = []
+    if spec.dims and spec.dims[0]:
+        over = ", ".join(f"{axes[a]} = {shape[a]}" for a in spec.dims[0])
+        parts.append(f"batch rows split over {over}")
+    rest = [axes[a] for a in range(len(axes)) if a not in split]
+    if rest:
+        parts.append("replicated over " + ", ".join(rest))
+    text = ", ".join(parts)
+    if DATA_AXIS not in axes and axes:
+        text += f"; no mesh axis is named {DATA_AXIS}"
+    return f"{spec} ({text})" if text else str(spec)
+
+
+def _at(span: Span, fallback: Span) -> Span:
+    return span if span.line else fallback
+
+
+def _spec_errors(t: ir.Transfer, side: str, spec: ir.ShardingSpec, shape, mesh: Mesh | None,
+                 stage: int, span: Span) -> list[Diagnostic]:
+    """The checker's entry-count and divisibility checks, for a shape known only now."""
+    why = spec_length_error(len(spec.dims), shape)
+    if why:
+        return [Diagnostic(f"transfer '{t.name}' ({side} spec): {why}", span)]
+    if mesh is None:
+        return []
+    for tdim, axes in enumerate(spec.dims):
+        if axes and all(a < len(mesh[0]) for a in axes):
+            why = spec_divide_error(tdim, shape[tdim], axes, mesh[0], stage)
+            if why:
+                return [Diagnostic(f"transfer '{t.name}' ({side} spec): {why}", span)]
+    return []
+
+
+def _type(t: ir.Transfer, probe: ModelProbe | None, errs: list[Diagnostic]):
+    if t.shape is not None:
+        return t.dtype, t.shape
+    span = _at(t.type_span, t.span)
+    if probe is None:
+        errs.append(Diagnostic(f"transfer '{t.name}' has no type and the model was not probed: declare it "
+                               f"('transfer {t.name} : f32[...] from ...') or allow probing (drop --no-probe) "
+                               "so planc measures it on the model", span))
+        return None, None
+    m = probe.measured(t.name)
+    if m is None or m.shape is None:
+        why = m.error if m is not None and m.error else "the model probe did not reach it"
+        errs.append(Diagnostic(f"transfer '{t.name}' has no type and planc could not measure it on the model "
+                               f"({why}); declare it ('transfer {t.name} : f32[...] from ...')", span))
+        return None, None
+    if m.dtype not in ir.DTYPE_BYTES:
+        errs.append(Diagnostic(f"transfer '{t.name}': stage {t.src_stage} produces a tensor of dtype {m.dtype}, "
+                               f"which planc cannot send (dtypes: {', '.join(ir.DTYPE_BYTES)})", span))
+        return None, None
+    return m.dtype, tuple(m.shape)
+
+
+def infer_transfers(program: ir.Program, probe: ModelProbe | None) -> ir.Program:
+    """``program`` with every transfer complete (dtype, shape, both specs); errors are located PlanErrors."""
+    if program.model is None:
+        return program
+    errs: list[Diagnostic] = []
+    out = []
+    for t in program.transfers:
+        dtype, shape = _type(t, probe, errs)
+        if shape is None:
+            continue
+        specs = {}
+        for side, stage, spec, span in (("source", t.src_stage, t.src_spec, t.src_spec_span),
+                                        ("destination", t.dst_stage, t.dst_spec, t.dst_spec_span)):
+            mesh = program.stage_mesh(stage)
+            want = derived_spec(len(shape), mesh)
+            at = _at(span, t.span)
+            if spec is None:
+                problems = _spec_errors(t, side, want, shape, mesh, stage, at)
+                errs += problems
+                specs[side] = want if not problems else None
+                continue
+            problems = _spec_errors(t, side, spec, shape, mesh, stage, at)
+            if problems:
+                errs += problems
+                specs[side] = None
+            elif not same_layout(spec, want, mesh):
+                errs.append(Diagnostic(f"transfer '{t.name}': stage {stage} computes {describe_layout(want, mesh)}, "
+                                       f"but the plan says {spec}", at))
+                specs[side] = None
+            else:
+                specs[side] = want
+        if specs["source"] is None or specs["destination"] is None:
+            continue
+        out.append(dataclasses.replace(t, dtype=dtype, shape=shape, src_spec=specs["source"],
+                                       dst_spec=specs["destination"]))
+    if errs:
+        raise PlanError(errs)
+    return dataclasses.replace(program, transfers=tuple(out))
