@@ -1,4 +1,10 @@
-"""`planc explain`: what planc decided for a plan, and why, from its plan.json."""
+"""`planc explain`: what planc decided for a plan, and why, from its plan.json.
+
+Per reduction (per stage for explicit-stage gradients) the program against flat allreduce; per
+transfer its schedule and, when plan.json has ``regions``, each device's host and its region
+(half-open ``a:b`` per dim) on the source and destination meshes. Older plan.json files without
+``regions`` are rendered without that table.
+"""
 
 from __future__ import annotations
 
@@ -18,6 +24,56 @@ def _bytes(n: float) -> str:
         if n >= f:
             return f"{n / f:.1f} {unit}"
     return f"{int(n)} B"
+
+
+def _ranges(region) -> str:
+    """A region, one half-open global range ``a:b`` per tensor dimension: ``[0:4, 0:64]``."""
+    try:
+        return "[" + ", ".join(f"{a}:{b}" for a, b in region) + "]"
+    except (TypeError, ValueError):
+        return str(region)
+
+
+def _device_key(d):
+    s = str(d)
+    return (0, int(s), s) if s.isdigit() else (1, 0, s)
+
+
+def _region_rows(regions: dict, host_of: dict[int, int]) -> list[str]:
+    """One row per device: its host, then its region on the source and/or destination mesh."""
+    src = regions.get("src") or {}
+    dst = regions.get("dst") or {}
+    if not isinstance(src, dict) or not isinstance(dst, dict):
+        return ["    (regions not readable)"]
+    devices = sorted(set(src) | set(dst), key=_device_key)
+    labels = {}
+    for d in devices:
+        host = host_of.get(int(d)) if str(d).isdigit() else None
+        labels[d] = f"dev {d} (host {'?' if host is None else host})"
+    width = max((len(v) for v in labels.values()), default=0)
+    rows = []
+    for d in devices:
+        cells = ([f"src {_ranges(src[d])}"] if d in src else []) + ([f"dst {_ranges(dst[d])}"] if d in dst else [])
+        rows.append(f"    {labels[d]:<{width}}  " + "  ".join(cells))
+    return rows
+
+
+def _transfer_regions(t: dict, host_of: dict[int, int]) -> list[str]:
+    """Each device's region on both meshes, forward and (when it differs from the reverse) backward."""
+    regions = t.get("regions")
+    if not isinstance(regions, dict):
+        return []          # plan.json from before per-device regions: nothing to show
+    i, j = t["src"]["stage"], t["dst"]["stage"]
+    out = [f"  regions (global ranges a:b per dim; src = stage {i}'s mesh, dst = stage {j}'s):"]
+    out += _region_rows(regions, host_of)
+    back = (t.get("backward") or {}).get("regions")
+    if isinstance(back, dict):
+        if back.get("src") == regions.get("dst") and back.get("dst") == regions.get("src"):
+            out.append(f"  backward (gradients, stage {j} -> stage {i}): the same regions, reversed")
+        else:
+            out.append(f"  backward regions (src = stage {j}'s mesh, sending gradients; dst = stage {i}'s):")
+            out += _region_rows(back, host_of)
+    return out
 
 
 def explain(plan: dict) -> str:
@@ -59,7 +115,8 @@ def explain(plan: dict) -> str:
         out.append("")
         prog, flat = r["program"]["predicted"], r["allreduce_predicted"]
         speed = f"{flat / prog:.2f}x vs flat allreduce" if prog else "no data to move"
-        out.append(f"reduce {r['name']} over {', '.join(r['axes'])}: {_bytes(r['bytes'])} per group, "
+        where = f" (stage {r['stage']})" if r.get("stage") is not None else ""
+        out.append(f"reduce {r['name']} over {', '.join(r['axes'])}{where}: {_bytes(r['bytes'])} per group, "
                    f"{len(r['groups'])} group(s) of {len(r['groups'][0]) if r['groups'] else 0}")
         if r.get("hierarchy"):
             out.append("  synthesis hierarchy: root > " + " > ".join(f"{h['name']}({h['factor']})" for h in r["hierarchy"]))
@@ -73,6 +130,7 @@ def explain(plan: dict) -> str:
             for a in r["alternatives"]:
                 out.append(f"    {_t(a['predicted']):>10}  {a['text']}")
 
+    host_of = {d: h for h, devs in enumerate(c.get("hosts") or ()) for d in devs}
     by_src: dict[int, list[str]] = {}
     for t in plan["transfers"]:
         by_src.setdefault(t["src"]["stage"], []).append(t["name"])
@@ -90,6 +148,7 @@ def explain(plan: dict) -> str:
         if peers:
             out.append(f"  scheduled on one NIC timeline with {', '.join(peers)} (same source stage): "
                        "times are where this transfer ends on it")
+        out += _transfer_regions(t, host_of)
     pipe = plan.get("pipeline")
     if pipe:
         out.append("")

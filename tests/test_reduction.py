@@ -326,6 +326,7 @@ def test_plan_reductions_gradients_per_stage():
     assert j["bytes"] == 3000 and j["per_stage_bytes"] == [{"stage": 0, "bytes": 1000}, {"stage": 1, "bytes": 3000}]
     assert j["groups"] == [[0, 2], [1, 3], [4, 6], [5, 7]]
     assert j["program"]["text"] == "allreduce(slice=root, form=inside)"
+    assert plan.stage is None and "stage" not in j     # pipe-axis stages: one entry for all stages
 
 
 def test_best_time_matches_plan_and_prefers_local():
@@ -403,3 +404,83 @@ reduce r over m0 using reduce_scatter(slice=root, form=inside); all_gather(slice
     red = compile_program(prog).plan_json["reductions"][0]
     assert [len(g) for g in red["groups"]] == [4, 9]
     assert red["program"]["text"].startswith("reduce_scatter")
+
+
+# ---------------------------------------------------------------- ranking: a total order under float-noise ties
+
+def _listing(plan):
+    """``[(text, predicted)]`` of the chosen program then the alternatives, as plan.json lists them."""
+    return [(plan.text, plan.predicted)] + list(plan.alternatives)
+
+
+def _noise_tie(x: float, y: float) -> bool:
+    return abs(x - y) <= 1e-12 * max(abs(x), abs(y))
+
+
+def _check_listing_order(listing, tol):
+    for (t1, p1), (t2, p2) in zip(listing, listing[1:]):
+        assert p2 >= p1 * (1 - tol) - 1e-15, (t1, p1, t2, p2)
+        if _noise_tie(p1, p2):      # equal up to float noise: shorter first, then by text
+            assert (len(P(t1)), t1) < (len(P(t2)), t2), (t1, p1, t2, p2)
+
+
+def test_ranking_ties_within_float_noise_are_ordered_by_length_then_text():
+    """Two 3-step programs on 2 nodes x 2 GPUs predict 0.0017632591149993456 and
+    0.0017632591150006528 s (the same sum in another order): a tie. Rounding to 9 significant
+    digits put them in different buckets (…911 vs …912), so the old order listed them by noise;
+    tie classes (relative 1e-9 of the class's cheapest) list them by text."""
+    from planc.reduction import TIE_RELATIVE
+    cl = ir.Cluster((ir.Level("node", 2, 12.5 * GB, 1e-6), ir.Level("gpu", 2, 100 * GB, 0.0)), "node")
+    plan = plan_reduction(cl, ir.Reduction("x", ("d",)), [(0, 1, 2, 3)], 12345678, ir.Synthesis(max_size=3))
+    listing = _listing(plan)
+    texts = [t for t, _ in listing]
+    a = "reduce_scatter(slice=node, form=parallel(root)); reduce_scatter(slice=node, form=inside); all_gather(slice=root, form=inside)"
+    b = "reduce_scatter(slice=root, form=inside); all_gather(slice=node, form=inside); all_gather(slice=node, form=parallel(root))"
+    pa, pb = dict(listing)[a], dict(listing)[b]
+    assert _noise_tie(pa, pb) and pb < pa
+    assert float(f"{pa:.9g}") != float(f"{pb:.9g}")      # the old key separated them
+    assert texts.index(a) < texts.index(b)
+    # flat allreduce and reduce_scatter+all_gather over root tie exactly: the shorter first
+    assert texts.index("allreduce(slice=root, form=inside)") + 1 == texts.index(
+        "reduce_scatter(slice=root, form=inside); all_gather(slice=root, form=inside)")
+    _check_listing_order(listing, TIE_RELATIVE)
+
+
+def test_rank_programs_is_total_and_deterministic():
+    from planc.reduction import TIE_RELATIVE, rank_programs
+    progs = [P("reduce_scatter(slice=root, form=inside); all_gather(slice=root, form=inside)"),
+             P("allreduce(slice=root, form=inside)"),
+             P("reduce(slice=root, form=inside); broadcast(slice=root, form=inside)"),
+             P("allreduce(slice=gpu, form=inside); allreduce(slice=gpu, form=parallel(root))")]
+    preds = [1.0, 1.0 + 1e-15, 1.0 - 1e-15, 2.0]
+    ranked = rank_programs(progs, preds)
+    assert [i for i, _ in ranked] == [1, 2, 0, 3]      # one class: length, then text ('(' < '_')
+    assert [r for _, r in ranked] == [1.0 - 1e-15] * 3 + [2.0]
+    # any input order gives the same order of programs
+    for perm in itertools.permutations(range(4)):
+        again = rank_programs([progs[i] for i in perm], [preds[i] for i in perm])
+        assert [perm[i] for i, _ in again] == [1, 2, 0, 3]
+    # a class spans TIE_RELATIVE from its cheapest member; beyond it a new class starts
+    far = rank_programs(progs[:2], [1.0 + 3 * TIE_RELATIVE, 1.0])
+    assert [i for i, _ in far] == [1, 0] and far[1][1] == 1.0 + 3 * TIE_RELATIVE
+    near = rank_programs(progs[:2], [1.0, 1.0 + 0.5 * TIE_RELATIVE])
+    assert [i for i, _ in near] == [1, 0] and near[1][1] == 1.0
+
+
+@settings(max_examples=40, deadline=None)
+@given(fanouts=st.lists(st.integers(2, 3), min_size=1, max_size=3).filter(lambda f: math.prod(f) <= 12),
+       bandwidths=st.lists(st.sampled_from([1e9, 3e9, 12.5e9, 1e11, 1.5e11]), min_size=3, max_size=3),
+       latencies=st.lists(st.sampled_from([0.0, 1e-6, 2e-6, 3e-6, 2e-5]), min_size=3, max_size=3),
+       nbytes=st.integers(0, 1 << 28), size=st.integers(2, 4))
+def test_ranking_order_on_random_hierarchies(fanouts, bandwidths, latencies, nbytes, size):
+    """plan.json lists the chosen program then the alternatives: never decreasing beyond the
+    tolerance, and among predictions equal up to float noise shorter first, then by text
+    (the old 9-digit key with synthesis order as tie-break fails this on most hierarchies)."""
+    from planc.reduction import TIE_RELATIVE
+    cl = ir.Cluster(tuple(ir.Level(f"l{i}", f, bw, lat) for i, (f, bw, lat)
+                          in enumerate(zip(fanouts, bandwidths, latencies))), "l0")
+    group = tuple(range(math.prod(fanouts)))
+    plan = plan_reduction(cl, ir.Reduction("x", ("d",)), [group], nbytes, ir.Synthesis(max_size=size))
+    _check_listing_order(_listing(plan), TIE_RELATIVE)
+    again = plan_reduction(cl, ir.Reduction("x", ("d",)), [group], nbytes, ir.Synthesis(max_size=size))
+    assert again.to_json() == plan.to_json()

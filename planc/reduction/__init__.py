@@ -27,12 +27,16 @@ from planc.reduction.synthesize import synthesize
 __all__ = [
     "ReductionPlan", "plan_reduction", "plan_reductions", "best_time", "reduction_groups",
     "stage_reduction_groups", "Hierarchy", "hierarchy_from_matrix", "synthesize", "parse_program",
-    "FLAT_ALLREDUCE", "reduction_bytes", "pinned_time",
+    "FLAT_ALLREDUCE", "reduction_bytes", "pinned_time", "rank_programs", "TIE_RELATIVE",
 ]
 
 Groups = tuple[tuple[int, ...], ...]
 FLAT_ALLREDUCE = (ir.Instruction(ir.Collective.ALLREDUCE, ir.ROOT_LEVEL, ir.FormKind.INSIDE),)
 MAX_ALTERNATIVES = 10
+# Predictions within this relative distance of the cheapest program of their tie class are equal
+# for ranking (the cost model is far coarser; sums of the same terms in another order differ by ulps).
+TIE_RELATIVE = 1e-9
+TIE_ABSOLUTE = 1e-15     # seconds: predictions of zero-byte, zero-latency reductions all tie
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,21 +55,25 @@ class ReductionPlan:
     alternatives: tuple[tuple[str, float], ...] = ()
     hierarchy: Hierarchy = Hierarchy(())
     per_stage_bytes: tuple[tuple[int, int], ...] | None = None
+    stage: int | None = None     # explicit stages: the stage whose gradients this plan reduces
 
     def __post_init__(self) -> None:
         if len(self.alternatives) > MAX_ALTERNATIVES:
             raise ValueError("at most 10 alternatives")
         why = check.check_program([(str(c), g) for c, g in self.steps], self.groups)
         if self.groups and why is not None:
-            raise ValueError(f"reduction plan {self.name!r} does not reduce its groups: {why}")
+            where = "" if self.stage is None else f" (stage {self.stage})"
+            raise ValueError(f"reduction plan {self.name!r}{where} does not reduce its groups: {why}")
 
     @property
     def text(self) -> str:
         return ir.program_text(self.program)
 
     def to_json(self) -> dict:
-        out = {
-            "name": self.name,
+        out = {"name": self.name}
+        if self.stage is not None:
+            out["stage"] = self.stage
+        out.update({
             "axes": list(self.axes),
             "bytes": self.nbytes,
             "groups": [list(g) for g in self.groups],
@@ -78,7 +86,7 @@ class ReductionPlan:
             "candidates": self.candidates,
             "alternatives": [{"text": t, "predicted": p} for t, p in self.alternatives],
             "hierarchy": [{"name": n, "factor": f} for n, f in self.hierarchy.levels],
-        }
+        })
         if self.per_stage_bytes is not None:
             out["per_stage_bytes"] = [{"stage": s, "bytes": b} for s, b in self.per_stage_bytes]
         return out
@@ -224,47 +232,83 @@ def pinned_time(cluster: ir.Cluster, matrix: Sequence[Sequence[int]], axis_names
     return None if coeffs is None else coeffs[0] * nbytes + coeffs[1]
 
 
+# ---------------------------------------------------------------- ranking
+
+def rank_programs(programs: Sequence[Sequence[ir.Instruction]], predictions: Sequence[float]
+                  ) -> list[tuple[int, float]]:
+    """``(index, rounded prediction)`` of every program, best first: a total, deterministic order.
+
+    Predictions are rounded to tie classes: the cheapest prediction not yet in a class opens one,
+    and every prediction within ``TIE_RELATIVE`` of it (relative; plus ``TIE_ABSOLUTE``) joins it,
+    with that cheapest prediction as its rounded value. Programs are ordered by rounded
+    prediction, then length (shorter first), then program text. So the order is non-decreasing
+    in the rounded prediction, predictions that differ by float noise always tie (a class spans
+    ``TIE_RELATIVE`` from its cheapest member, not a fixed grid whose boundaries noise can
+    straddle), and a later program's prediction is never below an earlier one's by more than
+    ``TIE_RELATIVE`` of it.
+    """
+    texts = [ir.program_text(p) for p in programs]
+    by_value = sorted(range(len(programs)), key=lambda i: (predictions[i], len(programs[i]), texts[i]))
+    rounded: dict[int, float] = {}
+    lead: float | None = None
+    for i in by_value:
+        p = predictions[i]
+        if lead is None or p > lead + TIE_RELATIVE * abs(lead) + TIE_ABSOLUTE:
+            lead = p
+        rounded[i] = lead
+    order = sorted(range(len(programs)), key=lambda i: (rounded[i], len(programs[i]), texts[i]))
+    return [(i, rounded[i]) for i in order]
+
+
 # ---------------------------------------------------------------- one reduction
 
-def _invalid(reduction: ir.Reduction, reason: str, hint: str | None = None) -> PlanError:
-    return PlanError(Diagnostic(f"reduction program for '{reduction.name}' is invalid: {reason}",
+def _invalid(reduction: ir.Reduction, reason: str, hint: str | None = None, stage: int | None = None) -> PlanError:
+    where = "" if stage is None else f" on stage {stage}"
+    return PlanError(Diagnostic(f"reduction program for '{reduction.name}' is invalid{where}: {reason}",
                                 reduction.program_span, hint))
 
 
-def _validate_pinned(reduction: ir.Reduction, hierarchy: Hierarchy, positions, groups: Groups):
+def _validate_pinned(reduction: ir.Reduction, hierarchy: Hierarchy, positions, groups: Groups,
+                     stage: int | None = None):
     program = reduction.program or ()
     if not program:
-        raise _invalid(reduction, "the program is empty")
+        raise _invalid(reduction, "the program is empty", stage=stage)
     for i, instr in enumerate(program, 1):
         try:
             resolve(instr, hierarchy)
         except LoweringError as e:
             bad = instr.slice if instr.slice not in hierarchy.names else instr.form_level
             hint = did_you_mean(bad, hierarchy.names) if bad not in hierarchy.names else None
-            raise _invalid(reduction, f"step {i} {instr}: {e.reason}", hint) from None
+            if stage is not None and hint is None:
+                hint = ("every stage runs the pinned program on its own reduction groups; without `using`, "
+                        "planc synthesizes a program for each stage")
+            raise _invalid(reduction, f"step {i} {instr}: {e.reason}", hint, stage) from None
     try:
         steps = lower_program(program, hierarchy, positions)
         semantics.run(steps, groups)
     except (LoweringError, semantics.SemanticsError) as e:
-        raise _invalid(reduction, e.reason) from None
+        raise _invalid(reduction, e.reason, stage=stage) from None
     return steps
 
 
 def plan_reduction(cluster: ir.Cluster, reduction: ir.Reduction, groups: Sequence[Sequence[int]],
                    nbytes: int, synthesis: ir.Synthesis = ir.Synthesis(),
                    layout: tuple[Hierarchy, Mapping[int, tuple[int, tuple[int, ...]]]] | None = None,
-                   per_stage_bytes: tuple[tuple[int, int], ...] | None = None) -> ReductionPlan:
+                   per_stage_bytes: tuple[tuple[int, int], ...] | None = None,
+                   stage: int | None = None) -> ReductionPlan:
     """Plan one reduction over explicit reduction groups.
 
     ``layout`` (hierarchy, positions) comes from the matrix when there is one;
     otherwise it is derived from the groups' geometry. Irregular groups get
     the root-only hierarchy: synthesis then offers the flat allreduce only,
-    and a pinned program may use only ``slice=root``.
+    and a pinned program may use only ``slice=root``. ``stage`` (explicit
+    stages: the groups are that stage's) is recorded and named in errors.
+    Programs are ranked by :func:`rank_programs`.
     """
     groups = tuple(sorted(tuple(sorted(g)) for g in groups if len(g) > 1))
     net = Network(cluster)
     common = dict(name=reduction.name, axes=tuple(reduction.axes), nbytes=int(nbytes), groups=groups,
-                  per_stage_bytes=per_stage_bytes)
+                  per_stage_bytes=per_stage_bytes, stage=stage)
     if not groups:  # nothing to reduce (reduction axes of size 1)
         return ReductionPlan(program=(), steps=(), predicted=0.0, allreduce_predicted=0.0,
                              candidates=0, **common)
@@ -281,16 +325,15 @@ def plan_reduction(cluster: ir.Cluster, reduction: ir.Reduction, groups: Sequenc
         return ReductionPlan(program=FLAT_ALLREDUCE, steps=((ir.Collective.ALLREDUCE, groups),),
                              predicted=flat_time, allreduce_predicted=flat_time, candidates=1, **common)
     if reduction.mode is ir.ReductionMode.PROGRAM:
-        steps = _validate_pinned(reduction, hierarchy, positions, groups)
+        steps = _validate_pinned(reduction, hierarchy, positions, groups, stage)
         (a, b), = _program_coefficients(net, hierarchy, positions, [reduction.program], {})
         return ReductionPlan(program=tuple(reduction.program), steps=steps, predicted=a * nbytes + b,
                              allreduce_predicted=flat_time, candidates=1, **common)
     programs = synthesize(hierarchy, synthesis.max_size, synthesis.collectives) if regular else ()
     programs = tuple(p for p in programs) or FLAT_ALLREDUCE_ONLY
     coeffs = _program_coefficients(net, hierarchy, positions, programs, {})
-    # ties (to 9 significant digits, below the model's precision) go to the shorter program
-    order = sorted(range(len(programs)),
-                   key=lambda i: (float(f"{coeffs[i][0] * nbytes + coeffs[i][1]:.9g}"), len(programs[i]), i))
+    # ties (within TIE_RELATIVE, below the model's precision) go to the shorter program, then by text
+    order = [i for i, _ in rank_programs(programs, [a * nbytes + b for a, b in coeffs])]
     chosen = programs[order[0]]
     steps = lower_program(chosen, hierarchy, positions)
     seen = {steps}
@@ -331,17 +374,35 @@ def plan_reductions(program: ir.Program, coords: Sequence[Sequence[int] | None] 
                     param_bytes: Mapping[int, int] | None = None) -> tuple[ReductionPlan, ...]:
     """Plan every reduction of ``program``, in declaration order.
 
-    Gradients are reduced per stage (each reduction group lies in one stage);
-    all stages use one program. ``bytes`` is the largest stage's parameter
-    bytes (``param_bytes[stage index]``; 0 when unknown) and the prediction is
-    that program on every group with that size (conservative); the per-stage
-    sizes are listed in ``per_stage_bytes``.
+    Gradients are reduced per stage (each reduction group lies in one stage).
+
+    * Explicit stages (or no coords / no ``parallel``): stages may differ in
+      size and shape, so ``reduce gradients`` yields one :class:`ReductionPlan`
+      per stage, in stage order (``stage`` set): that stage's groups, its
+      parameter bytes (``param_bytes[stage index]``; 0 when unknown) and a
+      program synthesized on its own geometry. A stage with nothing to reduce
+      (groups of one) gets an entry with no groups. A pinned program (or
+      ``using allreduce``) applies to every stage; one invalid on a stage is
+      an error naming the stage.
+    * Pipe-axis stages: one plan whose program all stages use; ``bytes`` is the
+      largest stage's parameter bytes and the prediction is that program on
+      every group with that size (conservative); the per-stage sizes are
+      listed in ``per_stage_bytes``.
+
+    Standalone reductions (a declared shape) are one plan each.
     """
     cluster = program.cluster
     explicit = program.stage_mode is ir.StageMode.EXPLICIT or coords is None or program.parallel is None
     axis_names = program.parallel.axis_names() if program.parallel is not None else ()
     out = []
     for red in program.reductions:
+        if explicit and red.name == "gradients" and red.shape is None:
+            sizes = param_bytes or {}
+            for st in sorted(stages, key=lambda s: s.index):
+                groups = stage_reduction_groups((st,), red.axes)
+                out.append(plan_reduction(cluster, red, groups, int(sizes.get(st.index, 0)), program.synthesis,
+                                          stage=st.index))
+            continue
         if explicit:
             groups = stage_reduction_groups(stages, red.axes)
         else:
