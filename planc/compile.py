@@ -44,7 +44,8 @@ class CompiledPlan:
         if p.get("placement"):
             parts.append(f"matrix {p['placement']['matrix']}")
         for r in p["reductions"]:
-            parts.append(f"{r['name']}: {r['program']['text']}")
+            where = f" (stage {r['stage']})" if r.get("stage") is not None else ""
+            parts.append(f"{r['name']}{where}: {r['program']['text'] or 'nothing to reduce'}")
         if p["transfers"]:
             parts.append(f"{len(p['transfers'])} transfer(s)")
         return "; ".join(parts)

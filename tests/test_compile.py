@@ -51,8 +51,62 @@ def expected_coords(matrix, fanouts):
     return out
 
 
+def spec_region(spec: str, shape, mesh_shape, pos):
+    """A device's region under a canonical spec ('S0 R', 'S01 R'), straight from LANGUAGE.md."""
+    out = []
+    for entry, n in zip(spec.split(), shape):
+        axes = [] if entry == "R" else [int(c) for c in entry[1:]]
+        parts, index = 1, 0
+        for a in axes:
+            parts *= mesh_shape[a]
+            index = index * mesh_shape[a] + pos[a]
+        out.append([index * n // parts, (index + 1) * n // parts])
+    return out
+
+
+def mesh_pos(st, d):
+    shape = st["mesh_shape"]
+    flat = st["mesh_devices"].index(d)
+    return [(flat // math.prod(shape[i + 1:])) % shape[i] for i in range(len(shape))]
+
+
+def check_stage_records(plan: dict) -> None:
+    """rows, DeepSpeed grid groups and loss devices of a training plan, from each stage's mesh."""
+    rows = plan["train"]["micro_batch"]
+    for st in plan["stages"]:
+        k = st["mesh_axes"].index("data") if "data" in st["mesh_axes"] else None
+        data = st["mesh_shape"][k] if k is not None else 1
+        for d in st["devices"]:
+            i = mesh_pos(st, d)[k] if k is not None else 0
+            assert st["rows"][str(d)] == [i * rows // data, (i + 1) * rows // data]
+        by_rest, by_data = {}, {}
+        for d in st["mesh_devices"]:
+            p = mesh_pos(st, d)
+            by_rest.setdefault(tuple(v for j, v in enumerate(p) if j != k), []).append(d)
+            by_data.setdefault(p[k] if k is not None else 0, []).append(d)
+        assert sorted(map(sorted, by_rest.values())) == sorted(st["data_groups"])
+        assert sorted(map(sorted, by_data.values())) == sorted(st["model_groups"])
+    last = plan["stages"][-1]
+    k = last["mesh_axes"].index("data") if "data" in last["mesh_axes"] else None
+    want = sorted(d for d in last["devices"] if all(v == 0 for j, v in enumerate(mesh_pos(last, d)) if j != k))
+    assert plan["train"]["loss_devices"] == want
+
+
 def check_plan_json(plan: dict) -> None:
     assert plan["format"] == "planc/1"
+    stages = {s["index"]: s for s in plan["stages"]}
+    for t in plan["transfers"]:   # every device's region, on both meshes and in both directions
+        for route, a, b in ((t, "src", "dst"), (t.get("backward"), "dst", "src")):
+            if route is None:
+                continue
+            for side, end in (("src", a), ("dst", b)):
+                st = stages[t[end]["stage"]]
+                assert sorted(route["regions"][side], key=int) == [str(d) for d in st["devices"]]
+                for d in st["devices"]:
+                    assert route["regions"][side][str(d)] == spec_region(t[end]["spec"], t["shape"],
+                                                                         st["mesh_shape"], mesh_pos(st, d))
+    if plan.get("train") is not None:
+        check_stage_records(plan)
     c = plan["cluster"]
     fan = [l["fanout"] for l in c["levels"]]
     assert c["devices"] == math.prod(fan)
@@ -91,6 +145,8 @@ def check_plan_json(plan: dict) -> None:
             # in each stage, devices equal on every mesh dimension not reduced over
             want = []
             for st in plan["stages"]:
+                if r.get("stage") is not None and st["index"] != r["stage"]:
+                    continue   # one gradients entry per stage: its own groups only
                 keep = [i for i, a in enumerate(st["mesh_axes"]) if a not in r["axes"]]
                 shape = st["mesh_shape"]
                 buckets = {}
@@ -172,8 +228,7 @@ def test_declared_transfer_shape_must_match_the_model(tmp_path):
     assert f"{p}:24:21: error:" in msg and "^^^^^^^^^^^^^^" in msg     # under the declared type
 
 
-def test_stages_of_different_sizes_train_is_not_yet_supported(tmp_path):
-    text = """
+UNEVEN = """
 plan uneven {
   cluster { level node x 3 : bandwidth 10 GB/s
             level gpu x 2 : bandwidth 100 GB/s }
@@ -182,22 +237,43 @@ plan uneven {
   data "EX/mlp.py:batches"
   stage 0 : layers 0..2 on devices 0..4 as (data = 4)
   stage 1 : layers 2..4 on devices 4..6 as (data = 2)
-  transfer h : f32[8, 16] from stage 0 as S0 R to stage 1 as S0 R
+  transfer h : f32[ROWS, 16] from stage 0 as S0 R to stage 1 as S0 R
+  reduce gradients over data
+  train { micro_batch = ROWS, micro_batches = 2 }
 }
 """.replace("EX", str(ROOT / "examples"))
+
+
+def test_stages_of_different_sizes_train(tmp_path):
     src = tmp_path / "uneven.plan"
-    src.write_text(text)
+    src.write_text(UNEVEN.replace("ROWS", "8"))
+    r = subprocess.run([sys.executable, "-m", "planc", "compile", str(src), "--no-probe", "-o", str(tmp_path / "o")],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    plan = json.loads((tmp_path / "o" / "plan.json").read_text())
+    assert plan["train"]["trainable"] and plan["train"]["not_trainable_because"] == []
+    check_plan_json(plan)
+    assert [s["rows"] for s in plan["stages"]] == [{"0": [0, 2], "1": [2, 4], "2": [4, 6], "3": [6, 8]},
+                                                   {"4": [0, 4], "5": [4, 8]}]
+    grads = [x for x in plan["reductions"] if x["name"] == "gradients"]
+    assert [(g["stage"], g["groups"]) for g in grads] == [(0, [[0, 1, 2, 3]]), (1, [[4, 5]])]
+
+
+def test_untrainable_plan_still_compiles_for_comm_only(tmp_path):
+    """A precision the runtime does not train: located error, exit 2, output written."""
+    src = tmp_path / "uneven.plan"
+    src.write_text(UNEVEN.replace("ROWS", "8").replace("micro_batches = 2", "micro_batches = 2, precision = fp16"))
     r = subprocess.run([sys.executable, "-m", "planc", "compile", str(src), "--no-probe", "-o", str(tmp_path / "o")],
                        capture_output=True, text=True)
     assert r.returncode == 2 and "Traceback" not in r.stderr
-    assert "training with stages of different device counts is not yet supported (stage 0 has 4, stage 1 has 2)" \
-        in r.stderr
-    assert f"{src}:8:3: error:" in r.stderr and "--comm-only" in r.stderr
+    assert "training in fp16 is not yet supported by the planc runtime (fp32 only)" in r.stderr
+    assert f"{src}:5:3: error:" in r.stderr and "--comm-only" in r.stderr
     plan = json.loads((tmp_path / "o" / "plan.json").read_text())      # written for communication-only use
-    check_plan_json(plan)
     assert plan["train"]["trainable"] is False and (tmp_path / "o" / "train.py").is_file()
     # the same plan without a model is a communication-only plan and compiles
-    comm = load_text("\n".join(l for l in text.splitlines() if not l.strip().startswith(("model", "loss", "data")))
+    text = UNEVEN.replace("ROWS", "8")
+    comm = load_text("\n".join(l for l in text.splitlines()
+                               if not l.strip().startswith(("model", "loss", "data", "train", "reduce")))
                      .replace(": layers 0..2 ", "").replace(": layers 2..4 ", ""), str(tmp_path / "c.plan"))
     c = compile_program(comm)
     check_plan_json(c.plan_json)
