@@ -265,6 +265,73 @@ def deepspeed_on_plan(plan: Plan, rank: int, groups: dict, timeout):
         ds_module.PipelineParallelGrid, dist.new_group, ds_p2p.send, ds_p2p.recv = saved
 
 
+# ---------------------------------------------------------------- send completion
+
+class SendReaper:
+    """Waits on send handles in a thread of its own and drops each buffer the moment its send completes.
+
+    gloo's send handles report completion only through ``wait()`` (``is_completed()``
+    stays False until then), and waiting in the compute thread would stall it on
+    a peer that is not ready yet; so a daemon thread waits, in issue order, and
+    the engine only asks which micro-batches still have sends in flight. A send
+    that fails (a dead peer, the collective timeout) is raised in the compute
+    thread at its next question.
+    """
+
+    def __init__(self):
+        import queue
+        import threading
+        self._queue: queue.Queue = queue.Queue()
+        self._lock = threading.Lock()
+        self._pending: dict[int, int] = {}      # micro-batch -> sends in flight
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="planc-send-reaper", daemon=True)
+        self._thread.start()
+
+    def add(self, micro_batch: int, works) -> None:
+        works = [w for w in works if w is not None]
+        if not works:
+            return
+        with self._lock:
+            self._pending[micro_batch] = self._pending.get(micro_batch, 0) + 1
+        self._queue.put((micro_batch, works))
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            m, works = item
+            try:
+                for w in works:
+                    w.wait()
+            except BaseException as e:  # noqa: BLE001 - handed to the compute thread
+                self._error = e
+            finally:
+                del works, item
+                with self._lock:
+                    self._pending[m] -= 1
+                    if not self._pending[m]:
+                        del self._pending[m]
+                self._queue.task_done()
+
+    def in_flight(self) -> int:
+        """Micro-batches with a send not yet complete."""
+        self._raise()
+        with self._lock:
+            return len(self._pending)
+
+    def drain(self) -> None:
+        """Block until every send so far has completed."""
+        self._queue.join()
+        self._raise()
+
+    def _raise(self) -> None:
+        if self._error is not None:
+            e, self._error = self._error, None
+            raise EngineError(f"a send failed: {e}") from e
+
+
 # ---------------------------------------------------------------- engine
 
 class PlanEngine(PipelineEngine):
@@ -277,8 +344,9 @@ class PlanEngine(PipelineEngine):
     Buffers: each micro-batch's saved input, output, labels, loss and received
     gradient live in dicts keyed by micro-batch and are dropped as soon as its
     backward (and the gradient sends that read its input) are done; a send's
-    buffer is dropped when the send completes. ``stats`` records the most
-    micro-batches held at once and the most pending sends.
+    buffer is dropped when the send completes (``SendReaper``). ``stats``
+    records the most micro-batches held at once and the most micro-batches
+    with sends in flight.
     """
 
     def __init__(self, *ds_args, plan: Plan, groups: dict, data_iter=None, **ds_kwargs):
@@ -319,7 +387,7 @@ class PlanEngine(PipelineEngine):
             raise EngineError(f"rank {rank}: its gradient reduction group {list(red.group_of(rank))} is not its "
                               f"stage's data group {self.grid.get_data_parallel_group_ranks()}")
         self.held = {k: {} for k in ("inputs", "outputs", "labels", "losses", "grads")}
-        self.pending_sends: list[tuple[int, list]] = []
+        self.sends = SendReaper()
         self.stats = {"stage": self.stage_id, "peak_live_micro_batches": 0, "peak_pending_sends": 0}
 
     @classmethod
@@ -348,23 +416,13 @@ class PlanEngine(PipelineEngine):
         return engine
 
     # ---- buffer bookkeeping
-    def _reap_sends(self, wait: bool = False) -> None:
-        keep = []
-        for m, works in self.pending_sends:
-            if wait:
-                for w in works:
-                    w.wait()
-            elif not all(w.is_completed() for w in works):
-                keep.append((m, works))
-        self.pending_sends = keep
-
     def _note(self) -> None:
         live = set()
         for d in self.held.values():
             live.update(d)
         s = self.stats
         s["peak_live_micro_batches"] = max(s["peak_live_micro_batches"], len(live))
-        s["peak_pending_sends"] = max(s["peak_pending_sends"], len(self.pending_sends))
+        s["peak_pending_sends"] = max(s["peak_pending_sends"], self.sends.in_flight())
 
     def _drop(self, m: int, *keys: str) -> None:
         for k in keys:
@@ -372,7 +430,6 @@ class PlanEngine(PipelineEngine):
 
     # ---- instructions
     def _exec_load_micro_batch(self, buffer_id):
-        self._reap_sends()
         x, y = self._next_batch()
         a, b = self.rows
         if self.is_first_stage():
@@ -382,7 +439,6 @@ class PlanEngine(PipelineEngine):
         self._note()
 
     def _exec_recv_activations(self, buffer_id, transfer):
-        self._reap_sends()
         t = self.executors[(transfer, Direction.FORWARD)].recv(micro_batch=buffer_id)
         if t.is_floating_point():
             t.requires_grad_(True)
@@ -407,11 +463,10 @@ class PlanEngine(PipelineEngine):
     def _exec_send_activations(self, buffer_id, transfer):
         out = self.held["outputs"][buffer_id][transfer]
         works = self.executors[(transfer, Direction.FORWARD)].send(out.detach(), micro_batch=buffer_id)
-        self.pending_sends.append((buffer_id, works))
+        self.sends.add(buffer_id, works)
         self._note()
 
     def _exec_recv_grads(self, buffer_id, transfer):
-        self._reap_sends()
         g = self.executors[(transfer, Direction.BACKWARD)].recv(micro_batch=buffer_id)
         self.held["grads"].setdefault(buffer_id, {})[transfer] = g
         self._note()
@@ -448,7 +503,7 @@ class PlanEngine(PipelineEngine):
         t = self.held["inputs"][buffer_id][transfer]
         g = t.grad if t.grad is not None else torch.zeros_like(t)
         works = self.executors[(transfer, Direction.BACKWARD)].send(g, micro_batch=buffer_id)
-        self.pending_sends.append((buffer_id, works))
+        self.sends.add(buffer_id, works)
         if transfer == self.incoming[-1]:
             self._drop(buffer_id, "inputs")
         self._note()
@@ -456,7 +511,7 @@ class PlanEngine(PipelineEngine):
     def _exec_reduce_grads(self):
         """The plan's reduction program on one flat gradient buffer; a sum (gradients are already
         those of the global mean loss, see the module docstring)."""
-        self._reap_sends(wait=True)
+        self.sends.drain()
         if any(self.held.values()):
             left = {k: sorted(v) for k, v in self.held.items() if v}
             raise EngineError(f"rank {self.rank}: micro-batch buffers still held after the schedule: {left}")
