@@ -20,11 +20,9 @@ micro-batch's rows (DeepSpeed divides by the micro-batch count), so the
 activation gradients it sends back and the parameter gradients each device
 holds are exact partial sums; reductions then *sum* over the data axis.
 
-Stage dataflow convention: a stage's first layer receives the stage's
-incoming transfers as positional arguments, in transfer declaration order
-(stage 0: the batch input); a layer returning a tuple hands it to the next
-layer as positional arguments; a transfer ``from stage I layer L`` sends the
-output of layer ``L`` (default: the stage's last layer).
+The stage dataflow convention (what a stage's first layer receives, which
+layer's output a transfer sends) is in ``dataflow``, with the stage graph and
+the single-process reference; send completion is in ``sends``.
 """
 from __future__ import annotations
 
@@ -40,140 +38,16 @@ from deepspeed.runtime.pipe import schedule as ds_schedule
 from deepspeed.runtime.pipe.engine import PipelineEngine
 from deepspeed.runtime.pipe.module import PipelineModule
 
+from .dataflow import (EngineError, StageGraph, apply_layers, build_optimizer, check_stage_shapes,  # noqa: F401
+                       run_reference)
 from .planfile import Direction, Plan, Stage
 from .reduce import ReductionExecutor
 from .reshard import DTYPES, TransferExecutor
+from .sends import SendReaper
 from .topology import PlanGrid, StageTopology
 
 __all__ = ["StageGraph", "PlanPipelineModule", "PlanSchedule", "PlanEngine", "EngineError",
-           "run_reference", "build_optimizer", "check_stage_shapes", "apply_layers", "DTYPES"]
-
-
-class EngineError(RuntimeError):
-    """The plan cannot run here as written (shapes, groups, launch)."""
-
-
-# ---------------------------------------------------------------- stage graph (pure)
-
-class StageGraph:
-    """Stages, their layer ranges and the transfers between them, from the plan file."""
-
-    def __init__(self, plan: Plan):
-        self.stages = plan.stages
-        self.num_stages = len(plan.stages)
-        self.transfers = plan.transfers
-        self.by_name = {t.name: t for t in plan.transfers}
-
-    def layers(self, s: int) -> tuple[int, int]:
-        lay = self.stages[s].layers
-        if lay is None:
-            raise EngineError(f"stage {s} has no layer range")
-        return lay
-
-    def src_layer(self, t) -> int:
-        return self.layers(t.src_stage)[1] - 1 if t.src_layer is None else t.src_layer
-
-    def incoming(self, s: int) -> list[str]:
-        return [t.name for t in self.transfers if t.dst_stage == s]
-
-    def outgoing(self, s: int) -> list[str]:
-        return [t.name for t in self.transfers if t.src_stage == s]
-
-
-def apply_layers(layers, first: int, inputs, taps=()):
-    """Run layers ``first, first+1, ...`` on ``inputs``; return (last output, {tap: output})."""
-    args = tuple(inputs)
-    tapped = {}
-    out = None
-    for i, layer in enumerate(layers):
-        out = layer(*args)
-        if first + i in taps:
-            tapped[first + i] = out
-        args = tuple(out) if isinstance(out, (tuple, list)) else (out,)
-    return out, tapped
-
-
-def build_optimizer(params, ds_config: dict):
-    """torch.optim from the ``optimizer`` section of ds_config.json (Adam, AdamW, SGD)."""
-    opt = ds_config.get("optimizer") or {"type": "Adam", "params": {"lr": 1e-3}}
-    kind = str(opt.get("type", "Adam")).lower()
-    kw = dict(opt.get("params", {}))
-    if "betas" in kw:
-        kw["betas"] = tuple(kw["betas"])
-    table = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}
-    if kind not in table:
-        raise EngineError(f"optimizer {opt.get('type')!r} is not supported (Adam, AdamW, SGD)")
-    return table[kind](params, **kw)
-
-
-def run_reference(layers, plan: Plan, loss_fn, data_iter, micro_batches: int, steps: int, optimizer):
-    """Single-process training with the same stage dataflow; returns the loss per step."""
-    graph = StageGraph(plan)
-    losses = []
-    for _ in range(steps):
-        total = 0.0
-        for _ in range(micro_batches):
-            x, y = next(data_iter)
-            sent = {}
-            for s in range(graph.num_stages):
-                a, b = graph.layers(s)
-                inputs = [x] if s == 0 else [sent[n] for n in graph.incoming(s)]
-                taps = {graph.src_layer(graph.by_name[n]) for n in graph.outgoing(s)}
-                out, tapped = apply_layers(layers[a:b], a, inputs, taps)
-                for n in graph.outgoing(s):
-                    sent[n] = tapped[graph.src_layer(graph.by_name[n])]
-            loss = loss_fn(out, y) / micro_batches
-            loss.backward()
-            total += float(loss.detach())
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(total)
-    return losses
-
-
-def check_stage_shapes(plan: Plan, rank: int, layers, sample_x, device=None) -> list[str]:
-    """Start-up check: the tensors this rank's stage produces against its transfers' regions.
-
-    Runs the stage's layers once without gradients on inputs of the planned
-    shapes (stage 0: a real micro-batch slice); local to the rank, no messages.
-    Runs before DeepSpeed builds anything, so every rank can fail together.
-    """
-    device = device or torch.device("cpu")
-    graph = StageGraph(plan)
-    stage = plan.stage_of(rank)
-    first, _ = graph.layers(stage.index)
-    incoming, outgoing = graph.incoming(stage.index), graph.outgoing(stage.index)
-    if stage.index == 0:
-        inputs = [sample_x.to(device)]
-    else:
-        inputs = []
-        for n in incoming:
-            t = graph.by_name[n]
-            region = t.forward.region("dst", rank)
-            inputs.append(torch.zeros([b - a for a, b in region], dtype=DTYPES[t.dtype], device=device))
-    taps = {graph.src_layer(graph.by_name[n]) for n in outgoing}
-    with torch.no_grad():
-        try:
-            _, tapped = apply_layers(layers, first, inputs, taps)
-        except Exception as e:  # noqa: BLE001 - reported with the stage
-            return [f"stage {stage.index}: its layers fail on the planned inputs "
-                    f"{[tuple(i.shape) for i in inputs]}: {e}"]
-    problems = []
-    for n in outgoing:
-        t = graph.by_name[n]
-        out = tapped[graph.src_layer(t)]
-        if not torch.is_tensor(out):
-            problems.append(f"stage {stage.index}, transfer {n!r}: layer {graph.src_layer(t)} "
-                            f"returns {type(out).__name__}, not a tensor")
-            continue
-        want = tuple(b - a for a, b in t.forward.region("src", rank))
-        if tuple(out.shape) != want:
-            problems.append(f"stage {stage.index}, transfer {n!r}: the plan moves a {list(want)} shard from "
-                            f"rank {rank} (of {t.dtype}{list(t.shape)}) but the stage produces {list(out.shape)}")
-        elif out.dtype != DTYPES[t.dtype]:
-            problems.append(f"stage {stage.index}, transfer {n!r}: the plan says {t.dtype} "
-                            f"but the stage produces {out.dtype}")
-    return problems
+           "run_reference", "build_optimizer", "check_stage_shapes", "apply_layers", "SendReaper", "DTYPES"]
 
 
 # ---------------------------------------------------------------- schedule
@@ -263,73 +137,6 @@ def deepspeed_on_plan(plan: Plan, rank: int, groups: dict, timeout):
         yield grid
     finally:
         ds_module.PipelineParallelGrid, dist.new_group, ds_p2p.send, ds_p2p.recv = saved
-
-
-# ---------------------------------------------------------------- send completion
-
-class SendReaper:
-    """Waits on send handles in a thread of its own and drops each buffer the moment its send completes.
-
-    gloo's send handles report completion only through ``wait()`` (``is_completed()``
-    stays False until then), and waiting in the compute thread would stall it on
-    a peer that is not ready yet; so a daemon thread waits, in issue order, and
-    the engine only asks which micro-batches still have sends in flight. A send
-    that fails (a dead peer, the collective timeout) is raised in the compute
-    thread at its next question.
-    """
-
-    def __init__(self):
-        import queue
-        import threading
-        self._queue: queue.Queue = queue.Queue()
-        self._lock = threading.Lock()
-        self._pending: dict[int, int] = {}      # micro-batch -> sends in flight
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name="planc-send-reaper", daemon=True)
-        self._thread.start()
-
-    def add(self, micro_batch: int, works) -> None:
-        works = [w for w in works if w is not None]
-        if not works:
-            return
-        with self._lock:
-            self._pending[micro_batch] = self._pending.get(micro_batch, 0) + 1
-        self._queue.put((micro_batch, works))
-
-    def _run(self) -> None:
-        while True:
-            item = self._queue.get()
-            if item is None:
-                return
-            m, works = item
-            try:
-                for w in works:
-                    w.wait()
-            except BaseException as e:  # noqa: BLE001 - handed to the compute thread
-                self._error = e
-            finally:
-                del works, item
-                with self._lock:
-                    self._pending[m] -= 1
-                    if not self._pending[m]:
-                        del self._pending[m]
-                self._queue.task_done()
-
-    def in_flight(self) -> int:
-        """Micro-batches with a send not yet complete."""
-        self._raise()
-        with self._lock:
-            return len(self._pending)
-
-    def drain(self) -> None:
-        """Block until every send so far has completed."""
-        self._queue.join()
-        self._raise()
-
-    def _raise(self) -> None:
-        if self._error is not None:
-            e, self._error = self._error, None
-            raise EngineError(f"a send failed: {e}") from e
 
 
 # ---------------------------------------------------------------- engine
