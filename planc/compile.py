@@ -1,8 +1,11 @@
 """The compiler driver: a straight line of passes from a checked plan to plan.json.
 
-    load → probe (the model's real sizes) → infer_transfers (dtype, shape, specs)
-         → place → check_trainable → plan_reductions → plan_transfers (forward, backward)
-         → pipeline → assemble (planfile.Plan) → plan.json (planc/1)
+    load → probe (the model's real sizes, in a subprocess)
+         → infer (dtype, shape, specs) → place → [check_trainable] → reductions
+         → transfers (forward, backward) → pipeline → assemble (planfile.Plan) → plan.json
+
+Each pass is ``(input, ctx) -> record``; ``compile --verify`` checks every
+output with an independent checker before the next pass (``planc.verify``).
 
 Every pass is pure; this module only strings them together and validates what
 the model really produces against what the plan declares.
@@ -11,6 +14,7 @@ the model really produces against what the plan declares.
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,13 +23,14 @@ from planc import __version__, ir
 from planc.lang import load
 from planc.lang.errors import Diagnostic, PlanError
 from planc.pipeline.schedules import build as build_pipeline
-from planc.placement import place
+from planc.placement import Placement, place
 from planc.infer import infer_transfers
 from planc.probe import ModelProbe, check_against_model, check_model_reductions, probe_model
 from planc.reduction import plan_reductions, stage_reduction_groups
 from planc.resharding import groups_used, plan_transfers
 from planc.resharding.tiles import device_region
 from planc.runtime import planfile
+from planc.verify import verify
 
 FORMAT = "planc/1"
 DATA_AXIS, TENSOR_AXIS = "data", "tensor"
@@ -120,40 +125,87 @@ def _tensor_groups(stages) -> list[list[int]]:
     return [list(g) for g in stage_reduction_groups(stages, ("tensor",)) if len(g) > 1]
 
 
-def compile_program(program: ir.Program, probe: ModelProbe | None = None) -> CompiledPlan:
-    """The passes in order; each is pure and returns a record, the last one is the plan file."""
-    if probe is not None:
-        check_against_model(program, probe)
-        check_model_reductions(program, probe)
-    program = infer_transfers(program, probe)
-    param_bytes = probe.stage_param_bytes(program.stages, program.train.precision) if probe else None
-    placement = place(program, param_bytes)
-    stages = placement.stages
-    training = program.model is not None
-    untrainable = check_trainable(program, stages) if training else ()
-    reductions = plan_reductions(program, placement.coords, stages, placement.matrix, param_bytes)
-    transfers = plan_transfers(program, stages)
+@dataclass(frozen=True, slots=True)
+class Context:
+    """What the passes read besides their input: the probe, and what earlier passes decided."""
+
+    program: ir.Program
+    probe: ModelProbe | None = None
+    verify: bool = False
+    placement: Placement | None = None
+    untrainable: tuple[Diagnostic, ...] = ()
+
+    @property
+    def training(self) -> bool:
+        return self.program.model is not None
+
+
+def compile_program(program: ir.Program, probe: ModelProbe | None = None, verify: bool = False) -> CompiledPlan:
+    """The passes in order, each ``(input, ctx) -> record``; with ``verify`` each output is checked
+    by an independent checker before the next pass runs (``planc.verify``)."""
+    ctx = Context(program, probe, verify)
+    program = _run("infer", infer_pass, program, ctx)
+    ctx = dataclasses.replace(ctx, program=program)
+    placement = _run("place", place_pass, program, ctx)
+    ctx = dataclasses.replace(ctx, placement=placement,
+                              untrainable=check_trainable(program, placement.stages) if ctx.training else ())
+    reductions = _run("reductions", reductions_pass, program, ctx)
+    routes = _run("transfers", transfers_pass, program, ctx)
+    pipeline = _run("pipeline", pipeline_pass, program, ctx)
+    plan = _run("assemble", assemble, (reductions, routes, pipeline), ctx)
+    return CompiledPlan(program, plan.to_json(), ctx.untrainable, plan)
+
+
+def _run(name: str, fn, value, ctx: Context):
+    out = fn(value, ctx)
+    if ctx.verify:
+        verify(name, out, ctx)
+    return out
+
+
+def infer_pass(program: ir.Program, ctx: Context) -> ir.Program:
+    """The model as measured: stage coverage, declared types, reductions over tensor; then every
+    transfer completed (dtype, shape, specs)."""
+    if ctx.probe is not None:
+        check_against_model(program, ctx.probe)
+        check_model_reductions(program, ctx.probe)
+    return infer_transfers(program, ctx.probe)
+
+
+def _param_bytes(program: ir.Program, ctx: Context):
+    return ctx.probe.stage_param_bytes(program.stages, program.train.precision) if ctx.probe else None
+
+
+def place_pass(program: ir.Program, ctx: Context) -> Placement:
+    return place(program, _param_bytes(program, ctx))
+
+
+def reductions_pass(program: ir.Program, ctx: Context):
+    p = ctx.placement
+    return plan_reductions(program, p.coords, p.stages, p.matrix, _param_bytes(program, ctx))
+
+
+def transfers_pass(program: ir.Program, ctx: Context):
+    """Every transfer's forward plan and, in training plans, its gradient's way back."""
+    stages = ctx.placement.stages
+    forward = plan_transfers(program, stages)
     backward = plan_transfers(dataclasses.replace(program, transfers=tuple(_reverse(t) for t in program.transfers)),
-                              stages) if training else ()
-    pipeline = None
-    if training:
-        edges = None if untrainable else tuple((t.src_stage, t.dst_stage) for t in program.transfers)
-        pipeline = build_pipeline(program.train.schedule, len(stages), program.train.micro_batches, edges)
-    plan = assemble(program, probe, placement, reductions, transfers, backward, pipeline, untrainable)
-    tags = plan.tag_layout()
-    if tags.total > planfile.TagLayout.MAX_BITS:
-        raise PlanError(Diagnostic(
-            f"the plan needs {tags.total}-bit message tags ({len(program.transfers)} transfers, "
-            f"{program.train.micro_batches if training else 1} micro-batches, up to {2 ** tags.task_bits} unit tasks "
-            f"per transfer) but point-to-point tags have {planfile.TagLayout.MAX_BITS} bits; use fewer micro-batches "
-            "or coarser shardings", program.transfers[0].span if program.transfers else program.span))
-    return CompiledPlan(program, plan.to_json(), untrainable, plan)
+                              stages) if ctx.training else ()
+    return forward, backward
 
 
-def assemble(program: ir.Program, probe: ModelProbe | None, placement, reductions, transfers, backward,
-             pipeline, untrainable) -> planfile.Plan:
+def pipeline_pass(program: ir.Program, ctx: Context):
+    if not ctx.training:
+        return None
+    edges = None if ctx.untrainable else tuple((t.src_stage, t.dst_stage) for t in program.transfers)
+    return build_pipeline(program.train.schedule, len(ctx.placement.stages), program.train.micro_batches, edges)
+
+
+def assemble(decisions, ctx: Context) -> planfile.Plan:
     """Every decision as the typed plan file (``planc_runtime.planfile``), validated on construction."""
-    training = program.model is not None
+    reductions, (transfers, backward), pipeline = decisions
+    program, probe, placement, untrainable = ctx.program, ctx.probe, ctx.placement, ctx.untrainable
+    training = ctx.training
     red_json = [dict(r.to_json(), mode=str(_reduction_of(program, r.name).mode),
                      collectives=[str(c) for c in program.synthesis.collectives]) for r in reductions]
     stages = placement.stages
@@ -214,9 +266,17 @@ def assemble(program: ir.Program, probe: ModelProbe | None, placement, reduction
         plan["train"]["trainable"] = not untrainable
         plan["train"]["not_trainable_because"] = [d.message for d in untrainable]
     try:
-        return planfile.Plan.from_json(plan)
+        out = planfile.Plan.from_json(plan)
     except planfile.PlanFileError as e:   # a compiler bug, never the user's: say so
         raise AssertionError(f"the compiler assembled an invalid plan file: {e}") from None
+    tags = out.tag_layout()
+    if tags.total > planfile.TagLayout.MAX_BITS:
+        raise PlanError(Diagnostic(
+            f"the plan needs {tags.total}-bit message tags ({len(program.transfers)} transfers, "
+            f"{program.train.micro_batches if training else 1} micro-batches, up to {2 ** tags.task_bits} unit tasks "
+            f"per transfer) but point-to-point tags have {planfile.TagLayout.MAX_BITS} bits; use fewer micro-batches "
+            "or coarser shardings", program.transfers[0].span if program.transfers else program.span))
+    return out
 
 
 def _reduction_of(program: ir.Program, name: str) -> ir.Reduction:
@@ -303,12 +363,16 @@ def _loss_devices(last: ir.StageLayout) -> list[int]:
     return sorted(d for d in last.devices if all(v == 0 for i, v in enumerate(last.position(d)) if i != k))
 
 
-def compile_file(path: str | Path, probe: bool = True, timings: bool = False) -> CompiledPlan:
+def compile_file(path: str | Path, probe: bool = True, timings: bool = False, verify: bool | None = None) -> CompiledPlan:
+    """Load, probe and compile one plan file. ``verify`` (default: env ``PLANC_VERIFY=1``, which the
+    test suite sets) checks every pass's output independently."""
     t0 = time.perf_counter()
+    if verify is None:
+        verify = os.environ.get("PLANC_VERIFY") == "1"
     program = load(path)
     try:
         model_probe = probe_model(program) if (probe and program.model is not None) else None
-        compiled = compile_program(program, model_probe)
+        compiled = compile_program(program, model_probe, verify=verify)
     except PlanError as e:   # errors found by the passes point into the plan: show its lines too
         raise e.with_source(program.source_path, Path(path).read_text()) from None
     if timings:

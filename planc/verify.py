@@ -1,0 +1,126 @@
+"""Verification between the compiler's passes (``planc compile --verify``; always on in the tests).
+
+Each verifier looks at one pass's output with code that knows nothing of how it
+was found — the reduction programs are replayed by ``planc.reduction.check``
+(the collective semantics of DESIGN.md), the transfers by
+``planc.resharding.check`` (regions recomputed from the specs, coverage, NIC
+timelines, the lower bound), the plan file by its own validating reader — and
+returns what is wrong. The driver names the pass whose output failed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from planc import ir
+from planc.reduction.check import check_program
+from planc.resharding.check import check_plan, check_transfer
+from planc.runtime import planfile
+
+__all__ = ["VerifyError", "VERIFIERS", "verify"]
+
+
+class VerifyError(AssertionError):
+    """A pass produced output that its independent checker rejects: a compiler bug, never the user's."""
+
+
+def _inferred(program: ir.Program, _ctx) -> list[str]:
+    out = []
+    for t in program.transfers:
+        if t.dtype is None or t.shape is None or t.src_spec is None or t.dst_spec is None:
+            out.append(f"transfer '{t.name}' is still missing its dtype, shape or a spec")
+        elif t.dtype not in ir.DTYPE_BYTES:
+            out.append(f"transfer '{t.name}' has dtype {t.dtype!r}")
+    return out
+
+
+def _placed(placement, ctx) -> list[str]:
+    out, seen = [], {}
+    n = ctx.program.cluster.devices
+    for st in placement.stages:
+        size = 1
+        for s in st.shape:
+            size *= s
+        if size != len(st.devices) or len(set(st.devices)) != len(st.devices):
+            out.append(f"stage {st.index}: {len(st.devices)} devices for a mesh of shape {list(st.shape)}")
+        for d in st.devices:
+            if not 0 <= d < n:
+                out.append(f"stage {st.index} uses device {d}, the cluster has {n}")
+            if d in seen:
+                out.append(f"device {d} is in stages {seen[d]} and {st.index}")
+            seen[d] = st.index
+    return out
+
+
+def _reduced(reductions, _ctx) -> list[str]:
+    out = []
+    for r in reductions:
+        why = check_program([(str(c), g) for c, g in r.steps], r.groups) if r.groups else None
+        if why is not None:
+            out.append(f"reduction {r.name!r}{f' (stage {r.stage})' if r.stage is not None else ''}: {why}")
+    return out
+
+
+def _json_view(ctx, transfers) -> dict:
+    """The shape of plan.json the resharding checker reads: cluster, stages, transfers, groups."""
+    c = ctx.program.cluster
+    stages = [{"index": s.index, "mesh": _as_lists(s.mesh()), "devices": sorted(s.devices)}
+              for s in ctx.placement.stages]
+    return {"cluster": {"levels": [{"name": lv.name, "fanout": lv.fanout, "bandwidth": lv.bandwidth,
+                                    "latency": lv.latency} for lv in c.levels],
+                        "host_level": c.host_level, "devices": c.devices, "hosts": [list(h) for h in c.hosts()]},
+            "stages": stages, "transfers": [t.to_json() for t in transfers]}
+
+
+def _as_lists(x):
+    return [_as_lists(y) for y in x] if isinstance(x, tuple) else x
+
+
+def _routed(routes, ctx) -> list[str]:
+    out = []
+    forward, backward = routes
+    for label, plans in (("forward", forward), ("backward", backward)):
+        if not plans:
+            continue
+        view = _json_view(ctx, plans)
+        for t in view["transfers"]:
+            out += [f"{label} transfer {t['name']!r}: {e}" for e in check_transfer(t, view)]
+        out += [f"{label}: {e}" for e in check_plan(view)]
+    return out
+
+
+def _scheduled(pipeline, ctx) -> list[str]:
+    if pipeline is None:
+        return []
+    m = pipeline.micro_batches
+    out = []
+    for s, ops in enumerate(pipeline.to_json()["per_stage"]):
+        f = [int(o[1:]) for o in ops if o[0] == "F"]
+        b = [int(o[1:]) for o in ops if o[0] == "B"]
+        if sorted(f) != list(range(m)) or sorted(b) != list(range(m)):
+            out.append(f"stage {s} does not run F and B of every micro-batch once")
+        elif any(ops.index(f"B{i}") < ops.index(f"F{i}") for i in range(m)):
+            out.append(f"stage {s} runs a backward before its forward")
+    return out
+
+
+def _assembled(plan: planfile.Plan, _ctx) -> list[str]:
+    doc = plan.to_json()
+    try:
+        again = planfile.Plan.from_json(doc)
+    except planfile.PlanFileError as e:
+        return [str(e)]
+    return [] if again.to_json() == doc else ["plan.json does not survive its own round trip"]
+
+
+VERIFIERS: dict[str, Callable] = {
+    "infer": _inferred, "place": _placed, "reductions": _reduced, "transfers": _routed,
+    "pipeline": _scheduled, "assemble": _assembled,
+}
+
+
+def verify(pass_name: str, output, ctx) -> None:
+    """Raise VerifyError naming ``pass_name`` when its output fails its independent check."""
+    problems = VERIFIERS[pass_name](output, ctx)
+    if problems:
+        raise VerifyError(f"--verify: the output of pass '{pass_name}' is invalid:\n  " + "\n  ".join(problems))
