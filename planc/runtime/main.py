@@ -255,12 +255,20 @@ def _main(argv=None, out_dir: str | None = None) -> int:
         print(f"gradients: {engine.reduce_description if engine else 'rank 0 is idle'}", flush=True)
     device = engine.device if engine is not None else (
         torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu"))
+    samples = plan.train.micro_batch * plan.train.micro_batches
+    total = 0.0
     for step in range(steps):
+        t0 = time.perf_counter()
         share = engine.train_batch() if engine is not None else 0.0   # idle ranks only add nothing
         loss = torch.tensor([share], dtype=torch.float64, device=device)
         dist.all_reduce(loss)   # the loss devices' shares add up to the step's mean loss
+        elapsed = time.perf_counter() - t0
+        total += elapsed
         if rank == 0:
-            print(f"step {step} loss {float(loss):.6f}", flush=True)
+            print(f"step {step} loss {float(loss):.6f} time {elapsed:.4f} s {samples / elapsed:.1f} samples/s",
+                  flush=True)
+    if rank == 0 and steps:
+        print(f"trained {steps} step(s) in {total:.3f} s: {steps * samples / total:.1f} samples/s", flush=True)
 
     if engine is not None and args.dump_params:
         dump_params(engine, args.dump_params, rank)
