@@ -1,5 +1,6 @@
 """Helpers for the end-to-end tests: the launch of a compiled output (launch_sh), the
-single-process reference, and a hand-written plan.json (hand_plan; the e2e tests use
+single-process references (``reference``: with the output's own runtime code;
+``independent_reference``: plain torch, no planc code), and a hand-written plan.json (hand_plan; the e2e tests use
 the real compiler, tests/test_codegen.py and tests/test_pipeline_engine.py use it)."""
 
 from __future__ import annotations
@@ -130,18 +131,27 @@ def shard_of(full, dim, index, parts, blocks=1):
     return torch.cat([full.narrow(dim, b * block + index * step, step) for b in range(blocks)], dim=dim)
 
 
-def compare_dumps(dump_dir: Path, ranks: int, ref_state: dict, rtol: float, atol: float) -> dict:
+def compare_dumps(dump_dir: Path, ranks, ref_state: dict, rtol: float, atol: float) -> dict:
     """Every rank's dumped parameters (``--dump-params``) against the reference.
 
     A parameter listed in ``rank<R>.shards.json`` (``[dim, index, parts, blocks]``) is compared with
     its slice of the reference. Every reference parameter must be held by some rank, whole or as
     shards that tile it exactly: one layout per parameter, every index ``0..parts-1`` present, the
     shards' shapes adding up to the reference's. Returns ``{name: layout}`` of the sharded ones.
+
+    ``ranks``: an int N (ranks ``0..N-1``, every rank in a stage), or the list of the ranks that are
+    in a stage; then exactly those dumped (a rank in no stage is idle and dumps nothing).
     """
     import json
     import torch
+    if isinstance(ranks, int):
+        ranks = range(ranks)
+    else:
+        ranks = sorted(ranks)
+        dumped = sorted(int(f.name[4:-3]) for f in dump_dir.glob("rank*.pt"))
+        assert dumped == ranks, f"ranks that dumped parameters: {dumped}, the stages' ranks: {ranks}"
     whole, shards = set(), {}
-    for rank in range(ranks):
+    for rank in ranks:
         mine = torch.load(dump_dir / f"rank{rank}.pt")
         assert mine, f"rank {rank} dumped no parameters"
         info_path = dump_dir / f"rank{rank}.shards.json"
@@ -169,3 +179,141 @@ def compare_dumps(dump_dir: Path, ranks: int, ref_state: dict, rtol: float, atol
     seen = whole | set(shards)
     assert seen == set(ref_state), f"parameters held by no rank: {sorted(set(ref_state) - seen)}"
     return {k: layout for k, (layout, _) in shards.items()}
+
+
+# ---------------------------------------------------------------- an independent reference
+
+def _load_callable(folder: Path, entry: dict):
+    """``entry["function"]`` of the Python file ``folder / entry["file"]``, imported under a fresh name."""
+    import importlib.util
+    path = Path(folder) / entry["file"]
+    name = f"_e2e_ref_{path.stem}_{abs(hash(str(path.resolve())))}"
+    mod = sys.modules.get(name)
+    if mod is None:
+        spec = importlib.util.spec_from_file_location(name, path)
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[name] = mod
+        spec.loader.exec_module(mod)
+    return getattr(mod, entry["function"])
+
+
+def independent_reference(plan: dict, model_dir: Path, steps: int, micro_batches: int | None = None):
+    """Train the whole model in this process with plain torch, knowing nothing of planc's runtime.
+
+    ``plan`` is a compiled plan.json: its ``train`` block names the model, loss and data files (found
+    in ``model_dir``, e.g. the compiled output or examples/) and the hyper-parameters; ``stages``
+    give the layer ranges and ``transfers`` (in declaration order) the dataflow:
+
+    - torch is seeded with ``train.seed``, then the builder builds every layer (no tensor_parallel),
+      then ``batches(micro_batch, seed, **model_args)`` gives the data;
+    - per micro-batch the stages run in order: stage 0's first layer gets the batch input, another
+      stage's first layer its incoming transfers as positional arguments in declaration order; a layer
+      returning a tuple hands it on as positional arguments; a transfer sends the output of its
+      ``src.layer`` (default the stage's last layer); the last stage's output goes to the loss;
+    - loss / micro_batches is back-propagated per micro-batch; after the last micro-batch one
+      optimizer step (torch.optim.SGD, or Adam, with the plan's lr) and zero_grad.
+
+    Returns (loss sum per step, ``{"layers.<i>.<param>": tensor}``).
+    """
+    import torch
+    train = plan["train"]
+    args = dict(train["model"]["args"])
+    seed = train["seed"]
+    micro_batches = micro_batches or train["micro_batches"]
+    torch.manual_seed(seed)
+    layers = list(_load_callable(model_dir, train["model"])(**args))
+    loss_fn = _load_callable(model_dir, train["loss"])
+    data = _load_callable(model_dir, train["data"])(train["micro_batch"], seed, **args)
+
+    opt_cfg = dict(train["optimizer"])
+    kind, lr = opt_cfg.pop("name").lower(), opt_cfg.pop("lr")
+    params = [p for layer in layers for p in layer.parameters()]
+    optimizers = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam}
+    assert kind in optimizers, f"independent_reference: optimizer {kind!r} (sgd or adam)"
+    optimizer = optimizers[kind](params, lr=lr, **opt_cfg)
+
+    stages = sorted(plan["stages"], key=lambda st: st["index"])
+    transfers = plan["transfers"]
+    for t in transfers:
+        assert t["src"]["stage"] < t["dst"]["stage"], f"transfer {t['name']} does not flow forward"
+
+    def src_layer(t):
+        layer = t["src"].get("layer")
+        if layer is None:
+            layer = next(st for st in stages if st["index"] == t["src"]["stage"])["layers"][1] - 1
+        return layer
+
+    losses = []
+    for _ in range(steps):
+        total = 0.0
+        for _ in range(micro_batches):
+            x, y = next(data)
+            sent = {}
+            out = None
+            for st in stages:
+                a, b = st["layers"]
+                s = st["index"]
+                inputs = (x,) if s == stages[0]["index"] else tuple(
+                    sent[t["name"]] for t in transfers if t["dst"]["stage"] == s)
+                taps = {src_layer(t) for t in transfers if t["src"]["stage"] == s}
+                outputs = {}
+                for i in range(a, b):
+                    out = layers[i](*inputs)
+                    outputs[i] = out
+                    inputs = out if isinstance(out, tuple) else (out,)
+                for t in transfers:
+                    if t["src"]["stage"] == s:
+                        value = outputs[src_layer(t)]
+                        assert isinstance(value, torch.Tensor), f"transfer {t['name']}: layer output is not a tensor"
+                        sent[t["name"]] = value
+                assert taps <= set(outputs)
+            loss = loss_fn(out, y) / micro_batches
+            loss.backward()
+            total += float(loss.detach())
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(total)
+    state = {f"layers.{i}.{k}": v.detach().clone() for i, layer in enumerate(layers)
+             for k, v in layer.named_parameters()}
+    return losses, state
+
+
+# ---------------------------------------------------------------- plan.json queries
+
+def stage_ranks(plan: dict) -> list[int]:
+    """The ranks (= device numbers) that are in some stage, sorted."""
+    return sorted(d for st in plan["stages"] for d in st["devices"])
+
+
+def stage_gradient_program(plan: dict, stage: int) -> tuple[list[list[int]], dict]:
+    """(that stage's gradient reduction groups, the program of the plan.json gradients entry that holds
+    them). The entries may be one per stage (with a ``"stage"`` key) or one for all stages."""
+    st = next(s for s in plan["stages"] if s["index"] == stage)
+    devices = set(st["devices"])
+    found = []
+    for r in plan["reductions"]:
+        if r["name"] != "gradients":
+            continue
+        mine = [g for g in r["groups"] if set(g) <= devices]
+        if r.get("stage") is not None and r["stage"] != stage:
+            assert not mine, f"gradients entry of stage {r['stage']} holds groups of stage {stage}: {mine}"
+            continue
+        if mine:
+            found.append((mine, r["program"]))
+    assert len(found) == 1, f"stage {stage}: {len(found)} gradients entries hold its groups"
+    return found[0]
+
+
+def schedule_bound(ops) -> int:
+    """Micro-batches a stage's instruction list ("F<m>" / "B<m>") can hold at once: the most
+    forwards not yet matched by their backward over every prefix."""
+    live = peak = 0
+    for op in ops:
+        if op[0] == "F":
+            live += 1
+        elif op[0] == "B":
+            live -= 1
+        else:
+            raise ValueError(f"unknown pipeline instruction {op!r}")
+        peak = max(peak, live)
+    return peak

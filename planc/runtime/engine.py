@@ -43,6 +43,7 @@ from .dataflow import (EngineError, StageGraph, apply_layers, build_optimizer, c
 from .planfile import Direction, Plan, Stage
 from .reduce import ReductionExecutor
 from .reshard import DTYPES, TransferExecutor
+from .comm import RecvAhead, receive_jobs
 from .sends import SendReaper
 from .topology import PlanGrid, StageTopology
 
@@ -52,6 +53,10 @@ __all__ = ["StageGraph", "PlanPipelineModule", "PlanSchedule", "PlanEngine", "En
 
 # ---------------------------------------------------------------- schedule
 
+class BeginOp(ds_schedule.PipeInstruction):
+    """Marks the start of operation ``index`` of the stage's list (lets receives run ahead of it)."""
+
+
 class PlanSchedule(ds_schedule.PipeSchedule):
     """DeepSpeed instructions for one stage, from its plan.json ``per_stage`` list."""
 
@@ -60,9 +65,9 @@ class PlanSchedule(ds_schedule.PipeSchedule):
         self.ops, self.incoming, self.outgoing, self.loads_data = list(ops), incoming, outgoing, loads_data
 
     def steps(self):
-        for text in self.ops:
+        for index, text in enumerate(self.ops):
             kind, m = text[0], int(text[1:])
-            cmds = []
+            cmds = [BeginOp(index=index)]
             if kind == "F":
                 if self.loads_data:
                     cmds.append(ds_schedule.LoadMicroBatch(buffer_id=m))
@@ -195,6 +200,7 @@ class PlanEngine(PipelineEngine):
                               f"stage's data group {self.grid.get_data_parallel_group_ranks()}")
         self.held = {k: {} for k in ("inputs", "outputs", "labels", "losses", "grads")}
         self.sends = SendReaper()
+        self.recvs = RecvAhead(self.executors, receive_jobs(self.ops, self.incoming, self.outgoing))
         self.stats = {"stage": self.stage_id, "peak_live_micro_batches": 0, "peak_pending_sends": 0}
 
     @classmethod
@@ -224,7 +230,7 @@ class PlanEngine(PipelineEngine):
 
     # ---- buffer bookkeeping
     def _note(self) -> None:
-        live = set()
+        live = set(self.recvs.posted_micro_batches())   # receive buffers posted ahead count too
         for d in self.held.values():
             live.update(d)
         s = self.stats
@@ -245,8 +251,11 @@ class PlanEngine(PipelineEngine):
             self.held["labels"][buffer_id] = y[a:b].to(self.device)
         self._note()
 
+    def _exec_begin_op(self, index):
+        self.recvs.advance(index)
+
     def _exec_recv_activations(self, buffer_id, transfer):
-        t = self.executors[(transfer, Direction.FORWARD)].recv(micro_batch=buffer_id)
+        t = self.recvs.take(transfer, Direction.FORWARD, buffer_id)
         if t.is_floating_point():
             t.requires_grad_(True)
         self.held["inputs"].setdefault(buffer_id, {})[transfer] = t
@@ -274,7 +283,7 @@ class PlanEngine(PipelineEngine):
         self._note()
 
     def _exec_recv_grads(self, buffer_id, transfer):
-        g = self.executors[(transfer, Direction.BACKWARD)].recv(micro_batch=buffer_id)
+        g = self.recvs.take(transfer, Direction.BACKWARD, buffer_id)
         self.held["grads"].setdefault(buffer_id, {})[transfer] = g
         self._note()
 
@@ -357,6 +366,7 @@ class PlanEngine(PipelineEngine):
             self.set_dataiterator(data_iter)
         self.module.train()
         self.total_loss = None
+        self.recvs.start_step()
         self._exec_schedule(self._train_schedule())
         if not self.counts_loss or self.total_loss is None:
             return 0.0
@@ -368,6 +378,7 @@ class PlanEngine(PipelineEngine):
 
 
 PlanEngine._INSTRUCTION_MAP = {
+    BeginOp: PlanEngine._exec_begin_op,
     ds_schedule.LoadMicroBatch: PlanEngine._exec_load_micro_batch,
     ds_schedule.RecvActivation: PlanEngine._exec_recv_activations,
     ds_schedule.ForwardPass: PlanEngine._exec_forward_pass,

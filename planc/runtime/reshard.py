@@ -70,6 +70,15 @@ class _Task:
             self.parts = None
 
 
+def _transfer_groups(groups: dict, direction: Direction) -> dict:
+    """The groups as one direction's transfers see them: their own communicators first
+    (``("transfer", direction, *members)``), then the direction's, then the plan's."""
+    view = direction_groups(groups, str(direction))
+    prefix = ("transfer", str(direction))
+    view.update({k[2:]: v for k, v in groups.items() if k[:2] == prefix})
+    return view
+
+
 class TransferExecutor:
     """Executes one direction of one transfer for one rank, exactly as plan.json lists it."""
 
@@ -79,7 +88,8 @@ class TransferExecutor:
         self.name = transfer.name
         self.direction = Direction(direction)
         self.rank = int(rank)
-        self.groups = direction_groups(groups, str(self.direction))
+        self.groups = _transfer_groups(groups, self.direction)
+        self.p2p = groups.get(("p2p", str(self.direction)))   # None: the default group
         self.index = int(index)
         self.tags = tags
         self.dtype = DTYPES[transfer.dtype]
@@ -147,18 +157,18 @@ class TransferExecutor:
                 if self.backend == "gloo":
                     nxt = self._chain(t)[1]
                     for a, b in self._chunk_bounds(t.numel, t.chunks):
-                        works.append(dist.isend(flat[a:b], dst=nxt, tag=tag))
+                        works.append(dist.isend(flat[a:b], dst=nxt, tag=tag, group=self.p2p))
                 else:
                     pg = lookup_group(self.groups, t.group or (t.sender,) + t.receivers)
                     for a, b in self._chunk_bounds(t.numel, t.chunks):
                         works.append(dist.broadcast(flat[a:b], src=t.sender, group=pg, async_op=True))
             elif t.strategy is Strategy.SEND_RECV:
                 for r in t.receivers:
-                    works.append(dist.isend(flat, dst=r, tag=tag))
+                    works.append(dist.isend(flat, dst=r, tag=tag, group=self.p2p))
             else:
                 for part in t.parts:
                     if len(part) == 1:
-                        works.append(dist.isend(flat, dst=part[0], tag=tag))
+                        works.append(dist.isend(flat, dst=part[0], tag=tag, group=self.p2p))
                         continue
                     per, padded = self._part_bounds(t.numel, len(part))
                     if padded != t.numel:
@@ -167,7 +177,7 @@ class TransferExecutor:
                     else:
                         buf = flat
                     for i, r in enumerate(part):
-                        works.append(dist.isend(buf[i * per:(i + 1) * per], dst=r, tag=tag))
+                        works.append(dist.isend(buf[i * per:(i + 1) * per], dst=r, tag=tag, group=self.p2p))
         # the work objects keep the contiguous copies alive until the caller waits
         return [w for w in works if w is not None]
 
@@ -192,7 +202,7 @@ class TransferExecutor:
                 if gloo:
                     chain = self._chain(t)
                     prev = chain[chain.index(self.rank) - 1]
-                    pending[t.index] = [dist.irecv(buf[a:b], src=prev, tag=tag)
+                    pending[t.index] = [dist.irecv(buf[a:b], src=prev, tag=tag, group=self.p2p)
                                         for a, b in self._chunk_bounds(t.numel, t.chunks)]
                 else:
                     pg = lookup_group(self.groups, t.group or (t.sender,) + t.receivers)
@@ -201,19 +211,19 @@ class TransferExecutor:
             elif t.strategy is Strategy.SEND_RECV:
                 buf = torch.empty(t.numel, dtype=self.dtype, device=self.device)
                 bufs[t.index] = buf
-                pending[t.index] = [dist.irecv(buf, src=t.sender, tag=tag)]
+                pending[t.index] = [dist.irecv(buf, src=t.sender, tag=tag, group=self.p2p)]
             else:
                 part = next(p for p in t.parts if self.rank in p)
                 if len(part) == 1:
                     buf = torch.empty(t.numel, dtype=self.dtype, device=self.device)
                     bufs[t.index] = buf
-                    pending[t.index] = [dist.irecv(buf, src=t.sender, tag=tag)]
+                    pending[t.index] = [dist.irecv(buf, src=t.sender, tag=tag, group=self.p2p)]
                 else:
                     per, padded = self._part_bounds(t.numel, len(part))
                     buf = torch.empty(padded, dtype=self.dtype, device=self.device)
                     bufs[t.index] = buf
                     i = part.index(self.rank)
-                    pending[t.index] = [dist.irecv(buf[i * per:(i + 1) * per], src=t.sender, tag=tag)]
+                    pending[t.index] = [dist.irecv(buf[i * per:(i + 1) * per], src=t.sender, tag=tag, group=self.p2p)]
 
         if gloo:  # gloo p2p is truly asynchronous: post every receive up front
             for t in mine:
@@ -228,7 +238,7 @@ class TransferExecutor:
                     nxt, tag, buf = chain[pos + 1], self._tag(micro_batch, t), bufs[t.index]
                     for w, (a, b) in zip(pending[t.index], self._chunk_bounds(t.numel, t.chunks)):
                         w.wait()
-                        sends.append(dist.isend(buf[a:b], dst=nxt, tag=tag))
+                        sends.append(dist.isend(buf[a:b], dst=nxt, tag=tag, group=self.p2p))
                     pending[t.index] = []
             elif t.parts is not None:
                 part = next(p for p in t.parts if self.rank in p)

@@ -6,8 +6,11 @@ Public API (stable):
         every group of plan.json ``groups``, then ``backward_groups`` (keyed
         ``("backward", *members)``), then each stage's DeepSpeed grid groups
         (``stages[].data_groups`` / ``model_groups``, one-member groups included,
-        keyed ``("grid", *members)``), in that order on every rank (creation is
-        collective). The value is None on ranks outside the group.
+        keyed ``("grid", *members)``), then the transfers' own communicators (per
+        direction, a p2p one over the world, keyed ``("p2p", direction)``, and one
+        per broadcast group or allgather part, keyed ``("transfer", direction, *members)``),
+        in that order on every rank (creation is collective). The value is None on
+        ranks outside the group.
     lookup_group(groups, members) -> ProcessGroup | None   (GroupMissing if the plan did not list it)
     StageTopology(plan)  a deepspeed ``ProcessTopology`` with axes (pipe, data, model) holding
         exactly the plan's stage devices: pipe = stage, data = position along the stage's
@@ -23,11 +26,11 @@ import torch.distributed as dist
 from deepspeed.runtime.pipe.topology import PipelineParallelGrid, ProcessTopology
 
 from .dist_util import BACKWARD, GroupMissing, collective_timeout, lookup_group
-from .planfile import Plan, PlanFileError
+from .planfile import Direction, Plan, PlanFileError, Strategy
 
 __all__ = ["create_groups", "lookup_group", "GroupMissing", "StageTopology", "PlanGrid", "GRID", "BACKWARD"]
 
-GRID = "grid"
+GRID, P2P, TRANSFER = "grid", "p2p", "transfer"
 
 
 def create_groups(plan: Plan, timeout=None) -> dict:
@@ -35,8 +38,13 @@ def create_groups(plan: Plan, timeout=None) -> dict:
     timeout = timeout or collective_timeout()
     me = dist.get_rank()
     out: dict = {}
+    world = tuple(range(dist.get_world_size()))
     families = [((), plan.groups), ((BACKWARD,), plan.backward_groups),
                 ((GRID,), [g for s in plan.stages for g in (*s.data_groups, *s.model_groups)])]
+    if plan.transfers:   # the transfers' own communicators, used by nothing else (see comm.py)
+        for d in Direction:
+            families.append(((P2P, str(d)), [world]))
+            families.append(((TRANSFER, str(d)), route_groups(plan, d)))
     for prefix, lists in families:
         for members in lists:
             key = prefix + tuple(members)
@@ -48,6 +56,21 @@ def create_groups(plan: Plan, timeout=None) -> dict:
             pg = dist.new_group(ranks=list(members), timeout=timeout)
             out[key] = pg if me in members else None
     return out
+
+
+def route_groups(plan: Plan, direction: Direction) -> list[tuple[int, ...]]:
+    """The member sets one direction's tasks run collectives on, in first-use order: broadcast
+    groups ({sender} ∪ receivers) and allgather parts; one-member sets left out."""
+    seen: dict[tuple[int, ...], None] = {}
+    for t in plan.transfers:
+        route = t.forward if direction is Direction.FORWARD else t.backward
+        if route is None:
+            continue
+        for task in route.tasks:
+            for g in ((task.group,) if route.strategy is Strategy.BROADCAST else task.parts):
+                if len(g) > 1:
+                    seen.setdefault(tuple(g), None)
+    return list(seen)
 
 
 class StageTopology(ProcessTopology):

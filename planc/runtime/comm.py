@@ -1,0 +1,102 @@
+"""Receives that run ahead of compute: a communication thread per stage rank.
+
+A stage's receives are known before the step starts: for each ``F m`` of its
+plan.json list, every incoming transfer's forward route; for each ``B m``,
+every outgoing transfer's backward route. ``RecvAhead`` posts them, in that
+order, to a thread of its own, which runs ``TransferExecutor.recv`` (posting
+the receives into preallocated buffers of the plan's static shapes, relaying
+broadcast chunks down the chain the moment they land, gathering allgather
+parts) while the compute thread runs the previous operations; the compute
+thread waits only where it consumes the data. At most ``ahead`` operations
+are posted beyond the one being computed, so receive buffers stay bounded by
+the schedule, not by the micro-batch count.
+
+The thread issues its collectives on communicators of its own (``create_groups``
+makes a ``("transfer", direction, *members)`` communicator for every group a
+route uses, and one p2p communicator per direction), so they never interleave
+with the compute thread's tensor-parallel or gradient collectives. Receives
+run in one global order per stage (the stage's list), which every member of a
+receiving group shares, so group collectives match.
+"""
+from __future__ import annotations
+
+import os
+import queue
+import threading
+from concurrent.futures import Future
+
+from .planfile import Direction
+
+__all__ = ["RecvAhead", "receive_jobs", "DEFAULT_AHEAD"]
+
+DEFAULT_AHEAD = 2
+
+
+def receive_jobs(ops, incoming, outgoing) -> list[list[tuple[str, Direction, int]]]:
+    """Per operation of the stage's list, the receives it consumes, in consumption order."""
+    out = []
+    for op in ops:
+        m = int(op[1:])
+        if op[0] == "F":
+            out.append([(t, Direction.FORWARD, m) for t in incoming])
+        else:
+            out.append([(t, Direction.BACKWARD, m) for t in outgoing])
+    return out
+
+
+class RecvAhead:
+    """Runs a stage's receives in a thread, ``ahead`` operations ahead of the compute thread."""
+
+    def __init__(self, executors: dict, jobs: list[list[tuple[str, Direction, int]]], ahead: int | None = None):
+        self.executors = executors
+        self.jobs = jobs
+        self.ahead = int(os.environ.get("PLANC_RECV_AHEAD", DEFAULT_AHEAD)) if ahead is None else int(ahead)
+        self._futures: dict[tuple[str, Direction, int], Future] = {}
+        self._posted = 0
+        self._queue: queue.Queue = queue.Queue()
+        self._thread = threading.Thread(target=self._run, name="planc-recv", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            key, fut = item
+            if not fut.set_running_or_notify_cancel():
+                continue
+            name, direction, m = key
+            try:
+                fut.set_result(self.executors[(name, direction)].recv(micro_batch=m))
+            except BaseException as e:  # noqa: BLE001 - raised in the compute thread by take()
+                fut.set_exception(e)
+
+    def start_step(self) -> None:
+        """Post the first operations' receives (call before the step's first instruction)."""
+        leftover = list(self._futures)
+        if leftover:
+            raise RuntimeError(f"receives of the previous step were never consumed: {sorted(map(str, leftover))}")
+        self._posted = 0
+        self.advance(0)
+
+    def advance(self, op_index: int) -> None:
+        """The compute thread is at operation ``op_index``: post receives up to ``op_index + ahead``."""
+        last = min(len(self.jobs), op_index + self.ahead + 1)
+        while self._posted < last:
+            for key in self.jobs[self._posted]:
+                fut: Future = Future()
+                self._futures[key] = fut
+                self._queue.put((key, fut))
+            self._posted += 1
+
+    def take(self, name: str, direction: Direction, m: int, timeout: float | None = None):
+        """This rank's received region of (transfer, direction, micro-batch); waits only if not there yet."""
+        fut = self._futures.pop((name, direction, m))
+        return fut.result(timeout=timeout)
+
+    def posted_micro_batches(self) -> set[int]:
+        """Micro-batches with a receive posted and not yet taken."""
+        return {m for _, _, m in self._futures}
+
+    def close(self) -> None:
+        self._queue.put(None)
