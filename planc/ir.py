@@ -13,9 +13,18 @@ import math
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-from planc.lang.errors import Span
+from planc.span import Span
 
 _NOSPAN = Span(0, 0, 0, 0)
+
+
+class MeshAxis(StrEnum):
+    """Axis names the language reserves: ``pipe`` cuts the model into stages; ``data`` and
+    ``tensor`` are the mesh axes that data- and tensor-parallel runtimes look for by name."""
+
+    PIPE = "pipe"
+    DATA = "data"
+    TENSOR = "tensor"
 
 
 class Collective(StrEnum):
@@ -80,7 +89,8 @@ ROOT_LEVEL = "root"
 # ---------------------------------------------------------------- cluster
 
 def level_coords(device: int, fanouts) -> tuple[int, ...]:
-    """Row-major level coordinates of a device under ``fanouts``, outermost level first."""
+    """Row-major level coordinates of a device under ``fanouts``, outermost level first: the one home
+    of mixed-radix decoding (a device's position in a mesh, a digit string over hierarchy factors)."""
     out = []
     for f in reversed(fanouts):
         out.append(device % f)
@@ -158,11 +168,14 @@ class Parallel:
     def axis_names(self) -> tuple[str, ...]:
         return tuple(a.name for a in self.axes)
 
-    def size_of(self, name: str) -> int:
+    def size_of(self, name: str, default: int | None = None) -> int:
+        """The size of axis ``name``; ``default`` when there is none (None: KeyError)."""
         for a in self.axes:
             if a.name == name:
                 return a.size
-        raise KeyError(name)
+        if default is None:
+            raise KeyError(name)
+        return default
 
 
 @dataclass(frozen=True, slots=True)
@@ -188,7 +201,17 @@ class ShardingSpec:
         return ShardingSpec(tuple(dims))
 
 
-def stage_mesh(stage: "Stage", parallel: Parallel | None) -> tuple[tuple[int, ...], tuple[str, ...]] | None:
+Mesh = tuple[tuple[int, ...], tuple[str, ...]]   # (shape, axis names)
+
+
+def derived_mesh(parallel: Parallel) -> Mesh:
+    """The mesh of a stage of the ``pipe`` axis: the other parallel axes, in declared order
+    (without a ``pipe`` axis, the single stage spans them all)."""
+    axes = tuple(a for a in parallel.axes if a.name != MeshAxis.PIPE)
+    return tuple(a.size for a in axes), tuple(a.name for a in axes)
+
+
+def stage_mesh(stage: "Stage", parallel: Parallel | None) -> Mesh | None:
     """A stage's mesh (shape, axis names) before placement: an explicit stage's as written; a stage of
     the ``pipe`` axis spans the other parallel axes in declared order. None when it cannot be known
     (derived stages without a ``parallel`` block)."""
@@ -197,11 +220,10 @@ def stage_mesh(stage: "Stage", parallel: Parallel | None) -> tuple[tuple[int, ..
         return shape, tuple(stage.mesh_axes) or tuple(f"m{k}" for k in range(len(shape)))
     if parallel is None:
         return None
-    axes = tuple(a for a in parallel.axes if a.name != "pipe")
-    return tuple(a.size for a in axes), tuple(a.name for a in axes)
+    return derived_mesh(parallel)
 
 
-def axis_size(mesh: tuple[tuple[int, ...], tuple[str, ...]] | None, name: str) -> int:
+def axis_size(mesh: Mesh | None, name: str) -> int:
     """The size of the mesh axis ``name`` (1 when the mesh has none)."""
     if mesh is None or name not in mesh[1]:
         return 1
@@ -227,14 +249,13 @@ class StageLayout:
             return tuple(build(offset + i * stride, dims[1:]) for i in range(dims[0]))
         return build(0, self.shape) if self.shape else (self.devices[0],)
 
+    def axis_size(self, name: str) -> int:
+        """The size of mesh axis ``name`` (1 when the stage has none); see :func:`axis_size`."""
+        return axis_size((self.shape, self.axes), name)
+
     def position(self, device: int) -> tuple[int, ...]:
         """Mesh coordinates of a device of this stage."""
-        flat = self.devices.index(device)
-        out = []
-        for n in reversed(self.shape):
-            out.append(flat % n)
-            flat //= n
-        return tuple(reversed(out))
+        return level_coords(self.devices.index(device), self.shape)
 
 
 # ---------------------------------------------------------------- statements
@@ -382,12 +403,12 @@ class Program:
     deepspeed_overrides: str | None = None
 
     @property
-    def pipe_axis(self) -> str | None:
+    def pipe_axis(self) -> MeshAxis | None:
         if self.parallel is None:
             return None
-        return "pipe" if "pipe" in self.parallel.axis_names() else None
+        return MeshAxis.PIPE if MeshAxis.PIPE in self.parallel.axis_names() else None
 
-    def stage_mesh(self, index: int) -> tuple[tuple[int, ...], tuple[str, ...]] | None:
+    def stage_mesh(self, index: int) -> Mesh | None:
         """Stage ``index``'s mesh (shape, axis names); see :func:`stage_mesh`."""
         return stage_mesh(self.stage(index), self.parallel)
 

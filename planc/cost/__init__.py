@@ -9,7 +9,9 @@ from planc.cost.collectives import (
     collective_time,
     held_after,
     program_time,
+    step_coefficients,
 )
 from planc.cost.network import Network
 
-__all__ = ["Network", "collective_time", "program_time", "held_after", "allreduce_lower_bound"]
+__all__ = ["Network", "collective_time", "program_time", "held_after", "allreduce_lower_bound",
+           "step_coefficients"]

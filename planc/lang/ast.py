@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from planc.lang.errors import Span
+from planc.span import Span
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,22 +9,11 @@ source line, and a caret run under the span, and exits 2.
 from __future__ import annotations
 
 import difflib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
+from planc.span import Span  # re-exported: `from planc.lang.errors import Span` keeps working
 
-@dataclass(frozen=True, slots=True, order=True)
-class Span:
-    """A region of a source file; lines and columns are 1-based, end exclusive."""
-
-    line: int
-    col: int
-    end_line: int
-    end_col: int
-    file: str = field(default="<plan>", compare=False)
-
-    @staticmethod
-    def unknown(file: str = "<plan>") -> "Span":
-        return Span(0, 0, 0, 0, file)
+__all__ = ["Span", "Diagnostic", "PlanError", "error", "render_diagnostic", "did_you_mean"]
 
 
 @dataclass(frozen=True, slots=True)

@@ -5,9 +5,10 @@ from __future__ import annotations
 import dataclasses
 import enum
 import json
+import math
 
 from planc import ir
-from planc.lang.errors import Span
+from planc.span import Span
 
 
 def to_data(obj):
@@ -140,8 +141,8 @@ def summary(p: ir.Program) -> str:
         place = "auto" if p.parallel.matrix is None else "pinned " + str([list(r) for r in p.parallel.matrix])
         lines.append(f"  axes       {', '.join(f'{a.name} {a.size}' for a in p.parallel.axes)} (place = {place})")
     for s in p.stages:
-        n = len(s.explicit_devices) if s.explicit_devices else (
-            c.devices // (p.parallel.size_of("pipe") if p.pipe_axis else 1))
+        mesh = ir.stage_mesh(s, p.parallel)
+        n = len(s.explicit_devices) if s.explicit_devices else (math.prod(mesh[0]) if mesh else c.devices)
         layers = f"layers {s.layers[0]}..{s.layers[1]}" if s.layers else "all layers" if p.model else "no layers"
         where = f" on devices {s.explicit_devices[0]}..{s.explicit_devices[-1] + 1} as {s.mesh_shape}" if s.explicit_devices else ""
         lines.append(f"  stage {s.index}    {layers}, {n} device(s){where}, mesh axes ({', '.join(s.mesh_axes)})")

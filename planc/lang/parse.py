@@ -2,7 +2,10 @@
 
 One cached LALR parser with positions. Lark's exceptions are converted here,
 at the boundary, into ``PlanError`` with a span and a plain-words list of what
-was expected; no ``lark`` object leaves this module.
+was expected; no ``lark`` object leaves this module. A syntax error stops the
+parse (it is the single located error); a mistake the tree can be built past
+(a block's item written twice or out of place) is collected instead and
+reported with the checker's errors.
 """
 
 from __future__ import annotations
@@ -15,7 +18,8 @@ from lark import Lark, Token, Transformer, v_args
 from lark.exceptions import UnexpectedCharacters, UnexpectedEOF, UnexpectedInput, UnexpectedToken, VisitError
 
 from planc.lang import ast
-from planc.lang.errors import Diagnostic, PlanError, Span
+from planc.lang.errors import Diagnostic, PlanError
+from planc.span import Span
 from planc.resources import grammar_path
 
 
@@ -178,6 +182,7 @@ class _ToAst(Transformer):
     def __init__(self, file: str):
         super().__init__()
         self.file = file
+        self.found: list[Diagnostic] = []   # mistakes the tree is built past
 
     def _span(self, meta) -> Span:
         if getattr(meta, "empty", True):
@@ -212,22 +217,21 @@ class _ToAst(Transformer):
     def cluster_inline(self, meta, *items):
         levels: list[ast.LevelDecl] = []
         host = None
-        errors = []
         for it in items:
             if isinstance(it, ast.LevelDecl):
                 levels.append(it)
             elif isinstance(it, ast.LevelAttr):
-                if not levels:
-                    errors.append(Diagnostic(f"'{it.key.value}' must follow a 'level NAME x N' declaration", it.span))
+                if not levels:   # left out: it belongs to no level
+                    self.found.append(Diagnostic(f"'{it.key.value}' must follow a 'level NAME x N' declaration",
+                                                 it.span))
                     continue
                 last = levels[-1]
                 levels[-1] = ast.LevelDecl(last.name, last.fanout, last.attrs + (it,), last.span)
             elif isinstance(it, ast.Name):
-                if host is not None:
-                    errors.append(Diagnostic("'host' is set twice in this cluster", it.span))
+                if host is not None:   # the first one stands
+                    self.found.append(Diagnostic("'host' is set twice in this cluster", it.span))
+                    continue
                 host = it
-        if errors:
-            raise PlanError(errors)
         return ast.ClusterBlock(tuple(levels), host, None, self._span(meta))
 
     def cluster_file(self, meta, path):
@@ -249,8 +253,8 @@ class _ToAst(Transformer):
     def parallel(self, meta, *items):
         axes = tuple(i for i in items if isinstance(i, ast.AxisDecl))
         places = [i for i in items if isinstance(i, tuple) and i and i[0] == "place"]
-        if len(places) > 1:
-            raise PlanError([Diagnostic("'place' is set twice in this parallel block", places[1][2])])
+        for extra in places[1:]:   # the first one stands
+            self.found.append(Diagnostic("'place' is set twice in this parallel block", extra[2]))
         place, pspan = (places[0][1], places[0][2]) if places else (None, None)
         return ast.ParallelBlock(axes, place, pspan, self._span(meta))
 
@@ -383,15 +387,26 @@ class _ToAst(Transformer):
         return ast.ListValue(tuple(items), self._span(meta))
 
 
-def parse(text: str, file: str = "<plan>") -> ast.PlanFile:
-    """Parse .plan text into the AST; syntax errors raise PlanError (with the source attached)."""
+def parse_collecting(text: str, file: str = "<plan>") -> tuple[ast.PlanFile, tuple[Diagnostic, ...]]:
+    """Parse .plan text into the AST and the mistakes it was built past (for the checker to report
+    with its own); a syntax error raises PlanError (with the source attached)."""
     try:
         tree = _parser().parse(text)
     except UnexpectedInput as e:
         raise _syntax_error(e, text, file).with_source(file, text) from None
+    to_ast = _ToAst(file)
     try:
-        return _ToAst(file).transform(tree)
+        out = to_ast.transform(tree)
     except VisitError as e:
         if isinstance(e.orig_exc, PlanError):
             raise e.orig_exc.with_source(file, text) from None
         raise
+    return out, tuple(to_ast.found)
+
+
+def parse(text: str, file: str = "<plan>") -> ast.PlanFile:
+    """Parse .plan text into the AST; every error, collected or not, raises PlanError."""
+    tree, found = parse_collecting(text, file)
+    if found:
+        raise PlanError(list(found), {file: text})
+    return tree

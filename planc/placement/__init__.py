@@ -13,14 +13,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from planc import ir
-from planc.cost.network import Network
-from planc.resharding.tiles import parts_per_dim
+from planc.cost import Network
 from planc.lang.errors import Diagnostic, PlanError
 from planc.placement.mapping import Coords, coords_for, device_of, level_coords, stage_layouts
 from planc.placement.matrices import (
-    Matrix, count_matrices, enumerate_matrices, is_matrix, matrix_problems,
+    Matrix, column_choices, count_matrices, enumerate_matrices, is_matrix, matrix_problems,
 )
-from planc.placement.matrices import _column_choices
+from planc.reduction import best_time, pinned_time, reduction_bytes
+from planc.resharding import parts_per_dim
 
 __all__ = [
     "Placement", "place", "coords_for", "stage_layouts", "device_of", "level_coords",
@@ -74,7 +74,6 @@ class Placement:
 # ---------------------------------------------------------------- cost model access
 
 def _reduction_bytes(red: ir.Reduction, param_bytes: dict[int, int] | None) -> int:
-    from planc.reduction import reduction_bytes  # imported here: planc.reduction may import placement
     nbytes = reduction_bytes(red, param_bytes)
     return NOMINAL_REDUCTION_BYTES if nbytes is None else nbytes
 
@@ -92,9 +91,6 @@ class _Costing:
         self.fanouts = program.cluster.fanouts
         self.names = program.parallel.axis_names()
         self.sizes = tuple(a.size for a in program.parallel.axes)
-        from planc.reduction import best_time, pinned_time  # imported here: planc.reduction may import placement
-        self.best_time = best_time
-        self.pinned_time = pinned_time
         self.honour_pinned = honour_pinned   # False: cost pinned programs as if synthesized
         self.net = Network(program.cluster)
         self.reductions = []
@@ -117,12 +113,12 @@ class _Costing:
         parts = []
         for name, axes, nbytes, syn, pinned in self.reductions:
             if pinned is not None and self.honour_pinned:
-                t = self.pinned_time(self.cluster, matrix, self.names, axes, pinned, nbytes)
+                t = pinned_time(self.cluster, matrix, self.names, axes, pinned, nbytes)
                 if t is None:           # the pinned program is not valid under this matrix
                     self.cache[matrix] = math.inf
                     return math.inf
             else:
-                t = self.best_time(self.cluster, matrix, self.names, axes, nbytes, syn)
+                t = best_time(self.cluster, matrix, self.names, axes, nbytes, syn)
             parts.append((f"reduce {name}", t))
         if self.program.transfers:
             coords = coords_for(matrix, self.fanouts, self.sizes)
@@ -176,7 +172,7 @@ def _beam(cost: _Costing, fanouts: tuple[int, ...], sizes: tuple[int, ...], widt
         scored = []
         for inner in beam:
             left = tuple(sizes[i] // math.prod(c[i] for c in inner) for i in range(m))
-            for col in _column_choices(fanouts[j], left):
+            for col in column_choices(fanouts[j], left):
                 rest = tuple(a // c for a, c in zip(left, col))
                 outer = next(enumerate_matrices(fanouts[:j], rest), None)
                 if outer is None:

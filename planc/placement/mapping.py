@@ -21,16 +21,14 @@ Coords = tuple[tuple[int, ...], ...]
 def coords_for(matrix: Sequence[Sequence[int]], fanouts: Sequence[int], axis_sizes: Sequence[int]) -> Coords:
     """Per device (global rank), its coordinate on every axis, in axis order."""
     m, n = len(axis_sizes), len(fanouts)
-    # below[i][j]: product of M[i+1..m][j] (the radix weight of digit d_{i,j} inside c_j)
-    below = [[math.prod(matrix[k][j] for k in range(i + 1, m)) for j in range(n)] for i in range(m)]
+    columns = [tuple(matrix[i][j] for i in range(m)) for j in range(n)]
     # inner[i][j]: product of M[i][j+1..n] (the weight of digit d_{i,j} inside x_i)
     inner = [[math.prod(matrix[i][k] for k in range(j + 1, n)) for j in range(n)] for i in range(m)]
     out = []
     for d in range(math.prod(fanouts)):
-        c = level_coords(d, fanouts)
-        out.append(tuple(
-            sum((c[j] // below[i][j]) % matrix[i][j] * inner[i][j] for j in range(n))
-            for i in range(m)))
+        # digits[j][i] = d_{i,j}: level coordinate c_j split over column j, axis 0 most significant
+        digits = [level_coords(c, col) for c, col in zip(level_coords(d, fanouts), columns)]
+        out.append(tuple(sum(digits[j][i] * inner[i][j] for j in range(n)) for i in range(m)))
     return tuple(out)
 
 
@@ -40,8 +38,7 @@ def device_of(coords: Coords) -> dict[tuple[int, ...], int]:
 
 
 def _explicit_layout(stage: ir.Stage) -> ir.StageLayout:
-    shape = tuple(stage.mesh_shape or ())
-    axes = tuple(stage.mesh_axes) or tuple(f"m{k}" for k in range(len(shape)))
+    shape, axes = ir.stage_mesh(stage, None) or ((), tuple(stage.mesh_axes))
     return ir.StageLayout(stage.index, stage.layers, shape, axes, stage.explicit_devices or ())
 
 
@@ -65,17 +62,16 @@ def stage_layouts(program: ir.Program, coords: Coords) -> tuple[ir.StageLayout, 
         return (ir.StageLayout(0, layers, (n,), ("m0",), tuple(range(n))),)
 
     names = program.parallel.axis_names()
-    sizes = tuple(a.size for a in program.parallel.axes)
+    shape, axes = ir.derived_mesh(program.parallel)
     pipe = program.pipe_axis
     if pipe is None:
         layers = declared[0].layers if 0 in declared else None
         order = sorted(range(len(coords)), key=lambda d: coords[d])
-        return (ir.StageLayout(0, layers, sizes, names, tuple(order)),)
+        return (ir.StageLayout(0, layers, shape, axes, tuple(order)),)
 
     p = names.index(pipe)
     rest = tuple(k for k in range(len(names)) if k != p)
-    shape = tuple(sizes[k] for k in rest)
-    axes = tuple(names[k] for k in rest)
+    sizes = tuple(a.size for a in program.parallel.axes)
     indices = sorted(declared) if declared else list(range(sizes[p]))
     out = []
     for index in indices:

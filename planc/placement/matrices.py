@@ -43,7 +43,7 @@ def divisors(n: int) -> tuple[int, ...]:
 
 
 @lru_cache(maxsize=4096)
-def _column_choices(fanout: int, left: tuple[int, ...]) -> tuple[tuple[int, ...], ...]:
+def column_choices(fanout: int, left: tuple[int, ...]) -> tuple[tuple[int, ...], ...]:
     """Ordered factorisations of ``fanout`` into ``len(left)`` factors, factor i dividing left[i]; lexicographic."""
     out: list[tuple[int, ...]] = []
 
@@ -88,7 +88,7 @@ class _Space:
             self._memo[key] = 0
             return 0
         total = 0
-        for col in _column_choices(self.fanouts[j], left):
+        for col in column_choices(self.fanouts[j], left):
             total += self.count(j + 1, tuple(a // c for a, c in zip(left, col)))
         self._memo[key] = total
         return total
@@ -97,7 +97,7 @@ class _Space:
         if j == len(self.fanouts):
             yield cols
             return
-        for col in _column_choices(self.fanouts[j], left):
+        for col in column_choices(self.fanouts[j], left):
             nxt = tuple(a // c for a, c in zip(left, col))
             if self.count(j + 1, nxt):
                 yield from self.walk(j + 1, nxt, cols + (col,))
@@ -137,7 +137,7 @@ def completions(fanouts: Sequence[int], axis_sizes: Sequence[int],
             if all(x == 1 for x in left):
                 yield cols
             return
-        choices = _column_choices(space.fanouts[j], left)
+        choices = column_choices(space.fanouts[j], left)
         if j in fixed:
             choices = tuple(c for c in choices if c == tuple(fixed[j]))
         for col in choices:

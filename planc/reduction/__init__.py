@@ -14,8 +14,7 @@ from functools import lru_cache
 from typing import Mapping, Sequence
 
 from planc import ir
-from planc.cost import Network, collective_time, held_after
-from planc.cost.collectives import step_coefficients
+from planc.cost import Network, collective_time, held_after, step_coefficients
 from planc.lang.errors import Diagnostic, PlanError, did_you_mean
 from planc.reduction import check, semantics
 from planc.reduction.hierarchy import (Hierarchy, group_positions, hierarchy_from_matrix,

@@ -65,14 +65,8 @@ class Hierarchy:
 
     def canonical_positions(self) -> dict[int, tuple[int, tuple[int, ...]]]:
         """One reduction group of ``size`` devices numbered row-major over the factors."""
-        out = {}
-        for d in range(self.size):
-            digits, x = [], d
-            for f in reversed(self.factors):
-                digits.append(x % f)
-                x //= f
-            out[d] = (0, tuple(reversed(digits)))
-        return out
+        factors = self.factors
+        return {d: (0, ir.level_coords(d, factors)) for d in range(self.size)}
 
 
 def _axis_indices(axis_names: Sequence[str], reduction_axes: Sequence[str]) -> tuple[int, ...]:
@@ -115,12 +109,9 @@ def matrix_positions(cluster: ir.Cluster, matrix: Sequence[Sequence[int]],
     tables = []
     for j, fan in enumerate(fanouts):
         table = []
+        column = tuple(matrix[i][j] for i in range(m))
         for c in range(fan):
-            digits = []
-            for i in reversed(range(m)):          # axis 0 most significant
-                digits.append(c % matrix[i][j])
-                c //= matrix[i][j]
-            digits.reverse()
+            digits = ir.level_coords(c, column)   # axis 0 most significant
             r = 0
             other = []
             for i in range(m):

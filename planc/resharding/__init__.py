@@ -16,10 +16,10 @@ from planc.ir import Cluster, SchedulerKind, StageLayout, Strategy, Transfer
 from planc.resharding.bounds import lower_bound
 from planc.resharding.schedulers import Job, Schedule
 from planc.resharding.strategies import build_jobs, choose_strategy, run_scheduler
-from planc.resharding.tiles import UnitTask, unit_tasks
+from planc.resharding.tiles import UnitTask, device_region, parts_per_dim, unit_tasks
 
 __all__ = ["TaskPlan", "TransferPlan", "plan_transfers", "groups_used", "transfer_estimate",
-           "unit_tasks", "UnitTask"]
+           "unit_tasks", "UnitTask", "parts_per_dim", "device_region"]
 
 
 @dataclass(frozen=True, slots=True)

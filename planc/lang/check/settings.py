@@ -1,0 +1,210 @@
+"""Settings blocks: ``resharding``, ``synthesis``, ``train`` and the ``deepspeed`` overrides file.
+
+Every setting has a default, so a wrong one is reported and replaced by its
+default (or its cap) and checking goes on.
+"""
+
+from __future__ import annotations
+
+from planc import ir
+from planc.lang import ast
+from planc.lang.check.values import Diagnostics, did_you_mean, int_of, quantity
+from planc.lang.units import TIME
+
+__all__ = ["check_resharding", "check_synthesis", "check_train", "check_deepspeed",
+           "MAX_TRIALS", "MAX_DFS_BUDGET_S", "MAX_MICRO_BATCHES", "MAX_SYNTHESIS_SIZE"]
+
+# Settings whose work grows linearly with their value at compile time: capped so that no accepted
+# plan makes `planc compile` run (or allocate) without end.
+MAX_TRIALS = 4096               # randomized_greedy: each trial is a full pass over the jobs
+MAX_DFS_BUDGET_S = 600.0        # dfs: a node count of budget x DFS_NODES_PER_SECOND
+MAX_MICRO_BATCHES = 100_000     # the pipeline lists and simulates 2 x micro_batches ops per stage
+MAX_SYNTHESIS_SIZE = 8          # P² finds useful programs by size 5
+
+
+def _settings(errs: Diagnostics, block: ast.SettingsBlock | None, allowed: list[str]) -> dict[str, ast.KeyValue]:
+    """The block's settings by key; unknown and repeated keys are reported and left out."""
+    out: dict[str, ast.KeyValue] = {}
+    if block is None:
+        return out
+    for kv in block.items:
+        k = kv.key.value
+        if k not in allowed:
+            errs.add(f"unknown {block.kind} setting '{k}'; expected one of {', '.join(allowed)}", kv.key.span,
+                     did_you_mean(k, allowed))
+            continue
+        if k in out:
+            errs.add(f"'{k}' is set twice", kv.key.span)
+            continue
+        out[k] = kv
+    return out
+
+
+def _enum_value(errs: Diagnostics, kv: ast.KeyValue | None, enum, default):
+    if kv is None:
+        return default
+    v = kv.value
+    text = v.value if isinstance(v, ast.Name) else (v.text if isinstance(v, ast.Num) else None)
+    choices = [e.value for e in enum]
+    if text not in choices:
+        errs.add(f"{kv.key.value} must be one of {', '.join(choices)}", v.span,
+                 did_you_mean(str(text), choices) if text else None)
+        return default
+    return enum(text)
+
+
+def _int_setting(errs: Diagnostics, kv: ast.KeyValue | None, default: int, minimum: int = 1) -> int:
+    if kv is None:
+        return default
+    if not isinstance(kv.value, ast.Num):
+        errs.add(f"{kv.key.value} must be a whole number", kv.value.span)
+        return default
+    v = int_of(errs, kv.value, kv.key.value, minimum)
+    return default if v is None else v
+
+
+def _call_args(errs: Diagnostics, call: ast.Call, allowed: dict[str, str]) -> dict[str, object]:
+    """The arguments of ``name(k = v, ...)``, each of kind ``time``, ``int`` or ``float`` (positive)."""
+    out = {}
+    for kv in call.args:
+        k = kv.key.value
+        if k not in allowed:
+            errs.add(f"{call.name.value}() has no argument '{k}'; expected {', '.join(allowed) or 'none'}",
+                     kv.key.span, did_you_mean(k, allowed))
+            continue
+        kind = allowed[k]
+        v = kv.value
+        if kind == "time":
+            if isinstance(v, ast.Quantity):
+                q = quantity(errs, v, TIME, "time")
+            elif isinstance(v, ast.Num):
+                q = v.value
+            else:
+                q = None
+                errs.add(f"{k} must be a time, e.g. 1 s", v.span)
+            if q is not None and q <= 0:
+                errs.add(f"{k} must be positive", v.span)
+                q = None
+            if q is not None:
+                out[k] = q
+        elif kind == "int":
+            if isinstance(v, ast.Num):
+                iv = int_of(errs, v, k, 0)
+                if iv is not None:
+                    out[k] = iv
+            else:
+                errs.add(f"{k} must be a whole number", v.span)
+        else:  # float
+            if isinstance(v, ast.Num) and v.value > 0:
+                out[k] = v.value
+            else:
+                errs.add(f"{k} must be a positive number", v.span)
+    return out
+
+
+def check_resharding(errs: Diagnostics, block: ast.SettingsBlock | None) -> ir.Resharding:
+    s = _settings(errs, block, ["strategy", "chunks", "schedule"])
+    strategy = _enum_value(errs, s.get("strategy"), ir.Strategy, ir.Strategy.AUTO)
+    chunks = _int_setting(errs, s.get("chunks"), 64)
+    res = dict(scheduler=ir.SchedulerKind.RANDOMIZED_GREEDY, dfs_budget_s=1.0, trials=64, seed=0)
+    kv = s.get("schedule")
+    if kv is not None:
+        v = kv.value
+        name = v.name.value if isinstance(v, ast.Call) else (v.value if isinstance(v, ast.Name) else None)
+        choices = [e.value for e in ir.SchedulerKind]
+        if name not in choices:
+            errs.add("schedule must be naive, load_balance, dfs(budget = 1 s) or randomized_greedy(trials = 64, seed = 0)",
+                     v.span, did_you_mean(str(name), choices) if name else None)
+        else:
+            res["scheduler"] = ir.SchedulerKind(name)
+            if isinstance(v, ast.Call):
+                allowed = {"dfs": {"budget": "time"}, "randomized_greedy": {"trials": "int", "seed": "int"}}.get(name, {})
+                args = _call_args(errs, v, allowed)
+                res["dfs_budget_s"] = args.get("budget", 1.0)
+                res["trials"] = args.get("trials", 64)
+                res["seed"] = args.get("seed", 0)
+                if res["trials"] < 1:
+                    errs.add("trials must be at least 1", v.span)
+                elif res["trials"] > MAX_TRIALS:
+                    errs.add(f"trials = {res['trials']} is too many (at most {MAX_TRIALS}; each trial "
+                             "is a pass over every unit task)", v.span)
+                    res["trials"] = MAX_TRIALS
+                if res["dfs_budget_s"] > MAX_DFS_BUDGET_S:
+                    errs.add(f"a dfs budget of {res['dfs_budget_s']:g} s is too large (at most "
+                             f"{MAX_DFS_BUDGET_S:g} s)", v.span)
+                    res["dfs_budget_s"] = MAX_DFS_BUDGET_S
+    return ir.Resharding(strategy, chunks, res["scheduler"], float(res["dfs_budget_s"]), int(res["trials"]),
+                         int(res["seed"]))
+
+
+def check_synthesis(errs: Diagnostics, block: ast.SettingsBlock | None) -> ir.Synthesis:
+    s = _settings(errs, block, ["max_size", "collectives"])
+    max_size = _int_setting(errs, s.get("max_size"), 5)
+    if max_size > MAX_SYNTHESIS_SIZE:
+        errs.add(f"max_size {max_size} is too large (at most {MAX_SYNTHESIS_SIZE}; P² finds useful programs "
+                 "by size 5)", s["max_size"].value.span)
+        max_size = MAX_SYNTHESIS_SIZE
+    colls = tuple(ir.Collective)
+    kv = s.get("collectives")
+    if kv is not None:
+        if not isinstance(kv.value, ast.ListValue) or not kv.value.items:
+            errs.add("collectives is a non-empty list, e.g. [allreduce, reduce_scatter, all_gather]", kv.value.span)
+        else:
+            names = [c.value for c in ir.Collective]
+            picked = []
+            for it in kv.value.items:
+                if not isinstance(it, ast.Name) or it.value not in names:
+                    text = it.value if isinstance(it, ast.Name) else "this"
+                    errs.add(f"'{text}' is not a collective; expected {', '.join(names)}", it.span,
+                             did_you_mean(str(text), names))
+                elif ir.Collective(it.value) not in picked:
+                    picked.append(ir.Collective(it.value))
+            if picked:
+                colls = tuple(picked)
+    return ir.Synthesis(max_size, colls)
+
+
+def check_train(errs: Diagnostics, block: ast.SettingsBlock | None, parallel: ir.Parallel | None,
+                stages: tuple[ir.Stage, ...]) -> ir.Train:
+    """Training settings; ``micro_batch`` must divide over every stage's data axis."""
+    s = _settings(errs, block, ["micro_batch", "micro_batches", "steps", "schedule", "optimizer", "precision",
+                                "seed"])
+    opt = ir.Optimizer()
+    kv = s.get("optimizer")
+    if kv is not None:
+        v = kv.value
+        if not isinstance(v, (ast.Call, ast.Name)) or (v.name.value if isinstance(v, ast.Call) else v.value) not in ("adam", "sgd"):
+            errs.add("optimizer must be adam(lr = ...) or sgd(lr = ...)", v.span)
+        else:
+            name = v.name.value if isinstance(v, ast.Call) else v.value
+            allowed = {"lr": "float", "momentum": "float", "weight_decay": "float", "beta1": "float",
+                       "beta2": "float", "eps": "float"}
+            args = _call_args(errs, v, allowed) if isinstance(v, ast.Call) else {}
+            lr = float(args.pop("lr", 1e-3))
+            opt = ir.Optimizer(name, lr, tuple(sorted((k, float(x)) for k, x in args.items())))
+    seed = _int_setting(errs, s.get("seed"), 1234, minimum=0)
+    train = ir.Train(
+        micro_batch=_int_setting(errs, s.get("micro_batch"), 8),
+        micro_batches=_int_setting(errs, s.get("micro_batches"), 4),
+        steps=_int_setting(errs, s.get("steps"), 10),
+        schedule=_enum_value(errs, s.get("schedule"), ir.PipeSchedule, ir.PipeSchedule.ONE_F_ONE_B),
+        optimizer=opt,
+        precision=_enum_value(errs, s.get("precision"), ir.Precision, ir.Precision.FP32),
+        seed=seed,
+    )
+    if train.micro_batches > MAX_MICRO_BATCHES:
+        errs.add(f"micro_batches {train.micro_batches} is too many (at most {MAX_MICRO_BATCHES})",
+                 s["micro_batches"].value.span)
+    if "micro_batch" in s:
+        for st in stages:
+            n = ir.axis_size(ir.stage_mesh(st, parallel), ir.MeshAxis.DATA)
+            if n > 1 and train.micro_batch % n:
+                errs.add(f"micro_batch {train.micro_batch} does not divide evenly over the data axis of size {n} "
+                         f"(stage {st.index})", s["micro_batch"].value.span)
+                break
+    return train
+
+
+def check_deepspeed(block: ast.DeepspeedDecl | None) -> str | None:
+    """The DeepSpeed overrides file as written (read by codegen, relative to the plan's folder)."""
+    return block.path.value if block else None

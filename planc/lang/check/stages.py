@@ -1,0 +1,152 @@
+"""``stage`` statements: stages of the ``pipe`` axis, or explicit stages on written device ranges."""
+
+from __future__ import annotations
+
+import math
+
+from planc import ir
+from planc.lang import ast
+from planc.lang.check.values import Diagnostics, int_of
+from planc.span import Span
+
+__all__ = ["check_stages"]
+
+
+def check_stages(errs: Diagnostics, decls: list[ast.StageDecl], cluster: ir.Cluster | None,
+                 parallel: ir.Parallel | None, has_model: bool, plan_span: Span
+                 ) -> tuple[ir.StageMode, tuple[ir.Stage, ...]]:
+    """The stage mode and the stages, numbered 0..S-1 with contiguous layers (and, explicit,
+    disjoint meshes). Without declarations, the ``pipe`` axis implies one stage per coordinate."""
+    explicit = [d for d in decls if d.devices is not None]
+    if explicit and len(explicit) != len(decls):
+        derived = next(d for d in decls if d.devices is None)
+        errs.add("either every stage names its devices ('on devices C..D as (M1, M2)') or none does", derived.span)
+        return ir.StageMode.EXPLICIT, ()
+    mode = ir.StageMode.EXPLICIT if explicit else ir.StageMode.PIPE_AXIS
+    if mode is ir.StageMode.PIPE_AXIS and parallel is None and decls:
+        errs.add("stages without 'on devices' take their devices from the 'pipe' axis; add a 'parallel' block "
+                 "or give each stage its devices", decls[0].span)
+        return mode, ()
+    if mode is ir.StageMode.PIPE_AXIS and parallel is None and not decls:
+        if cluster is not None and not errs.found:
+            if has_model:
+                errs.add("a plan with a model needs a 'parallel' block or explicit stages", plan_span)
+        return mode, ()
+    out: list[ir.Stage] = []
+    seen: dict[int, Span] = {}
+    for d in decls:
+        idx = int_of(errs, d.index, "stage index", minimum=0)
+        if idx is None:
+            continue
+        if idx in seen:
+            errs.add(f"stage {idx} is declared twice (first at line {seen[idx].line})", d.index.span)
+            continue
+        seen[idx] = d.span
+        layers = None
+        if d.layers is not None:
+            a = int_of(errs, d.layers.start, "first layer", minimum=0)
+            b = int_of(errs, d.layers.end, "end layer", minimum=0)
+            if a is not None and b is not None:
+                if b <= a:
+                    errs.add(f"layer range {a}..{b} is empty (ranges are half-open: A..B holds A up to B-1)",
+                             d.layers.span)
+                else:
+                    layers = (a, b)
+        elif has_model:
+            errs.add(f"stage {idx} needs its layers ('stage {idx} : layers A..B') because the plan has a model",
+                     d.span)
+        first = shape = None
+        axes: tuple[str, ...] = ()
+        if mode is ir.StageMode.EXPLICIT:
+            first, shape, axes = _explicit_mesh(errs, d, cluster)
+        elif parallel is not None:
+            axes = ir.derived_mesh(parallel)[1]
+        out.append(ir.Stage(idx, layers, first, shape, axes, d.span))
+    out.sort(key=lambda s: s.index)
+    if not out and decls:
+        return mode, ()
+    for want, s in enumerate(out):
+        if s.index != want:
+            errs.add(f"stages are numbered 0..{len(out) - 1} in order; stage {want} is missing", s.span)
+            break
+    if mode is ir.StageMode.PIPE_AXIS and parallel is not None:
+        pipe = parallel.size_of(ir.MeshAxis.PIPE, 1)
+        if out and len(out) != pipe:
+            errs.add(f"the 'pipe' axis has size {pipe} but {len(out)} stages are declared; "
+                     "declare one stage per pipe coordinate", out[-1].span if len(out) > pipe else decls[0].span)
+        if not out and pipe > 1 and has_model:
+            errs.add(f"the 'pipe' axis has size {pipe}; declare each stage's layers ('stage 0 : layers 0..4')",
+                     parallel.span)
+        if not out:
+            axes = ir.derived_mesh(parallel)[1]
+            out = [ir.Stage(i, None, None, None, axes, parallel.span) for i in range(pipe)]
+    _check_layers(errs, out)
+    if mode is ir.StageMode.EXPLICIT:
+        _check_disjoint(errs, out)
+    return mode, tuple(out)
+
+
+def _explicit_mesh(errs: Diagnostics, d: ast.StageDecl, cluster: ir.Cluster | None
+                   ) -> tuple[int | None, tuple[int, ...] | None, tuple[str, ...]]:
+    """``(first device, mesh shape, axis names)`` of ``on devices C..D as (M1, M2)``."""
+    c = int_of(errs, d.devices.start, "first device", minimum=0)
+    e = int_of(errs, d.devices.end, "end device", minimum=0)
+    dims, names = [], []
+    for md in d.mesh:
+        size = int_of(errs, md.size, "mesh dimension size")
+        if size is None:
+            return None, None, ()
+        dims.append(size)
+        names.append(md.name.value if md.name else None)
+    if any(n is not None for n in names) and any(n is None for n in names):
+        errs.add("name every mesh dimension or none (e.g. 'as (data = 2, tensor = 4)')", d.span)
+        return None, None, ()
+    axes = tuple(n if n is not None else f"m{i}" for i, n in enumerate(names))
+    if len(set(axes)) != len(axes):
+        errs.add(f"mesh dimension names repeat: {', '.join(axes)}", d.span)
+    if len(dims) > 2:
+        errs.add(f"a stage mesh has 1 or 2 dimensions, got {len(dims)}", d.span)
+    if c is None or e is None:
+        return None, None, axes
+    if e <= c:
+        errs.add(f"device range {c}..{e} is empty (ranges are half-open)", d.devices.span)
+        return None, None, axes
+    if cluster is not None and e > cluster.devices:
+        errs.add(f"device range {c}..{e} goes past the cluster's {cluster.devices} devices (0..{cluster.devices})",
+                 d.devices.span)
+        return None, None, axes
+    if math.prod(dims) != e - c:
+        errs.add(f"mesh shape ({', '.join(map(str, dims))}) holds {math.prod(dims)} devices but the range "
+                 f"{c}..{e} has {e - c}", d.span)
+        return None, None, axes
+    return c, tuple(dims), axes
+
+
+def _check_layers(errs: Diagnostics, stages: list[ir.Stage]) -> None:
+    """When every stage has layers, they tile 0..L without gaps or overlaps."""
+    with_layers = [s for s in stages if s.layers is not None]
+    if not with_layers or len(with_layers) != len(stages):
+        return
+    expect = 0
+    for s in stages:
+        a, b = s.layers
+        if a < expect:
+            errs.add(f"stage {s.index} layers {a}..{b} overlap the previous stage's (which end at {expect})", s.span)
+        elif a > expect:
+            errs.add(f"stage {s.index} layers start at {a} but the previous stage ends at {expect}; "
+                     f"layer ranges must be contiguous", s.span)
+        expect = b
+
+
+def _check_disjoint(errs: Diagnostics, stages: list[ir.Stage]) -> None:
+    owner: dict[int, int] = {}
+    for s in stages:
+        devs = s.explicit_devices
+        if devs is None:
+            continue
+        clash = sorted({owner[d] for d in devs if d in owner})
+        if clash:
+            errs.add(f"stage {s.index} devices {devs[0]}..{devs[-1] + 1} overlap stage {clash[0]}'s; "
+                     "stage meshes must be disjoint", s.span)
+        for d in devs:
+            owner.setdefault(d, s.index)
