@@ -45,7 +45,7 @@ def _cmd_compile(args) -> int:
     from planc.codegen import write_output
 
     src = Path(args.plan)
-    compiled = compile_file(src, probe=not args.no_probe)
+    compiled = compile_file(src, probe=not args.no_probe, verify=True if args.verify else None)
     out = Path(args.output) if args.output else Path("build") / compiled.program.name
     write_output(compiled.plan_json, compiled.program, out)
     print(f"wrote {out}/ ({compiled.describe()})")
@@ -153,6 +153,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("-o", "--output", help="output folder (default build/<plan name>/)")
     c.add_argument("--no-probe", action="store_true",
                    help="do not run the model in a subprocess to size gradients and check transfer shapes")
+    c.add_argument("--verify", action="store_true",
+                   help="check every pass's output with an independent checker and name the pass that failed")
     c.set_defaults(func=_cmd_compile)
 
     c = sub.add_parser("explain", help="show the placement, reduction programs and transfers planc chose, and why")

@@ -28,12 +28,12 @@ from planc.infer import infer_transfers
 from planc.probe import ModelProbe, check_against_model, check_model_reductions, probe_model
 from planc.reduction import plan_reductions, stage_reduction_groups
 from planc.resharding import groups_used, plan_transfers
-from planc.resharding.tiles import device_region
+from planc.resharding import device_region
 from planc.runtime import planfile
 from planc.verify import verify
 
 FORMAT = "planc/1"
-DATA_AXIS, TENSOR_AXIS = "data", "tensor"
+DATA_AXIS, TENSOR_AXIS = ir.MeshAxis.DATA, ir.MeshAxis.TENSOR
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,7 +97,7 @@ def check_trainable(program: ir.Program, stages: tuple[ir.StageLayout, ...]) -> 
 
 def stage_data_degree(st: ir.StageLayout) -> int:
     """Size of the stage's mesh dimension named ``data`` (1 without one)."""
-    return st.shape[st.axes.index(DATA_AXIS)] if DATA_AXIS in st.axes else 1
+    return st.axis_size(DATA_AXIS)
 
 
 # ---------------------------------------------------------------- the passes
@@ -120,9 +120,9 @@ def _ordered_groups(*lists) -> list[list[int]]:
 def _tensor_groups(stages) -> list[list[int]]:
     """Tensor-parallel groups: in each stage with a mesh axis ``tensor`` of size > 1, the devices
     equal on every other mesh dimension (members sorted; sorted list, as the reductions' groups)."""
-    if not any("tensor" in st.axes and st.shape[st.axes.index("tensor")] > 1 for st in stages):
+    if not any(st.axis_size(TENSOR_AXIS) > 1 for st in stages):
         return []
-    return [list(g) for g in stage_reduction_groups(stages, ("tensor",)) if len(g) > 1]
+    return [list(g) for g in stage_reduction_groups(stages, (TENSOR_AXIS,)) if len(g) > 1]
 
 
 @dataclass(frozen=True, slots=True)

@@ -21,7 +21,7 @@ from planc.lang.check import spec_divide_error, spec_length_error
 from planc.lang.errors import Diagnostic, PlanError, Span
 from planc.probe import ModelProbe
 
-DATA_AXIS = "data"
+DATA_AXIS = ir.MeshAxis.DATA
 
 Mesh = tuple[tuple[int, ...], tuple[str, ...]]
 

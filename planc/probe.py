@@ -17,7 +17,7 @@ from planc.lang.errors import Diagnostic, PlanError
 
 PRECISION_BYTES = {ir.Precision.FP32: 4, ir.Precision.FP16: 2, ir.Precision.BF16: 2}
 PROBE_TIMEOUT_S = 300
-TENSOR_AXIS = "tensor"
+TENSOR_AXIS = ir.MeshAxis.TENSOR
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,13 +1,20 @@
-"""Resharding executor: N-process gloo runs against the single-process reference.
+"""Resharding executor: N-process gloo runs against the single-process truth.
 
-Every destination rank must end with exactly its region of the global tensor,
-bit for bit, and backward must deliver every source rank its gradient region,
-for many spec pairs, meshes of different shapes, and all four strategies.
-Plans come from the compiler's planner (planc.resharding) when it can be
-used, else from the runtime's own simple task builder.
+Every plan here is compiled from plan text by the real compiler (comm-only
+plans on a 2 host x 4 cluster for the forward route of many spec pairs and
+meshes; one small model plan on examples/mlp.py for the backward route), and
+read back through ``planfile.Plan``. What each rank must end up with is
+computed in this file from the stage declaration and the spec alone (the
+language's semantics: row-major explicit meshes, ``S0``/``S1``/``S01``/``R``),
+never read from the plan: a wrong region in plan.json fails here just as a
+wrong byte on the wire does. Every destination rank must end with exactly its
+region of a known pattern tensor, bit for bit, for all four strategies.
 """
 from __future__ import annotations
 
+import copy
+import functools
+import math
 import os
 import sys
 
@@ -16,197 +23,355 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import test_runtime_harness as H  # noqa: E402
 
-from planc.runtime.plan import mesh_devices, mesh_shape  # noqa: E402
-from planc.runtime.regions import Layout, intersect, numel  # noqa: E402
-from planc.runtime.reshard import STRATEGIES, build_tasks, tag_for  # noqa: E402
+from planc.compile import compile_program  # noqa: E402
+from planc.lang import load_text  # noqa: E402
+from planc.runtime import planfile  # noqa: E402
+from planc.runtime.planfile import Direction, PlanFileError, Strategy  # noqa: E402
+from planc.runtime.regions import intersect, numel  # noqa: E402
 
-HOSTS = [[0, 1, 2, 3], [4, 5, 6, 7]]
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HOSTS = ((0, 1, 2, 3), (4, 5, 6, 7))
+STRATEGIES = [str(s) for s in Strategy]
+CHUNKS = 3
 
-# (name, shape, dtype, src mesh, src spec, dst mesh, dst spec)
+# (name, shape, dtype, (first device, mesh dims) of stage 0, spec, (first device, mesh dims) of stage 1, spec)
 CASES = [
-    ("S0->S0", (4, 4, 2), "f32", [[0, 1], [2, 3]], "S0 R R", [[4, 5], [6, 7]], "S0 R R"),
-    ("R->S0", (4, 2, 2), "i32", [[0, 1], [2, 3]], "R R R", [[4, 5], [6, 7]], "S0 R R"),
-    ("RS0->S0", (4, 4, 2), "f32", [[0, 1], [2, 3]], "R S0 R", [[4, 5], [6, 7]], "S0 R R"),
-    ("S1->S0", (4, 2, 3), "f64", [[0, 1], [2, 3]], "S1 R R", [[4, 5], [6, 7]], "S0 R R"),
-    ("S01->R", (8, 3), "bf16", [[0, 1], [2, 3]], "S01 R", [[4, 5], [6, 7]], "R R"),
-    ("1-to-(2,2)", (4, 6), "f32", [[0]], "R R", [[4, 5], [6, 7]], "S0 S1"),
-    ("(1,4)->(2,1)", (6, 4), "i64", [[0, 1, 2, 3]], "R S1", [[4], [5]], "S0 R"),
-    ("(4,)->(1,3) odd", (4, 6), "f32", [0, 1, 2, 3], "S0 R", [[5, 6, 7]], "R S1"),
-    ("cross-host both", (4, 5), "f32", [[0, 4]], "S1 R", [[1, 2], [5, 6]], "R R"),
+    ("S0->S0", (4, 4, 2), "f32", (0, (2, 2)), "S0 R R", (4, (2, 2)), "S0 R R"),
+    ("R->S0", (4, 2, 2), "i32", (0, (2, 2)), "R R R", (4, (2, 2)), "S0 R R"),
+    ("RS0->S0", (4, 4, 2), "f32", (0, (2, 2)), "R S0 R", (4, (2, 2)), "S0 R R"),
+    ("S1->S0", (4, 2, 3), "f64", (0, (2, 2)), "S1 R R", (4, (2, 2)), "S0 R R"),
+    ("S01->R", (8, 3), "bf16", (0, (2, 2)), "S01 R", (4, (2, 2)), "R R"),
+    ("1-to-(2,2)", (4, 6), "f32", (0, (1, 1)), "R R", (4, (2, 2)), "S0 S1"),
+    ("(2,2)-to-1", (4, 6), "i64", (0, (2, 2)), "S1 S0", (7, (1, 1)), "R R"),
+    ("(1,4)->(2,1)", (6, 4), "i64", (0, (1, 4)), "R S1", (4, (2, 1)), "S0 R"),
+    ("(4,)->(1,3) odd", (4, 6), "f32", (0, (4,)), "S0 R", (5, (1, 3)), "R S1"),
+    ("cross-host src", (4, 6), "f32", (3, (1, 2)), "S1 R", (0, (1, 3)), "R S1"),
+    ("cross-host dst", (4, 5), "f32", (0, (2,)), "S0 R", (2, (2, 2)), "R R"),
+    ("S01 R->R S01", (4, 4), "f32", (0, (2, 2)), "S01 R", (4, (2, 2)), "R S01"),
 ]
+IDS = [c[0] for c in CASES]
 
 
-def _planner_tasks(shape, dtype, src, dst, strategy, chunks):
-    """Tasks from planc.resharding (src -> dst); a planner error fails the test."""
-    from planc import ir
-    from planc.resharding import plan_group
-    cluster = ir.Cluster((ir.Level("node", 2, 1.25e9, 2e-5), ir.Level("gpu", 4, 1.5e10, 2e-6)), "node")
-
-    def lay(index, mesh, axes=("m0", "m1")):
-        ms = mesh_shape(mesh)
-        return ir.StageLayout(index, None, ms, tuple(axes[:len(ms)]), tuple(mesh_devices(mesh)))
-
-    tr = ir.Transfer("t", dtype, tuple(shape), src[0], None, ir.ShardingSpec.parse(src[2]),
-                     dst[0], ir.ShardingSpec.parse(dst[2]))
-    cfg = ir.Resharding(strategy=ir.Strategy(strategy), chunks=chunks,
-                        scheduler=ir.SchedulerKind.RANDOMIZED_GREEDY, trials=4, seed=0)
-    (p,) = plan_group([tr], [(lay(src[0], src[1]), lay(dst[0], dst[1]))], cluster, cfg)
-    return [t.to_json() for t in p.tasks]
+# ----------------------------------------------------------------- the truth, from the spec alone
+def mesh_position(first: int, dims, device: int):
+    """Position of ``device`` on the explicit mesh ``on devices first.. as (dims)`` (row-major)."""
+    flat = device - first
+    if not 0 <= flat < math.prod(dims):
+        return None
+    pos = []
+    for n in reversed(dims):
+        pos.append(flat % n)
+        flat //= n
+    return tuple(reversed(pos))
 
 
-def make_plan(case, strategy, chunks=3, use_planner=True):
-    name, shape, dtype, smesh, sspec, dmesh, dspec = case
-    src, dst = (0, smesh, sspec), (1, dmesh, dspec)
-    fwd = _planner_tasks(shape, dtype, src, dst, strategy, chunks) if use_planner else None
-    bwd = _planner_tasks(shape, dtype, (0, dmesh, dspec), (1, smesh, sspec), strategy, chunks) if use_planner else None
-    source = "planner" if fwd is not None and bwd is not None else "builder"
-    sl, dl = Layout(shape, smesh, sspec), Layout(shape, dmesh, dspec)
-    if source == "builder":
-        fwd = build_tasks(sl, dl, HOSTS, strategy)
-        bwd = build_tasks(dl, sl, HOSTS, strategy)
-    groups = []
+def spec_region(shape, dims, pos, spec: str):
+    """The box a device at ``pos`` of a mesh of ``dims`` holds under ``spec`` (LANGUAGE.md semantics)."""
+    entries = spec.split()
+    assert len(entries) == len(shape), (spec, shape)
+    out = []
+    for n, e in zip(shape, entries):
+        if e == "R":
+            out.append((0, n))
+            continue
+        assert e[0] == "S" and e[1:].isdigit(), e
+        parts, idx = 1, 0
+        for a in map(int, e[1:]):          # S01: mesh dim 0 major
+            parts *= dims[a]
+            idx = idx * dims[a] + pos[a]
+        assert n % parts == 0, (n, parts)
+        step = n // parts
+        out.append((idx * step, (idx + 1) * step))
+    return tuple(out)
+
+
+def expected_regions(shape, first, dims, spec) -> dict[int, tuple]:
+    return {d: spec_region(shape, dims, mesh_position(first, dims, d), spec)
+            for d in range(first, first + math.prod(dims))}
+
+
+def case_truth(case):
+    """{device: region} on the sending and on the receiving mesh."""
+    _, shape, _, (s0, sd), sspec, (d0, dd), dspec = case
+    return expected_regions(shape, s0, sd, sspec), expected_regions(shape, d0, dd, dspec)
+
+
+# ----------------------------------------------------------------- plans from the real compiler
+CLUSTER = """  cluster {
+    level node x 2 : bandwidth 1.25 GB/s, latency 20 us
+    level gpu  x 4 : bandwidth 15 GB/s, latency 2 us
+  }"""
+
+
+def _stage_line(index, first, dims):
+    return f"  stage {index} on devices {first}..{first + math.prod(dims)} as ({', '.join(map(str, dims))})"
+
+
+def case_text(case, strategy: str) -> str:
+    name, shape, dtype, (s0, sd), sspec, (d0, dd), dspec = case
+    return "\n".join([
+        "plan reshard_case {", CLUSTER, _stage_line(0, s0, sd), _stage_line(1, d0, dd),
+        f"  transfer t : {dtype}[{', '.join(map(str, shape))}] from stage 0 as {sspec} to stage 1 as {dspec}",
+        f"  resharding {{ strategy = {strategy}, chunks = {CHUNKS} }}", "}", ""])
+
+
+@functools.lru_cache(maxsize=None)
+def _case_json(i: int, strategy: str) -> dict:
+    return compile_program(load_text(case_text(CASES[i], strategy), f"{CASES[i][0]}.plan"), probe=None).plan_json
+
+
+def case_plan(i: int, strategy: str) -> dict:
+    return copy.deepcopy(_case_json(i, strategy))
+
+
+# The model plan: examples/mlp.py on three explicit stages; transfers a (0 -> 1) and b (1 -> 2),
+# both with their backward routes (gradients, the other way). Stage 1 crosses the host boundary.
+MODEL_TEXT = """
+plan mlp_routes {
+CLUSTER
+  model "ROOT/examples/mlp.py:build" { layers = 4, hidden = 6, inputs = 8, outputs = 4 }
+  loss  "ROOT/examples/mlp.py:loss"
+  data  "ROOT/examples/mlp.py:batches"
+  stage 0 : layers 0..2 on devices 0..2 as (data = 2)
+  stage 1 : layers 2..3 on devices 3..7 as (data = 2, m1 = 2)
+  stage 2 : layers 3..4 on devices 7..8 as (data = 1)
+  transfer a : f32[8, 6] from stage 0 as S0 R to stage 1 as S0 R
+  transfer b : f32[8, 6] from stage 1 as S0 R to stage 2 as R R
+  reduce gradients over data
+  resharding { strategy = STRATEGY, chunks = 3 }
+  train { micro_batch = 8, micro_batches = 4, steps = 1, schedule = 1f1b, optimizer = sgd(lr = 0.1),
+          precision = fp32, seed = 1 }
+}
+""".replace("CLUSTER", CLUSTER).replace("ROOT", ROOT)
+MODEL_STAGES = {0: (0, (2,)), 1: (3, (2, 2)), 2: (7, (1,))}
+# (name, shape, src stage, src spec, dst stage, dst spec) as written above
+MODEL_TRANSFERS = [("a", (8, 6), 0, "S0 R", 1, "S0 R"), ("b", (8, 6), 1, "S0 R", 2, "R R")]
+
+
+@functools.lru_cache(maxsize=None)
+def _model_probe():
+    from planc.probe import probe_model
+    return probe_model(load_text(MODEL_TEXT.replace("STRATEGY", "send_recv"), "mlp_routes.plan"))
+
+
+@functools.lru_cache(maxsize=None)
+def _model_json(strategy: str) -> dict:
+    """Compiled with the model probe (the real sizes of examples/mlp.py's layers)."""
+    c = compile_program(load_text(MODEL_TEXT.replace("STRATEGY", strategy), "mlp_routes.plan"), _model_probe())
+    assert not c.untrainable, c.untrainable
+    return c.plan_json
+
+
+def model_truth(k: int, direction: Direction):
+    """{device: region} on the sending and receiving side of transfer k in one direction."""
+    _, shape, s, sspec, d, dspec = MODEL_TRANSFERS[k]
+    fwd_src = expected_regions(shape, *MODEL_STAGES[s], sspec)
+    fwd_dst = expected_regions(shape, *MODEL_STAGES[d], dspec)
+    return (fwd_src, fwd_dst) if direction is Direction.FORWARD else (fwd_dst, fwd_src)
+
+
+def fake_groups(plan: planfile.Plan) -> dict:
+    """Every group the plan lists, as ``create_groups`` keys them, with no communicator behind it."""
+    out = {tuple(g): None for g in plan.groups}
+    out.update({("backward", *g): None for g in plan.backward_groups})
+    return out
+
+
+# ----------------------------------------------------------------- pure tests
+def _check_route(route: planfile.Route, src_truth: dict, dst_truth: dict, what: str):
+    """The route's regions are the spec's, its tasks cover every receiver exactly and senders hold."""
+    assert dict(route.src_regions) == src_truth, what
+    assert dict(route.dst_regions) == dst_truth, what
+    for d, box in dst_truth.items():
+        mine = [t.slice for t in route.tasks if d in t.receivers]
+        assert sum(numel(s) for s in mine) == numel(box), (what, d)
+        for i, a in enumerate(mine):
+            assert intersect(a, box) == a, (what, d, a)
+            assert all(intersect(a, b) is None for b in mine[i + 1:]), (what, d, a)
     host = {d: h for h, ds in enumerate(HOSTS) for d in ds}
-    for t in fwd + bwd:
-        cand = [sorted({t["sender"], *t["receivers"]})]
-        if strategy == "global_allgather":
-            cand.append(sorted(t["receivers"]))
-        if strategy == "local_allgather":
-            per = {}
-            for r in t["receivers"]:
-                per.setdefault(host[r], []).append(r)
-            cand += [sorted(v) for v in per.values()]
-        for g in cand:
-            if len(g) > 1 and g not in groups:
-                groups.append(g)
+    for t in route.tasks:
+        assert t.sender in t.holders and intersect(t.slice, src_truth[t.sender]) == t.slice, (what, t)
+        if route.strategy is Strategy.GLOBAL_ALLGATHER:
+            assert t.parts == (tuple(sorted(t.receivers)),), (what, t)
+        elif route.strategy is Strategy.LOCAL_ALLGATHER:
+            assert sorted(d for p in t.parts for d in p) == sorted(t.receivers), (what, t)
+            assert all(len({host[d] for d in p}) == 1 for p in t.parts), (what, t)
+            assert len({host[p[0]] for p in t.parts}) == len(t.parts), (what, t)
+        else:
+            assert t.parts == (), (what, t)
 
-    def stage(i, mesh):
-        return {"index": i, "devices": mesh_devices(mesh), "mesh": mesh,
-                "mesh_axes": ["m0", "m1"][:len(mesh_shape(mesh))]}
 
-    plan = {
-        "format": "planc/1", "name": f"{name}/{strategy}",
-        "cluster": {"devices": 8, "hosts": HOSTS, "host_level": "node"},
-        "groups": groups, "stage_mode": "explicit",
-        "stages": [stage(0, smesh), stage(1, dmesh)],
-        "transfers": [{"name": name, "dtype": dtype, "shape": list(shape),
-                       "src": {"stage": 0, "spec": sspec}, "dst": {"stage": 1, "spec": dspec},
-                       "strategy": strategy, "chunks": chunks, "tasks": fwd,
-                       "backward": {"strategy": strategy, "chunks": chunks, "tasks": bwd}}],
-    }
-    return plan, source
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("i", range(len(CASES)), ids=IDS)
+def test_compiled_plans_cover_every_region(i, strategy):
+    """The plans fed to the executor are valid: regions as the spec says, receivers covered exactly."""
+    plan = planfile.Plan.from_json(case_plan(i, strategy))
+    (t,) = plan.transfers
+    assert t.forward.strategy is Strategy(strategy) and t.forward.chunks == CHUNKS and t.backward is None
+    _check_route(t.forward, *case_truth(CASES[i]), f"{CASES[i][0]}/{strategy}")
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_model_plan_routes_cover_every_region(strategy):
+    plan = planfile.Plan.from_json(_model_json(strategy))
+    assert [t.name for t in plan.transfers] == [t[0] for t in MODEL_TRANSFERS]
+    for k, t in enumerate(plan.transfers):
+        for direction in Direction:
+            route = t.route(direction)
+            assert route.strategy is Strategy(strategy)
+            _check_route(route, *model_truth(k, direction), f"{t.name}/{direction}/{strategy}")
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_executor_regions_are_the_specs(strategy):
+    """Every rank's executor sends and receives exactly the region the spec gives it (no process group)."""
+    from planc.runtime.reshard import TransferExecutor
+    for i, case in enumerate(CASES):
+        plan = planfile.Plan.from_json(case_plan(i, strategy))
+        src, dst = case_truth(case)
+        (t,) = plan.transfers
+        for rank in range(plan.cluster.devices):
+            ex = TransferExecutor(t, Direction.FORWARD, rank, fake_groups(plan), plan.tag_layout(), 0,
+                                  backend="gloo")
+            assert (ex.my_src, ex.my_dst) == (src.get(rank), dst.get(rank)), (case[0], rank)
+            assert ex.is_sender == any(task.sender == rank for task in t.forward.tasks)
+            assert ex.is_sender <= (rank in src) and ex.is_receiver == (rank in dst)
+            # the executor issues tasks in the plan's schedule order on every rank
+            assert [x.index for x in ex.tasks] == [k for k, _ in t.forward.ordered_tasks()]
+
+
+def test_executor_refuses_what_the_plan_does_not_say():
+    import torch
+
+    from planc.runtime.dist_util import GroupMissing
+    from planc.runtime.reshard import TransferExecutor
+    i = IDS.index("R->S0")
+    plan = planfile.Plan.from_json(case_plan(i, "global_allgather"))
+    (t,) = plan.transfers
+    src, dst = case_truth(CASES[i])
+    tags = plan.tag_layout()
+    # an allgather part of more than one receiver needs its group: a missing one is named before any traffic
+    rank = next(r for task in t.forward.tasks for p in task.parts if len(p) > 1 for r in p)
+    with pytest.raises(GroupMissing, match=r"is not in plan.json \"groups\""):
+        TransferExecutor(t, Direction.FORWARD, rank, {}, tags, 0, backend="gloo")
+    groups = fake_groups(plan)
+    sender = next(task.sender for task in t.forward.tasks)
+    ex = TransferExecutor(t, Direction.FORWARD, sender, groups, tags, 0, backend="gloo")
+    wrong = tuple(b - a + 1 for a, b in src[sender])
+    with pytest.raises(ValueError, match=r"sends a shard of shape"):
+        ex.send(torch.zeros(wrong, dtype=torch.int32))
+    with pytest.raises(PlanFileError, match="receives nothing"):
+        ex.recv()
+    receiver = min(dst)
+    ex = TransferExecutor(t, Direction.FORWARD, receiver, groups, tags, 0, backend="gloo")
+    with pytest.raises(PlanFileError, match="holds nothing"):
+        ex.send(torch.zeros(1))
+    # a comm-only plan has no backward route
+    with pytest.raises(PlanFileError, match="has no backward route"):
+        TransferExecutor(t, Direction.BACKWARD, receiver, groups, tags, 0, backend="gloo")
 
 
 # ----------------------------------------------------------------- worker (runs in each rank)
-def _global(shape, dtype, salt):
+def pattern(shape, dtype: str, salt: int):
+    """A tensor whose every element differs (exactly representable in every dtype used here)."""
     import torch
 
     from planc.runtime.reshard import DTYPES
-    n = 1
-    for s in shape:
-        n *= s
+    n = math.prod(shape)
     x = torch.arange(n, dtype=torch.int64).reshape(shape) * (1 if salt == 0 else -3) + salt
     return x.to(DTYPES[dtype])
 
 
+def _box(t, region):
+    return t[tuple(slice(a, b) for a, b in region)]
+
+
 def reshard_worker(rank, world, payload):
+    """For every job: build the plan's groups, send this rank's shard of every micro-batch, receive
+    in reverse micro-batch order (tags keep them apart), compare bit for bit with the truth."""
     import torch
 
-    from planc.runtime.dist_util import create_groups
+    from planc.runtime import planfile as PF
     from planc.runtime.reshard import TransferExecutor
+    from planc.runtime.topology import create_groups
     checked = 0
-    for plan, reorder in payload:
+    for job in payload:
+        plan = PF.Plan.from_json(job["plan"])
         groups = create_groups(plan)
-        tr = plan["transfers"][0]
-        shape = tuple(tr["shape"])
-        for direction, salt in (("forward", 0), ("backward", 1000)):
-            ex = TransferExecutor(tr, plan, groups, rank, direction=direction, index=0)
-            ref = _global(shape, tr["dtype"], salt)
-            mbs = [0, 1] if reorder else [0]
-            if ex.my_src is not None:
-                works, keep = [], []
+        if plan.pipeline is not None:          # a model plan: the plan's own tags
+            assert plan.pipeline.micro_batches == job["micro_batches"]
+            tags = plan.tag_layout()
+        else:                                  # comm-only: one micro-batch in the plan; room for more here
+            tags = PF.TagLayout.for_sizes(len(plan.transfers), job["micro_batches"],
+                                          max(len(t.forward.tasks) for t in plan.transfers))
+        for k, direction, src, dst, salt in job["moves"]:
+            direction = PF.Direction(direction)
+            t = plan.transfers[k]
+            what = f"{job['name']} {t.name} {direction}: rank {rank}"
+            ex = TransferExecutor(t, direction, rank, groups, tags, index=k)
+            want_src, want_dst = src.get(rank), dst.get(rank)
+            assert ex.my_src == want_src, f"{what}: sends region {ex.my_src}, the spec says {want_src}"
+            assert ex.my_dst == want_dst, f"{what}: receives region {ex.my_dst}, the spec says {want_dst}"
+            ref = pattern(t.shape, t.dtype, salt)
+            mbs = list(range(job["micro_batches"]))
+            works, keep = [], []
+            if want_src is not None:
                 for mb in mbs:
-                    shard = ref[tuple(slice(a, b) for a, b in ex.my_src)].clone() + mb
+                    shard = _box(ref, want_src).clone() + mb
                     keep.append(shard)
                     works += ex.send(shard, micro_batch=mb)
-                for w in works:
-                    w.wait()
-            if ex.my_dst is not None:
-                for mb in reversed(mbs):  # receive out of order: tags keep micro-batches apart
+            if want_dst is not None:
+                for mb in reversed(mbs):
                     got = ex.recv(micro_batch=mb)
-                    want = ref[tuple(slice(a, b) for a, b in ex.my_dst)] + mb
-                    assert got.dtype == want.dtype and got.shape == want.shape, (got.dtype, got.shape)
-                    if not torch.equal(got.view(torch.uint8), want.contiguous().view(torch.uint8)):
-                        raise AssertionError(f"{plan['name']} {direction} mb{mb}: rank {rank} region "
-                                             f"{ex.my_dst} differs from the reference")
+                    want = (_box(ref, want_dst) + mb).contiguous()
+                    assert got.dtype == want.dtype and got.shape == want.shape, (what, got.dtype, got.shape)
+                    if not torch.equal(got.view(torch.uint8), want.view(torch.uint8)):
+                        bad = (got != want).nonzero()[:4].tolist()
+                        raise AssertionError(f"{what} mb{mb}: region {want_dst} differs from the truth at {bad}")
                     checked += 1
+            for w in works:
+                w.wait()
+            del keep
     return checked
 
 
-# ----------------------------------------------------------------- pure tests
-@pytest.mark.parametrize("strategy", STRATEGIES)
-@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
-def test_plans_cover_every_region(case, strategy):
-    """The plans fed to the executor are valid (receivers covered exactly, senders hold)."""
-    plan, _ = make_plan(case, strategy)
-    _, shape, _, smesh, sspec, dmesh, dspec = case
-    for tasks, sl, dl in ((plan["transfers"][0]["tasks"], Layout(shape, smesh, sspec), Layout(shape, dmesh, dspec)),
-                          (plan["transfers"][0]["backward"]["tasks"], Layout(shape, dmesh, dspec),
-                           Layout(shape, smesh, sspec))):
-        for d in dl.devices:
-            mine = [tuple(map(tuple, t["slice"])) for t in tasks if d in t["receivers"]]
-            assert sum(numel(s) for s in mine) == numel(dl.region(d))
-            for i, a in enumerate(mine):
-                assert intersect(a, dl.region(d)) == a
-                assert all(intersect(a, b) is None for b in mine[i + 1:])
-        for t in tasks:
-            s = tuple(map(tuple, t["slice"]))
-            assert intersect(s, sl.region(t["sender"])) == s
+def _expected_checks(payload) -> dict[int, int]:
+    out = dict.fromkeys(range(8), 0)
+    for job in payload:
+        for _, _, _, dst, _ in job["moves"]:
+            for r in dst:
+                out[r] += job["micro_batches"]
+    return out
 
 
-def test_tags_distinct():
-    tags = {tag_for(i, d, mb, t) for i in range(4) for d in ("forward", "backward")
-            for mb in range(8) for t in range(50)}
-    assert len(tags) == 4 * 2 * 8 * 50 and max(tags) < 2 ** 31
-
-
-@pytest.mark.parametrize("strategy", STRATEGIES)
-def test_every_case_runs_the_compilers_plan(strategy):
-    for case in CASES:
-        _, source = make_plan(case, strategy)
-        assert source == "planner"
+def _run(payload):
+    out = H.run_ranks(reshard_worker, 8, payload)
+    assert {r: int(v) for r, v in out.items()} == _expected_checks(payload)
 
 
 # ----------------------------------------------------------------- multi-process
 @pytest.mark.parametrize("strategy", STRATEGIES)
-def test_reshard_gloo_bit_exact(strategy):
+def test_reshard_gloo_forward_bit_exact(strategy):
+    """Every comm-only case, one 8-rank job per strategy; two micro-batches received out of order."""
     payload = []
     for i, case in enumerate(CASES):
-        plan, _ = make_plan(case, strategy)
-        payload.append((plan, strategy in ("broadcast", "send_recv") and i % 3 == 0))
-    out = H.run_ranks(reshard_worker, 8, payload)
-    assert sum(int(v) for v in out.values()) > 0
+        src, dst = case_truth(case)
+        payload.append({"name": f"{case[0]}/{strategy}", "plan": case_plan(i, strategy), "micro_batches": 2,
+                        "moves": [(0, "forward", src, dst, 0)]})
+    _run(payload)
 
 
-def test_reshard_gloo_builder_plans():
-    """The runtime's own fallback tasks (used when a transfer lacks `backward`)."""
-    payload = [(make_plan(c, s, use_planner=False)[0], False)
-               for c, s in zip(CASES[:4], STRATEGIES)]
-    H.run_ranks(reshard_worker, 8, payload)
-
-
-def test_missing_allgather_group_is_a_clear_error():
-    from planc.runtime.dist_util import GroupMissing
-    from planc.runtime.reshard import TransferExecutor
-    plan, _ = make_plan(CASES[1], "global_allgather")
-    with pytest.raises(GroupMissing, match="not in plan.json"):
-        TransferExecutor(plan["transfers"][0], plan, {}, 4, backend="gloo")
-
-
-def test_sender_must_hold_its_slice():
-    from planc.runtime.plan import PlanError
-    from planc.runtime.reshard import TransferExecutor
-    plan, _ = make_plan(CASES[0], "send_recv")
-    t = plan["transfers"][0]["tasks"][0]
-    t["sender"] = 3 if t["sender"] != 3 else 0   # a device of the other half of dim 0
-    with pytest.raises(PlanError, match="does not hold slice"):
-        TransferExecutor(plan["transfers"][0], plan, {}, t["sender"], backend="gloo")
+def test_reshard_gloo_model_plan_both_directions():
+    """The model plan: forward activations and backward gradients of both transfers, every strategy,
+    the plan's four micro-batches received in reverse order."""
+    payload = []
+    for strategy in STRATEGIES:
+        plan = _model_json(strategy)
+        moves = []
+        for k in range(len(MODEL_TRANSFERS)):
+            for direction, salt in ((Direction.FORWARD, 0), (Direction.BACKWARD, 1000 + k)):
+                src, dst = model_truth(k, direction)
+                moves.append((k, str(direction), src, dst, salt))
+        payload.append({"name": f"mlp/{strategy}", "plan": plan, "micro_batches": plan["pipeline"]["micro_batches"],
+                        "moves": moves})
+    _run(payload)

@@ -180,19 +180,83 @@ def test_builder_without_tensor_parallel_gets_replicas():
     assert accepts_tensor_parallel(gpt.build)
 
 
+TP_PLAN = """
+plan tp_coords {
+  cluster {
+    level node x 2 : bandwidth 12.5 GB/s, latency 20 us
+    level gpu  x 5 : bandwidth 150 GB/s,  latency 2 us
+  }
+  model "ROOT/examples/gpt.py:build" { layers = 4, hidden = 64, heads = 4, seq = 32, vocab = 256 }
+  loss  "ROOT/examples/gpt.py:loss"
+  data  "ROOT/examples/gpt.py:batches"
+  stage 0 : layers 0..3 on devices 0..4 as (data = 2, tensor = 2)
+  stage 1 : layers 3..5 on devices 4..8 as (tensor = 2, data = 2)
+  stage 2 : layers 5..6 on devices 8..9 as (data = 1)
+  transfer h1 : f32[8, 32, 64] from stage 0 to stage 1
+  transfer h2 : f32[8, 32, 64] from stage 1 to stage 2
+  reduce gradients over data
+  train { micro_batch = 8, micro_batches = 2, steps = 1, schedule = gpipe, optimizer = sgd(lr = 0.1),
+          precision = fp32, seed = 1 }
+}
+"""
+
+
+def _tp_plan_json():
+    from planc.compile import compile_program
+    from planc.lang import load_text
+    return compile_program(load_text(TP_PLAN.replace("ROOT", str(ROOT)), "tp_coords.plan"), probe=None).plan_json
+
+
+def _explicit_tensor_coord(device):
+    """(tensor coordinate, tensor group) from the stage lines above: row-major meshes, stage 0 is
+    data x tensor on 0..3 (tensor = column), stage 1 is tensor x data on 4..7 (tensor = row)."""
+    if device < 4:
+        i, j = divmod(device, 2)
+        return j, (2 * i, 2 * i + 1)
+    i, j = divmod(device - 4, 2)
+    return i, (4 + j, 6 + j)
+
+
 def test_context_from_plan_uses_the_tensor_coordinate():
-    # stage 0: mesh data x tensor = [[3, 1], [2, 0]]: tensor coordinate 0 is the higher rank in a group
-    plan = {"tensor_groups": [[0, 2], [1, 3]],
-            "stages": [{"index": 0, "devices": [0, 1, 2, 3], "mesh": [[3, 1], [2, 0]],
-                        "mesh_axes": ["data", "tensor"]},
-                       {"index": 1, "devices": [4, 5], "mesh": [[4], [5]], "mesh_axes": ["data", "tensor"]}]}
-    groups = {(0, 2): "g02", (1, 3): "g13"}
-    tp = context_from_plan(plan, groups, 0)
-    assert (tp.group, tp.rank, tp.size, tp.members) == ("g02", 1, 2, (0, 2))
-    assert context_from_plan(plan, groups, 2).rank == 0
-    assert context_from_plan(plan, groups, 3).rank == 0 and context_from_plan(plan, groups, 1).rank == 1
-    assert context_from_plan(plan, groups, 4) is None
-    assert context_from_plan({"stages": plan["stages"]}, groups, 0) is None
+    from planc.runtime.planfile import Plan
+    d = _tp_plan_json()
+    plan = Plan.from_json(d)
+    assert plan.tensor_groups == ((0, 1), (2, 3), (4, 6), (5, 7))
+    groups = {tuple(g): f"g{g}" for g in d["groups"]}
+    for rank in range(8):
+        coord, members = _explicit_tensor_coord(rank)
+        tp = context_from_plan(plan, groups, rank)
+        assert (tp.group, tp.rank, tp.size, tp.members) == (groups[members], coord, 2, members), rank
+    assert context_from_plan(plan, groups, 8) is None      # stage 2 has no tensor axis
+    assert context_from_plan(plan, groups, 9) is None      # idle device
+    with pytest.raises(KeyError, match=r"tensor group \[4, 6\] is not in plan.json"):
+        context_from_plan(plan, {k: v for k, v in groups.items() if k != (4, 6)}, 6)
+
+    # the same plan as a placement may lay it out: stage 0's mesh data x tensor = [[3, 1], [2, 0]], so
+    # tensor coordinate 0 is the higher rank of each group (the shard index is the coordinate, not
+    # the place in the sorted group); every stage-0 field is rewritten to match, transfers dropped
+    st = d["stages"][0]
+    st["mesh"], st["mesh_devices"] = [[3, 1], [2, 0]], [3, 1, 2, 0]
+    st["rows"] = {"0": [4, 8], "1": [0, 4], "2": [4, 8], "3": [0, 4]}
+    st["data_groups"], st["model_groups"] = [[0, 1], [2, 3]], [[0, 2], [1, 3]]
+    d["tensor_groups"] = [[0, 2], [1, 3], [4, 6], [5, 7]]
+    d["groups"] = [list(g) for g in sorted({tuple(g) for g in d["groups"]} | {(0, 2), (1, 3)})]
+    d["transfers"] = []
+    permuted = Plan.from_json(d)
+    groups = {tuple(g): f"g{list(g)}" for g in d["groups"]}
+    tp = context_from_plan(permuted, groups, 0)
+    assert (tp.group, tp.rank, tp.size, tp.members) == (groups[(0, 2)], 1, 2, (0, 2))
+    assert context_from_plan(permuted, groups, 2).rank == 0
+    assert context_from_plan(permuted, groups, 3).rank == 0 and context_from_plan(permuted, groups, 1).rank == 1
+    assert [context_from_plan(permuted, groups, r).rank for r in range(4, 8)] == [0, 0, 1, 1]
+
+    # no tensor axis anywhere: no context
+    flat = TP_PLAN.replace("(data = 2, tensor = 2)", "(data = 4)").replace("(tensor = 2, data = 2)", "(data = 4)")
+    from planc.compile import compile_program
+    from planc.lang import load_text
+    none = Plan.from_json(compile_program(load_text(flat.replace("ROOT", str(ROOT)), "flat.plan")).plan_json)
+    assert none.tensor_groups == ()
+    assert all(context_from_plan(none, groups, r) is None for r in range(10))
 
 
 def test_compiler_lists_tensor_groups(tmp_path):
