@@ -1,84 +1,16 @@
-"""Helpers for the end-to-end tests: the launch of a compiled output (launch_sh), the
+"""Helpers for the end-to-end tests: the launch of a compiled output (launch_sh) and the
 single-process references (``reference``: with the output's own runtime code;
-``independent_reference``: plain torch, no planc code), and a hand-written plan.json (hand_plan; the e2e tests use
-the real compiler, tests/test_codegen.py and tests/test_pipeline_engine.py use it)."""
+``independent_reference``: plain torch, no planc code)."""
 
 from __future__ import annotations
 
-import itertools
 import os
 import subprocess
 import sys
 from pathlib import Path
 
-from planc.pipeline.schedules import build
-
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
-
-
-def hand_plan(name, stages_layers, data, tensor, transfers, schedule, micro_batches,
-              program="allreduce", hosts=2):
-    """plan.json for pipe x data x tensor, row-major ranks (pipe major), hosts of equal size.
-
-    ``transfers``: (name, dtype, shape, src_stage, src_layer_or_None, dst_stage), specs S0 R ...
-    ``program``: "allreduce" or "hierarchical" (reduce_scatter then all_gather over data).
-    """
-    pipe = len(stages_layers)
-    devices = pipe * data * tensor
-    per_host = devices // hosts
-    coords = [list(c) for c in itertools.product(range(pipe), range(data), range(tensor))]
-    stages = []
-    for s, (a, b) in enumerate(stages_layers):
-        devs = [s * data * tensor + i for i in range(data * tensor)]
-        mesh = [[devs[i * tensor + j] for j in range(tensor)] for i in range(data)]
-        stages.append({"index": s, "layers": [a, b], "devices": devs, "mesh": mesh,
-                       "mesh_axes": ["data", "tensor"]})
-    data_groups = [[s * data * tensor + i * tensor + j for i in range(data)]
-                   for s in range(pipe) for j in range(tensor)]
-    groups = [g for g in data_groups if len(g) > 1]
-    if program == "allreduce":
-        text = "allreduce(slice=root, form=inside)"
-        steps = [{"collective": "allreduce", "groups": groups}]
-    else:
-        text = "reduce_scatter(slice=root, form=inside); all_gather(slice=root, form=inside)"
-        steps = [{"collective": "reduce_scatter", "groups": groups},
-                 {"collective": "all_gather", "groups": groups}]
-    from planc.runtime.regions import Layout
-    from planc.runtime.reshard import build_tasks
-    host_lists = [list(range(h * per_host, (h + 1) * per_host)) for h in range(hosts)]
-    plan_transfers = []
-    for tname, dtype, shape, src, layer, dst in transfers:
-        spec = " ".join(["S0"] + ["R"] * (len(shape) - 1))
-        src_rec = {"stage": src, "spec": spec}
-        if layer is not None:
-            src_rec["layer"] = layer
-        a = Layout(shape, stages[src]["mesh"], spec, stages[src]["mesh_axes"])
-        b = Layout(shape, stages[dst]["mesh"], spec, stages[dst]["mesh_axes"])
-        plan_transfers.append({"name": tname, "dtype": dtype, "shape": list(shape), "src": src_rec,
-                               "dst": {"stage": dst, "spec": spec}, "strategy": "send_recv",
-                               "chunks": 1, "scheduler": "naive",
-                               "tasks": build_tasks(a, b, host_lists, "send_recv")})
-    edges = tuple((t[3], t[5]) for t in transfers)
-    return {
-        "format": "planc/1", "name": name,
-        "source": {"path": f"{name}.plan", "sha256": "0" * 64},
-        "compiler": {"version": "0.1.0", "seconds": 0.0},
-        "cluster": {"levels": [{"name": "node", "fanout": hosts, "bandwidth": 1e10, "latency": 0.0},
-                               {"name": "gpu", "fanout": per_host, "bandwidth": 1e11, "latency": 0.0}],
-                    "host_level": "node", "devices": devices,
-                    "hosts": [list(range(h * per_host, (h + 1) * per_host)) for h in range(hosts)]},
-        "placement": {"axes": [{"name": "pipe", "size": pipe}, {"name": "data", "size": data},
-                               {"name": "tensor", "size": tensor}],
-                      "matrix": None, "candidates": 1, "ranked": [], "coords": coords},
-        "groups": groups,
-        "stage_mode": "pipe_axis",
-        "stages": stages,
-        "reductions": [{"name": "gradients", "axes": ["data"], "bytes": 0, "groups": groups,
-                        "program": {"text": text, "steps": steps, "predicted": 0.0}}] if groups else [],
-        "transfers": plan_transfers,
-        "pipeline": build(schedule, pipe, micro_batches, edges=edges).to_json(),
-    }
 
 
 def launch_env():
@@ -96,16 +28,19 @@ def launch_sh(out: Path, *args, timeout=300):
                           text=True, timeout=timeout, cwd=out)
 
 
-def reference(out: Path, plan: dict, steps: int):
-    """Train the whole model in this process with the output's own runtime code."""
+def reference(out: Path, plan, steps: int):
+    """Train the whole model in this process with the output's own runtime code (``plan`` is
+    ignored: the output's plan.json is read with its own plan file reader)."""
     import json
     import torch
     sys.path.insert(0, str(out))
     try:
+        from planc_runtime import planfile
         from planc_runtime.engine import build_optimizer, run_reference
         from planc_runtime.main import load_function
     finally:
         sys.path.remove(str(out))
+    plan = planfile.load(out / "plan.json")
     run = json.loads((out / "run.json").read_text())
     cfg = json.loads((out / "ds_config.json").read_text())
     args = run["model"]["args"]

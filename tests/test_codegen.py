@@ -8,18 +8,15 @@ import sys
 import pytest
 
 from planc import codegen
-from planc.lang import load
+from planc.compile import compile_file
 
 sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
-from e2e_util import ROOT, hand_plan  # noqa: E402
+from e2e_util import ROOT  # noqa: E402
 
 
 def _gpt():
-    p = load(ROOT / "plans" / "gpt-2x4.plan")
-    transfers = [(t.name, t.dtype, t.shape, t.src_stage, t.src_layer, t.dst_stage) for t in p.transfers]
-    plan = hand_plan(p.name, [s.layers for s in p.stages], 2, 2, transfers, str(p.train.schedule),
-                     p.train.micro_batches)
-    return p, plan
+    c = compile_file(ROOT / "plans" / "gpt-2x4.plan", probe=False)
+    return c.program, c.plan_json
 
 
 def _tree(path):

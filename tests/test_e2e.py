@@ -132,32 +132,24 @@ def test_comm_only_runs_transfers_and_reductions(tmp_path):
 
 
 def test_grid_topology_is_the_plans_placement(tmp_path):
-    """DeepSpeed's (pipe, data, model) grid with the compiled plan's rank mapping (no processes)."""
-    from planc.runtime.engine import PlanEngine
-    from planc.runtime.plan import mesh_position
-    from planc.runtime.topology import PlanGridTopology
+    """DeepSpeed's (pipe, data, model) view of the compiled plan's rank mapping (no processes)."""
     from deepspeed.runtime.pipe.engine import PipelineEngine
+
+    from planc.runtime import planfile
+    from planc.runtime.engine import PlanEngine
+    from planc.runtime.topology import StageTopology
     assert issubclass(PlanEngine, PipelineEngine)
     c = compile_file(variant(tmp_path, "gpt-2x4.plan"))
-    plan = c.plan_json
-    t = PlanGridTopology(plan)
+    plan = planfile.Plan.from_json(c.plan_json)
+    t = StageTopology(plan)
     assert t.axes == ["pipe", "data", "model"] and t.dims == [2, 2, 2]
-    for st in plan["stages"]:
-        k = st["mesh_axes"].index("data")
-        for d in st["devices"]:
+    for st in plan.stages:
+        k = st.mesh_axes.index("data")
+        for d in st.devices:
             coord = t.get_coord(d)
-            assert coord.pipe == st["index"] and coord.data == mesh_position(st["mesh"], d)[k]
+            assert coord.pipe == st.index and coord.data == st.position(d)[k]
     assert sorted(map(sorted, t.get_axis_comm_lists("data"))) == sorted(
-        sorted(g) for g in plan["reductions"][0]["groups"])
-
-
-def test_grid_topology_rejects_idle_devices():
-    from planc.runtime.topology import PlanGridTopology, TopologyError
-    plan = {"cluster": {"devices": 5},
-            "stages": [{"index": 0, "mesh": [[0, 1]], "mesh_axes": ["data", "tensor"]},
-                       {"index": 1, "mesh": [[2, 3]], "mesh_axes": ["data", "tensor"]}]}
-    with pytest.raises(TopologyError, match=r"devices \[4\] are in no stage"):
-        PlanGridTopology(plan)
+        sorted(g) for g in c.plan_json["reductions"][0]["groups"])
     plan["cluster"]["devices"] = 5
     plan["stages"][1]["mesh"] = [[2, 3, 4]]
     with pytest.raises(TopologyError, match="same data and model sizes"):

@@ -81,11 +81,15 @@ def test_incomplete_program_rejected_at_construction():
 def reduce_worker(rank, world, payload):
     import torch
 
-    from planc.runtime.dist_util import create_groups
+    import torch.distributed as dist
+
     from planc.runtime.reduce import ReductionExecutor
     done = 0
     for red, groups_list, n, bucket, impl in payload:
-        groups = create_groups({"groups": groups_list})
+        groups = {}   # every group in the same order on every rank (dist.new_group is collective)
+        for g in groups_list:
+            pg = dist.new_group(ranks=list(g))
+            groups[tuple(g)] = pg if rank in g else None
         ex = ReductionExecutor(red, groups, rank, bucket_bytes=bucket, impl=impl)
         base = torch.arange(n, dtype=torch.float32) % 97
 
