@@ -27,7 +27,7 @@ from planc.placement import Placement, place
 from planc.infer import infer_transfers
 from planc.probe import ModelProbe, check_against_model, check_model_reductions, probe_model
 from planc.reduction import plan_reductions, stage_reduction_groups
-from planc.resharding import groups_used, plan_transfers
+from planc.resharding import groups_used, plan_routes
 from planc.resharding import device_region
 from planc.runtime import planfile
 from planc.verify import verify
@@ -101,11 +101,6 @@ def stage_data_degree(st: ir.StageLayout) -> int:
 
 
 # ---------------------------------------------------------------- the passes
-
-def _reverse(t: ir.Transfer) -> ir.Transfer:
-    return dataclasses.replace(t, src_stage=t.dst_stage, dst_stage=t.src_stage, src_spec=t.dst_spec,
-                               dst_spec=t.src_spec, src_layer=None)
-
 
 def _ordered_groups(*lists) -> list[list[int]]:
     seen: dict[tuple[int, ...], None] = {}
@@ -187,11 +182,7 @@ def reductions_pass(program: ir.Program, ctx: Context):
 
 def transfers_pass(program: ir.Program, ctx: Context):
     """Every transfer's forward plan and, in training plans, its gradient's way back."""
-    stages = ctx.placement.stages
-    forward = plan_transfers(program, stages)
-    backward = plan_transfers(dataclasses.replace(program, transfers=tuple(_reverse(t) for t in program.transfers)),
-                              stages) if ctx.training else ()
-    return forward, backward
+    return plan_routes(program, ctx.placement.stages, backward=ctx.training)
 
 
 def pipeline_pass(program: ir.Program, ctx: Context):
@@ -238,7 +229,8 @@ def assemble(decisions, ctx: Context) -> planfile.Plan:
     plan = {
         "format": FORMAT,
         "name": program.name,
-        "source": {"path": program.source_path, "sha256": program.source_sha256},
+        # the file's name, not the path as typed: the same plan gives the same output from any directory
+        "source": {"path": Path(program.source_path).name, "sha256": program.source_sha256},
         "compiler": {"version": __version__, "seconds": None},   # compile_file(timings=True) fills it
         "cluster": {
             "levels": [{"name": lv.name, "fanout": lv.fanout, "bandwidth": lv.bandwidth, "latency": lv.latency}

@@ -198,6 +198,24 @@ def test_output_directory_is_byte_identical(tmp_path):
     assert Path("plan.json") in outs[0] and Path("planc_runtime/reshard.py") in outs[0]
 
 
+@pytest.mark.parametrize("plan_name", ["unet-skip.plan", "gpt-2x4.plan"])
+def test_output_is_byte_identical_from_any_directory_and_hash_seed(tmp_path, plan_name):
+    """`planc compile` run twice, from the checkout with a relative path and from elsewhere with an
+    absolute one, under different PYTHONHASHSEEDs and with the model probed: the same bytes."""
+    import os
+    trees = []
+    for i, (cwd, arg, seed) in enumerate([(ROOT, f"plans/{plan_name}", "0"),
+                                          (tmp_path, str(ROOT / "plans" / plan_name), "12345")]):
+        out = tmp_path / f"out{i}"
+        env = dict(os.environ, PYTHONHASHSEED=seed)
+        r = subprocess.run([sys.executable, "-m", "planc", "compile", arg, "-o", str(out)], cwd=cwd, env=env,
+                           capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr
+        trees.append({p.relative_to(out): p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()})
+    assert trees[0].keys() == trees[1].keys()
+    assert [k for k in trees[0] if trees[0][k] != trees[1][k]] == []
+
+
 def test_probe_sizes_gradients_and_checks_shapes(tmp_path):
     c = compile_file(ROOT / "plans" / "gpt-2x4.plan")
     grads = c.plan_json["reductions"][0]

@@ -19,7 +19,7 @@ from planc.resharding.strategies import build_jobs, choose_strategy, run_schedul
 from planc.resharding.tiles import UnitTask, device_region, parts_per_dim, unit_tasks
 
 __all__ = ["TaskPlan", "TransferPlan", "plan_transfers", "groups_used", "transfer_estimate",
-           "unit_tasks", "UnitTask", "parts_per_dim", "device_region"]
+           "unit_tasks", "UnitTask", "plan_routes", "parts_per_dim", "device_region"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,6 +143,32 @@ def plan_transfers(program: ir.Program, stages: tuple[StageLayout, ...]) -> tupl
         for i, p in zip(idxs, plan_group(trs, lays, program.cluster, program.resharding)):
             out[i] = p
     return tuple(out[i] for i in range(len(program.transfers)))
+
+
+def _reverse(t: Transfer) -> Transfer:
+    """The gradient's way back: from the destination mesh and spec to the source's."""
+    return Transfer(t.name, t.dtype, t.shape, t.dst_stage, None, t.dst_spec, t.src_stage, t.src_spec, t.span)
+
+
+def plan_routes(program: ir.Program, stages: tuple[StageLayout, ...], backward: bool
+                ) -> tuple[tuple[TransferPlan, ...], tuple[TransferPlan, ...]]:
+    """Every transfer's forward plan and, with ``backward``, its gradient's: planned like a
+    transfer from the destination stage to the source stage (gradients leaving one stage share
+    its NIC timeline, as activations do)."""
+    forward = plan_transfers(program, stages)
+    if not backward:
+        return forward, ()
+    reverse = tuple(_reverse(t) for t in program.transfers)
+    by_src: dict[int, list[int]] = {}
+    for i, tr in enumerate(reverse):
+        by_src.setdefault(tr.src_stage, []).append(i)
+    out: dict[int, TransferPlan] = {}
+    for idxs in by_src.values():
+        trs = [reverse[i] for i in idxs]
+        lays = [(_stage(stages, t.src_stage), _stage(stages, t.dst_stage)) for t in trs]
+        for i, p in zip(idxs, plan_group(trs, lays, program.cluster, program.resharding)):
+            out[i] = p
+    return forward, tuple(out[i] for i in range(len(reverse)))
 
 
 def groups_used(plans: Sequence[TransferPlan], cluster: Cluster | None = None) -> tuple[tuple[int, ...], ...]:
