@@ -9,8 +9,6 @@ trains; rank 0 prints ``step N loss X``.
 from __future__ import annotations
 
 import argparse
-import importlib.util
-import inspect
 import json
 import os
 import sys
@@ -27,36 +25,12 @@ from .reduce import ReductionError, ReductionExecutor
 from .reshard import TransferExecutor
 from .tensor_parallel import context_from_plan, shard_info
 from .topology import create_groups
+from .usercode import accepts_tensor_parallel, build_layers, load_callable  # noqa: F401 (re-exported)
 
 
 def load_function(out_dir: str, ref: dict):
-    path = os.path.join(out_dir, ref["file"])
-    name = "planc_user_" + os.path.splitext(os.path.basename(path))[0]
-    mod = sys.modules.get(name)
-    if mod is None:
-        spec = importlib.util.spec_from_file_location(name, path)
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[name] = mod
-        spec.loader.exec_module(mod)
-    return getattr(mod, ref["function"])
-
-
-def accepts_tensor_parallel(builder) -> bool:
-    """Whether the model builder takes a keyword ``tensor_parallel`` (opts in to tensor-parallel layers)."""
-    try:
-        params = inspect.signature(builder).parameters
-    except (TypeError, ValueError):
-        return False
-    p = params.get("tensor_parallel")
-    return p is not None and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
-
-
-def build_layers(builder, model_args: dict, tensor_parallel=None):
-    """Call the model builder: with ``tensor_parallel=`` when it accepts that keyword, else as
-    before (its layers are then replicas along the tensor axis)."""
-    if accepts_tensor_parallel(builder):
-        return builder(**model_args, tensor_parallel=tensor_parallel)
-    return builder(**model_args)
+    """A ``{"file", "function"}`` reference of run.json, from the output folder."""
+    return load_callable(os.path.join(out_dir, ref["file"]), ref["function"])
 
 
 def dump_params(engine, directory: str, rank: int) -> None:

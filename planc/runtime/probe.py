@@ -50,15 +50,13 @@ Runs on CPU, no process group, no gradients.
 from __future__ import annotations
 
 import argparse
-import importlib.util
-import inspect
 import json
-import os
 import sys
 
 import torch
 
 from .tensor_parallel import TensorParallel
+from .usercode import accepts_tensor_parallel, load_callable
 
 DTYPE_NAMES = {torch.float64: "f64", torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16",
                torch.int64: "i64", torch.int32: "i32", torch.int16: "i16", torch.int8: "i8",
@@ -66,14 +64,7 @@ DTYPE_NAMES = {torch.float64: "f64", torch.float32: "f32", torch.float16: "f16",
 
 
 def _load(path: str, function: str):
-    name = "planc_probe_" + os.path.splitext(os.path.basename(path))[0]
-    spec = importlib.util.spec_from_file_location(name, path)
-    if spec is None:
-        raise FileNotFoundError(path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod
-    spec.loader.exec_module(mod)
-    return getattr(mod, function)
+    return load_callable(path, function, prefix="planc_probe_")
 
 
 def _tensors(out):
@@ -82,16 +73,6 @@ def _tensors(out):
 
 def _dtype(t) -> str:
     return DTYPE_NAMES.get(t.dtype, str(t.dtype))
-
-
-def accepts_tensor_parallel(builder) -> bool:
-    """Whether the builder takes a keyword ``tensor_parallel`` (as planc_runtime.main decides)."""
-    try:
-        params = inspect.signature(builder).parameters
-    except (TypeError, ValueError):
-        return False
-    p = params.get("tensor_parallel")
-    return p is not None and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
 
 
 class StandInTensorParallel(TensorParallel):
