@@ -60,3 +60,12 @@ def test_good_and_bad_together(tmp_path):
     bad.write_text("cluster { level a x 2 }\n")
     r = planc("check", GOOD, bad)
     assert r.returncode == 2 and "gpt_2x4: ok" in r.stdout and "needs a bandwidth" in r.stderr
+
+
+def test_cluster_file_that_is_not_utf8_is_a_located_error(tmp_path):
+    (tmp_path / "c.yaml").write_bytes(b"levels:\n  - name: node\xff\n")
+    (tmp_path / "y.plan").write_text('plan y {\n  cluster "c.yaml"\n}\n')
+    r = subprocess.run([sys.executable, "-m", "planc", "check", str(tmp_path / "y.plan")],
+                       capture_output=True, text=True)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert "y.plan:2:11: error: cluster file 'c.yaml' is not UTF-8 text (byte 22)" in r.stderr

@@ -61,6 +61,8 @@ def read_inputs(tree: ast.PlanFile, path: str):
         contents = ClusterFile(name, doc=yaml.safe_load(file.read_text()))
     except FileNotFoundError:
         contents = ClusterFile(name, problem=f"cluster file '{name}' not found (looked in {file.parent})")
+    except UnicodeDecodeError as e:
+        contents = ClusterFile(name, problem=f"cluster file '{name}' is not UTF-8 text (byte {e.start})")
     except (OSError, yaml.YAMLError) as e:
         contents = ClusterFile(name, problem=f"cannot read cluster file '{name}': {str(e).splitlines()[0]}")
     return PlanInputs(source_dir, contents)
