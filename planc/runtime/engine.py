@@ -44,8 +44,9 @@ from .planfile import Direction, Plan, Stage
 from .reduce import ReductionExecutor
 from .reshard import DTYPES, TransferExecutor
 from .comm import RecvAhead, receive_jobs
+from .grads import GradientBuckets
 from .sends import SendReaper
-from .topology import PlanGrid, StageTopology
+from .topology import PlanGrid, StageTopology, reduce_groups
 
 __all__ = ["StageGraph", "PlanPipelineModule", "PlanSchedule", "PlanEngine", "EngineError",
            "run_reference", "build_optimizer", "check_stage_shapes", "apply_layers", "SendReaper", "DTYPES"]
@@ -192,13 +193,16 @@ class PlanEngine(PipelineEngine):
         elif self.deepspeed_reduce:
             self.reduce_description = "DeepSpeed's data-parallel all-reduce"
         else:
-            self.reduce_description = f"planc program {red.text}"
-            self.reduction = ReductionExecutor(red.to_json(), groups, rank)
+            self.reduce_description = f"planc program {red.text}, bucketed, overlapped with the last backward"
+            self.reduction = ReductionExecutor(red.to_json(), reduce_groups(groups), rank)
         self.reduce_size = len(red.group_of(rank)) if red is not None else 1
         if red is not None and tuple(self.grid.get_data_parallel_group_ranks()) != red.group_of(rank):
             raise EngineError(f"rank {rank}: its gradient reduction group {list(red.group_of(rank))} is not its "
                               f"stage's data group {self.grid.get_data_parallel_group_ranks()}")
         self.held = {k: {} for k in ("inputs", "outputs", "labels", "losses", "grads")}
+        self.last_backward = int(next(op for op in reversed(self.ops) if op[0] == "B")[1:])
+        self.grads = GradientBuckets(self.module.parameters(), self.reduction, self.device) \
+            if self.reduction is not None else None
         self.sends = SendReaper()
         self.recvs = RecvAhead(self.executors, receive_jobs(self.ops, self.incoming, self.outgoing))
         self.stats = {"stage": self.stage_id, "peak_live_micro_batches": 0, "peak_pending_sends": 0}
@@ -288,6 +292,8 @@ class PlanEngine(PipelineEngine):
         self._note()
 
     def _exec_backward_pass(self, buffer_id):
+        if self.grads is not None and buffer_id == self.last_backward:
+            self.grads.arm()   # gradients become final during this backward: reduce buckets as they fill
         if self.is_last_stage():
             # DeepSpeedEngine.backward (PipelineEngine.backward raises): loss / gradient_accumulation_steps
             self.loss = self.held["losses"][buffer_id]
@@ -325,8 +331,8 @@ class PlanEngine(PipelineEngine):
         self._note()
 
     def _exec_reduce_grads(self):
-        """The plan's reduction program on one flat gradient buffer; a sum (gradients are already
-        those of the global mean loss, see the module docstring)."""
+        """Every gradient bucket reduced by the plan's program (most already while the last backward
+        ran, see grads.py); a sum: gradients are already those of the global mean loss."""
         self.sends.drain()
         if any(self.held.values()):
             left = {k: sorted(v) for k, v in self.held.items() if v}
@@ -339,20 +345,8 @@ class PlanEngine(PipelineEngine):
                     p.grad.mul_(self.reduce_size)
             PipelineEngine._exec_reduce_grads(self)
             return
-        if self.reduction is None or not params:
-            return
-        self._force_grad_boundary = True
-        try:
-            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-            flat = torch.cat([g.reshape(-1) for g in grads])
-            flat = self.reduction.run(flat)
-            off = 0
-            for p in params:
-                n = p.numel()
-                p.grad = flat[off:off + n].view_as(p).clone()
-                off += n
-        finally:
-            self._force_grad_boundary = False
+        if self.grads is not None:
+            self.grads.finish()   # buckets released during the last backward, the rest now; all waited for
 
     # ---- driver
     def _train_schedule(self):
@@ -366,6 +360,8 @@ class PlanEngine(PipelineEngine):
             self.set_dataiterator(data_iter)
         self.module.train()
         self.total_loss = None
+        if self.grads is not None:
+            self.grads.attach()
         self.recvs.start_step()
         self._exec_schedule(self._train_schedule())
         if not self.counts_loss or self.total_loss is None:

@@ -6,7 +6,8 @@ Public API (stable):
         every group of plan.json ``groups``, then ``backward_groups`` (keyed
         ``("backward", *members)``), then each stage's DeepSpeed grid groups
         (``stages[].data_groups`` / ``model_groups``, one-member groups included,
-        keyed ``("grid", *members)``), then the transfers' own communicators (per
+        keyed ``("grid", *members)``), then the gradient programs' own communicators
+        (``("reduce", *members)``), then the transfers' own communicators (per
         direction, a p2p one over the world, keyed ``("p2p", direction)``, and one
         per broadcast group or allgather part, keyed ``("transfer", direction, *members)``),
         in that order on every rank (creation is collective). The value is None on
@@ -28,9 +29,10 @@ from deepspeed.runtime.pipe.topology import PipelineParallelGrid, ProcessTopolog
 from .dist_util import BACKWARD, GroupMissing, collective_timeout, lookup_group
 from .planfile import Direction, Plan, PlanFileError, Strategy
 
-__all__ = ["create_groups", "lookup_group", "GroupMissing", "StageTopology", "PlanGrid", "GRID", "BACKWARD"]
+__all__ = ["create_groups", "lookup_group", "GroupMissing", "StageTopology", "PlanGrid", "reduce_groups", "GRID",
+           "BACKWARD"]
 
-GRID, P2P, TRANSFER = "grid", "p2p", "transfer"
+GRID, P2P, TRANSFER, REDUCE = "grid", "p2p", "transfer", "reduce"
 
 
 def create_groups(plan: Plan, timeout=None) -> dict:
@@ -41,6 +43,9 @@ def create_groups(plan: Plan, timeout=None) -> dict:
     world = tuple(range(dist.get_world_size()))
     families = [((), plan.groups), ((BACKWARD,), plan.backward_groups),
                 ((GRID,), [g for s in plan.stages for g in (*s.data_groups, *s.model_groups)])]
+    # the gradient programs' own communicators, used by the reduction thread only (see grads.py)
+    families.append(((REDUCE,), [g for r in plan.reductions if r.name == "gradients" for s in r.steps
+                                 for g in s.groups]))
     if plan.transfers:   # the transfers' own communicators, used by nothing else (see comm.py)
         for d in Direction:
             families.append(((P2P, str(d)), [world]))
@@ -56,6 +61,11 @@ def create_groups(plan: Plan, timeout=None) -> dict:
             pg = dist.new_group(ranks=list(members), timeout=timeout)
             out[key] = pg if me in members else None
     return out
+
+
+def reduce_groups(groups: dict) -> dict:
+    """The groups as the gradient reduction thread sees them: its own communicators by members."""
+    return {k[1:]: v for k, v in groups.items() if k and k[0] == REDUCE}
 
 
 def route_groups(plan: Plan, direction: Direction) -> list[tuple[int, ...]]:

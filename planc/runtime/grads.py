@@ -1,0 +1,134 @@
+"""Gradient buckets reduced while the last backward still runs, in place.
+
+Each trainable parameter's ``.grad`` is a view into one of a few flat bucket
+buffers (filled in backward order: the last layer's parameters first), so
+autograd accumulates straight into the buffers and the reduction program runs
+on them with no concatenated copy and no per-parameter clone. During the
+micro-batch that is the stage's last backward, a hook counts the parameters
+whose gradient is final; when a bucket is complete its reduction starts at once
+in a thread of its own, on communicators used by nothing else, while autograd
+goes on with the earlier layers. ``finish()`` reduces what no hook released
+(parameters that got no gradient) and waits for every bucket.
+
+Buckets are ``bucket_bytes`` (env ``PLANC_GRAD_BUCKET_BYTES``, default 8 MiB),
+each padded to a whole number of the program's cuts (``ReductionExecutor.granule``)
+so every collective runs on the buffer itself.
+"""
+from __future__ import annotations
+
+import os
+import queue
+import threading
+
+import torch
+
+__all__ = ["GradientBuckets", "DEFAULT_BUCKET_BYTES"]
+
+DEFAULT_BUCKET_BYTES = 8 << 20
+
+
+class GradientBuckets:
+    def __init__(self, params, executor, device, bucket_bytes: int | None = None):
+        self.executor = executor
+        self.params = [p for p in params if p.requires_grad]
+        limit = bucket_bytes or int(os.environ.get("PLANC_GRAD_BUCKET_BYTES", DEFAULT_BUCKET_BYTES))
+        granule = executor.granule
+        self.buckets: list[tuple[torch.Tensor, list[tuple[torch.nn.Parameter, int]]]] = []
+        members: list[torch.nn.Parameter] = []
+        size = 0
+        for p in reversed(self.params):            # backward order
+            if members and (size + p.numel()) * p.element_size() > limit:
+                self._add(members, granule, device)
+                members, size = [], 0
+            members.append(p)
+            size += p.numel()
+        if members:
+            self._add(members, granule, device)
+        self.slot = {id(p): (b, off) for b, (_, ps) in enumerate(self.buckets) for p, off in ps}
+        self._left: list[int] = []
+        self._armed = False
+        self._queue: queue.Queue = queue.Queue()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="planc-reduce", daemon=True)
+        self._thread.start()
+        for p in self.params:
+            p.register_post_accumulate_grad_hook(self._hook)
+
+    def _add(self, members, granule, device):
+        n = sum(p.numel() for p in members)
+        padded = -(-n // granule) * granule
+        dtype = members[0].dtype
+        if any(p.dtype != dtype for p in members):
+            raise TypeError("a gradient bucket holds parameters of one dtype")
+        buf = torch.zeros(padded, dtype=dtype, device=device)
+        placed, off = [], 0
+        for p in members:
+            placed.append((p, off))
+            off += p.numel()
+        self.buckets.append((buf, placed))
+
+    def attach(self) -> None:
+        """Zero the buffers and make every ``.grad`` a view into its bucket (at each step's start:
+        the optimizer's ``zero_grad`` sets gradients to None)."""
+        for buf, placed in self.buckets:
+            buf.zero_()
+            for p, off in placed:
+                p.grad = buf[off:off + p.numel()].view_as(p)
+
+    def arm(self) -> None:
+        """The next backward is this stage's last one of the step: release buckets as they fill."""
+        self._left = [len(placed) for _, placed in self.buckets]
+        self._released = [False] * len(self.buckets)
+        self._armed = True
+
+    def _hook(self, p) -> None:
+        b, off = self.slot[id(p)]
+        self._keep_view(p, b, off)
+        if not self._armed:
+            return
+        self._left[b] -= 1
+        if self._left[b] == 0:
+            self._release(b)
+
+    def _keep_view(self, p, b: int, off: int) -> None:
+        """Autograd accumulates into the view in place; should it ever have replaced ``.grad``,
+        put the gradient back into the bucket before the bucket is reduced."""
+        view = self.buckets[b][0][off:off + p.numel()]
+        if p.grad is None:
+            p.grad = view.view_as(p)
+        elif p.grad.data_ptr() != view.data_ptr():
+            view.copy_(p.grad.reshape(-1))
+            p.grad = view.view_as(p)
+
+    def _release(self, b: int) -> None:
+        if not self._released[b]:
+            self._released[b] = True
+            self._queue.put(b)
+
+    def _run(self) -> None:
+        while True:
+            b = self._queue.get()
+            try:
+                if b is None:
+                    return
+                if self._error is None:
+                    self.executor.run(self.buckets[b][0])
+            except BaseException as e:  # noqa: BLE001 - raised in the compute thread by finish()
+                self._error = e
+            finally:
+                self._queue.task_done()
+
+    def finish(self) -> None:
+        """Reduce every bucket not released yet, in bucket order, and wait for all of them."""
+        if not self._armed:
+            self.arm()
+        for b, (_, placed) in enumerate(self.buckets):
+            if not self._released[b]:
+                for p, off in placed:      # parameters no hook saw (no gradient this step)
+                    self._keep_view(p, b, off)
+            self._release(b)
+        self._armed = False
+        self._queue.join()
+        if self._error is not None:
+            e, self._error = self._error, None
+            raise RuntimeError(f"gradient reduction failed: {e}") from e
