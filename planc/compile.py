@@ -336,7 +336,7 @@ def _as_lists(x):
 def _train_json(program: ir.Program, probe: ModelProbe | None, stages) -> dict:
     t = program.train
     m, lf, d = program.model, program.loss, program.data
-    return {
+    out = {
         "model": {"file": Path(m.path).name, "function": m.function, "args": dict(m.args)},
         "loss": {"file": Path(lf.path).name, "function": lf.function},
         "data": {"file": Path(d.path).name, "function": d.function},
@@ -347,6 +347,10 @@ def _train_json(program: ir.Program, probe: ModelProbe | None, stages) -> dict:
         "layer_params": list(probe.layer_params) if probe else None,
         "loss_devices": _loss_devices(max(stages, key=lambda s: s.index)),
     }
+    for key in ("timeout", "save_every"):   # train { timeout = 60 s, save_every = N }
+        if getattr(t, key, None) is not None:
+            out[key] = getattr(t, key)
+    return out
 
 
 def _loss_devices(last: ir.StageLayout) -> list[int]:

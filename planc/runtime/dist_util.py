@@ -46,10 +46,12 @@ class StartupError(RuntimeError):
     same_on_every_rank = True   # every rank raises the same message (the checks gather first)
 
 
-def collective_timeout() -> datetime.timedelta:
+def collective_timeout(plan=None) -> datetime.timedelta:
+    """``PLANC_COLLECTIVE_TIMEOUT_S`` if set, else the plan's ``train { timeout = ... }``, else 300 s."""
     raw = os.environ.get(TIMEOUT_ENV)
     if raw is None:
-        return datetime.timedelta(seconds=DEFAULT_TIMEOUT_S)
+        planned = plan.train.timeout if plan is not None and plan.train is not None else None
+        return datetime.timedelta(seconds=planned if planned is not None else DEFAULT_TIMEOUT_S)
     try:
         s = float(raw)
     except ValueError:

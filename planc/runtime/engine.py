@@ -214,7 +214,7 @@ class PlanEngine(PipelineEngine):
         import deepspeed
         from deepspeed.runtime.config import DeepSpeedConfig
         from .dist_util import collective_timeout
-        timeout = timeout or collective_timeout()
+        timeout = timeout or collective_timeout(plan)
         rank = dist.get_rank()
         stage = plan.stage_of(rank)
         a, b = stage.rows_of(rank)

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from . import planfile
-from .dist_util import GroupMissing, StartupError, init_distributed, startup_checks
+from .dist_util import GroupMissing, StartupError, collective_timeout, init_distributed, startup_checks
 from .engine import EngineError, PlanEngine, check_stage_shapes
 from .planfile import Direction, Plan, PlanFileError
 from .reduce import ReductionError, ReductionExecutor
@@ -167,10 +167,10 @@ def _main(argv=None, out_dir: str | None = None) -> int:
     if os.environ.get("PLANC_DUMP_STACKS_AFTER_S"):   # debugging a hang: every rank prints its stack
         import faulthandler
         faulthandler.dump_traceback_later(float(os.environ["PLANC_DUMP_STACKS_AFTER_S"]), exit=False)
-    init_distributed()
+    init_distributed(timeout=collective_timeout(plan))
     startup_checks(plan, planfile.digest(plan))
     rank = dist.get_rank()
-    groups = create_groups(plan)
+    groups = create_groups(plan, timeout=collective_timeout(plan))
 
     if args.comm_only or plan.train is None:
         comm_only(plan, groups, rank, steps)
@@ -186,9 +186,8 @@ def _main(argv=None, out_dir: str | None = None) -> int:
     # DeepSpeed's communication backend starts collectively (its shared-memory ops wait for every
     # local rank), so idle ranks start it too, though they build no engine
     import deepspeed
-    from .dist_util import collective_timeout
     deepspeed.init_distributed(dist_backend=dist.get_backend(), dist_init_required=False,
-                               timeout=collective_timeout())
+                               timeout=collective_timeout(plan))
     stage = plan.stage_of(rank)
     engine, problems = None, []
     if stage is not None:

@@ -342,10 +342,12 @@ class Train:
     trainable: bool
     not_trainable_because: tuple[str, ...]
     loss_devices: tuple[int, ...] = ()
+    timeout: float | None = None        # collective timeout in seconds (train { timeout = ... })
+    save_every: int | None = None       # checkpoint every N steps when train.py --save DIR is given
     extra: tuple = ()
 
     KEYS = ("model", "loss", "data", "micro_batch", "micro_batches", "steps", "schedule", "optimizer",
-            "precision", "seed", "trainable", "not_trainable_because", "loss_devices")
+            "precision", "seed", "trainable", "not_trainable_because", "loss_devices", "timeout", "save_every")
 
     @staticmethod
     def read(at: At) -> "Train":
@@ -356,7 +358,8 @@ class Train:
                      at.key("schedule").enum(Schedule), tuple(opt.value.items()), at.key("precision").str(),
                      at.key("seed").int(), at.key("trainable", True).bool(),
                      tuple(x.str() for x in at.key("not_trainable_because", []).items()),
-                     at.key("loss_devices", []).ints(), extra(at, Train.KEYS))
+                     at.key("loss_devices", []).ints(), _positive(at.key("timeout", None)),
+                     at.key("save_every", None).opt_int(1), extra(at, Train.KEYS))
 
     def optimizer_dict(self) -> dict:
         return dict(self.optimizer)
@@ -371,7 +374,20 @@ class Train:
         out["not_trainable_because"] = list(self.not_trainable_because)
         if self.loss_devices:
             out["loss_devices"] = list(self.loss_devices)
+        if self.timeout is not None:
+            out["timeout"] = self.timeout
+        if self.save_every is not None:
+            out["save_every"] = self.save_every
         return out
+
+
+def _positive(at: At) -> float | None:
+    if at.value is None:
+        return None
+    v = at.num()
+    if v <= 0:
+        at.fail(f"expected a positive number of seconds, got {v}")
+    return v
 
 
 # ---------------------------------------------------------------- tags
