@@ -22,6 +22,7 @@ from pathlib import Path
 from planc import __version__, ir
 from planc.lang import load
 from planc.lang.errors import Diagnostic, PlanError
+from planc.pipeline.deadlock import check_rendezvous
 from planc.pipeline.schedules import build as build_pipeline
 from planc.placement import Placement, place
 from planc.infer import infer_transfers
@@ -268,6 +269,10 @@ def assemble(decisions, ctx: Context) -> planfile.Plan:
             f"{program.train.micro_batches if training else 1} micro-batches, up to {2 ** tags.task_bits} unit tasks "
             f"per transfer) but point-to-point tags have {planfile.TagLayout.MAX_BITS} bits; use fewer micro-batches "
             "or coarser shardings", program.transfers[0].span if program.transfers else program.span))
+    hangs = check_rendezvous(out) + check_rendezvous(out, backend="gloo")
+    if hangs:   # every rank's issue order simulated under rendezvous semantics (planc.pipeline.deadlock)
+        raise PlanError(Diagnostic("the plan could hang when launched:\n  " + "\n  ".join(map(str, hangs)),
+                                   program.span))
     return out
 
 
