@@ -111,16 +111,29 @@ def test_unet_using_allreduce_matches_reference(tmp_path):
 
 @pytest.mark.slow
 def test_shape_mismatch_is_reported(tmp_path):
-    """The compiler rejects a wrong declared shape, so plan.json is edited after compiling."""
+    """A stage whose real output differs from its transfer: the compiler rejects a wrong declared
+    shape, so plan.json is edited after compiling, consistently (shape, every region and task
+    slice of 'e1' one column narrower), and the runtime's start-up check must name stage,
+    transfer and both shapes."""
     _, out = compile_to(tmp_path, variant(tmp_path, "unet-skip.plan"))
     plan = json.loads((out / "plan.json").read_text())
     e1 = next(t for t in plan["transfers"] if t["name"] == "e1")
+
+    def narrow(box):
+        box[2] = [box[2][0], min(box[2][1], 15)]
+
     e1["shape"] = [4, 4, 15]
+    for route in (e1, e1["backward"]):
+        for task in route["tasks"]:
+            narrow(task["slice"])
+        for side in route["regions"].values():
+            for box in side.values():
+                narrow(box)
     (out / "plan.json").write_text(json.dumps(plan, indent=2))
     r = launch_sh(out, "--steps", "1")
     assert r.returncode != 0
-    assert ("stage 0, transfer 'e1': declared shape [4, 4, 15] but the stage produces [4, 4, 16]"
-            in r.stdout + r.stderr)
+    assert ("stage 0, transfer 'e1': the plan moves a [2, 4, 15] shard from rank 0 (of f32[4, 4, 15]) "
+            "but the stage produces [2, 4, 16]" in r.stdout + r.stderr)
 
 
 @pytest.mark.slow

@@ -338,6 +338,18 @@ def m_train_without_pipeline(d):
     return "plan.json: pipeline: missing (a plan with train settings has a pipeline)"
 
 
+def m_region_outside_shape(d):
+    t = d["transfers"][0]
+    t["shape"] = [t["shape"][0] - 1] + t["shape"][1:]
+    for side in ("src", "dst"):   # the reader checks src, then dst, devices in order
+        for dev in sorted(t["regions"][side], key=int):
+            reg = t["regions"][side][dev]
+            if any(b > n for (_, b), n in zip(reg, t["shape"])):
+                return (f"plan.json: transfers[0].regions.{side}.{dev}: region {reg} is outside the "
+                        f"tensor's shape {t['shape']}")
+    raise AssertionError("no region reaches the last row")
+
+
 def m_bad_schedule(d):
     d["train"]["schedule"] = "zero_bubble"
     return "plan.json: train.schedule: 'zero_bubble' is not one of ['gpipe', '1f1b', 'eager_1f1b']"
@@ -351,7 +363,8 @@ COMM_CORRUPTIONS = [c_missing, c_missing_slice, c_wrong_type_list, c_wrong_type_
                     c_unsorted_group, c_bad_strategy]
 MODEL_CORRUPTIONS = [m_per_stage_missing_micro_batch, m_per_stage_backward_first, m_per_stage_micro_batch_beyond,
                      m_per_stage_count, m_backward_sender, m_backward_region_missing, m_rows_missing,
-                     m_data_groups_not_a_partition, m_loss_device, m_train_without_pipeline, m_bad_schedule]
+                     m_data_groups_not_a_partition, m_loss_device, m_train_without_pipeline, m_bad_schedule,
+                     m_region_outside_shape]
 
 
 @pytest.fixture(scope="module")

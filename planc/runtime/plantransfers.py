@@ -133,6 +133,15 @@ class Transfer:
         t = Transfer(at.key("name").str(), dtype, shape, src.key("stage").int(0), src.key("layer", None).opt_int(0),
                      src.key("spec").str(), dst.key("stage").int(0), dst.key("spec").str(), fwd,
                      Route.read(bwd, len(shape)) if bwd.value is not None else None)
+        whole = tuple((0, n) for n in shape)
+        for route, where in ((t.forward, at), (t.backward, bwd)):
+            if route is None:
+                continue
+            for side in ("src", "dst"):
+                for d, reg in getattr(route, f"{side}_regions"):
+                    if not inside(reg, whole):
+                        where.key("regions").key(side).key(str(d)).fail(
+                            f"region {[list(r) for r in reg]} is outside the tensor's shape {list(shape)}")
         for route, where in ((t.forward, at), (t.backward, bwd)):
             if route is None:
                 continue
