@@ -106,11 +106,11 @@ def test_instruction_map_covers_every_instruction(unet):
             ds.BackwardPass: PlanEngine._exec_backward_pass,
             ds.SendGrad: PlanEngine._exec_send_grads,
             ds.ReduceGrads: PlanEngine._exec_reduce_grads}
-    for cls, fn in want.items():
-        assert PlanEngine._INSTRUCTION_MAP[cls] is fn, cls.__name__
+    for cls, fn in want.items():   # each wrapped so a failure names rank, stage and instruction
+        assert PlanEngine._INSTRUCTION_MAP[cls].__wrapped__ is fn, cls.__name__
     if BEGIN is not None:
         want[BEGIN] = PlanEngine._exec_begin_op
-    assert PlanEngine._INSTRUCTION_MAP[ds.OptimizerStep] is E.PipelineEngine._exec_optimizer_step
+    assert PlanEngine._INSTRUCTION_MAP[ds.OptimizerStep].__wrapped__ is E.PipelineEngine._exec_optimizer_step
     assert set(PlanEngine._INSTRUCTION_MAP) == set(want) | {ds.OptimizerStep}
     # and every instruction a compiled plan's schedules emit has an entry
     g = StageGraph(unet)

@@ -348,6 +348,17 @@ class PlanEngine(PipelineEngine):
         if self.grads is not None:
             self.grads.finish()   # buckets released during the last backward, the rest now; all waited for
 
+    def _peers(self, instruction: str, transfer: str | None) -> list[int]:
+        """The ranks an instruction exchanges data with: where a failure came from."""
+        if transfer is not None:
+            direction = Direction.BACKWARD if instruction in ("RecvGrad", "SendGrad") else Direction.FORWARD
+            ex = self.executors.get((transfer, direction))
+            return ex.peers() if ex is not None else []
+        if instruction == "ReduceGrads":
+            red = self.plan.gradient_reduction(self.rank)
+            return [d for d in (red.group_of(self.rank) if red else ()) if d != self.rank]
+        return []
+
     # ---- driver
     def _train_schedule(self):
         return PlanSchedule(self.ops, self.micro_batches, self.num_stages, self.stage_id,
@@ -373,7 +384,30 @@ class PlanEngine(PipelineEngine):
         return OrderedDict((f"layers.{k}", v.detach().cpu()) for k, v in self.module.named_parameters())
 
 
-PlanEngine._INSTRUCTION_MAP = {
+def _named(instruction: str, fn):
+    """An instruction whose communication failure (a dead or hung peer, the collective timeout)
+    is reported naming this rank, its stage, the instruction and what it was waiting for."""
+    import functools
+
+    @functools.wraps(fn)
+    def run(self, **kwargs):
+        try:
+            return fn(self, **kwargs)
+        except (RuntimeError, EngineError) as e:
+            if getattr(e, "planc_named", False):
+                raise
+            what = ", ".join(f"{'micro-batch' if k == 'buffer_id' else k} {v!r}" for k, v in kwargs.items())
+            peers = self._peers(instruction, kwargs.get("transfer"))
+            err = EngineError(f"rank {self.rank} (stage {self.stage_id}) failed in {instruction}"
+                              f"{f' ({what})' if what else ''}"
+                              f"{f' with ranks {peers}' if peers else ''}: "
+                              f"{str(e).splitlines()[0] if str(e) else type(e).__name__}")
+            err.planc_named = True
+            raise err from e
+    return run
+
+
+PlanEngine._INSTRUCTION_MAP = {cls: _named(cls.__name__, fn) for cls, fn in {
     BeginOp: PlanEngine._exec_begin_op,
     ds_schedule.LoadMicroBatch: PlanEngine._exec_load_micro_batch,
     ds_schedule.RecvActivation: PlanEngine._exec_recv_activations,
@@ -384,5 +418,4 @@ PlanEngine._INSTRUCTION_MAP = {
     ds_schedule.SendGrad: PlanEngine._exec_send_grads,
     ds_schedule.ReduceGrads: PlanEngine._exec_reduce_grads,
     ds_schedule.OptimizerStep: PipelineEngine._exec_optimizer_step,   # DeepSpeed's _take_model_step
-}
-
+}.items()}

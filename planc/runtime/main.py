@@ -234,7 +234,11 @@ def _main(argv=None, out_dir: str | None = None) -> int:
         t0 = time.perf_counter()
         share = engine.train_batch() if engine is not None else 0.0   # idle ranks only add nothing
         loss = torch.tensor([share], dtype=torch.float64, device=device)
-        dist.all_reduce(loss)   # the loss devices' shares add up to the step's mean loss
+        try:
+            dist.all_reduce(loss)   # the loss devices' shares add up to the step's mean loss
+        except RuntimeError as e:
+            raise EngineError(f"rank {rank} failed in the step {step} loss all-reduce over every rank: "
+                              f"{str(e).splitlines()[0]}") from e
         elapsed = time.perf_counter() - t0
         total += elapsed
         if rank == 0:

@@ -114,6 +114,22 @@ class TransferExecutor:
                     self.rank == t.sender or self.rank in t.receivers):
                 lookup_group(self.groups, t.group)
 
+    def peers(self) -> list[int]:
+        """The ranks this rank exchanges data with in this direction (for naming a failed peer)."""
+        out = set()
+        for t in self.tasks:
+            if self.rank == t.sender:
+                out.update(t.receivers)
+            elif self.rank in t.receivers:
+                out.add(t.sender)
+                out.update(m for p in (t.parts or ()) if self.rank in p for m in p)
+                if t.strategy is Strategy.BROADCAST:
+                    chain = self._chain(t)
+                    i = chain.index(self.rank)
+                    out.update(chain[max(0, i - 1):i + 2])
+        out.discard(self.rank)
+        return sorted(out)
+
     # ------------------------------------------------------------------ helpers
     def _tag(self, mb, t):
         return self.tags.tag(self.index, self.direction, mb, t.index)
