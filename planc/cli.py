@@ -78,7 +78,19 @@ def _cmd_bench(args) -> int:
             print(f"planc bench: cannot write {args.write}: folder {folder} does not exist or is not writable",
                   file=sys.stderr)
             return EXIT_USER
-    text = run_bench(args.what, write=args.write)
+    options = {}
+    if args.what == "iteration":
+        try:
+            rates = [float(x) for x in args.rates.split(",") if x.strip()] if args.rates else None
+        except ValueError:
+            print(f"planc bench iteration: --rates {args.rates!r} is not a comma-separated list of Mbit/s",
+                  file=sys.stderr)
+            return EXIT_USER
+        options = dict(plans=args.plans or None, json_path=args.json_path, chart=args.chart, rates=rates)
+    elif args.plans or args.rates or args.json_path or args.chart:
+        print(f"planc bench {args.what}: takes no PLAN, --rates, --json or --chart", file=sys.stderr)
+        return EXIT_USER
+    text = run_bench(args.what, write=args.write, **options)
     print(text)
     return 0
 
@@ -165,6 +177,12 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("bench", help="run a benchmark and print its table")
     from planc.bench import BENCHES
     c.add_argument("what", choices=list(BENCHES))
+    c.add_argument("plans", nargs="*", metavar="PLAN",
+                   help="iteration: plans to measure (default: plans/gpt-bench-2x2.plan plans/unet-skip.plan)")
+    c.add_argument("--rates", default=None,
+                   help="iteration: host link rates, Mbit/s, comma-separated (default 10,25,100,10000; 10000 ≈ unshaped)")
+    c.add_argument("--json", dest="json_path", metavar="FILE", help="iteration: also write every measurement as JSON")
+    c.add_argument("--chart", metavar="FILE", help="iteration: step time against link rate (needs matplotlib)")
     c.add_argument("--write", metavar="FILE", help="also write the table into FILE (e.g. docs/benchmarks.md)")
     c.set_defaults(func=_cmd_bench)
 

@@ -153,3 +153,65 @@ def test_comm_only_plan_runs_inside_the_testbed(tmp_path):
     assert len(lines) == 2, r.stdout[-2000:]
     assert len(r.step_times) == 2
     assert _leftovers(prefix) == []
+
+
+TRAIN = """
+plan tb_train {{
+  cluster {{
+    level node x 2 : bandwidth 100 MB/s, latency 50 us
+    level gpu  x 2 : bandwidth 10 GB/s,  latency 2 us
+  }}
+  parallel {{ pipe = 2, data = 2, place = [[2, 1], [1, 2]] }}
+  model "{mlp}:build" {{ layers = 4, hidden = 16, inputs = 8, outputs = 4 }}
+  loss  "{mlp}:loss"
+  data  "{mlp}:batches"
+  stage 0 : layers 0..2
+  stage 1 : layers 2..4
+  transfer h : f32[4, 16] from stage 0 as S0 R to stage 1 as S0 R
+  reduce gradients over data
+  train {{ micro_batch = 4, micro_batches = 2, steps = 2, schedule = 1f1b, optimizer = sgd(lr = 0.1), seed = 3 }}
+}}
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.testbed
+def test_training_plan_launched_per_host_by_the_deepspeed_launcher(tmp_path):
+    """Each host's namespace runs `deepspeed --no_ssh --node_rank=h ...` for its own ranks, as a
+    multi-node job without ssh does; rank 0's step lines come back, the rate can change mid-run."""
+    from pathlib import Path
+
+    from planc.codegen import write_output
+    from planc.compile import compile_file
+
+    mlp = Path(__file__).resolve().parents[1] / "examples" / "mlp.py"
+    src = tmp_path / "train.plan"
+    src.write_text(TRAIN.format(mlp=mlp))
+    c = compile_file(src, probe=False)
+    out = tmp_path / "out"
+    write_output(c.plan_json, c.program, out)
+    seen = []
+    with Testbed(2, 200) as tb:
+        prefix = tb.prefix
+
+        def on_step(n, seconds):
+            seen.append((n, seconds))
+            if n == 0:
+                tb.set_link_mbit(50)
+
+        r = tb.launch(out, steps=3, timeout=240, comm_only=False, on_step=on_step)
+        qdisc = tb.exec(1, ["tc", "qdisc", "show", "dev", IFNAME]).stdout
+    assert r.returncode == 0, r.check()
+    assert r.launcher == "deepspeed"
+    lines = re.findall(r"step (\d) loss \S+ time [0-9.]+ s [0-9.]+ samples/s", r.stdout)
+    assert lines == ["0", "1", "2"], r.stdout[-2000:]
+    assert len(r.step_times) == 3 and len(r.losses) == 3
+    assert [n for n, _ in seen] == [0, 1, 2]
+    assert "50Mbit" in qdisc, qdisc
+    for h in (0, 1):   # one DeepSpeed launcher per host, started without ssh for its own node
+        log = r.host_logs[h]
+        assert "deepspeed.launcher.launch" in log and f"--node_rank={h}" in log, log[-2000:]
+        assert "dist_world_size=4" in log
+    assert sorted(r.logs) == [0, 1, 2, 3] and all(r.logs.values())
+    assert sorted(r.peak_rss_kb) == [0, 1, 2, 3]
+    assert _leftovers(prefix) == []

@@ -3,6 +3,8 @@
 Each benchmark module has ``run() -> str`` (a markdown section). With
 ``--write FILE`` the section replaces the text between its markers in FILE:
 ``<!-- bench:NAME -->`` ... ``<!-- /bench:NAME -->`` (appended if absent).
+``run_bench(name, write, **options)`` passes ``options`` to ``run`` (``iteration``:
+``plans``, ``rates``, ``json_path``, ``chart``).
 """
 
 from __future__ import annotations
@@ -10,13 +12,14 @@ from __future__ import annotations
 import importlib
 from pathlib import Path
 
-BENCHES = ("synthesis", "resharding", "testbed")
+BENCHES = ("synthesis", "resharding", "testbed", "iteration")
 
 
-def run_bench(name: str, write: str | None = None) -> str:
+def run_bench(name: str, write: str | None = None, **options) -> str:
     if name not in BENCHES:
         raise ValueError(f"unknown benchmark {name!r}")
-    text = importlib.import_module(f"planc.bench.{name}").run().rstrip() + "\n"
+    options = {k: v for k, v in options.items() if v is not None}
+    text = importlib.import_module(f"planc.bench.{name}").run(**options).rstrip() + "\n"
     if write:
         replace_section(Path(write), name, text)
     return text

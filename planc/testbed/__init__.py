@@ -10,10 +10,14 @@ Public API::
         .addresses      host h's address (on its veth ``IFNAME`` only)
         .ifname         the veth inside every host namespace (GLOO_SOCKET_IFNAME)
         .exec(h, argv, **subprocess kwargs)    run a command inside host h's namespace
-        .launch(out, steps=..., timeout=...) -> LaunchResult
-                        run a compiled output's ranks (host h's ranks in namespace h)
-                        with ``train.py --comm-only``; every process is killed on timeout
-    LaunchResult        returncode, stdout (rank 0), logs (per rank), step_times, timed_out
+        .launch(out, steps=..., timeout=..., comm_only=True, extra_args=(), script=None,
+                launcher="deepspeed", on_step=None) -> LaunchResult
+                        run a compiled output: in namespace h, DeepSpeed's launcher for node h
+                        (``deepspeed --no_ssh --node_rank=h ...``) starts host h's ranks of
+                        ``train.py [--comm-only]`` (or ``script``); every process is killed on timeout
+        .set_link_mbit(x)   change every host link's rate (``tc qdisc change``), also mid-run
+    LaunchResult        returncode, stdout (rank 0), logs (per rank), host_logs (per launcher),
+                        step_times, losses, peak_rss_kb (VmHWM per rank), timed_out
     available() -> str | None      why a testbed cannot be built here (None: it can)
     cleanup_stale() -> list[str]   remove testbed namespaces left by processes that died
     scaled_link_mbit(plan, intra_bytes_per_s=3e9) -> float

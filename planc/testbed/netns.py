@@ -25,11 +25,13 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
+from planc.testbed.watch import (_RANK_FAILED_RE, STEP_RE, TRAIN_STEP_RE, _rank_failed,  # noqa: F401
+                                 _sample_hwm, _StepWatch, deepspeed_command)
 
 IFNAME = "tb0"                  # the veth inside every host namespace
 BRIDGE = "br0"                  # the bridge inside the bridge namespace
 NAME_RE = re.compile(r"^planc(\d+)t(\d+)(?:h\d+|br)$")
-STEP_RE = re.compile(r"step (\d+) comm ([0-9.]+) s \(verified")
 _counter = itertools.count()
 
 
@@ -141,12 +143,19 @@ class LaunchResult:
     step_times: list[float] = field(default_factory=list)
     timed_out: bool = False
     seconds: float = 0.0
+    losses: list[float] = field(default_factory=list)       # training: rank 0's `step N loss X` values
+    peak_rss_kb: dict[int, int] = field(default_factory=dict)   # rank -> VmHWM sampled while it ran
+    host_logs: dict[int, str] = field(default_factory=dict)     # host -> its DeepSpeed launcher's output
+    launcher: str = "deepspeed"
 
     def check(self) -> "LaunchResult":
         if self.returncode != 0:
             bad = next((r for r, text in sorted(self.logs.items()) if "Error" in text or "error" in text), 0)
             what = "timed out" if self.timed_out else f"exited {self.returncode}"
-            raise TestbedError(f"launch {what}; rank {bad}'s output ends:\n{self.logs.get(bad, '')[-3000:]}")
+            launchers = "".join(f"\nhost {h}'s launcher output ends:\n{t[-1500:]}"
+                                for h, t in sorted(self.host_logs.items()) if not self.logs.get(bad))
+            raise TestbedError(f"launch {what}; rank {bad}'s output ends:\n{self.logs.get(bad, '')[-3000:]}"
+                               + launchers)
         return self
 
 
@@ -177,7 +186,8 @@ class Testbed:
         self.ifname = IFNAME
         self._subnet = ipaddress.ip_network(subnet) if subnet else None
         # tbf needs a bucket of at least one (GSO) packet; ~2 ms of traffic, at least 64 KB
-        self.burst_bytes = int((burst_kb * 1024) if burst_kb else max(64 * 1024, self.link_mbit * 1e6 / 8 * 0.002))
+        self._burst_kb = burst_kb
+        self.burst_bytes = self._burst(self.link_mbit)
         self.latency_ms = latency_ms
         self.addresses: list[str] = []
         self._created: list[str] = []
@@ -186,6 +196,9 @@ class Testbed:
         self._ports = itertools.count(29500)
         self._old_sigterm = None
         self.up = False
+
+    def _burst(self, mbit: float) -> int:
+        return int((self._burst_kb * 1024) if self._burst_kb else max(64 * 1024, mbit * 1e6 / 8 * 0.002))
 
     # -- building and removing -------------------------------------------------
     def __enter__(self) -> "Testbed":
@@ -267,81 +280,175 @@ class Testbed:
         kwargs.setdefault("timeout", 60)
         return subprocess.run(["ip", "netns", "exec", self.namespaces[host], *argv], **kwargs)
 
-    def launch(self, out: str | os.PathLike, steps: int = 3, timeout: float = 300, *,
-               args: tuple[str, ...] = ("--comm-only",), env: dict | None = None,
-               python: str | None = None, grace: float = 15.0) -> LaunchResult:
-        """Run OUT/train.py's ranks: plan host h's ranks in namespace h, gloo over the veth.
+    def set_link_mbit(self, link_mbit: float) -> None:
+        """Change every host link's rate (both directions) in place, between launches."""
+        if not self.up:
+            raise TestbedError("the testbed is not up (use it as a context manager)")
+        if link_mbit <= 0:
+            raise ValueError(f"link_mbit must be positive, not {link_mbit}")
+        self.link_mbit = float(link_mbit)
+        self.burst_bytes = self._burst(self.link_mbit)
+        tbf = ["tbf", "rate", f"{self.link_mbit:g}mbit", "burst", str(self.burst_bytes),
+               "latency", f"{self.latency_ms:g}ms"]
+        for h, ns in enumerate(self.namespaces):
+            for where, dev in ((ns, IFNAME), (self.bridge_ns, f"p{h}")):
+                # `change` keeps the queued packets (a running job only sees the new rate)
+                r = _run(["ip", "netns", "exec", where, "tc", "qdisc", "change", "dev", dev, "root", *tbf], check=False)
+                if r.returncode != 0:
+                    _run(["ip", "netns", "exec", where, "tc", "qdisc", "replace", "dev", dev, "root", *tbf])
 
-        Every rank gets RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR
-        (host 0's address), MASTER_PORT, GLOO_SOCKET_IFNAME, DS_ACCELERATOR=cpu,
-        PLANC_BACKEND=gloo, OMP_NUM_THREADS=1. After ``timeout`` seconds (or
-        ``grace`` seconds after a rank fails) every rank's process group is killed.
+    def launch(self, out: str | os.PathLike, steps: int = 3, timeout: float = 300, *,
+               comm_only: bool = True, extra_args: tuple[str, ...] | list[str] = (),
+               args: tuple[str, ...] | None = None, script: str | os.PathLike | None = None,
+               launcher: str = "deepspeed", env: dict | None = None, python: str | None = None,
+               grace: float = 15.0, memory: bool = True,
+               on_step: Callable[[int, float], None] | None = None) -> LaunchResult:
+        """Run a compiled output: plan host h's ranks in namespace h, gloo over the veth.
+
+        ``launcher="deepspeed"`` (default) starts, in each host's namespace, the
+        DeepSpeed launcher for that node as a multi-node job without ssh does:
+        ``deepspeed --hostfile HF --no_ssh --node_rank=h --num_nodes=H
+        [--num_gpus=N] --master_addr=<host 0> --master_port=P
+        --enable_each_rank_log=DIR SCRIPT ARGS`` (HF lists the plan's hosts and
+        their slots; ``--num_gpus`` is given when every host has N ranks). The
+        launcher sets RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT for its
+        ranks. ``launcher="direct"`` spawns the ranks itself (RANK, LOCAL_RANK,
+        WORLD_SIZE, LOCAL_WORLD_SIZE, ...), as before.
+
+        SCRIPT is OUT/train.py unless ``script`` is given; ARGS are ``--comm-only``
+        (``comm_only=True``) or ``args`` when given, then ``--steps N`` and
+        ``extra_args``. Every process gets GLOO_SOCKET_IFNAME, DS_ACCELERATOR=cpu,
+        PLANC_BACKEND=gloo, OMP_NUM_THREADS=1, PLANC_COLLECTIVE_TIMEOUT_S; ``env``
+        adds to them. After ``timeout`` seconds (or ``grace`` seconds after a
+        launcher or rank failed) every process group is killed. With ``memory``,
+        each rank's VmHWM (/proc/PID/status) is sampled while it runs.
+        ``on_step(n, seconds)`` is called (from this thread, within ~50 ms) each
+        time rank 0 prints the line of step ``n``, e.g. to change the link rate
+        with ``set_link_mbit`` while the program runs.
         """
         if not self.up:
             raise TestbedError("the testbed is not up (use it as a context manager)")
+        if launcher not in ("deepspeed", "direct"):
+            raise ValueError(f"launcher must be 'deepspeed' or 'direct', not {launcher!r}")
         out = Path(out).resolve()
         plan = json.loads((out / "plan.json").read_text())
         hosts = [sorted(int(r) for r in h) for h in plan["cluster"]["hosts"]]
         if len(hosts) > self.hosts:
             raise TestbedError(f"the plan has {len(hosts)} hosts, the testbed {self.hosts}")
         world = int(plan["cluster"]["devices"])
+        script = Path(script).resolve() if script is not None else out / "train.py"
+        argv = list(args) if args is not None else (["--comm-only"] if comm_only else [])
+        argv += ["--steps", str(steps), *map(str, extra_args)]
         base = {k: v for k, v in os.environ.items()
-                if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")}
+                if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
+                             "CUDA_VISIBLE_DEVICES", "CROSS_RANK", "CROSS_SIZE", "LOCAL_SIZE")}
         python = python or sys.executable
         base.update(DS_ACCELERATOR="cpu", PLANC_BACKEND="gloo", OMP_NUM_THREADS="1", PYTHONPATH="",
                     PLANC_COLLECTIVE_TIMEOUT_S=str(int(max(30, timeout))),
                     PATH=str(Path(python).parent) + os.pathsep + os.environ.get("PATH", ""),
-                    MASTER_ADDR=self.addresses[0], MASTER_PORT=str(next(self._ports)),
-                    WORLD_SIZE=str(world), GLOO_SOCKET_IFNAME=IFNAME)
+                    GLOO_SOCKET_IFNAME=IFNAME)
+        port = str(next(self._ports))
         base.update(env or {})
         logdir = Path(tempfile.mkdtemp(prefix="planc-testbed-"))
-        procs: dict[int, subprocess.Popen] = {}
-        files = {}
+        procs: dict[str, subprocess.Popen] = {}     # "host<h>" (a launcher) or "rank<r>" -> process
+        files = []
         t0 = time.monotonic()
         timed_out = False
+        hwm: dict[int, int] = {}
         try:
-            for h, ranks in enumerate(hosts):
-                for local, rank in enumerate(ranks):
-                    e = dict(base, RANK=str(rank), LOCAL_RANK=str(local), LOCAL_WORLD_SIZE=str(len(ranks)))
-                    f = open(logdir / f"rank{rank}.log", "w")
-                    files[rank] = f
-                    p = subprocess.Popen(["ip", "netns", "exec", self.namespaces[h], python, str(out / "train.py"),
-                                          *args, "--steps", str(steps)],
-                                         env=e, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         cwd=str(out), start_new_session=True)
-                    procs[rank] = p
+            if launcher == "deepspeed":
+                first = 0
+                for h, ranks in enumerate(hosts):
+                    if ranks != list(range(first, first + len(ranks))):
+                        raise TestbedError(f"host {h} holds ranks {ranks}: the DeepSpeed launcher numbers each "
+                                           f"host's ranks contiguously in hostfile order")
+                    first += len(ranks)
+                hostfile = logdir / "hostfile"
+                hostfile.write_text("".join(f"node{h} slots={len(r)}\n" for h, r in enumerate(hosts)))
+                uniform = len({len(r) for r in hosts}) == 1
+                for h, ranks in enumerate(hosts):
+                    cmd = [*deepspeed_command(python), f"--hostfile={hostfile}", "--no_ssh", f"--node_rank={h}",
+                           f"--num_nodes={len(hosts)}", *([f"--num_gpus={len(ranks)}"] if uniform else []),
+                           f"--master_addr={self.addresses[0]}", f"--master_port={port}",
+                           f"--enable_each_rank_log={logdir / f'host{h}'}", str(script), *argv]
+                    f = open(logdir / f"host{h}.log", "w")
+                    files.append(f)
+                    procs[f"host{h}"] = subprocess.Popen(
+                        ["ip", "netns", "exec", self.namespaces[h], *cmd], env=base, stdout=f,
+                        stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=str(out), start_new_session=True)
                     with self._lock:
-                        self._procs.append(p)
+                        self._procs.append(procs[f"host{h}"])
+            else:
+                for h, ranks in enumerate(hosts):
+                    for local, rank in enumerate(ranks):
+                        e = dict(base, RANK=str(rank), LOCAL_RANK=str(local), LOCAL_WORLD_SIZE=str(len(ranks)),
+                                 WORLD_SIZE=str(world), MASTER_ADDR=self.addresses[0], MASTER_PORT=port)
+                        f = open(logdir / f"rank{rank}.log", "w")
+                        files.append(f)
+                        procs[f"rank{rank}"] = subprocess.Popen(
+                            ["ip", "netns", "exec", self.namespaces[h], python, str(script), *argv],
+                            env=e, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                            cwd=str(out), start_new_session=True)
+                        with self._lock:
+                            self._procs.append(procs[f"rank{rank}"])
             deadline = t0 + timeout
             failed_at = None
+            next_sample = 0.0
+            watch = _StepWatch(logdir, "host0/*_rank0.log" if launcher == "deepspeed" else "rank0.log", on_step)
             while any(p.poll() is None for p in procs.values()):
+                watch.poll()
                 now = time.monotonic()
-                if failed_at is None and any(p.returncode not in (None, 0) for p in procs.values()):
+                if memory and now >= next_sample:
+                    _sample_hwm(procs.values(), str(script), hwm)
+                    next_sample = now + 0.25
+                if failed_at is None and (any(p.returncode not in (None, 0) for p in procs.values())
+                                          or (launcher == "deepspeed" and _rank_failed(logdir))):
                     failed_at = now
                 if now > deadline or (failed_at is not None and now > failed_at + grace):
                     timed_out = now > deadline
                     break
                 time.sleep(0.05)
+            else:
+                watch.poll()   # the lines written just before the last process exited
         finally:
             for p in procs.values():
                 if p.poll() is None:
                     _killpg(p)
+            if "watch" in locals():
+                watch.close()
             for p in procs.values():
                 try:
                     p.wait(timeout=10)
                 except subprocess.TimeoutExpired:
                     pass
-            for f in files.values():
+            for f in files:
                 f.close()
             with self._lock:
                 self._procs = [p for p in self._procs if p not in procs.values()]
-        logs = {r: (logdir / f"rank{r}.log").read_text(errors="replace") for r in procs}
+        if launcher == "deepspeed":
+            logs = {}
+            for r in range(world):
+                found = sorted(logdir.glob(f"host*/*_rank{r}.log"))
+                logs[r] = found[-1].read_text(errors="replace") if found else ""
+            host_logs = {h: (logdir / f"host{h}.log").read_text(errors="replace") for h in range(len(hosts))}
+        else:
+            logs = {int(k[4:]): (logdir / f"{k}.log").read_text(errors="replace") for k in procs}
+            host_logs = {}
         shutil.rmtree(logdir, ignore_errors=True)
-        codes = [procs[r].returncode for r in sorted(procs)]
-        rc = 124 if timed_out else next((c for c in codes if c != 0), 0)
+        codes = [p.returncode for p in procs.values()]
+        rc = 124 if timed_out else next((c for c in codes if c not in (0, None)), 0)
+        if rc == 0 and launcher == "deepspeed" and any(_RANK_FAILED_RE.search(t) for t in host_logs.values()):
+            rc = 1
         stdout = logs.get(0, "")
         steps_seen = [float(m.group(2)) for m in STEP_RE.finditer(stdout)]
-        return LaunchResult(rc, stdout, logs, steps_seen, timed_out, time.monotonic() - t0)
+        losses = []
+        if not steps_seen:
+            found = TRAIN_STEP_RE.findall(stdout)
+            steps_seen = [float(t) for _, _, t in found]
+            losses = [float(x) for _, x, _ in found]
+        return LaunchResult(rc, stdout, logs, steps_seen, timed_out, time.monotonic() - t0,
+                            losses=losses, peak_rss_kb=dict(sorted(hwm.items())), host_logs=host_logs,
+                            launcher=launcher)
 
 
 def _killpg(p: subprocess.Popen) -> None:

@@ -1,0 +1,499 @@
+"""`planc bench iteration`: training step time on the testbed, planc against stock DeepSpeed, against bounds.
+
+For each plan, in one testbed (docs/testbed.md) whose hosts are the plan's
+hosts, launched per host with DeepSpeed's own launcher (``deepspeed --no_ssh
+--node_rank=h ...``, one per namespace, as a multi-node job without ssh):
+
+- **planc**: the plan compiled three times, with ``train { schedule = gpipe }``,
+  ``1f1b`` and ``eager_1f1b`` (the same placement, transfers and reduction
+  programs; only the per-stage lists differ), each run as ``OUT/train.py``;
+- **stock DeepSpeed**: ``planc/bench/stock_deepspeed.py`` — ``PipelineModule``
+  with the same layers, cut, loss, micro-batch and micro-batch count, its
+  default ``PipeDataParallelTopology``, its own schedule, p2p and data-parallel
+  all-reduce — when stock DeepSpeed can express the plan (a chain of equal
+  stages whose transfers go from each stage's last layer to the next stage,
+  no tensor axis, planc's stage placement equal to DeepSpeed's rank order, a
+  cut that ``partition_method='uniform'`` or ``'parameters'`` reproduces);
+  otherwise the row says why not;
+- **compute-only** (a bound): every rank runs its stage's part of the plan's
+  list (the eager_1f1b variant's) — forwards on zero inputs of the planned
+  shapes, backwards with constant output gradients, the optimizer step —
+  with no transfer and no reduction, one rank at a time (the others wait in a
+  barrier), so each rank's work is timed alone on the CPUs; a step's bound is
+  max(the slowest rank's work, all ranks' work ÷ the cores the ranks share):
+  a stage cannot finish before its own work, and the emulated hosts share this
+  machine's cores. It has no pipeline bubble and no oversubscription (4 ranks
+  on 2 cores switching mid-computation), so it is a lower bound on compute;
+  it is run before and after the programs and the faster run counts; the runtime has no hook to cut transfers yet (an
+  exact version would be ``PLANC_SIGNAL_TRANSFERS=1`` in the runtime's
+  ``TransferExecutor``/``ReductionExecutor``: same schedule, one-element
+  messages);
+- **link** (a bound): bytes per iteration through the busiest host link
+  direction (forward and backward transfer tasks × micro-batches from
+  plan.json, plus the gradient reduction's cross-host bytes, ring estimate)
+  ÷ the link rate.
+
+Each program runs once per plan over every rate: the link rate is changed
+(``tc qdisc change``) while the program runs, after the step that ends each
+rate's segment; each segment's first step (it straddles the change; for the
+first segment, the program's first step) is discarded and the median of the
+next ``measured`` steps is reported. Peak memory is each rank's VmHWM read from
+/proc by the testbed while it runs (over the whole run, all rates).
+
+``python planc/bench/compute_only.py --compute-only --out OUT`` is the
+compute-only worker (launched by the bench inside the testbed; standard
+library, torch and OUT's own runtime only).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+from planc.bench import compute_only  # noqa: E402  (the worker the bench launches in the testbed)
+
+ROOT = Path(__file__).resolve().parents[2]
+DEFAULT_PLANS = ("plans/gpt-bench-2x2.plan", "plans/unet-skip.plan")
+DEFAULT_RATES = (10.0, 25.0, 100.0, 10000.0)
+SCHEDULES = ("gpipe", "1f1b", "eager_1f1b")
+WARMUP, MEASURED, COMPUTE_MEASURED = 1, 5, 3
+DTYPE_BYTES = {"f32": 4, "f16": 2, "bf16": 2, "f64": 8, "i64": 8, "i32": 4, "i16": 2, "i8": 1, "u8": 1, "bool": 1}
+
+
+# ---------------------------------------------------------------- what to run
+
+def compile_variants(plan_path: str | os.PathLike, tmp: Path) -> dict[str, dict]:
+    """The plan compiled once per pipeline schedule (probed once): schedule -> {"out", "plan"}."""
+    import dataclasses
+
+    from planc import ir
+    from planc.codegen import write_output
+    from planc.compile import compile_program
+    from planc.lang import load
+    from planc.probe import probe_model
+
+    program = load(plan_path)
+    if program.model is None or program.train is None:
+        raise ValueError(f"{plan_path}: not a training plan (no model/train block)")
+    probe = probe_model(program)
+    variants = {}
+    for sched in SCHEDULES:
+        p = dataclasses.replace(program, train=dataclasses.replace(program.train, schedule=ir.PipeSchedule(sched)))
+        compiled = compile_program(p, probe)
+        if compiled.untrainable:
+            raise ValueError(f"{plan_path} ({sched}): planc says it cannot train: "
+                             + "; ".join(d.message for d in compiled.untrainable))
+        out = tmp / f"{program.name}-{sched}"
+        write_output(compiled.plan_json, compiled.program, out)
+        variants[sched] = {"out": out, "plan": compiled.plan_json}
+    return variants
+
+
+def stock_partition(plan: dict) -> str | None:
+    """The ``partition_method`` that makes DeepSpeed cut the layers where the plan does, or None."""
+    from deepspeed.runtime import utils as ds_utils
+
+    stages = plan["stages"]
+    bounds = [s["layers"][0] for s in stages] + [stages[-1]["layers"][1]]
+    params = list(plan["train"].get("layer_params") or [])
+    n, k = bounds[-1], len(stages)
+    if list(ds_utils.partition_uniform(num_items=n, num_parts=k)) == bounds:
+        return "uniform"
+    if len(params) == n and list(ds_utils.partition_balanced(weights=params, num_parts=k)) == bounds:
+        return "parameters"
+    return None
+
+
+def stock_reason(plan: dict) -> str | None:
+    """Why stock DeepSpeed's PipelineModule cannot run this plan as planc does (None: it can)."""
+    if not plan.get("train"):
+        return "a communication-only plan"
+    stages = plan["stages"]
+    if len(stages) < 2:
+        return "a single stage (no pipeline)"
+    for s in stages:
+        for axis, size in zip(s["mesh_axes"], s["mesh_shape"]):
+            if axis != "data" and size > 1:
+                return (f"stage {s['index']} has a `{axis}` axis of {size} (a stock PipelineModule has no "
+                        f"tensor parallelism without a Megatron mpu)")
+    sizes = [len(s["devices"]) for s in stages]
+    if len(set(sizes)) > 1:
+        return f"stages of unequal size {sizes} (PipeDataParallelTopology gives every stage the same data degree)"
+    for t in plan["transfers"]:
+        a, b = t["src"]["stage"], t["dst"]["stage"]
+        if b != a + 1:
+            return f"skips to non-adjacent stages (transfer `{t['name']}`: stage {a} → stage {b})"
+        layer = t["src"].get("layer")
+        if layer is not None and layer != stages[a]["layers"][1] - 1:
+            return (f"transfer `{t['name']}` sends layer {layer}'s output, not stage {a}'s last "
+                    f"(DeepSpeed sends only a stage's last output)")
+    for s in range(len(stages) - 1):
+        n = sum(1 for t in plan["transfers"] if t["src"]["stage"] == s)
+        if n != 1:
+            return f"{n} transfers from stage {s} (DeepSpeed sends one activation per stage boundary)"
+    dp = sizes[0]
+    for i, s in enumerate(stages):
+        want = list(range(i * dp, (i + 1) * dp))
+        if s["devices"] != want or s.get("mesh_devices", want) != want:
+            return (f"planc placed stage {i} on devices {s['devices']}; PipeDataParallelTopology puts it on "
+                    f"{want}")
+    if plan["train"]["micro_batch"] % dp:
+        return f"micro_batch {plan['train']['micro_batch']} does not divide over data {dp}"
+    if stock_partition(plan) is None:
+        bounds = [s["layers"][0] for s in stages] + [stages[-1]["layers"][1]]
+        return f"the layer cut {bounds} is neither partition_method 'uniform' nor 'parameters'"
+    return None
+
+
+def link_bytes(plan: dict) -> dict:
+    """Bytes per iteration through each host's link, each direction (see the module docstring).
+
+    Transfers: each task's slice, per micro-batch, forward and backward; a task with one receiver
+    counts once per receiving host out of the sender's host (exact for send_recv), a task with
+    several receivers once out of the sender's host and once into each other receiving host (a
+    lower bound). Gradient reductions: each program step's collective over a group spanning
+    hosts, as a ring over the group in rank order: every ring edge between two hosts carries
+    2(n-1)/n·S (allreduce), (n-1)/n·S (reduce_scatter), (n-1)·S (all_gather of S per rank) or S
+    (reduce, broadcast), S the bytes each member holds at that step.
+    """
+    hosts = plan["cluster"]["hosts"]
+    host_of = {int(r): h for h, rs in enumerate(hosts) for r in rs}
+    out, inn = [0.0] * len(hosts), [0.0] * len(hosts)
+    train = plan.get("train")
+    mb = int(train["micro_batches"]) if train else 1
+    for t in plan["transfers"]:
+        size = DTYPE_BYTES.get(t["dtype"], 4)
+        for route in (t, t.get("backward")):
+            if not route:
+                continue
+            for task in route["tasks"]:
+                n = size
+                for a, b in task["slice"]:
+                    n *= b - a
+                hs = host_of[int(task["sender"])]
+                others = {host_of[int(r)] for r in task["receivers"]} - {hs}
+                for h in others:
+                    inn[h] += n * mb
+                out[hs] += n * mb * (len(others) if len(task["receivers"]) == 1 else min(1, len(others)))
+    stage_of = {int(d): s["index"] for s in plan["stages"] for d in s["devices"]}
+    for r in plan["reductions"]:
+        if train and r["name"] != "gradients":
+            continue   # declared for placement only; a training run reduces its gradients
+        per_stage = {e["stage"]: e["bytes"] for e in r.get("per_stage_bytes") or ()}
+        cur = {}
+        for g in r.get("groups") or ():
+            for d in g:
+                cur[int(d)] = float(per_stage.get(stage_of.get(int(d)), r["bytes"]))
+        for step in (r.get("program") or {}).get("steps") or ():
+            kind = step["collective"]
+            for g in step["groups"]:
+                g = sorted(int(d) for d in g)
+                k = len(g)
+                s = cur.get(g[0], float(r["bytes"]))
+                per_edge = {"allreduce": 2 * (k - 1) / k * s, "reduce_scatter": (k - 1) / k * s,
+                            "all_gather": (k - 1) * s}.get(kind, s)
+                if len({host_of[d] for d in g}) > 1:
+                    for i in range(k):
+                        a, b = host_of[g[i]], host_of[g[(i + 1) % k]]
+                        if a != b:
+                            out[a] += per_edge
+                            inn[b] += per_edge
+                for d in g:
+                    cur[d] = s / k if kind == "reduce_scatter" else s * k if kind == "all_gather" else s
+    busiest = max(range(len(hosts)), key=lambda h: max(out[h], inn[h]))
+    direction = "out" if out[busiest] >= inn[busiest] else "in"
+    return {"out": out, "in": inn, "busiest_host": busiest, "busiest_direction": direction,
+            "busiest_bytes": max(out[busiest], inn[busiest])}
+
+
+def link_seconds(nbytes: float, mbit: float) -> float:
+    return nbytes / (mbit * 1e6 / 8)
+
+
+# ---------------------------------------------------------------- measuring
+
+def _over_rates(tb, out: Path, rates, *, measured: int, timeout: float, script=None, extra_args=()) -> dict:
+    """One launch across every rate: returns {"per_rate": [{rate, steps, median}], "peak_rss_kb", ...}."""
+    import statistics
+
+    seg = WARMUP + measured
+    total = seg * len(rates)
+
+    def on_step(n: int, _seconds: float) -> None:
+        if (n + 1) % seg == 0 and n + 1 < total:
+            tb.set_link_mbit(rates[(n + 1) // seg])
+
+    tb.set_link_mbit(rates[0])
+    r = tb.launch(out, steps=total, timeout=timeout, comm_only=False, script=script,
+                  extra_args=list(extra_args), on_step=on_step)
+    res = {"returncode": r.returncode, "launch_s": round(r.seconds, 1), "step_times": r.step_times,
+           "details": [line for line in r.stdout.splitlines() if line.startswith("compute-only step")],
+           "losses": r.losses, "peak_rss_kb": r.peak_rss_kb, "per_rate": []}
+    for i, rate in enumerate(rates):
+        times = r.step_times[i * seg + WARMUP:(i + 1) * seg]
+        res["per_rate"].append({"rate": rate, "steps": times,
+                                "median": statistics.median(times) if len(times) == measured else None})
+    if r.returncode != 0 or len(r.step_times) < total:
+        tail = next((t for _, t in sorted(r.logs.items()) if "Error" in t or "error" in t), r.stdout)
+        res["error"] = ("timed out" if r.timed_out else f"exit {r.returncode}") + f": {tail.strip()[-800:]}"
+    return res
+
+
+def measure_plan(plan_path: str, rates, *, measured: int = MEASURED, timeout: float = 600,
+                 log=lambda *a: None) -> dict:
+    import tempfile
+
+    from planc.testbed import Testbed
+
+    rates = [float(x) for x in rates]
+    with tempfile.TemporaryDirectory(prefix="planc-bench-iteration-") as tmp:
+        t0 = time.monotonic()
+        variants = compile_variants(plan_path, Path(tmp))
+        plan = variants["eager_1f1b"]["plan"]
+        hosts = plan["cluster"]["hosts"]
+        result = {"plan": str(plan_path), "name": plan["name"], "hosts": [len(h) for h in hosts],
+                  "stages": [len(s["devices"]) for s in plan["stages"]],
+                  "micro_batch": plan["train"]["micro_batch"], "micro_batches": plan["train"]["micro_batches"],
+                  "link": link_bytes(plan), "compile_s": round(time.monotonic() - t0, 1), "programs": {}}
+        reason = stock_reason(plan)
+        result["stock"] = {"expressible": reason is None, "reason": reason,
+                           "partition_method": stock_partition(plan) if reason is None else None}
+        compute_runs = []
+
+        def compute_only(tb, when):
+            log(f"{plan['name']}: compute-only ({when})")
+            out = variants["eager_1f1b"]["out"]
+            run = _over_rates(tb, out, [max(rates)], measured=COMPUTE_MEASURED, timeout=timeout,
+                              script=Path(compute_only.__file__).resolve(), extra_args=["--compute-only", "--out", str(out)])
+            run["when"] = when
+            compute_runs.append(run)
+
+        with Testbed(len(hosts), rates[0]) as tb:
+            compute_only(tb, "before")
+            for sched in SCHEDULES:
+                log(f"{plan['name']}: planc {sched}")
+                result["programs"][f"planc {sched}"] = _over_rates(
+                    tb, variants[sched]["out"], rates, measured=measured, timeout=timeout)
+            if reason is None:
+                log(f"{plan['name']}: stock DeepSpeed")
+                out = variants["eager_1f1b"]["out"]
+                result["programs"]["stock DeepSpeed"] = _over_rates(
+                    tb, out, rates, measured=measured, timeout=timeout, script=ROOT / "planc/bench/stock_deepspeed.py",
+                    extra_args=["--out", str(out), "--partition", result["stock"]["partition_method"]])
+            compute_only(tb, "after")
+        # the bound is the faster of the two runs (the other jobs on the machine only slow a run down)
+        done = [r for r in compute_runs if r["per_rate"][0]["median"] is not None]
+        result["compute_only"] = min(done, key=lambda r: r["per_rate"][0]["median"]) if done else compute_runs[-1]
+        result["compute_only_runs"] = compute_runs
+    return result
+
+
+# ---------------------------------------------------------------- reporting
+
+def _f(x, digits=3, suffix=""):
+    return "—" if x is None else f"{x:.{digits}f}{suffix}"
+
+
+def rows(result: dict) -> list[dict]:
+    """Flat rows (one per rate and program) with the ratios."""
+    comp = (result.get("compute_only") or {}).get("per_rate") or [{}]
+    compute = comp[0].get("median")
+    out = []
+    programs = list(result["programs"])
+    for i, rate in enumerate(r["rate"] for r in next(iter(result["programs"].values()))["per_rate"]):
+        link = link_seconds(result["link"]["busiest_bytes"], rate)
+        bound = max(compute, link) if compute is not None else None
+        stock = result["programs"].get("stock DeepSpeed")
+        stock_t = stock["per_rate"][i]["median"] if stock else None
+        for name in programs + ([] if stock else ["stock DeepSpeed"]):
+            run = result["programs"].get(name)
+            t = run["per_rate"][i]["median"] if run else None
+            out.append({"rate": rate, "program": name, "median": t,
+                        "steps": run["per_rate"][i]["steps"] if run else [],
+                        "vs_stock": t / stock_t if t and stock_t else None,
+                        "vs_bound": t / bound if t and bound else None,
+                        "compute_only": compute, "link": link, "bound": bound,
+                        "note": None if run else f"n/a: {result['stock']['reason']}",
+                        "error": run.get("error") if run else None})
+    return out
+
+
+def compute_parts(run: dict) -> tuple[float, float, int] | None:
+    """Medians over the measured steps of (slowest rank alone, all ranks' work ÷ cores) and the cores."""
+    import re
+    import statistics
+
+    rx = re.compile(r"compute-only step (\d+): slowest rank alone ([0-9.]+) s, all ranks [0-9.]+ s on (\d+) cores "
+                    r"([0-9.]+) s")
+    found = [m for m in map(rx.search, run.get("details") or ()) if m and int(m.group(1)) >= WARMUP]
+    if not found:
+        return None
+    return (statistics.median(float(m.group(2)) for m in found), statistics.median(float(m.group(4)) for m in found),
+            int(found[0].group(3)))
+
+
+def markdown(result: dict, rates_arg: str) -> str:
+    lk = result["link"]
+    parts = compute_parts(result.get("compute_only") or {})
+    parts_text = (f" = max(slowest rank alone {parts[0]:.3f} s, all ranks' work ÷ {parts[2]} cores {parts[1]:.3f} s)"
+                  if parts else "")
+    hosts = " + ".join(str(h) for h in result["hosts"])
+    lines = [f"### `{result['plan']}` ({result['name']}: {len(result['hosts'])} hosts of {hosts} ranks, "
+             f"stages of {result['stages']} devices, {result['micro_batches']} micro-batches of "
+             f"{result['micro_batch']} rows)", "",
+             f"Reproduce: `planc bench iteration {result['plan']} --rates {rates_arg}` "
+             f"(today: `python -m planc.bench.iteration {result['plan']} --rates {rates_arg}`)", "",
+             f"Link bound: {lk['busiest_bytes'] / 1e6:.2f} MB per iteration through host "
+             f"{lk['busiest_host']}'s link ({lk['busiest_direction']}), ÷ the rate. Compute-only bound: "
+             f"{_f((result.get('compute_only') or {}).get('per_rate', [{}])[0].get('median'))} s{parts_text}, "
+             f"the faster of two runs (" + ", ".join(f"{r.get('when', '?')} the programs {_f(r['per_rate'][0]['median'])} s"
+                                      for r in result.get("compute_only_runs") or ()) +
+             f"; median of {COMPUTE_MEASURED} steps each). Stock DeepSpeed: "
+             + (f"`PipelineModule(partition_method='{result['stock']['partition_method']}')`, default topology."
+                if result["stock"]["expressible"] else f"n/a: {result['stock']['reason']}."), "",
+             "| link Mbit/s | program | median s/step | ÷ stock DeepSpeed | ÷ bound | bound s (compute-only, link) |",
+             "|---|---|---|---|---|---|"]
+    for r in rows(result):
+        t = r["note"] or (f"failed ({r['error'][:60]})" if r["error"] and r["median"] is None else _f(r["median"]))
+        lines.append(f"| {r['rate']:g} | {r['program']} | {t} | {_f(r['vs_stock'], 2)} | {_f(r['vs_bound'], 2)} | "
+                     f"{_f(r['bound'])} ({_f(r['compute_only'])}, {_f(r['link'])}) |")
+    lines += ["", "| program | peak RSS per rank, MB (VmHWM) | loss, first steps | run s |", "|---|---|---|---|"]
+    for name, run in list(result["programs"].items()) + [
+            (f"compute-only ({r.get('when', '?')})", r) for r in result.get("compute_only_runs") or ()]:
+        mem = ", ".join(f"{kb / 1024:.0f}" for _, kb in sorted(run.get("peak_rss_kb", {}).items())) or "—"
+        losses = ", ".join(f"{x:.4f}" for x in run.get("losses", [])[:3]) if "compute" not in name else "—"
+        lines.append(f"| {name} | {mem} | {losses or '—'} | {run.get('launch_s', '—')} |")
+    return "\n".join(lines) + "\n"
+
+
+def _rich_print(results: list[dict]) -> bool:
+    try:
+        from rich.console import Console
+        from rich.table import Table
+    except ImportError:
+        return False
+    console = Console(stderr=True)
+    for res in results:
+        table = Table(title=f"{res['plan']} ({res['name']})")
+        for col in ("Mbit/s", "program", "median s/step", "÷ stock", "÷ bound", "bound s"):
+            table.add_column(col)
+        for r in rows(res):
+            table.add_row(f"{r['rate']:g}", r["program"], r["note"] or _f(r["median"]), _f(r["vs_stock"], 2),
+                          _f(r["vs_bound"], 2), _f(r["bound"]))
+        console.print(table)
+    return True
+
+
+def _chart(results: list[dict], path: str) -> str:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "chart: not drawn, matplotlib is not installed"
+    fig, axes = plt.subplots(1, len(results), figsize=(6 * len(results), 4), squeeze=False)
+    for ax, res in zip(axes[0], results):
+        rs = rows(res)
+        rates = sorted({r["rate"] for r in rs})
+        for name in dict.fromkeys(r["program"] for r in rs):
+            ys = [next((r["median"] for r in rs if r["rate"] == x and r["program"] == name), None) for x in rates]
+            if any(y is not None for y in ys):
+                ax.plot(rates, ys, marker="o", label=name)
+        ax.plot(rates, [next(r["bound"] for r in rs if r["rate"] == x) for x in rates], "k--", label="bound")
+        ax.set_xscale("log")
+        ax.set_xlabel("host link, Mbit/s")
+        ax.set_ylabel("s per step (median)")
+        ax.set_title(res["name"])
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    return f"chart: {path}"
+
+
+def run(plans=None, rates=None, *, json_path: str | None = None, chart: str | None = None,
+        measured: int = MEASURED, timeout: float = 600, verbose: bool = True) -> str:
+    """Measure ``plans`` (default: gpt-bench-2x2 and unet-skip) at ``rates`` (Mbit/s) and return markdown."""
+    from planc.testbed import available
+
+    why = available()
+    if why:
+        return f"_Skipped: {why}. The testbed needs root and iproute2 (`ip`, `tc`); see docs/testbed.md._\n"
+    import platform
+
+    import torch
+
+    plans = [str(p) for p in (plans or DEFAULT_PLANS)]
+    rates = [float(x) for x in (rates or DEFAULT_RATES)]
+    rates_arg = ",".join(f"{x:g}" for x in rates)
+    def log(*a):
+        if verbose:
+            print("planc bench iteration:", *a, file=sys.stderr, flush=True)
+
+    t0 = time.monotonic()
+    load0 = os.getloadavg()[0]
+    results = []
+    for p in plans:
+        path = Path(p) if Path(p).exists() else ROOT / p
+        results.append(measure_plan(str(path), rates, measured=measured, timeout=timeout, log=log))
+        results[-1]["plan"] = p
+    took = time.monotonic() - t0
+    load = (load0, os.getloadavg()[0])
+    import deepspeed
+    machine = (f"{os.cpu_count()} CPU cores ({platform.machine()}), Python {platform.python_version()}, "
+               f"torch {torch.__version__}, DeepSpeed {deepspeed.__version__}")
+    doc = {"machine": machine, "load_average": load, "rates_mbit": rates, "warmup": WARMUP, "measured": measured,
+           "seconds": round(took, 1), "plans": results}
+    notes = []
+    if json_path:
+        Path(json_path).write_text(json.dumps(doc, indent=1, default=str) + "\n")
+        log(f"wrote {json_path}")
+    notes.append(_chart(results, chart) if chart else
+                 ("chart: not drawn (matplotlib is not installed)" if not _has("matplotlib") else
+                  "chart: pass `--chart FILE`"))
+    _rich_print(results)
+    head = (f"Testbed, gloo over tbf-shaped host links, each plan's ranks launched per host by "
+            f"`deepspeed --no_ssh --node_rank=h` in that host's namespace. Median of {measured} steps per rate "
+            f"after {WARMUP} discarded (the rate changes while a program runs; see planc/bench/iteration.py); "
+            f"bound = max(compute-only, link); ratios > 1 are slower. Machine: {machine}; 1-minute load average "
+            f"{load[0]:.1f} at the start, {load[1]:.1f} at the end (other jobs share the CPUs: compare within a "
+            f"run, expect noise); the whole bench took {took:.0f} s. " + "; ".join(notes) + ".")
+    return head + "\n\n" + "\n".join(markdown(r, rates_arg) for r in results)
+
+
+def _has(module: str) -> bool:
+    import importlib.util
+    return importlib.util.find_spec(module) is not None
+
+
+def main(argv=None) -> int:
+    """``python -m planc.bench.iteration [PLAN ...] [--rates 10,25,100,10000] [--json F] [--chart F] [--write F]``
+    (the proposed ``planc bench iteration`` command line)."""
+    import argparse
+
+    argv = sys.argv[1:] if argv is None else argv
+    if "--compute-only" in argv:
+        return compute_only.compute_worker(argv)
+    p = argparse.ArgumentParser(prog="python -m planc.bench.iteration")
+    p.add_argument("plans", nargs="*", metavar="PLAN")
+    p.add_argument("--rates", default=",".join(f"{x:g}" for x in DEFAULT_RATES),
+                   help="host link rates, Mbit/s, comma-separated (10000 ≈ unshaped)")
+    p.add_argument("--json", dest="json_path", metavar="FILE")
+    p.add_argument("--chart", metavar="FILE", help="step time against link rate (needs matplotlib)")
+    p.add_argument("--measured", type=int, default=MEASURED, help="measured steps per rate")
+    p.add_argument("--write", metavar="FILE", help="also write the section into FILE (e.g. docs/benchmarks.md)")
+    args = p.parse_args(argv)
+    rates = [float(x) for x in args.rates.split(",") if x.strip()]
+    text = run(args.plans or None, rates, json_path=args.json_path, chart=args.chart, measured=args.measured)
+    text = text.rstrip() + "\n"
+    if args.write:
+        from planc.bench import replace_section
+        replace_section(Path(args.write), "iteration", text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

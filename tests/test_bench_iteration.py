@@ -1,0 +1,178 @@
+"""`planc bench iteration`: what stock DeepSpeed can express, the link bound's byte count, the report,
+and (root + iproute2 only) the stock DeepSpeed script and the compute-only worker launched per host
+inside the testbed. No test asserts on a timing."""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from planc.bench import iteration
+from planc.testbed import available
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _compile(path: Path) -> dict:
+    from planc.compile import compile_file
+
+    return compile_file(path, probe=False).plan_json
+
+
+@pytest.fixture(scope="module")
+def gpt_plan() -> dict:
+    return _compile(ROOT / "plans/gpt-bench-2x2.plan")
+
+
+@pytest.fixture(scope="module")
+def unet_plan() -> dict:
+    return _compile(ROOT / "plans/unet-skip.plan")
+
+
+def test_stock_deepspeed_expresses_the_gpt_chain_with_a_uniform_cut(gpt_plan):
+    assert [s["devices"] for s in gpt_plan["stages"]] == [[0, 1], [2, 3]]   # DeepSpeed's rank order
+    assert iteration.stock_reason(gpt_plan) is None
+    assert iteration.stock_partition(gpt_plan) == "uniform"
+
+
+def test_stock_deepspeed_cannot_express_skips_tensor_axes_or_other_cuts(unet_plan, gpt_plan):
+    assert iteration.stock_reason(unet_plan).startswith("skips to non-adjacent stages (transfer `e2`")
+    tensor = _compile(ROOT / "plans/gpt-2x4.plan")
+    assert "`tensor` axis of 2" in iteration.stock_reason(tensor)
+    moved = copy.deepcopy(gpt_plan)   # a cut neither uniform nor balanced by parameters
+    moved["stages"][0]["layers"], moved["stages"][1]["layers"] = [0, 1], [1, 6]
+    moved["train"]["layer_params"] = [1, 1, 1, 1, 1, 1]
+    moved["transfers"][0]["src"]["layer"] = 0
+    assert iteration.stock_partition(moved) is None
+    assert "neither partition_method" in iteration.stock_reason(moved)
+    swapped = copy.deepcopy(gpt_plan)
+    swapped["stages"][0]["devices"], swapped["stages"][1]["devices"] = [0, 2], [1, 3]
+    assert "PipeDataParallelTopology puts it on [0, 1]" in iteration.stock_reason(swapped)
+
+
+def test_link_bytes_counts_activations_and_gradients_per_micro_batch(gpt_plan):
+    lk = iteration.link_bytes(gpt_plan)
+    per_mb = 8 * 64 * 256 * 4                    # f32[8, 64, 256], half from each stage-0 device
+    assert lk["out"] == [8 * per_mb, 8 * per_mb]  # activations out of host 0, gradients out of host 1
+    assert lk["in"] == [8 * per_mb, 8 * per_mb]
+    assert lk["busiest_bytes"] == 8 * per_mb       # the data-parallel reduction stays inside each host
+    assert math.isclose(iteration.link_seconds(lk["busiest_bytes"], 10), 8 * per_mb / 1.25e6)
+
+
+def test_link_bytes_ring_estimate_for_a_reduction_across_hosts(gpt_plan):
+    plan = copy.deepcopy(gpt_plan)
+    plan["transfers"] = []
+    plan["reductions"] = [{"name": "gradients", "bytes": 1000, "groups": [[0, 2]],
+                           "per_stage_bytes": [{"stage": 0, "bytes": 1000}],
+                           "program": {"steps": [{"collective": "reduce_scatter", "groups": [[0, 2]]},
+                                                 {"collective": "all_gather", "groups": [[0, 2]]}]}},
+                          {"name": "tensor_traffic", "bytes": 10 ** 9, "groups": [[0, 2]],
+                           "program": {"steps": [{"collective": "allreduce", "groups": [[0, 2]]}]}}]
+    lk = iteration.link_bytes(plan)
+    # reduce_scatter: (n-1)/n * 1000 = 500 per ring edge; all_gather of the 500-byte shards: 500;
+    # the placement-only reduction is not run by a training step
+    assert lk["out"] == [1000, 1000] and lk["in"] == [1000, 1000]
+
+
+def _fake_result(stock: bool) -> dict:
+    def prog(ts):
+        return {"per_rate": [{"rate": r, "steps": [t], "median": t} for r, t in zip((10.0, 100.0), ts)],
+                "peak_rss_kb": {0: 2048, 1: 4096}, "losses": [1.5, 1.25], "launch_s": 3.0}
+    programs = {f"planc {s}": prog([4.0, 2.0]) for s in iteration.SCHEDULES}
+    if stock:
+        programs["stock DeepSpeed"] = prog([5.0, 2.0])
+    return {"plan": "plans/x.plan", "name": "x", "hosts": [2, 2], "stages": [2, 2], "micro_batch": 8,
+            "micro_batches": 8, "link": {"busiest_bytes": 2.5e6, "busiest_host": 0, "busiest_direction": "out",
+                                         "out": [2.5e6, 0], "in": [0, 2.5e6]},
+            "stock": {"expressible": stock, "reason": None if stock else "skips to non-adjacent stages",
+                      "partition_method": "uniform" if stock else None},
+            "programs": programs, "compute_only": {"per_rate": [{"rate": 100.0, "median": 1.0}]},
+            "compute_only_runs": [{"when": "before", "per_rate": [{"rate": 100.0, "median": 1.0}]},
+                                  {"when": "after", "per_rate": [{"rate": 100.0, "median": 1.5}]}]}
+
+
+def test_report_ratios_and_not_applicable_rows():
+    rs = iteration.rows(_fake_result(stock=True))
+    at10 = {r["program"]: r for r in rs if r["rate"] == 10.0}
+    assert at10["planc gpipe"]["vs_stock"] == pytest.approx(0.8)
+    assert at10["planc gpipe"]["bound"] == pytest.approx(2.0)     # link 2.5 MB / 1.25 MB/s > compute 1 s
+    assert at10["planc gpipe"]["vs_bound"] == pytest.approx(2.0)
+    text = iteration.markdown(_fake_result(stock=True), "10,100")
+    assert "| 10 | planc gpipe | 4.000 | 0.80 | 2.00 | 2.000 (1.000, 2.000) |" in text
+    assert "`planc bench iteration plans/x.plan --rates 10,100`" in text
+    text = iteration.markdown(_fake_result(stock=False), "10,100")
+    assert "| 10 | stock DeepSpeed | n/a: skips to non-adjacent stages |" in text
+    assert "| planc 1f1b | 2, 4 | 1.5000, 1.2500 | 3.0 |" in text
+    assert "1.000 s, the faster of two runs (before the programs 1.000 s, after the programs 1.500 s" in text
+    assert "| compute-only (after) | — | — | — |" in text
+
+
+def test_run_bench_passes_options_and_skips_without_a_testbed(monkeypatch, tmp_path):
+    from planc import bench
+
+    monkeypatch.setattr("planc.testbed.available", lambda: "no testbed in this test")
+    doc = tmp_path / "b.md"
+    text = bench.run_bench("iteration", write=str(doc), plans=["plans/gpt-bench-2x2.plan"], rates=[10.0])
+    assert text.startswith("_Skipped: no testbed in this test")
+    assert "<!-- bench:iteration -->" in doc.read_text()
+
+
+TINY = """
+plan bench_tiny {{
+  cluster {{
+    level node x 2 : bandwidth 100 MB/s, latency 50 us
+    level gpu  x 2 : bandwidth 10 GB/s,  latency 2 us
+  }}
+  parallel {{ pipe = 2, data = 2, place = [[2, 1], [1, 2]] }}
+  model "{mlp}:build" {{ layers = 4, hidden = 16, inputs = 8, outputs = 4 }}
+  loss  "{mlp}:loss"
+  data  "{mlp}:batches"
+  stage 0 : layers 0..2
+  stage 1 : layers 2..4
+  transfer h : f32[4, 16] from stage 0 as S0 R to stage 1 as S0 R
+  reduce gradients over data
+  train {{ micro_batch = 4, micro_batches = 2, steps = 2, schedule = 1f1b, optimizer = sgd(lr = 0.1), seed = 3 }}
+}}
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.testbed
+@pytest.mark.skipif(available() is not None, reason=f"testbed unavailable: {available()}")
+def test_stock_deepspeed_and_compute_only_run_per_host_in_the_testbed(tmp_path):
+    """The same model and data under planc and under stock DeepSpeed train alike (the same losses);
+    the compute-only worker prints a step line per step."""
+    from planc.codegen import write_output
+    from planc.compile import compile_file
+    from planc.testbed import Testbed
+
+    src = tmp_path / "tiny.plan"
+    src.write_text(TINY.format(mlp=ROOT / "examples/mlp.py"))
+    c = compile_file(src, probe=True)
+    out = tmp_path / "out"
+    write_output(c.plan_json, c.program, out)
+    assert iteration.stock_reason(c.plan_json) is None
+    with Testbed(2, 1000) as tb:
+        planc_run = tb.launch(out, steps=2, timeout=240, comm_only=False).check()
+        stock = tb.launch(out, steps=2, timeout=240, comm_only=False,
+                          script=ROOT / "planc/bench/stock_deepspeed.py",
+                          extra_args=["--out", str(out), "--partition", iteration.stock_partition(c.plan_json)]).check()
+        compute = tb.launch(out, steps=2, timeout=240, comm_only=False, script=Path(iteration.__file__),
+                            extra_args=["--compute-only", "--out", str(out)]).check()
+    assert "parts=[0, 2, 4], topology pipe 2 x data 2" in stock.stdout
+    assert len(planc_run.losses) == len(stock.losses) == 2
+    assert planc_run.losses == pytest.approx(stock.losses, rel=1e-4)
+    assert len(compute.step_times) == 2
+    assert sorted(planc_run.peak_rss_kb) == [0, 1, 2, 3]
+    json.dumps(stock.peak_rss_kb)
+
+
+def test_compute_parts_reads_the_workers_lines_after_the_warm_up():
+    lines = [f"compute-only step {i}: slowest rank alone {a} s, all ranks {2 * b} s on 2 cores {b} s, "
+             f"per rank [0.1, 0.2]" for i, (a, b) in enumerate([(9.0, 9.0), (0.4, 0.7), (0.5, 0.8), (0.3, 0.9)])]
+    assert iteration.compute_parts({"details": lines}) == (0.4, 0.8, 2)
+    assert iteration.compute_parts({}) is None
