@@ -53,7 +53,7 @@ import sys
 import time
 from pathlib import Path
 
-from planc.bench import compute_only  # noqa: E402  (the worker the bench launches in the testbed)
+from planc.bench import compute_only as worker  # noqa: E402  (the worker the bench launches in the testbed)
 
 ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_PLANS = ("plans/gpt-bench-2x2.plan", "plans/unet-skip.plan")
@@ -267,7 +267,7 @@ def measure_plan(plan_path: str, rates, *, measured: int = MEASURED, timeout: fl
             log(f"{plan['name']}: compute-only ({when})")
             out = variants["eager_1f1b"]["out"]
             run = _over_rates(tb, out, [max(rates)], measured=COMPUTE_MEASURED, timeout=timeout,
-                              script=Path(compute_only.__file__).resolve(), extra_args=["--compute-only", "--out", str(out)])
+                              script=Path(worker.__file__).resolve(), extra_args=["--compute-only", "--out", str(out)])
             run["when"] = when
             compute_runs.append(run)
 
@@ -475,7 +475,7 @@ def main(argv=None) -> int:
 
     argv = sys.argv[1:] if argv is None else argv
     if "--compute-only" in argv:
-        return compute_only.compute_worker(argv)
+        return worker.compute_worker(argv)
     p = argparse.ArgumentParser(prog="python -m planc.bench.iteration")
     p.add_argument("plans", nargs="*", metavar="PLAN")
     p.add_argument("--rates", default=",".join(f"{x:g}" for x in DEFAULT_RATES),
