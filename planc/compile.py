@@ -22,6 +22,8 @@ from pathlib import Path
 from planc import __version__, ir
 from planc.lang import load
 from planc.lang.errors import Diagnostic, PlanError
+from planc.pipeline.choose import choose_schedule
+from planc.pipeline.cut import apply_auto_stages
 from planc.pipeline.deadlock import check_rendezvous
 from planc.pipeline.schedules import build as build_pipeline
 from planc.placement import Placement, place
@@ -130,20 +132,27 @@ class Context:
     verify: bool = False
     placement: Placement | None = None
     untrainable: tuple[Diagnostic, ...] = ()
+    choices: tuple = ()     # (what, why) of decisions made for `auto` (stage cut, schedule)
 
     @property
     def training(self) -> bool:
         return self.program.model is not None
 
 
-def compile_program(program: ir.Program, probe: ModelProbe | None = None, verify: bool = False) -> CompiledPlan:
+def compile_program(program: ir.Program, probe: ModelProbe | None = None, verify: bool = False,
+                    stages_reason: str | None = None) -> CompiledPlan:
     """The passes in order, each ``(input, ctx) -> record``; with ``verify`` each output is checked
     by an independent checker before the next pass runs (``planc.verify``)."""
     ctx = Context(program, probe, verify)
     program = _run("infer", infer_pass, program, ctx)
     ctx = dataclasses.replace(ctx, program=program)
     placement = _run("place", place_pass, program, ctx)
-    ctx = dataclasses.replace(ctx, placement=placement,
+    choices = (("stages", stages_reason),)
+    if ctx.training and program.train.schedule is ir.PipeSchedule.AUTO:   # the best that fits the memory
+        schedule, why = choose_schedule(program, placement.stages, ctx.probe)
+        program = dataclasses.replace(program, train=dataclasses.replace(program.train, schedule=schedule))
+        choices += (("schedule", why),)
+    ctx = dataclasses.replace(ctx, program=program, placement=placement, choices=choices,
                               untrainable=check_trainable(program, placement.stages) if ctx.training else ())
     reductions = _run("reductions", reductions_pass, program, ctx)
     routes = _run("transfers", transfers_pass, program, ctx)
@@ -240,6 +249,9 @@ def assemble(decisions, ctx: Context) -> planfile.Plan:
             "hosts": [list(h) for h in c.hosts()],
         },
     }
+    for key in ("flops", "memory"):   # cluster { flops = ..., memory = ... }, when given
+        if getattr(c, key, None) is not None:
+            plan["cluster"][key] = getattr(c, key)
     pj = placement.to_json()
     if pj is not None:
         plan["placement"] = pj
@@ -250,6 +262,8 @@ def assemble(decisions, ctx: Context) -> planfile.Plan:
         plan["tensor_groups"] = tensor_groups
     plan["stage_mode"] = str(program.stage_mode)
     plan["stages"] = [_stage_json(s, program.train.micro_batch if training else None) for s in stages]
+    if any(why for _, why in ctx.choices):
+        plan["choices"] = {what: why for what, why in ctx.choices if why}   # why `auto` became what it is
     plan["reductions"] = red_json
     plan["transfers"] = tr_json
     if pipeline is not None:
@@ -373,7 +387,11 @@ def compile_file(path: str | Path, probe: bool = True, timings: bool = False, ve
     program = load(path)
     try:
         model_probe = probe_model(program) if (probe and program.model is not None) else None
-        compiled = compile_program(program, model_probe, verify=verify)
+        stages_reason = None
+        if program.auto_stages:   # stages = auto(N): cut the layers first, then probe the cut's real dataflow
+            program, stages_reason = apply_auto_stages(program, model_probe)
+            model_probe = probe_model(program)
+        compiled = compile_program(program, model_probe, verify=verify, stages_reason=stages_reason)
     except PlanError as e:   # errors found by the passes point into the plan: show its lines too
         raise e.with_source(program.source_path, Path(path).read_text()) from None
     if timings:

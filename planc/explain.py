@@ -156,4 +156,6 @@ def explain(plan: dict) -> str:
                    f"{_t(pipe.get('predicted_iteration'))}")
         for i, ops in enumerate(pipe["per_stage"]):
             out.append(f"  stage {i}: {' '.join(ops)}")
+    for what, why in (plan.get("choices") or {}).items():   # what `auto` became, and why
+        out.append(f"{what} = auto: {why}")
     return "\n".join(out)

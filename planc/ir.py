@@ -57,9 +57,18 @@ class SchedulerKind(StrEnum):
 
 
 class PipeSchedule(StrEnum):
+    """``auto`` is a request, not a schedule: ``planc.pipeline.choose.choose_schedule`` replaces it by
+    one of the three before the pipeline lists are built (plan.json never holds ``auto``)."""
+
     GPIPE = "gpipe"
     ONE_F_ONE_B = "1f1b"
     EAGER_1F1B = "eager_1f1b"
+    AUTO = "auto"
+
+    @classmethod
+    def concrete(cls) -> tuple["PipeSchedule", ...]:
+        """The schedules that can be built (every member but ``auto``)."""
+        return (cls.GPIPE, cls.ONE_F_ONE_B, cls.EAGER_1F1B)
 
 
 class Precision(StrEnum):
@@ -109,8 +118,13 @@ class Level:
 
 @dataclass(frozen=True, slots=True)
 class Cluster:
+    """``flops``: one device's throughput in FLOP/s (None: not given, no compute model); ``memory``:
+    one device's memory in bytes (None: not given, no limit for ``schedule = auto``)."""
+
     levels: tuple[Level, ...]
     host_level: str
+    flops: float | None = None
+    memory: float | None = None
 
     @property
     def fanouts(self) -> tuple[int, ...]:
@@ -270,12 +284,17 @@ class CodeRef:
 
 @dataclass(frozen=True, slots=True)
 class Stage:
+    """``auto_layers``: the plan leaves the layer range to the compiler (``stages = auto(N)`` or
+    ``layers auto``); ``layers`` is None until ``planc.pipeline.cut.apply_auto_stages`` fills it
+    (the flag stays set, so later passes and plan.json can say the range was chosen)."""
+
     index: int
     layers: tuple[int, int] | None
     first_device: int | None = None        # explicit stages only
     mesh_shape: tuple[int, ...] | None = None  # explicit stages only
     mesh_axes: tuple[str, ...] = ()         # explicit: as written or m0, m1; derived: filled by the checker
     span: Span = field(default=_NOSPAN, compare=False, repr=False)
+    auto_layers: bool = False
 
     @property
     def explicit_devices(self) -> tuple[int, ...] | None:
@@ -378,6 +397,9 @@ class Train:
     optimizer: Optimizer = Optimizer()
     precision: Precision = Precision.FP32
     seed: int = 1234
+    timeout: float | None = None     # seconds: collective timeout (None: the runtime's default)
+    save_every: int | None = None    # checkpoint every N steps with `train.py --save DIR` (None: never)
+    schedule_span: Span = field(default=_NOSPAN, compare=False, repr=False)   # `schedule = ...` as written
 
 
 @dataclass(frozen=True, slots=True)
@@ -401,6 +423,11 @@ class Program:
     synthesis: Synthesis = Synthesis()
     train: Train = Train()
     deepspeed_overrides: str | None = None
+
+    @property
+    def auto_stages(self) -> bool:
+        """Some stage's layer range is left to the compiler and not cut yet."""
+        return any(s.auto_layers and s.layers is None for s in self.stages)
 
     @property
     def pipe_axis(self) -> MeshAxis | None:

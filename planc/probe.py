@@ -38,6 +38,12 @@ class ModelProbe:
     ``k`` > 1 used by the plan, what one device of a tensor group of ``k`` holds per layer (only
     when the builder opts in, ``tensor_parallel``). ``stage_tensor`` maps each stage to the size of
     its mesh axis ``tensor`` (1 without one).
+
+    ``layer_output_bytes``: per layer, the bytes of every tensor it returns for the whole micro-batch
+    (None: it did not run). ``layer_flops``: per layer, ``(forward, backward)`` FLOPs for the whole
+    micro-batch of the unsplit model, counted with ``torch.utils.flop_counter.FlopCounterMode`` (empty:
+    not counted; None: that layer's count failed, ``flop_errors`` says why). ``chain``: the layers were
+    run as a chain (each gets the previous layer's output), as for a plan whose stages are not cut yet.
     """
 
     layer_params: tuple[int, ...]
@@ -49,6 +55,10 @@ class ModelProbe:
     sharded_layer_params: tuple[tuple[int, tuple[int, ...]], ...] = ()
     stage_tensor: tuple[tuple[int, int], ...] = ()
     graph_errors: tuple[str, ...] = ()
+    layer_output_bytes: tuple[int | None, ...] = ()
+    layer_flops: tuple[tuple[int, int] | None, ...] = ()
+    flop_errors: tuple[str, ...] = ()
+    chain: bool = False
 
     def measured(self, name: str) -> MeasuredTransfer | None:
         return next((m for m in self.transfers if m.name == name), None)
@@ -86,24 +96,36 @@ def _stage_tensor(program: ir.Program) -> tuple[tuple[int, int], ...]:
     return tuple((s.index, ir.axis_size(program.stage_mesh(s.index), TENSOR_AXIS)) for s in program.stages)
 
 
-def probe_model(program: ir.Program) -> ModelProbe:
+def wants_flops(program: ir.Program) -> bool:
+    """Whether compiling ``program`` needs the layers' FLOPs: stages to cut, or a compute model."""
+    return program.auto_stages or program.cluster.flops is not None
+
+
+def probe_model(program: ir.Program, flops: bool | None = None) -> ModelProbe:
     """Build the model in a subprocess (torch lives there, not in the compiler), run the plan's stage
-    dataflow on one micro-batch and measure it."""
+    dataflow on one micro-batch and measure it. ``flops`` (default :func:`wants_flops`) also counts
+    each layer's forward and backward FLOPs. A plan whose stages are not cut yet
+    (``program.auto_stages``) runs its layers as a chain instead and measures no transfer; probe the
+    cut program (``planc.pipeline.cut.apply_auto_stages``) again for those."""
     model = program.model
     path = Path(program.source_dir) / model.path
     if not path.is_file():
         raise PlanError(Diagnostic(f"model file '{model.path}' not found (looked for {path})", model.span))
     stage_tensor = _stage_tensor(program)
     stages = sorted(program.stages, key=lambda s: s.index)
+    chain = program.auto_stages
     req = {
         "model_file": str(path), "function": model.function, "args": dict(model.args),
         "data_file": str(Path(program.source_dir) / program.data.path) if program.data else None,
         "data_function": program.data.function if program.data else None,
         "micro_batch": program.train.micro_batch, "seed": program.train.seed,
-        "stages": [list(s.layers) if s.layers is not None else None for s in stages] or [None],
-        "transfers": [{"name": t.name, "src_stage": t.src_stage, "src_layer": t.src_layer, "dst_stage": t.dst_stage}
-                      for t in program.transfers],
+        "stages": ([None] if chain else
+                   [list(s.layers) if s.layers is not None else None for s in stages] or [None]),
+        "transfers": [] if chain else [
+            {"name": t.name, "src_stage": t.src_stage, "src_layer": t.src_layer, "dst_stage": t.dst_stage}
+            for t in program.transfers],
         "tensor_degrees": sorted({k for _, k in stage_tensor if k > 1}),
+        "flops": wants_flops(program) if flops is None else bool(flops),
     }
     env = dict(os.environ, PYTHONHASHSEED="0", CUDA_VISIBLE_DEVICES="")
     try:
@@ -126,16 +148,17 @@ def probe_model(program: ir.Program) -> ModelProbe:
             errs.append(Diagnostic(f"the model cannot be split over a tensor group of {k} (the 'tensor' axis of "
                                    f"stage {users}): {model.path}:{model.function} says {why}", model.span))
         raise PlanError(errs)
-    return probe_from_json(doc, program.train.micro_batch, stage_tensor)
+    return probe_from_json(doc, program.train.micro_batch, stage_tensor, chain=chain)
 
 
 def _shape(v) -> tuple[int, ...] | None:
     return tuple(int(d) for d in v) if v is not None else None
 
 
-def probe_from_json(doc: dict, micro_batch: int, stage_tensor=()) -> ModelProbe:
+def probe_from_json(doc: dict, micro_batch: int, stage_tensor=(), chain: bool = False) -> ModelProbe:
     """The ModelProbe of the runtime probe's JSON answer (``planc.runtime.probe._request``)."""
     outs = doc.get("layer_outputs") or [None] * len(doc["layer_params"])
+    flops = doc.get("layer_flops")
     return ModelProbe(
         layer_params=tuple(int(x) for x in doc["layer_params"]),
         layer_shapes=tuple(_shape(o["shape"]) if o else None for o in outs),
@@ -148,6 +171,10 @@ def probe_from_json(doc: dict, micro_batch: int, stage_tensor=()) -> ModelProbe:
                                           for k, v in (doc.get("sharded_layer_params") or {}).items())),
         stage_tensor=tuple(stage_tensor),
         graph_errors=tuple(doc.get("graph_errors") or ()),
+        layer_output_bytes=tuple(int(b) if b is not None else None for b in doc.get("layer_output_bytes") or ()),
+        layer_flops=tuple((int(f[0]), int(f[1])) if f is not None else None for f in flops) if flops else (),
+        flop_errors=tuple(doc.get("flop_errors") or ()),
+        chain=chain,
     )
 
 
@@ -157,6 +184,10 @@ def _type_text(dtype: str | None, shape) -> str:
 
 def check_against_model(program: ir.Program, probe: ModelProbe) -> None:
     """Stage ranges cover the model's layers; every transfer's declared type is what its layer produces."""
+    if program.auto_stages:   # the driver cuts them first: planc.pipeline.cut.apply_auto_stages
+        first = next(s for s in program.stages if s.auto_layers and s.layers is None)
+        raise PlanError(Diagnostic("internal: the stages' layers are 'auto' and were not cut before inference "
+                                   "(planc.pipeline.cut.apply_auto_stages)", first.span))
     errs: list[Diagnostic] = []
     n = len(probe.layer_params)
     staged = [s for s in program.stages if s.layers is not None]

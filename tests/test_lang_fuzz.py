@@ -33,10 +33,32 @@ train { micro_batch = 4, schedule = 1f1b, optimizer = adam(lr = 1e-3), precision
 deepspeed "ds.yaml"
 """)
 
+SEEDS.append("""cluster {
+  level node x 2 : bandwidth 100 Gb/s, latency 20 us
+  level gpu x 4 : bandwidth 150 GB/s
+  flops = 312 TFLOP/s, memory = 80 GB
+}
+parallel { pipe = 2, data = 4 }
+model "m.py:f" { layers = 4 }
+loss "m.py:l"
+data "m.py:d"
+stages = auto(2)
+transfer x from stage 0 layer 1 to stage 1
+train { schedule = auto, timeout = 60 s, save_every = 5 }
+""")
+SEEDS.append("""cluster { level gpu x 8 : bandwidth 1 GB/s }
+model "m.py:f" { layers = 4 }
+loss "m.py:l"
+data "m.py:d"
+stage 0 : layers auto on devices 0..4 as (data = 4)
+stage 1 : layers auto on devices 4..8 as (2, 2)
+""")
+
 TOKEN = re.compile(r'"[^"\n]*"|\d+(?:\.\d+)?(?:[eE][+-]?\d+)?|[A-Za-z_]\w*|\.\.|\n|[ \t]+|#[^\n]*|.', re.S)
 NUMBERS = ["0", "1", "-1", "3", "7", "1024", "1e999", "2.5", "99999999999999999999999", "1" + "0" * 5000, "0.0"]
 JUNK = ["{", "}", "(", ")", "[", "]", ",", ";", ":", "=", "..", "\n", '"', "@", "\x00", "é", "\t", "#",
-        "stage", "layer", "on", "as", "S0", "S(", "R", "GB/s", "us", "plan", "cluster", "level", "x"]
+        "stage", "layer", "on", "as", "S0", "S(", "R", "GB/s", "us", "plan", "cluster", "level", "x",
+        "stages", "auto", "auto(", "flops", "memory", "TFLOP/s", "GiB", "-", "timeout", "save_every"]
 
 
 @st.composite

@@ -91,6 +91,8 @@ class ClusterBlock:
     host: Name | None
     file: Str | None  # `cluster "file.yaml"`
     span: Span
+    flops: Quantity | Num | None = None    # `flops = 312 TFLOP/s` (a plain number: reported, it needs a unit)
+    memory: Quantity | Num | None = None   # `memory = 80 GB`
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,6 +138,15 @@ class StageDecl:
     layers: RangeNode | None
     devices: RangeNode | None
     mesh: tuple[MeshDim, ...]
+    span: Span
+    auto: Span | None = None   # `layers auto`: where `auto` is written
+
+
+@dataclass(frozen=True, slots=True)
+class StagesAuto:
+    """``stages = auto(N)``: the compiler cuts the model's layers into N stages (``count`` None: ``auto``)."""
+
+    count: Num | None
     span: Span
 
 
@@ -215,7 +226,7 @@ class DeepspeedDecl:
     span: Span
 
 
-Statement = (ClusterBlock | ParallelBlock | CodeBlock | StageDecl | TransferDecl
+Statement = (ClusterBlock | ParallelBlock | CodeBlock | StageDecl | StagesAuto | TransferDecl
              | ReduceDecl | SettingsBlock | DeepspeedDecl)
 
 

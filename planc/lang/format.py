@@ -70,6 +70,10 @@ def to_text(p: ir.Program) -> str:
             attrs.append(f"latency {_num(l.latency)} s")
         out.append(f"    level {l.name} x {l.fanout}" + (" : " + ", ".join(attrs) if attrs else ""))
     out.append(f"    host = {p.cluster.host_level}")
+    if p.cluster.flops is not None:
+        out.append(f"    flops = {_num(p.cluster.flops)} FLOP/s")
+    if p.cluster.memory is not None:
+        out.append(f"    memory = {_num(p.cluster.memory)} B")
     out.append("  }")
     if p.parallel is not None:
         out.append("  parallel {")
@@ -87,11 +91,16 @@ def to_text(p: ir.Program) -> str:
         ref = getattr(p, kind)
         if ref is not None:
             out.append(f'  {kind} "{ref.path}:{ref.function}"')
+    pipe_auto = p.stage_mode is ir.StageMode.PIPE_AXIS and any(s.auto_layers for s in p.stages)
+    if pipe_auto:
+        out.append(f"  stages = auto({len(p.stages)})")
     for s in p.stages:
-        if p.stage_mode is ir.StageMode.PIPE_AXIS and s.layers is None:
+        if p.stage_mode is ir.StageMode.PIPE_AXIS and (s.layers is None or pipe_auto):
             continue
         line = f"  stage {s.index}"
-        if s.layers is not None:
+        if s.auto_layers:
+            line += " : layers auto"
+        elif s.layers is not None:
             line += f" : layers {s.layers[0]}..{s.layers[1]}"
         if s.first_device is not None:
             dims = ", ".join(f"{n} = {m}" for n, m in zip(s.mesh_axes, s.mesh_shape))
@@ -125,6 +134,10 @@ def to_text(p: ir.Program) -> str:
     out.append(f"    micro_batch = {t.micro_batch}, micro_batches = {t.micro_batches}, steps = {t.steps}")
     out.append(f"    schedule = {t.schedule}, optimizer = {t.optimizer.name}({opt_args})")
     out.append(f"    precision = {t.precision}, seed = {t.seed}")
+    if t.timeout is not None:
+        out.append(f"    timeout = {_num(t.timeout)} s")
+    if t.save_every is not None:
+        out.append(f"    save_every = {t.save_every}")
     out.append("  }")
     if p.deepspeed_overrides:
         out.append(f'  deepspeed "{p.deepspeed_overrides}"')
@@ -137,13 +150,18 @@ def summary(p: ir.Program) -> str:
     lines = [f"{p.name}: ok ({p.source_path})"]
     lines.append(f"  devices    {c.devices} on {c.num_hosts} host(s) of {c.devices_per_host} "
                  f"({' x '.join(f'{l.name} {l.fanout}' for l in c.levels)}; host = {c.host_level})")
+    if c.flops is not None or c.memory is not None:
+        each = [f"{c.flops / 1e12:g} TFLOP/s" if c.flops is not None else None,
+                f"{c.memory / 1e9:g} GB memory" if c.memory is not None else None]
+        lines.append(f"  device     {', '.join(x for x in each if x)} each")
     if p.parallel is not None:
         place = "auto" if p.parallel.matrix is None else "pinned " + str([list(r) for r in p.parallel.matrix])
         lines.append(f"  axes       {', '.join(f'{a.name} {a.size}' for a in p.parallel.axes)} (place = {place})")
     for s in p.stages:
         mesh = ir.stage_mesh(s, p.parallel)
         n = len(s.explicit_devices) if s.explicit_devices else (math.prod(mesh[0]) if mesh else c.devices)
-        layers = f"layers {s.layers[0]}..{s.layers[1]}" if s.layers else "all layers" if p.model else "no layers"
+        layers = (f"layers {s.layers[0]}..{s.layers[1]}" if s.layers else "layers auto (cut at compile time)"
+                  if s.auto_layers else "all layers" if p.model else "no layers")
         where = f" on devices {s.explicit_devices[0]}..{s.explicit_devices[-1] + 1} as {s.mesh_shape}" if s.explicit_devices else ""
         lines.append(f"  stage {s.index}    {layers}, {n} device(s){where}, mesh axes ({', '.join(s.mesh_axes)})")
     for t in p.transfers:

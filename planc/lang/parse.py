@@ -217,7 +217,15 @@ class _ToAst(Transformer):
     def cluster_inline(self, meta, *items):
         levels: list[ast.LevelDecl] = []
         host = None
+        device: dict[str, object] = {}   # flops, memory
         for it in items:
+            if isinstance(it, tuple) and it and it[0] in ("flops", "memory"):
+                key, value, span = it
+                if key in device:   # the first one stands
+                    self.found.append(Diagnostic(f"'{key}' is set twice in this cluster", span))
+                else:
+                    device[key] = value
+                continue
             if isinstance(it, ast.LevelDecl):
                 levels.append(it)
             elif isinstance(it, ast.LevelAttr):
@@ -232,7 +240,8 @@ class _ToAst(Transformer):
                     self.found.append(Diagnostic("'host' is set twice in this cluster", it.span))
                     continue
                 host = it
-        return ast.ClusterBlock(tuple(levels), host, None, self._span(meta))
+        return ast.ClusterBlock(tuple(levels), host, None, self._span(meta), device.get("flops"),
+                                device.get("memory"))
 
     def cluster_file(self, meta, path):
         return ast.ClusterBlock((), None, self._str(path), self._span(meta))
@@ -248,6 +257,12 @@ class _ToAst(Transformer):
 
     def host(self, meta, name):
         return self._name(name)
+
+    def cluster_flops(self, meta, value):
+        return ("flops", value, self._span(meta))
+
+    def cluster_memory(self, meta, value):
+        return ("memory", value, self._span(meta))
 
     # -- parallel
     def parallel(self, meta, *items):
@@ -280,7 +295,15 @@ class _ToAst(Transformer):
     # -- stages
     def stage_layers(self, meta, index, layers, placement=None):
         devices, mesh = placement if placement else (None, ())
+        if isinstance(layers, Span):   # `layers auto`
+            return ast.StageDecl(self._num(index), None, devices, mesh, self._span(meta), layers)
         return ast.StageDecl(self._num(index), layers, devices, mesh, self._span(meta))
+
+    def layers_auto(self, meta):
+        return self._span(meta)
+
+    def stages(self, meta, count=None):
+        return ast.StagesAuto(self._num(count) if count is not None else None, self._span(meta))
 
     def stage_bare(self, meta, index, placement):
         devices, mesh = placement
@@ -371,8 +394,15 @@ class _ToAst(Transformer):
         tok = toks[-1]
         return ast.Num(float(sign + tok), sign + str(tok), self._span(meta))
 
-    def quantity(self, meta, num, unit):
-        return ast.Quantity(self._num(num), str(unit), self._span(meta))
+    def quantity(self, meta, *toks):
+        *num, unit = toks
+        sign = "-" if len(num) == 2 else ""
+        tok = num[-1]
+        span = self._tspan(tok)
+        if sign:
+            span = Span(num[0].line, num[0].column, tok.end_line, tok.end_column, self.file)
+        number = ast.Num(float(sign + tok), sign + str(tok), span)
+        return ast.Quantity(number, str(unit), self._span(meta))
 
     def string(self, meta, tok):
         return self._str(tok)

@@ -125,6 +125,8 @@ def build(schedule: PipeSchedule | str, num_stages: int, micro_batches: int,
     """
     if num_stages < 1:
         raise ValueError("num_stages must be at least 1")
+    if str(schedule) == "auto":
+        raise ValueError("schedule = auto must be resolved (planc.pipeline.choose) before the lists are built")
     plan = PipelinePlan(
         schedule=PipeSchedule(schedule),
         micro_batches=micro_batches,

@@ -53,7 +53,7 @@ class Plan:
     transfers: tuple[Transfer, ...]
     pipeline: Pipeline | None
     train: Train | None
-    head: tuple = ()          # source, compiler, placement: written as read
+    head: tuple = ()          # source, compiler, placement, choices: written as read
     raw: bytes | None = field(default=None, compare=False, repr=False)
 
     @staticmethod
@@ -86,7 +86,7 @@ class Plan:
             tuple(Transfer.read(t) for t in at.key("transfers").items()),
             Pipeline.read(pipe, len(stages)) if pipe.value is not None else None,
             Train.read(train) if train.value is not None else None,
-            tuple((k, doc[k]) for k in ("source", "compiler", "placement") if k in doc))
+            tuple((k, doc[k]) for k in ("source", "compiler", "placement", "choices") if k in doc))
         plan._check_references(at)
         return plan
 
@@ -164,6 +164,8 @@ class Plan:
             out["tensor_groups"] = lists(self.tensor_groups)
         out["stage_mode"] = str(self.stage_mode)
         out["stages"] = [s.to_json() for s in self.stages]
+        if "choices" in head:   # why each `auto` of the plan became what it is
+            out["choices"] = head["choices"]
         out["reductions"] = [r.to_json() for r in self.reductions]
         out["transfers"] = [t.to_json() for t in self.transfers]
         if self.pipeline is not None:

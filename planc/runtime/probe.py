@@ -4,8 +4,10 @@
         "data_file": .., "data_function": .., "micro_batch": 8, "seed": 0,
         "stages": [[0, 3], [3, 6]],
         "transfers": [{"name": "hidden", "src_stage": 0, "src_layer": null, "dst_stage": 1}],
-        "tensor_degrees": [2]}'
+        "tensor_degrees": [2], "flops": true}'
         -> {"layer_params": [...], "layer_outputs": [{"shape": [8, 32, 64], "dtype": "f32"}, ..., null],
+            "layer_output_bytes": [65536, ..., null],
+            "layer_flops": [[fwd, bwd], ..., null], "flop_errors": [],
             "transfers": [{"name": "hidden", "shape": [8, 32, 64], "dtype": "f32", "error": null}],
             "tensor_parallel": true, "sharded_layer_params": {"2": [...]}, "shard_errors": {},
             "graph_errors": []}                                                     (planc.probe)
@@ -28,6 +30,13 @@ all-reduces are identities) to count what one device of a tensor group holds
 (``sharded_layer_params[k]``; a builder that refuses ``k`` lands in
 ``shard_errors[k]``). A layer that fails, or a stage whose inputs never
 arrived, is listed in ``graph_errors`` and its transfers get ``error``.
+``layer_output_bytes`` sums every tensor a layer returns. With ``"flops": true``
+each layer that ran is run once more on the inputs it got, with gradients, under
+``torch.utils.flop_counter.FlopCounterMode``: ``layer_flops[i]`` = [forward,
+backward] FLOPs for the whole micro-batch (the backward from all-ones output
+gradients, into the parameters and into every floating-point input but the
+data's; CPU attention kernels counted as ``sdpa``); a layer whose count fails
+gets ``null`` and a line in ``flop_errors``.
 
 The command-line form prints one JSON object on stdout::
 
@@ -106,13 +115,14 @@ def _layer_params(layers) -> list[int]:
     return [sum(p.numel() for p in layer.parameters()) for layer in layers]
 
 
-def run_graph(layers, x, stages, transfers):
+def run_graph(layers, x, stages, transfers, inputs_of: dict | None = None):
     """Run the stage dataflow once (no gradients).
 
     ``stages``: (lo, hi) per stage in index order; ``transfers``: dicts with name, src_stage,
     src_layer (None: the stage's last), dst_stage. Returns (outputs by layer index, value sent per
     transfer name, errors): a failing layer stops its stage, and a stage whose inputs never arrived
-    is skipped, each with one message in ``errors``.
+    is skipped, each with one message in ``errors``. ``inputs_of``, when given, receives each layer's
+    positional arguments by layer index.
     """
     outputs: dict[int, object] = {}
     sent: dict[str, object] = {}
@@ -135,6 +145,8 @@ def run_graph(layers, x, stages, transfers):
                 inputs = tuple(sent[n] for n in names)
             a = inputs
             for i in range(lo, hi):
+                if inputs_of is not None:
+                    inputs_of[i] = a
                 try:
                     out = layers[i](*a)
                 except Exception as e:  # noqa: BLE001 - the plan feeds it the wrong inputs; say which
@@ -151,6 +163,66 @@ def run_graph(layers, x, stages, transfers):
                     if layer in outputs:
                         sent[t["name"]] = outputs[layer]
     return outputs, sent, errors
+
+
+def _nbytes(out) -> int:
+    return sum(t.numel() * t.element_size() for t in _tensors(out) if torch.is_tensor(t))
+
+
+def _sdpa_cpu_mapping() -> dict:
+    """FlopCounterMode counts the CUDA attention kernels; CPU runs its own, counted here the same way."""
+    from torch.utils import flop_counter as fc
+    out = {}
+    fwd = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+    bwd = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
+    if fwd is not None:
+        out[fwd] = lambda q, k, v, *args, **kwargs: fc.sdpa_flop_count(q, k, v)
+    if bwd is not None:
+        out[bwd] = lambda g, q, k, v, *args, **kwargs: fc.sdpa_backward_flop_count(g, q, k, v)
+    return out
+
+
+def _leaf(v, grad: bool):
+    if not torch.is_tensor(v):
+        return v
+    return v.detach().requires_grad_(grad and (v.is_floating_point() or v.is_complex()))
+
+
+def count_flops(layers, inputs_of: dict, data_layer: int | None) -> tuple[list, list[str]]:
+    """Per layer, [forward, backward] FLOPs of one run on the inputs it got (None where it did not run).
+
+    The backward starts from all-ones gradients of every floating-point output and flows into the
+    parameters and every floating-point input except those of ``data_layer`` (the one fed the data)."""
+    from torch.utils.flop_counter import FlopCounterMode
+    mapping = _sdpa_cpu_mapping()
+    out: list = []
+    errors: list[str] = []
+    for i, layer in enumerate(layers):
+        if i not in inputs_of:
+            out.append(None)
+            continue
+        try:
+            with torch.enable_grad():
+                args = tuple(_leaf(v, i != data_layer) for v in inputs_of[i])
+                counter = FlopCounterMode(display=False, custom_mapping=mapping)
+                with counter:
+                    y = layer(*args)
+                fwd = counter.get_total_flops()
+                ys = [t for t in _tensors(y) if torch.is_tensor(t) and t.requires_grad]
+                bwd = 0
+                if ys:
+                    counter = FlopCounterMode(display=False, custom_mapping=mapping)
+                    with counter:
+                        torch.autograd.backward(ys, [torch.ones_like(t) for t in ys])
+                    bwd = counter.get_total_flops()
+            out.append([int(fwd), int(bwd)])
+        except Exception as e:  # noqa: BLE001 - a layer that cannot be differentiated: its FLOPs are unknown
+            errors.append(f"layer {i} ({type(layer).__name__}): {type(e).__name__}: {e}")
+            out.append(None)
+        finally:
+            for p in layer.parameters():
+                p.grad = None
+    return out, errors
 
 
 def _resolve(stages, n: int) -> list[tuple[int, int]]:
@@ -216,7 +288,10 @@ def _request(req: dict) -> dict:
     x, _ = next(_load(data_file, req.get("data_function") or "batches")(int(req["micro_batch"]), seed, **args))
     transfers = [dict(t) for t in req.get("transfers", [])]
     stages = _resolve(req.get("stages") or [None], len(layers))
-    outputs, sent, errors = run_graph(layers, x, stages, transfers)
+    inputs_of: dict[int, tuple] = {}
+    outputs, sent, errors = run_graph(layers, x, stages, transfers, inputs_of)
+    flops, flop_errors = (count_flops(layers, inputs_of, stages[0][0] if stages else None)
+                          if req.get("flops") else (None, []))
 
     layer_outputs = []
     for i in range(len(layers)):
@@ -239,7 +314,9 @@ def _request(req: dict) -> dict:
                 sharded[str(k)] = _layer_params(_build(builder, args, seed, StandInTensorParallel(k), True))
             except (ValueError, RuntimeError) as e:   # the builder refuses this split (e.g. heads % k)
                 shard_errors[str(k)] = f"{type(e).__name__}: {e}"
-    return {"layer_params": _layer_params(layers), "layer_outputs": layer_outputs, "transfers": measured,
+    return {"layer_params": _layer_params(layers), "layer_outputs": layer_outputs,
+            "layer_output_bytes": [_nbytes(outputs[i]) if i in outputs else None for i in range(len(layers))],
+            "layer_flops": flops, "flop_errors": flop_errors, "transfers": measured,
             "tensor_parallel": opts_in, "sharded_layer_params": sharded, "shard_errors": shard_errors,
             "graph_errors": errors}
 

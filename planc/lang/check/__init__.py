@@ -35,7 +35,8 @@ __all__ = ["check", "PlanInputs", "ClusterFile", "spec_length_error", "spec_divi
            "MAX_DEVICES", "MAX_DIGITS", "MAX_TRIALS", "MAX_DFS_BUDGET_S", "MAX_MICRO_BATCHES"]
 
 # statements that may appear once, by the name used in "may appear only once"
-_SINGLE_BLOCKS = {ast.ClusterBlock: "cluster", ast.ParallelBlock: "parallel", ast.DeepspeedDecl: "deepspeed"}
+_SINGLE_BLOCKS = {ast.ClusterBlock: "cluster", ast.ParallelBlock: "parallel", ast.DeepspeedDecl: "deepspeed",
+                  ast.StagesAuto: "stages"}
 _REPEATED = (ast.StageDecl, ast.TransferDecl, ast.ReduceDecl)
 
 
@@ -74,7 +75,7 @@ def check(tree: ast.PlanFile, path: str, text: str, inputs: PlanInputs | None = 
             if ref is None:
                 errs.add(f"a plan with a model needs a '{what} \"file.py:function\"' line", first("model").span)
     stage_mode, stages = check_stages(errs, by_kind.get("StageDecl", []), cluster, parallel, model is not None,
-                                      tree.span)
+                                      tree.span, first("stages"))
     transfers = check_transfers(errs, by_kind.get("TransferDecl", []), stages, parallel,
                                 model is not None or "model" in by_kind, text)
     reductions = check_reductions(errs, by_kind.get("ReduceDecl", []), cluster, parallel, stages, stage_mode)

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from planc import ir
 from planc.lang import ast
 from planc.lang.check.values import Diagnostics, did_you_mean, int_of, quantity
-from planc.lang.units import BANDWIDTH, TIME, parse_quantity
+from planc.lang.units import BANDWIDTH, FLOPS, SIZE, TIME, parse_quantity
 from planc.span import Span
 
 __all__ = ["ClusterFile", "MAX_DEVICES", "check_cluster"]
@@ -50,6 +51,9 @@ def check_cluster(errs: Diagnostics, block: ast.ClusterBlock | None, file: Clust
                 if lat is not None:
                     errs.add("latency is given twice for this level", a.span)
                 lat = quantity(errs, a.value, TIME, "time")
+                if lat is not None and lat < 0:
+                    errs.add("latency must not be negative", a.value.span)
+                    lat = None
         if fanout is None:
             continue
         if fanout > 1 and bw is None and not any(a.key.value == "bandwidth" for a in ld.attrs):
@@ -61,9 +65,35 @@ def check_cluster(errs: Diagnostics, block: ast.ClusterBlock | None, file: Clust
         return None
     host = _host_level(errs, levels, block.host.value if block.host else None,
                        block.host.span if block.host else block.span)
+    flops = _device_value(errs, block.flops, "flops")
+    memory = _device_value(errs, block.memory, "memory")
     if host is None or len(levels) != len(block.levels):
         return None
-    return _sized(errs, ir.Cluster(tuple(levels), host), block.span)
+    return _sized(errs, ir.Cluster(tuple(levels), host, flops, memory), block.span)
+
+
+# the per-device settings of a cluster: (unit table, kind in messages, example)
+_DEVICE = {"flops": (FLOPS, "FLOP rate", "flops = 312 TFLOP/s"), "memory": (SIZE, "size", "memory = 80 GB")}
+
+
+def _device_value(errs: Diagnostics, v: ast.Quantity | ast.Num | None, key: str) -> float | None:
+    """``flops`` (FLOP/s) or ``memory`` (bytes) of one device: a positive quantity with its unit."""
+    if v is None:
+        return None
+    table, kind, example = _DEVICE[key]
+    if isinstance(v, ast.Num):
+        errs.add(f"{key} needs a unit ({', '.join(u for u in table if '/' in u or key == 'memory')}); "
+                 f"write e.g. '{example}'", v.span)
+        return None
+    if v.unit not in table:
+        errs.add(f"'{v.unit}' is not a {kind} unit for {key}; expected one of "
+                 f"{', '.join(u for u in table if '/' in u or key == 'memory')} (e.g. '{example}')", v.span)
+        return None
+    value = quantity(errs, v, table, kind)
+    if value is not None and value <= 0:
+        errs.add(f"{key} must be positive, got {v.number.text} {v.unit}", v.span)
+        return None
+    return value
 
 
 def _sized(errs: Diagnostics, cluster: ir.Cluster, span: Span) -> ir.Cluster | None:
@@ -126,14 +156,37 @@ def _from_file(errs: Diagnostics, file: ast.Str, contents: ClusterFile | None) -
         errs.add(f"cluster file '{file.value}': level names repeat: {names}", file.span)
         return None
     host = _host_level(errs, levels, doc.get("host"), file.span)
-    return _sized(errs, ir.Cluster(tuple(levels), host), file.span) if host else None
+    device = {}
+    for key, kind in (("flops", "FLOP rate"), ("memory", "size")):
+        try:
+            v = _yaml_quantity(doc.get(key), kind)
+        except ValueError as e:
+            errs.add(f"cluster file '{file.value}', {key}: {e}", file.span)
+            return None
+        if v is not None and (not math.isfinite(v) or v <= 0):
+            errs.add(f"cluster file '{file.value}', {key}: must be a positive {kind}, got {doc.get(key)!r}",
+                     file.span)
+            return None
+        device[key] = v
+    if not host:
+        return None
+    return _sized(errs, ir.Cluster(tuple(levels), host, device["flops"], device["memory"]), file.span)
 
 
 def _yaml_quantity(v, kind: str) -> float | None:
+    """A YAML value in base units (a number, or a number YAML kept as a string: `312e12`, since YAML 1.1
+    floats need a dot) or a quantity string with its unit; finite, else ValueError."""
     if v is None:
         return None
     if isinstance(v, (int, float)) and not isinstance(v, bool):
-        return float(v)
-    if isinstance(v, str):
-        return parse_quantity(v, kind)
-    raise ValueError(f"expected a {kind}, got {v!r}")
+        out = float(v) if isinstance(v, float) or abs(v) < 2 ** 1000 else math.inf
+    elif isinstance(v, str):
+        try:
+            out = float(v)
+        except ValueError:
+            out = parse_quantity(v, kind)
+    else:
+        raise ValueError(f"expected a {kind} (a number in base units or a quantity string), got {v!r}")
+    if not math.isfinite(out):
+        raise ValueError(f"expected a finite {kind}, got {v!r}")
+    return out

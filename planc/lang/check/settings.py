@@ -168,7 +168,7 @@ def check_train(errs: Diagnostics, block: ast.SettingsBlock | None, parallel: ir
                 stages: tuple[ir.Stage, ...]) -> ir.Train:
     """Training settings; ``micro_batch`` must divide over every stage's data axis."""
     s = _settings(errs, block, ["micro_batch", "micro_batches", "steps", "schedule", "optimizer", "precision",
-                                "seed"])
+                                "seed", "save_every", "timeout"])
     opt = ir.Optimizer()
     kv = s.get("optimizer")
     if kv is not None:
@@ -191,6 +191,9 @@ def check_train(errs: Diagnostics, block: ast.SettingsBlock | None, parallel: ir
         optimizer=opt,
         precision=_enum_value(errs, s.get("precision"), ir.Precision, ir.Precision.FP32),
         seed=seed,
+        timeout=_timeout(errs, s.get("timeout")),
+        save_every=_int_setting(errs, s["save_every"], 1) if "save_every" in s else None,
+        schedule_span=s["schedule"].value.span if "schedule" in s else (block.span if block else ir.Train().schedule_span),
     )
     if train.micro_batches > MAX_MICRO_BATCHES:
         errs.add(f"micro_batches {train.micro_batches} is too many (at most {MAX_MICRO_BATCHES})",
@@ -203,6 +206,21 @@ def check_train(errs: Diagnostics, block: ast.SettingsBlock | None, parallel: ir
                          f"(stage {st.index})", s["micro_batch"].value.span)
                 break
     return train
+
+
+def _timeout(errs: Diagnostics, kv: ast.KeyValue | None) -> float | None:
+    """``timeout = 60 s``: a positive time (seconds); None when not given."""
+    if kv is None:
+        return None
+    v = kv.value
+    if not isinstance(v, ast.Quantity):
+        errs.add("timeout is a time with its unit, e.g. 'timeout = 60 s'", v.span)
+        return None
+    q = quantity(errs, v, TIME, "time")
+    if q is not None and q <= 0:
+        errs.add(f"timeout must be positive, got {v.number.text} {v.unit}", v.span)
+        return None
+    return q
 
 
 def check_deepspeed(block: ast.DeepspeedDecl | None) -> str | None:

@@ -13,16 +13,27 @@ __all__ = ["check_stages"]
 
 
 def check_stages(errs: Diagnostics, decls: list[ast.StageDecl], cluster: ir.Cluster | None,
-                 parallel: ir.Parallel | None, has_model: bool, plan_span: Span
-                 ) -> tuple[ir.StageMode, tuple[ir.Stage, ...]]:
+                 parallel: ir.Parallel | None, has_model: bool, plan_span: Span,
+                 auto: ast.StagesAuto | None = None) -> tuple[ir.StageMode, tuple[ir.Stage, ...]]:
     """The stage mode and the stages, numbered 0..S-1 with contiguous layers (and, explicit,
-    disjoint meshes). Without declarations, the ``pipe`` axis implies one stage per coordinate."""
+    disjoint meshes). Without declarations, the ``pipe`` axis implies one stage per coordinate.
+    ``auto`` (``stages = auto(N)``) or ``layers auto`` on every stage leaves the layer ranges to
+    the compiler (``ir.Stage.auto_layers``; their checks wait until the model is cut)."""
     explicit = [d for d in decls if d.devices is not None]
     if explicit and len(explicit) != len(decls):
         derived = next(d for d in decls if d.devices is None)
         errs.add("either every stage names its devices ('on devices C..D as (M1, M2)') or none does", derived.span)
         return ir.StageMode.EXPLICIT, ()
     mode = ir.StageMode.EXPLICIT if explicit else ir.StageMode.PIPE_AXIS
+    cut = auto is not None or any(d.auto is not None for d in decls)   # planc cuts the layers
+    if cut and not _auto_ok(errs, decls, auto, has_model):
+        return mode, ()
+    if mode is ir.StageMode.PIPE_AXIS and parallel is None and auto is not None and not decls:
+        if errs.found:   # a broken parallel block: said already
+            return mode, ()
+        errs.add("'stages = auto(N)' takes its stages from the 'pipe' axis: add a 'parallel' block with "
+                 "'pipe = N', or give each stage its mesh ('stage I on devices C..D as (M1, M2)')", auto.span)
+        return mode, ()
     if mode is ir.StageMode.PIPE_AXIS and parallel is None and decls:
         errs.add("stages without 'on devices' take their devices from the 'pipe' axis; add a 'parallel' block "
                  "or give each stage its devices", decls[0].span)
@@ -43,7 +54,7 @@ def check_stages(errs: Diagnostics, decls: list[ast.StageDecl], cluster: ir.Clus
             continue
         seen[idx] = d.span
         layers = None
-        if d.layers is not None:
+        if d.layers is not None and not cut:
             a = int_of(errs, d.layers.start, "first layer", minimum=0)
             b = int_of(errs, d.layers.end, "end layer", minimum=0)
             if a is not None and b is not None:
@@ -52,16 +63,16 @@ def check_stages(errs: Diagnostics, decls: list[ast.StageDecl], cluster: ir.Clus
                              d.layers.span)
                 else:
                     layers = (a, b)
-        elif has_model:
-            errs.add(f"stage {idx} needs its layers ('stage {idx} : layers A..B') because the plan has a model",
-                     d.span)
+        elif has_model and not cut:
+            errs.add(f"stage {idx} needs its layers ('stage {idx} : layers A..B', or 'layers auto' to let planc "
+                     "cut them) because the plan has a model", d.span)
         first = shape = None
         axes: tuple[str, ...] = ()
         if mode is ir.StageMode.EXPLICIT:
             first, shape, axes = _explicit_mesh(errs, d, cluster)
         elif parallel is not None:
             axes = ir.derived_mesh(parallel)[1]
-        out.append(ir.Stage(idx, layers, first, shape, axes, d.span))
+        out.append(ir.Stage(idx, layers, first, shape, axes, d.span, auto_layers=cut))
     out.sort(key=lambda s: s.index)
     if not out and decls:
         return mode, ()
@@ -69,21 +80,74 @@ def check_stages(errs: Diagnostics, decls: list[ast.StageDecl], cluster: ir.Clus
         if s.index != want:
             errs.add(f"stages are numbered 0..{len(out) - 1} in order; stage {want} is missing", s.span)
             break
+    if auto is not None and auto.count is not None and decls:
+        n = int_of(errs, auto.count, "the number of stages in auto(N)")
+        if n is not None and n != len(out):
+            errs.add(f"stages = auto({n}) cuts the model into {n} stages but {len(out)} stage mesh"
+                     f"{'es are' if len(out) != 1 else ' is'} declared; give one 'stage I on devices ...' per stage",
+                     auto.count.span)
     if mode is ir.StageMode.PIPE_AXIS and parallel is not None:
         pipe = parallel.size_of(ir.MeshAxis.PIPE, 1)
         if out and len(out) != pipe:
             errs.add(f"the 'pipe' axis has size {pipe} but {len(out)} stages are declared; "
                      "declare one stage per pipe coordinate", out[-1].span if len(out) > pipe else decls[0].span)
+        if not out and auto is not None:
+            return mode, _pipe_auto(errs, auto, parallel, pipe)
         if not out and pipe > 1 and has_model:
-            errs.add(f"the 'pipe' axis has size {pipe}; declare each stage's layers ('stage 0 : layers 0..4')",
-                     parallel.span)
+            errs.add(f"the 'pipe' axis has size {pipe}; declare each stage's layers ('stage 0 : layers 0..4') "
+                     f"or let planc cut them ('stages = auto({pipe})')", parallel.span)
         if not out:
             axes = ir.derived_mesh(parallel)[1]
             out = [ir.Stage(i, None, None, None, axes, parallel.span) for i in range(pipe)]
-    _check_layers(errs, out)
+    if not cut:
+        _check_layers(errs, out)
     if mode is ir.StageMode.EXPLICIT:
         _check_disjoint(errs, out)
     return mode, tuple(out)
+
+
+def _auto_ok(errs: Diagnostics, decls: list[ast.StageDecl], auto: ast.StagesAuto | None, has_model: bool) -> bool:
+    """``stages = auto(N)`` / ``layers auto`` are written consistently. False: no stages can be made
+    (no model, a bad N); a written layer range where planc chooses them is reported and ignored."""
+    ok = True
+    if auto is not None and auto.count is not None:
+        ok = int_of(errs, auto.count, "the number of stages in auto(N)") is not None
+    if not has_model:
+        what = "'stages = auto(N)'" if auto is not None else "'layers auto'"
+        errs.add(f"{what} lets planc cut the model's layers into stages, but this plan has no model "
+                 "('model \"file.py:function\"')", auto.span if auto is not None else
+                 next(d.auto for d in decls if d.auto is not None))
+        return False
+    if auto is not None:
+        for d in decls:
+            if d.layers is not None or d.auto is not None:
+                errs.add("with 'stages = auto(N)' planc chooses every stage's layers; write the stage without "
+                         f"'layers' ('stage {d.index.text} on devices C..D as (M1, M2)'), or drop 'stages = auto(N)'",
+                         d.layers.span if d.layers is not None else d.auto)
+        return ok
+    fixed = [d for d in decls if d.auto is None]
+    if fixed:
+        errs.add("either every stage's layers are 'auto' or none are: planc cuts all the layers or none of them",
+                 fixed[0].layers.span if fixed[0].layers is not None else fixed[0].span)
+    return ok
+
+
+def _pipe_auto(errs: Diagnostics, auto: ast.StagesAuto, parallel: ir.Parallel, pipe: int) -> tuple[ir.Stage, ...]:
+    """``stages = auto(N)`` without stage lines: one stage per coordinate of a ``pipe`` axis of size N."""
+    n = pipe
+    if auto.count is not None:
+        n = int_of(errs, auto.count, "the number of stages in auto(N)")
+        if n is None:
+            return ()
+        if ir.MeshAxis.PIPE not in parallel.axis_names() and n > 1:
+            errs.add(f"stages = auto({n}) needs a 'pipe' axis of size {n} in the 'parallel' block (it has none), "
+                     "or explicit stage meshes ('stage I on devices C..D as (M1, M2)')", auto.count.span)
+        elif n != pipe:   # reported; the stages of the pipe axis go on to the other checks
+            errs.add(f"stages = auto({n}) but the 'pipe' axis has size {pipe}; the stages are the pipe "
+                     f"coordinates, so write 'stages = auto({pipe})' or 'pipe = {n}'", auto.count.span)
+            n = pipe
+    axes = ir.derived_mesh(parallel)[1]
+    return tuple(ir.Stage(i, None, None, None, axes, auto.span, auto_layers=True) for i in range(n))
 
 
 def _explicit_mesh(errs: Diagnostics, d: ast.StageDecl, cluster: ir.Cluster | None

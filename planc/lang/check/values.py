@@ -14,7 +14,7 @@ from decimal import Decimal
 from planc import ir
 from planc.lang import ast
 from planc.lang.errors import Diagnostic, did_you_mean
-from planc.lang.units import BANDWIDTH, SIZE, TIME
+from planc.lang.units import BANDWIDTH, FLOPS, SIZE, TIME
 from planc.span import Span
 
 __all__ = ["Diagnostics", "MAX_DIGITS", "IDENT", "int_of", "quantity", "plain_value", "tensor_type",
@@ -76,7 +76,7 @@ def plain_value(errs: Diagnostics, v: ast.Value):
     if isinstance(v, ast.ListValue):
         return tuple(plain_value(errs, x) for x in v.items)
     if isinstance(v, ast.Quantity):
-        for table in (SIZE, TIME, BANDWIDTH):
+        for table in (SIZE, TIME, BANDWIDTH, FLOPS):
             if v.unit in table:
                 return v.number.value * table[v.unit]
     errs.add("expected a number, string, name or list here", v.span)

@@ -1,0 +1,156 @@
+"""``schedule = auto``: the best pipeline schedule that fits in the devices' memory.
+
+There is no iteration simulator yet, so "best" is the known order of the
+schedules (AlpaComm §4): ``eager_1f1b`` runs forwards ahead, so every
+cross-mesh transfer overlaps computation; ``1f1b`` keeps the fewest
+micro-batches in flight. ``gpipe`` keeps every micro-batch in flight (the most
+memory) and gains nothing over ``1f1b`` in planc's runtime, so ``auto`` never
+picks it. The rule: ``eager_1f1b`` if it fits ``cluster.memory`` on every
+stage, else ``1f1b`` if it fits; if even ``1f1b`` does not fit, a located
+error (at ``schedule = auto``): the estimate counts only what certainly stays
+in memory, so the plan would run out of it.
+
+Memory of one device of stage ``i`` under a schedule, estimated:
+
+    static_i + in_flight_i(schedule) x activations_i
+
+* ``static_i``: the device's parameters (its tensor-parallel shard of the
+  stage's layers) x the precision's bytes x (2 + optimizer states): weights and
+  gradients, plus Adam's two moments (``sgd`` with ``momentum`` one, plain
+  ``sgd`` none).
+* ``activations_i``: what one micro-batch leaves on one device until its
+  backward: the bytes of every tensor each of the stage's layers returns plus
+  the stage's incoming transfers, as measured by the model probe for the whole
+  micro-batch, divided by the stage's data degree (its rows are split over
+  ``data``; layer outputs are taken as replicated over ``tensor``). Autograd
+  keeps more inside a layer, so this is a lower bound.
+* ``in_flight_i``: the schedule's exact peak of micro-batches whose forward
+  ran on the stage and whose backward has not
+  (:func:`planc.pipeline.schedules.peak_in_flight`; ``min(B, S - i)`` for
+  1f1b, ``min(B, 2(S - i))`` for eager_1f1b, ``B`` for gpipe).
+
+Without ``memory`` in the cluster there is no limit: ``eager_1f1b``. Without a
+model probe (``--no-probe``) the memory cannot be estimated: ``1f1b`` (the
+default) when a limit is given.
+"""
+
+from __future__ import annotations
+
+import math
+
+from planc import ir
+from planc.lang.errors import Diagnostic, PlanError
+from planc.pipeline.schedules import peak_in_flight
+
+__all__ = ["choose_schedule", "stage_memory", "OVERLAP", "FALLBACK"]
+
+PRECISION_BYTES = {ir.Precision.FP32: 4, ir.Precision.FP16: 2, ir.Precision.BF16: 2}
+OVERLAP = ir.PipeSchedule.EAGER_1F1B    # preferred: overlaps cross-mesh communication
+FALLBACK = ir.PipeSchedule.ONE_F_ONE_B  # the fewest micro-batches in flight
+
+
+def _bytes_text(n: float) -> str:
+    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.3g} {unit}"
+    return f"{n:.3g} B"
+
+
+def _degree(program: ir.Program, st, axis: str) -> int:
+    if hasattr(st, "axis_size"):          # a placed ir.StageLayout
+        return st.axis_size(axis)
+    return ir.axis_size(program.stage_mesh(st.index), axis)
+
+
+def _optimizer_states(opt: ir.Optimizer) -> int:
+    if opt.name == "adam":
+        return 2
+    return 1 if dict(opt.params).get("momentum", 0.0) else 0
+
+
+def _layer_bytes(probe, i: int) -> int:
+    if i < len(probe.layer_output_bytes) and probe.layer_output_bytes[i] is not None:
+        return probe.layer_output_bytes[i]
+    shape = probe.layer_shapes[i] if i < len(probe.layer_shapes) else None
+    dtype = probe.layer_dtypes[i] if i < len(probe.layer_dtypes) else None
+    if shape is None or dtype not in ir.DTYPE_BYTES:
+        return 0
+    return math.prod(shape) * ir.DTYPE_BYTES[dtype]
+
+
+def _transfer_bytes(t: ir.Transfer, probe) -> int:
+    if t.shape is not None and t.dtype is not None:
+        return t.nbytes
+    m = probe.measured(t.name)
+    if m is None or m.shape is None or m.dtype not in ir.DTYPE_BYTES:
+        return 0
+    return math.prod(m.shape) * ir.DTYPE_BYTES[m.dtype]
+
+
+def stage_memory(program: ir.Program, stages, probe) -> list[tuple[int, float, float]]:
+    """Per stage (index order): ``(index, static bytes, activation bytes per micro-batch)`` of one device
+    (see the module docstring)."""
+    ordered = sorted(stages, key=lambda s: s.index)
+    n = len(probe.layer_params)
+    per_param = PRECISION_BYTES[program.train.precision] * (2 + _optimizer_states(program.train.optimizer))
+    out = []
+    for st in ordered:
+        a, b = st.layers if st.layers is not None else (0, n)
+        tensor = _degree(program, st, ir.MeshAxis.TENSOR)
+        try:
+            params = sum(probe.params_per_device(tensor)[a:b])
+        except KeyError:   # not probed at this degree: the unsplit count, an upper bound
+            params = sum(probe.layer_params[a:b])
+        act = sum(_layer_bytes(probe, i) for i in range(a, min(b, n)))
+        act += sum(_transfer_bytes(t, probe) for t in program.transfers if t.dst_stage == st.index)
+        out.append((st.index, float(params * per_param), act / _degree(program, st, ir.MeshAxis.DATA)))
+    return out
+
+
+def _peaks(schedule: ir.PipeSchedule, memory, num_stages: int, micro_batches: int):
+    """Per stage ``(index, peak bytes, in flight)`` under ``schedule``."""
+    return [(i, static + peak_in_flight(schedule, num_stages, k, micro_batches) * act,
+             peak_in_flight(schedule, num_stages, k, micro_batches))
+            for k, (i, static, act) in enumerate(memory)]
+
+
+def choose_schedule(program: ir.Program, stages, probe) -> tuple[ir.PipeSchedule, str]:
+    """The schedule for ``schedule = auto`` and why (for ``planc explain``).
+
+    ``stages``: the placed ``ir.StageLayout``s (or the program's ``ir.Stage``s), with their layer
+    ranges cut; ``probe``: the model probe of the program as compiled (None: ``--no-probe``). A located
+    ``PlanError`` (at ``schedule = auto``) when even 1f1b is predicted not to fit ``cluster.memory``.
+    """
+    limit = program.cluster.memory
+    if limit is None:
+        return OVERLAP, (f"{OVERLAP}: no device memory limit given (cluster 'memory = ...'), so the schedule "
+                         "that sends activations ahead and overlaps cross-mesh transfers with compute (AlpaComm §4)")
+    if probe is None:
+        return FALLBACK, (f"{FALLBACK}: without the model probe (--no-probe) the activation memory cannot be "
+                          f"estimated against memory = {_bytes_text(limit)}; 1f1b keeps the fewest micro-batches "
+                          "in flight")
+    memory = stage_memory(program, stages, probe)
+    S, B = len(memory), program.train.micro_batches
+
+    def worst(schedule):
+        return max(_peaks(schedule, memory, S, B), key=lambda r: (r[1], -r[0]))
+
+    def detail(schedule, row):
+        i, peak, k = row
+        _, static, act = next(m for m in memory if m[0] == i)
+        return (f"{_bytes_text(peak)} (stage {i}: {_bytes_text(static)} parameters, gradients and optimizer "
+                f"state + {k} micro-batch{'es' if k != 1 else ''} in flight x {_bytes_text(act)} activations)")
+
+    eager = worst(OVERLAP)
+    if eager[1] <= limit:
+        return OVERLAP, (f"{OVERLAP}: fits memory = {_bytes_text(limit)} on every stage, needing at most "
+                         f"{detail(OVERLAP, eager)}; it sends activations ahead so cross-mesh transfers "
+                         "overlap compute (AlpaComm §4)")
+    one = worst(FALLBACK)
+    if one[1] <= limit:
+        return FALLBACK, (f"{FALLBACK}: eager_1f1b would need {detail(OVERLAP, eager)}, more than memory = "
+                          f"{_bytes_text(limit)}; 1f1b needs at most {detail(FALLBACK, one)}")
+    raise PlanError(Diagnostic(
+        f"schedule = auto: no schedule fits in memory = {_bytes_text(limit)} per device; even 1f1b, which keeps "
+        f"the fewest micro-batches in flight, needs an estimated {detail(FALLBACK, one)}. Use more stages or "
+        "devices, a smaller micro_batch, or give the devices' real memory", program.train.schedule_span))
