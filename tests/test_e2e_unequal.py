@@ -222,7 +222,7 @@ def test_unequal_stages_match_reference(tmp_path, name, schedule):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("schedule", ["eager_1f1b"])   # the schedule with the most in flight
 def test_many_micro_batches_stay_within_schedule_bound(tmp_path, schedule):
     """32 micro-batches: no stage rank holds more micro-batches (saved input, output, received
     gradient, or a receive posted ahead) than its schedule's bound computed here from plan.json

@@ -112,11 +112,14 @@ def test_two_shards_forward_and_backward_match_the_full_model():
 
     group = ThreadGroup(2)
     results, errors = [None, None], []
+    built = []
+    for r in range(2):   # built here, one after the other: torch's global generator is not per thread
+        torch.manual_seed(3)
+        built.append(gpt.build(layers=2, hidden=16, heads=4, seq=8, vocab=32, tensor_parallel=group.member(r)))
 
     def run(r):
         try:
-            torch.manual_seed(3)
-            layers = gpt.build(layers=2, hidden=16, heads=4, seq=8, vocab=32, tensor_parallel=group.member(r))
+            layers = built[r]
             o = x
             for layer in layers:
                 o = layer(o)
