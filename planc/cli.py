@@ -20,17 +20,24 @@ EXIT_BUG = 3
 
 
 def _cmd_check(args) -> int:
+    from planc import ui
+    from planc.explain import check_summary
     from planc.lang import load
     from planc.lang.format import summary, to_json
 
     errors: list[PlanError] = []
+    shown = 0
     for f in args.files:
         try:
             program = load(f)
         except PlanError as e:
             errors.append(e)
             continue
-        print(to_json(program) if args.json else summary(program))
+        if args.json:
+            print(to_json(program))
+        else:
+            ui.emit(([""] if shown else []) + check_summary(summary(program), tty=ui.is_tty()))
+        shown += 1
     for e in errors:
         print(e.render(), file=sys.stderr)
     if errors:
@@ -48,7 +55,11 @@ def _cmd_compile(args) -> int:
     compiled = compile_file(src, probe=not args.no_probe, verify=True if args.verify else None)
     out = Path(args.output) if args.output else Path("build") / compiled.program.name
     write_output(compiled.plan_json, compiled.program, out)
-    print(f"wrote {out}/ ({compiled.describe()})")
+    from planc import ui
+    from planc.explain import compile_summary
+
+    print(f"wrote {out}/ ({compiled.describe()})", flush=True)
+    ui.emit(compile_summary(compiled.plan_json, tty=ui.is_tty()))
     if compiled.untrainable:
         print(PlanError(list(compiled.untrainable), {str(src): src.read_text()}).render(), file=sys.stderr)
         print(f"planc: this plan cannot train yet; {out}/ runs its communication only: "
@@ -59,11 +70,40 @@ def _cmd_compile(args) -> int:
 
 
 def _cmd_explain(args) -> int:
-    from planc.compile import compile_file
-    from planc.explain import explain
+    import json
 
+    from planc import ui
+    from planc.compile import compile_file
+    from planc.explain import explain_data, explain_renderables
+
+    if args.draw:                      # fail before compiling: a wrong suffix or no matplotlib
+        from planc.draw import DrawError, check_drawable
+        try:
+            check_drawable(args.draw)
+        except DrawError as e:
+            print(f"planc explain --draw: {e}", file=sys.stderr)
+            return EXIT_USER
     compiled = compile_file(Path(args.plan), probe=not args.no_probe)
-    print(explain(compiled.plan_json))
+    plan = compiled.plan_json
+    if args.as_:
+        from planc.explain_as import ExplainAsError, explain_as_data, explain_as_renderables
+        try:
+            data = explain_as_data(plan, args.as_)
+        except ExplainAsError as e:
+            print(f"planc explain: {e}", file=sys.stderr)
+            return EXIT_USER
+        render = explain_as_renderables
+    else:
+        data = explain_data(plan)
+        render = explain_renderables
+    if args.json:
+        print(json.dumps(data, indent=2))
+    else:
+        ui.emit(render(data, tty=ui.is_tty()))
+    if args.draw:
+        from planc.draw import draw
+        n = draw(plan, args.draw)
+        print(f"wrote {args.draw} ({n} devices)", file=sys.stderr if args.json else sys.stdout)
     return 0
 
 
@@ -95,9 +135,74 @@ def _cmd_bench(args) -> int:
     return 0
 
 
+def _cmd_simulate(args) -> int:
+    import json
+
+    from planc.pipeline.gantt import draw, plan_input, table
+    from planc.pipeline.schedules import build
+    from planc.pipeline.simulate import predict
+
+    src = Path(args.plan)
+    if args.output and Path(args.output).suffix.lower() not in (".png", ".svg"):
+        print(f"planc simulate: -o {args.output}: the timeline is written as .png or .svg", file=sys.stderr)
+        return EXIT_USER
+    if src.is_dir() or src.suffix == ".json":   # a compiled output folder, or its plan.json
+        path = src / "plan.json" if src.is_dir() else src
+        try:
+            plan = json.loads(path.read_text())
+        except (OSError, ValueError) as e:
+            print(f"planc simulate: cannot read {path}: {getattr(e, 'strerror', None) or e}", file=sys.stderr)
+            return EXIT_USER
+    else:
+        from planc.compile import compile_file
+        plan = compile_file(src).plan_json
+    if plan.get("pipeline") is None:
+        print(f"planc simulate: {src} is not a training plan (it has no pipeline to simulate)", file=sys.stderr)
+        return EXIT_USER
+    try:
+        sim = plan_input(plan)
+    except ValueError as e:
+        print(f"planc simulate: {src}: {e}", file=sys.stderr)
+        return EXIT_USER
+    pipe = plan["pipeline"]
+    shown = args.schedule or pipe["schedule"]
+    rows, chart = [], None
+    for name in ("gpipe", "1f1b", "eager_1f1b"):
+        lists = build(name, len(plan["stages"]), pipe["micro_batches"]).per_stage
+        p = predict(sim, lists, timeline=name == shown)
+        rows.append((name, p))
+        chart = p if name == shown else chart
+    rate = pipe["predicted"]["flops"]
+    given = "" if pipe["predicted"].get("flops_given") else " (the default: the cluster gives no flops)"
+    lines = [f"{plan['name']}: {len(plan['stages'])} stages, {pipe['micro_batches']} micro-batches, "
+             f"device throughput {rate / 1e12:g} TFLOP/s{given}", table(rows, chosen=pipe["schedule"])]
+    for f in chart.stages:
+        lines.append(f"  {shown} stage {f.stage}: busy {f.busy:.1%}, bubble {f.bubble:.1%}, exposed "
+                     f"communication {f.exposed_communication * 1e6:.4g} us, peak activations "
+                     f"{f.peak_activation_bytes:.0f} B ({f.peak_in_flight} micro-batch(es) in flight)")
+    try:
+        from planc import ui
+        ui.emit(lines)
+    except ImportError:
+        print("\n".join(map(str, lines)))
+    if args.output:
+        try:
+            info = draw(chart, sim, args.output, title=f"{plan['name']} ({shown})")
+        except ValueError as e:
+            print(f"planc simulate: {e}", file=sys.stderr)
+            return EXIT_USER
+        except ImportError:
+            print("planc simulate: -o needs matplotlib (pip install 'planc[plot]')", file=sys.stderr)
+            return EXIT_USER
+        print(f"wrote {args.output} ({shown}: {info['compute_bars']} compute bars, {info['traffic_bars']} "
+              f"host-link flows, {info['transfer_marks']} transfer arrivals)")
+    return 0
+
+
 def _cmd_testbed(args) -> int:
     import json
     import signal
+    import threading
 
     from planc.testbed import Testbed, available, cleanup_stale, scaled_link_mbit
 
@@ -127,10 +232,18 @@ def _cmd_testbed(args) -> int:
             print(f"planc testbed run: {args.target} is not a compiled output folder (its plan.json: "
                   f"{getattr(e, 'strerror', None) or e})", file=sys.stderr)
             return EXIT_USER
+    problem = ("--loss must be a fraction of packets in [0, 1] (0.05 is 5%)" if not 0 <= args.loss <= 1 else
+               "--link-down-after must be >= 0 seconds" if (args.link_down_after or 0) < 0 else
+               f"--link-down-host must be one of the plan's hosts 0..{hosts - 1}"
+               if args.link_down_host is not None and not 0 <= args.link_down_host < hosts else None)
+    if problem:
+        print(f"planc testbed: {problem}", file=sys.stderr)
+        return EXIT_USER
     mbit = args.link_mbit or scaled_link_mbit(plan)
-    with Testbed(hosts, mbit) as tb:
+    with Testbed(hosts, mbit, loss=args.loss) as tb:
         print(f"testbed: {hosts} host namespace(s) {' '.join(tb.namespaces)} on bridge {tb.bridge_ns}, "
-              f"{tb.subnet}, host links {mbit:g} Mbit/s")
+              f"{tb.subnet}, host links {mbit:g} Mbit/s"
+              + (f", dropping {args.loss * 100:g}% of each host link's packets" if args.loss else ""), flush=True)
         if args.action == "up":
             print("run a command in host h: ip netns exec NAMESPACE ...; Ctrl-C removes everything", flush=True)
             try:
@@ -138,15 +251,49 @@ def _cmd_testbed(args) -> int:
             except KeyboardInterrupt:
                 pass
             return 0
-        r = tb.launch(args.target, steps=args.steps, timeout=args.timeout)
+        timers = []   # --link-down-after: counted from rank 0's first step line
+
+        def on_step(n, seconds):
+            if args.link_down_after is not None and not timers:
+                down = hosts - 1 if args.link_down_host is None else args.link_down_host
+                timers.append(threading.Timer(args.link_down_after, tb.link_down, args=(down,)))
+                timers[0].daemon = True
+                timers[0].start()
+        try:
+            r = tb.launch(args.target, steps=args.steps, timeout=args.timeout, comm_only=not args.train,
+                          on_step=on_step if args.link_down_after is not None else None)
+        except KeyboardInterrupt:
+            print("planc testbed: interrupted; the testbed's processes and namespaces are removed", file=sys.stderr)
+            return 130
+        finally:
+            for t in timers:
+                t.cancel()
         print(r.stdout, end="")
+        if r.dropped_packets:
+            print(f"testbed: the loss fault dropped {sum(r.dropped_packets.values())} packet(s) "
+                  f"({', '.join(f'into host {h}: {n}' for h, n in sorted(r.dropped_packets.items()))})")
         if r.returncode:
             bad = next((k for k, v in sorted(r.logs.items()) if k and v.strip() and "Error" in v), None)
-            if bad is not None:
+            if r.failure:
+                print(r.failure, file=sys.stderr)
+            elif bad is not None:
                 print(f"--- rank {bad} ---\n{r.logs[bad][-3000:]}", file=sys.stderr)
             print(f"planc testbed: launch {'timed out' if r.timed_out else f'failed ({r.returncode})'}",
                   file=sys.stderr)
         return r.returncode
+
+
+def _budget_argument(c: argparse.ArgumentParser) -> None:
+    """--budget NAME=N,...: raise (or lower) the compiler's resource bounds (planc.budget, docs/limits.md)."""
+    from planc import budget
+
+    def parse(text: str):
+        try:
+            return budget.parse(text)
+        except budget.BudgetSyntaxError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+    c.add_argument("--budget", type=parse, default=None, metavar="NAME=N,...",
+                   help="resource bounds, e.g. devices=20000,tasks=100000 (bounds and defaults: docs/limits.md)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -158,6 +305,7 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("check", help="parse and check plans, print a summary")
     c.add_argument("files", nargs="+", metavar="FILE")
     c.add_argument("--json", action="store_true", help="print the checked IR as JSON")
+    _budget_argument(c)
     c.set_defaults(func=_cmd_check)
 
     c = sub.add_parser("compile", help="compile a plan into a launchable output folder")
@@ -167,11 +315,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="do not run the model in a subprocess to size gradients and check transfer shapes")
     c.add_argument("--verify", action="store_true",
                    help="check every pass's output with an independent checker and name the pass that failed")
+    _budget_argument(c)
     c.set_defaults(func=_cmd_compile)
 
     c = sub.add_parser("explain", help="show the placement, reduction programs and transfers planc chose, and why")
     c.add_argument("plan")
     c.add_argument("--no-probe", action="store_true")
+    _budget_argument(c)
+    c.add_argument("--json", action="store_true", help="print the same content as JSON (seconds, bytes)")
+    c.add_argument("--as", dest="as_", choices=["megatron", "deepspeed", "torch"],
+                   help="the chosen placement as a Megatron order, a DeepSpeed ProcessTopology or a torch DeviceMesh")
+    c.add_argument("--draw", metavar="FILE", help="draw the cluster tree with each stage's mesh (.png or .svg; matplotlib)")
     c.set_defaults(func=_cmd_explain)
 
     c = sub.add_parser("bench", help="run a benchmark and print its table")
@@ -186,6 +340,13 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--write", metavar="FILE", help="also write the table into FILE (e.g. docs/benchmarks.md)")
     c.set_defaults(func=_cmd_bench)
 
+    c = sub.add_parser("simulate", help="predict one iteration of every schedule; draw the plan's as a Gantt chart")
+    c.add_argument("plan", help="a .plan file, a compiled output folder or its plan.json")
+    c.add_argument("-o", "--output", metavar="TIMELINE", help="write the Gantt chart (.png or .svg)")
+    c.add_argument("--schedule", choices=["gpipe", "1f1b", "eager_1f1b"],
+                   help="the schedule to draw (default: the plan's)")
+    c.set_defaults(func=_cmd_simulate)
+
     c = sub.add_parser("testbed", help="emulated cluster: network namespaces + tc shaping (root; docs/testbed.md)")
     c.add_argument("action", choices=["up", "run", "down"],
                    help="up PLAN: build and hold until Ctrl-C; run OUT: launch a compiled output's ranks "
@@ -195,6 +356,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="host link rate (default: the plan's host/in-host bandwidth ratio scaled to 3 GB/s)")
     c.add_argument("--steps", type=int, default=3)
     c.add_argument("--timeout", type=float, default=300.0, help="seconds before every rank is killed")
+    c.add_argument("--train", action="store_true", help="run: train (OUT/train.py) instead of --comm-only")
+    c.add_argument("--loss", type=float, default=0.0, metavar="FRACTION",
+                   help="drop this fraction of every host link's packets, each direction (0.05 = 5%%)")
+    c.add_argument("--link-down-after", type=float, default=None, metavar="SECONDS",
+                   help="run: take a host's link down this long after rank 0's first step")
+    c.add_argument("--link-down-host", type=int, default=None, metavar="H",
+                   help="the host whose link --link-down-after takes down (default: the last)")
     c.set_defaults(func=_cmd_testbed)
     return p
 
@@ -203,7 +371,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        return args.func(args)
+        from planc import budget
+        with budget.using(getattr(args, "budget", None)):   # --budget: the bounds every pass checks
+            return args.func(args)
     except PlanError as e:
         print(e.render(), file=sys.stderr)
         return EXIT_USER

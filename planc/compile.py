@@ -19,16 +19,18 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from planc import __version__, ir
+from planc import __version__, budget, ir
 from planc.lang import load
 from planc.lang.errors import Diagnostic, PlanError
-from planc.pipeline.choose import choose_schedule
+from planc.pipeline.choose import (choose_by_prediction, choose_schedule, compiled_input, predicted_record,
+                                   simulate_schedules)
 from planc.pipeline.cut import apply_auto_stages
 from planc.pipeline.deadlock import check_rendezvous
 from planc.pipeline.schedules import build as build_pipeline
 from planc.placement import Placement, place
 from planc.infer import infer_transfers
-from planc.probe import ModelProbe, check_against_model, check_model_reductions, probe_model
+from planc.probe import (ModelProbe, check_against_model, check_model_reductions, probe_model,
+                         tensor_traffic_by_stage)
 from planc.reduction import plan_reductions, stage_reduction_groups
 from planc.resharding import groups_used, plan_routes
 from planc.resharding import device_region
@@ -139,6 +141,7 @@ class Context:
         return self.program.model is not None
 
 
+@budget.accepts   # budget=...: the resource bounds (planc.budget) every pass checks
 def compile_program(program: ir.Program, probe: ModelProbe | None = None, verify: bool = False,
                     stages_reason: str | None = None) -> CompiledPlan:
     """The passes in order, each ``(input, ctx) -> record``; with ``verify`` each output is checked
@@ -148,15 +151,19 @@ def compile_program(program: ir.Program, probe: ModelProbe | None = None, verify
     ctx = dataclasses.replace(ctx, program=program)
     placement = _run("place", place_pass, program, ctx)
     choices = (("stages", stages_reason),)
-    if ctx.training and program.train.schedule is ir.PipeSchedule.AUTO:   # the best that fits the memory
-        schedule, why = choose_schedule(program, placement.stages, ctx.probe)
-        program = dataclasses.replace(program, train=dataclasses.replace(program.train, schedule=schedule))
-        choices += (("schedule", why),)
     ctx = dataclasses.replace(ctx, program=program, placement=placement, choices=choices,
                               untrainable=check_trainable(program, placement.stages) if ctx.training else ())
     reductions = _run("reductions", reductions_pass, program, ctx)
     routes = _run("transfers", transfers_pass, program, ctx)
-    pipeline = _run("pipeline", pipeline_pass, program, ctx)
+    runs = _simulated(program, ctx, reductions, routes)   # every schedule's predicted iteration
+    if ctx.training and program.train.schedule is ir.PipeSchedule.AUTO:   # the best that fits the memory
+        if runs is not None:
+            schedule, why = choose_by_prediction(program, placement.stages, ctx.probe, runs[0])
+        else:
+            schedule, why = choose_schedule(program, placement.stages, ctx.probe)
+        program = dataclasses.replace(program, train=dataclasses.replace(program.train, schedule=schedule))
+        ctx = dataclasses.replace(ctx, program=program, choices=choices + (("schedule", why),))
+    pipeline = _run("pipeline", pipeline_pass, (program, runs), ctx)
     plan = _run("assemble", assemble, (reductions, routes, pipeline), ctx)
     return CompiledPlan(program, plan.to_json(), ctx.untrainable, plan)
 
@@ -182,7 +189,9 @@ def _param_bytes(program: ir.Program, ctx: Context):
 
 
 def place_pass(program: ir.Program, ctx: Context) -> Placement:
-    return place(program, _param_bytes(program, ctx))
+    """The matrix, ranked by predicted communication: gradient reductions, transfers, and the
+    tensor-parallel all-reduces the probe measured (no declaration needed; planc.probe.TensorTraffic)."""
+    return place(program, _param_bytes(program, ctx), tensor_traffic=tensor_traffic_by_stage(ctx.probe))
 
 
 def reductions_pass(program: ir.Program, ctx: Context):
@@ -195,11 +204,30 @@ def transfers_pass(program: ir.Program, ctx: Context):
     return plan_routes(program, ctx.placement.stages, backward=ctx.training)
 
 
-def pipeline_pass(program: ir.Program, ctx: Context):
+def _simulated(program: ir.Program, ctx: Context, reductions, routes):
+    """``(runs, sim, flops)``: each schedule's lists and predicted iteration (planc.pipeline.simulate), or
+    None when there is nothing to predict (no training, no probe, or a plan the runtime cannot train)."""
+    if not ctx.training or ctx.untrainable or ctx.probe is None:
+        return None
+    sim, rate = compiled_input(program, ctx.placement.stages, ctx.probe, reductions, routes)
+    edges = tuple((t.src_stage, t.dst_stage) for t in program.transfers)
+    runs = simulate_schedules(sim, len(ctx.placement.stages), program.train.micro_batches, edges)
+    return (runs, sim, rate) if runs is not None else None
+
+
+def pipeline_pass(value, ctx: Context):
+    """The schedule's per-stage lists; with a compute model, the simulator's predicted iteration."""
+    program, runs = value
     if not ctx.training:
         return None
     edges = None if ctx.untrainable else tuple((t.src_stage, t.dst_stage) for t in program.transfers)
-    return build_pipeline(program.train.schedule, len(ctx.placement.stages), program.train.micro_batches, edges)
+    plan = build_pipeline(program.train.schedule, len(ctx.placement.stages), program.train.micro_batches, edges)
+    if runs is None:
+        return plan
+    runs, sim, rate = runs
+    prediction = runs[program.train.schedule][1]
+    return dataclasses.replace(plan, predicted_iteration=prediction.iteration, predicted=predicted_record(
+        sim, prediction, rate, program.cluster.flops is not None, runs))
 
 
 def assemble(decisions, ctx: Context) -> planfile.Plan:
@@ -378,6 +406,7 @@ def _loss_devices(last: ir.StageLayout) -> list[int]:
     return sorted(d for d in last.devices if all(v == 0 for i, v in enumerate(last.position(d)) if i != k))
 
 
+@budget.accepts   # budget=...: the resource bounds (planc.budget), from load on
 def compile_file(path: str | Path, probe: bool = True, timings: bool = False, verify: bool | None = None) -> CompiledPlan:
     """Load, probe and compile one plan file. ``verify`` (default: env ``PLANC_VERIFY=1``, which the
     test suite sets) checks every pass's output independently."""

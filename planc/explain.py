@@ -1,12 +1,21 @@
 """`planc explain`: what planc decided for a plan, and why, from its plan.json.
 
-Per reduction (per stage for explicit-stage gradients) the program against flat allreduce; per
-transfer its schedule and, when plan.json has ``regions``, each device's host and its region
-(half-open ``a:b`` per dim) on the source and destination meshes. Older plan.json files without
-``regions`` are rendered without that table.
+``explain_data(plan)`` gathers the content once, as plain JSON-able data (times in seconds, sizes in
+bytes, deterministic key order); ``planc explain --json`` prints it and ``explain_renderables``
+lays it out as rich tables that fit 80 columns: the placement matrix and the ranking of the
+matrices, each stage's mesh, per reduction (per stage for explicit-stage gradients) the program
+against flat allreduce with its steps and alternatives, per transfer its strategy, unit tasks
+and schedule and, when plan.json has ``regions``, each device's host and its region (half-open
+``a:b`` per dim) on the source and destination meshes, then the pipeline's instruction lists.
+Older plan.json files without ``regions`` are rendered without that table.
 """
 
 from __future__ import annotations
+
+import re
+
+from planc import ui
+from planc.ui import Col
 
 
 def _t(seconds) -> str:
@@ -39,123 +48,258 @@ def _device_key(d):
     return (0, int(s), s) if s.isdigit() else (1, 0, s)
 
 
-def _region_rows(regions: dict, host_of: dict[int, int]) -> list[str]:
-    """One row per device: its host, then its region on the source and/or destination mesh."""
+# ---------------------------------------------------------------------------------------------
+# the content, as data
+
+
+def _region_rows(regions: dict, host_of: dict[int, int]) -> list[dict] | None:
+    """One row per device: its host, then its region on the source and/or destination mesh
+    (``None`` where the device is not on that mesh). ``None`` when the regions are unreadable."""
     src = regions.get("src") or {}
     dst = regions.get("dst") or {}
     if not isinstance(src, dict) or not isinstance(dst, dict):
-        return ["    (regions not readable)"]
-    devices = sorted(set(src) | set(dst), key=_device_key)
-    labels = {}
-    for d in devices:
-        host = host_of.get(int(d)) if str(d).isdigit() else None
-        labels[d] = f"dev {d} (host {'?' if host is None else host})"
-    width = max((len(v) for v in labels.values()), default=0)
+        return None
     rows = []
-    for d in devices:
-        cells = ([f"src {_ranges(src[d])}"] if d in src else []) + ([f"dst {_ranges(dst[d])}"] if d in dst else [])
-        rows.append(f"    {labels[d]:<{width}}  " + "  ".join(cells))
+    for d in sorted(set(src) | set(dst), key=_device_key):
+        host = host_of.get(int(d)) if str(d).isdigit() else None
+        rows.append({"device": int(d) if str(d).isdigit() else str(d), "host": host,
+                     "src": src.get(d), "dst": dst.get(d)})
     return rows
 
 
-def _transfer_regions(t: dict, host_of: dict[int, int]) -> list[str]:
-    """Each device's region on both meshes, forward and (when it differs from the reverse) backward."""
+def _transfer_data(t: dict, host_of: dict[int, int], peers: list[str]) -> dict:
+    lb = t["lower_bound"]
+    out = {
+        "name": t["name"], "dtype": t["dtype"], "shape": list(t["shape"]),
+        "src": {"stage": t["src"]["stage"], "spec": t["src"]["spec"]},
+        "dst": {"stage": t["dst"]["stage"], "spec": t["dst"]["spec"]},
+        "tasks": len(t["tasks"]), "strategy": t["strategy"],
+        "chunks": t["chunks"] if t["strategy"] == "broadcast" else None,
+        "scheduler": t["scheduler"], "makespan": t["makespan"], "lower_bound": lb,
+        "ratio": t["makespan"] / lb if lb else None, "naive_makespan": t["naive_makespan"],
+        "shares_nic_with": peers, "regions": None, "backward": None,
+    }
     regions = t.get("regions")
-    if not isinstance(regions, dict):
-        return []          # plan.json from before per-device regions: nothing to show
-    i, j = t["src"]["stage"], t["dst"]["stage"]
-    out = [f"  regions (global ranges a:b per dim; src = stage {i}'s mesh, dst = stage {j}'s):"]
-    out += _region_rows(regions, host_of)
-    back = (t.get("backward") or {}).get("regions")
-    if isinstance(back, dict):
-        if back.get("src") == regions.get("dst") and back.get("dst") == regions.get("src"):
-            out.append(f"  backward (gradients, stage {j} -> stage {i}): the same regions, reversed")
-        else:
-            out.append(f"  backward regions (src = stage {j}'s mesh, sending gradients; dst = stage {i}'s):")
-            out += _region_rows(back, host_of)
+    if isinstance(regions, dict):          # plan.json from before per-device regions: nothing to show
+        out["regions"] = _region_rows(regions, host_of)
+        back = (t.get("backward") or {}).get("regions")
+        if isinstance(back, dict):
+            same = back.get("src") == regions.get("dst") and back.get("dst") == regions.get("src")
+            out["backward"] = {"same_regions_reversed": same,
+                               "regions": None if same else _region_rows(back, host_of)}
     return out
 
 
-def explain(plan: dict) -> str:
-    out: list[str] = []
+def explain_data(plan: dict) -> dict:
+    """Everything `planc explain` shows, as JSON-able data (seconds, bytes; keys in a fixed order)."""
     c = plan["cluster"]
-    levels = ", ".join(f"{l['name']} x {l['fanout']}" for l in c["levels"])
-    out.append(f"plan {plan['name']}: {c['devices']} devices ({levels}); {len(c['hosts'])} host(s) at level '{c['host_level']}'")
-
+    data: dict = {
+        "plan": plan["name"],
+        "cluster": {"devices": c["devices"], "levels": [{"name": l["name"], "fanout": l["fanout"]} for l in c["levels"]],
+                    "hosts": len(c["hosts"]), "host_level": c["host_level"]},
+        "placement": None,
+    }
     pl = plan.get("placement")
     if pl:
-        axes = [a["name"] for a in pl["axes"]]
-        lv = [l["name"] for l in c["levels"]]
-        out.append("")
-        out.append(f"placement: {pl['candidates']} parallelism matrices fit; chosen (rows = axes, columns = levels):")
-        width = max(len(a) for a in axes)
-        out.append(" " * (width + 4) + "  ".join(f"{n:>6}" for n in lv))
-        for name, row in zip(axes, pl["matrix"]):
-            out.append(f"    {name:<{width}}" + "  ".join(f"{x:>6}" for x in row))
         ranked = pl["ranked"]
         if len(ranked) > 1:
-            best, second = ranked[0]["predicted"], ranked[1]["predicted"]
-            why = (f"predicted communication per iteration {_t(best)}, vs {_t(second)} for the runner-up "
-                   f"{ranked[1]['matrix']}")
+            why = (f"predicted communication per iteration {_t(ranked[0]['predicted'])}, vs "
+                   f"{_t(ranked[1]['predicted'])} for the runner-up {ranked[1]['matrix']}")
         else:
             why = f"pinned by the plan; predicted communication per iteration {_t(ranked[0]['predicted'])}"
-        out.append(f"  why: {why}")
-        search = pl.get("search")
-        if search:
-            out.append(f"  ranking: {search}, {pl.get('evaluated')} matrices costed by the cost model")
-        for r in ranked:
-            parts = ", ".join(f"{k} {_t(v)}" for k, v in (r.get("breakdown") or {}).items())
-            out.append(f"    {str(r['matrix']):<24} {_t(r['predicted']):>10}" + (f"  = {parts}" if parts else ""))
-    out.append("")
-    for s in plan["stages"]:
-        layers = f"layers {s['layers'][0]}..{s['layers'][1]}" if s.get("layers") else "no layers"
-        out.append(f"stage {s['index']}: {layers}, mesh {s['mesh']} (axes {', '.join(s['mesh_axes'])})")
-
+        data["placement"] = {
+            "candidates": pl["candidates"], "axes": [a["name"] for a in pl["axes"]],
+            "sizes": [a["size"] for a in pl["axes"]], "levels": [l["name"] for l in c["levels"]],
+            "matrix": [list(r) for r in pl["matrix"]], "why": why,
+            "search": pl.get("search"), "evaluated": pl.get("evaluated"),
+            "ranked": [{"matrix": r["matrix"], "predicted": r["predicted"], "breakdown": dict(r.get("breakdown") or {})}
+                       for r in ranked],
+        }
+    data["stages"] = [{"index": s["index"], "layers": s.get("layers"), "mesh": s["mesh"], "mesh_axes": list(s["mesh_axes"])}
+                      for s in plan["stages"]]
+    data["reductions"] = []
     for r in plan["reductions"]:
-        out.append("")
         prog, flat = r["program"]["predicted"], r["allreduce_predicted"]
-        speed = f"{flat / prog:.2f}x vs flat allreduce" if prog else "no data to move"
-        where = f" (stage {r['stage']})" if r.get("stage") is not None else ""
-        out.append(f"reduce {r['name']} over {', '.join(r['axes'])}{where}: {_bytes(r['bytes'])} per group, "
-                   f"{len(r['groups'])} group(s) of {len(r['groups'][0]) if r['groups'] else 0}")
-        if r.get("hierarchy"):
-            out.append("  synthesis hierarchy: root > " + " > ".join(f"{h['name']}({h['factor']})" for h in r["hierarchy"]))
-        out.append(f"  program: {r['program']['text']}")
-        out.append(f"  predicted {_t(prog)}; flat allreduce {_t(flat)} ({speed}); {r['candidates']} valid program(s) found")
-        for step in r["program"]["steps"]:
-            gs = step["groups"]
-            out.append(f"    {step['collective']} on {len(gs)} group(s), e.g. {gs[0]}")
-        if r["alternatives"]:
-            out.append("  alternatives:")
-            for a in r["alternatives"]:
-                out.append(f"    {_t(a['predicted']):>10}  {a['text']}")
-
+        data["reductions"].append({
+            "name": r["name"], "axes": list(r["axes"]), "stage": r.get("stage"), "bytes": r["bytes"],
+            "groups": len(r["groups"]), "group_size": len(r["groups"][0]) if r["groups"] else 0,
+            "hierarchy": [{"name": h["name"], "factor": h["factor"]} for h in r.get("hierarchy") or ()],
+            "program": r["program"]["text"], "predicted": prog, "allreduce_predicted": flat,
+            "speedup": flat / prog if prog else None, "candidates": r["candidates"],
+            "steps": [{"collective": s["collective"], "groups": len(s["groups"]), "example": s["groups"][0]}
+                      for s in r["program"]["steps"]],
+            "alternatives": [{"predicted": a["predicted"], "text": a["text"]} for a in r["alternatives"]],
+        })
     host_of = {d: h for h, devs in enumerate(c.get("hosts") or ()) for d in devs}
     by_src: dict[int, list[str]] = {}
     for t in plan["transfers"]:
         by_src.setdefault(t["src"]["stage"], []).append(t["name"])
-    for t in plan["transfers"]:
-        out.append("")
-        ratio = f"{t['makespan'] / t['lower_bound']:.2f}x" if t["lower_bound"] else "no bytes cross hosts"
-        out.append(f"transfer {t['name']}: {t['dtype']}{t['shape']} stage {t['src']['stage']} ({t['src']['spec']}) -> "
-                   f"stage {t['dst']['stage']} ({t['dst']['spec']})")
-        out.append(f"  {len(t['tasks'])} unit task(s), strategy {t['strategy']}"
-                   + (f" in {t['chunks']} chunks" if t["strategy"] == "broadcast" else "")
-                   + f", scheduled by {t['scheduler']}")
-        out.append(f"  makespan {_t(t['makespan'])}; lower bound {_t(t['lower_bound'])} "
-                   f"({ratio}; the bound counts NIC bytes, not latency); naive schedule {_t(t['naive_makespan'])}")
-        peers = [n for n in by_src[t["src"]["stage"]] if n != t["name"]]
-        if peers:
-            out.append(f"  scheduled on one NIC timeline with {', '.join(peers)} (same source stage): "
-                       "times are where this transfer ends on it")
-        out += _transfer_regions(t, host_of)
+    data["transfers"] = [_transfer_data(t, host_of, [n for n in by_src[t["src"]["stage"]] if n != t["name"]])
+                         for t in plan["transfers"]]
     pipe = plan.get("pipeline")
+    data["pipeline"] = None if not pipe else {
+        "schedule": pipe["schedule"], "micro_batches": pipe["micro_batches"],
+        "predicted_iteration": pipe.get("predicted_iteration"), "per_stage": [list(ops) for ops in pipe["per_stage"]]}
+    data["choices"] = dict(plan.get("choices") or {})       # what `auto` became, and why
+    return data
+
+
+# ---------------------------------------------------------------------------------------------
+# the content, laid out
+
+
+def _region_table(rows: list[dict] | None, tty: bool):
+    if rows is None:
+        return "    (regions not readable)"
+    return ui.table([Col("device", "right"), Col("host", "right"), Col("src region", wrap=True),
+                     Col("dst region", wrap=True)],
+                    [[r["device"], "?" if r["host"] is None else r["host"],
+                      "" if r["src"] is None else _ranges(r["src"]), "" if r["dst"] is None else _ranges(r["dst"])]
+                     for r in rows], tty=tty)
+
+
+def _placement(pl: dict, tty: bool) -> list:
+    out = [f"placement: {pl['candidates']} parallelism matrices fit; chosen (rows = axes, columns = levels):",
+           ui.table([Col("axis")] + [Col(n, "right") for n in pl["levels"]],
+                    [[a] + row for a, row in zip(pl["axes"], pl["matrix"])], tty=tty),
+           f"  why: {pl['why']}"]
+    if pl["search"]:
+        out.append(f"  ranking: {pl['search']}, {pl['evaluated']} matrices costed by the cost model")
+    out.append(ui.table([Col("matrix"), Col("predicted", "right"), Col("breakdown", wrap=True)],
+                        [[str(r["matrix"]), _t(r["predicted"]),
+                          "\n".join(f"{k} {_t(v)}" for k, v in r["breakdown"].items())]
+                         for r in pl["ranked"]], tty=tty))
+    return out
+
+
+def _stages(stages: list[dict], tty: bool):
+    return ui.table([Col("stage", "right"), Col("layers"), Col("mesh", wrap=True), Col("mesh axes", wrap=True)],
+                    [[s["index"], f"{s['layers'][0]}..{s['layers'][1]}" if s["layers"] else "none",
+                      str(s["mesh"]), ", ".join(s["mesh_axes"])] for s in stages], tty=tty)
+
+
+def _reduction(r: dict, tty: bool) -> list:
+    where = f" (stage {r['stage']})" if r["stage"] is not None else ""
+    speed = f"{r['speedup']:.2f}x vs flat allreduce" if r["speedup"] is not None else "no data to move"
+    out = [f"reduce {r['name']} over {', '.join(r['axes'])}{where}: {_bytes(r['bytes'])} per group, "
+           f"{r['groups']} group(s) of {r['group_size']}"]
+    if r["hierarchy"]:
+        out.append("  synthesis hierarchy: root > " + " > ".join(f"{h['name']}({h['factor']})" for h in r["hierarchy"]))
+    out.append(f"  program: {r['program']}")
+    out.append(f"  predicted {_t(r['predicted'])}; flat allreduce {_t(r['allreduce_predicted'])} ({speed}); "
+               f"{r['candidates']} valid program(s) found")
+    if r["steps"]:
+        out.append(ui.table([Col("step", "right"), Col("collective"), Col("groups", "right"), Col("e.g.", wrap=True)],
+                            [[i, s["collective"], s["groups"], str(s["example"])] for i, s in enumerate(r["steps"], 1)],
+                            tty=tty))
+    if r["alternatives"]:
+        out.append("  alternatives (one instruction per line):")
+        out.append(ui.table([Col("predicted", "right"), Col("program", wrap=True)],
+                            [[_t(a["predicted"]), ";\n".join(x.strip() for x in a["text"].split(";"))]
+                             for a in r["alternatives"]], tty=tty))
+    return out
+
+
+def _transfers_overview(transfers: list[dict], tty: bool):
+    def strategy(t):
+        return t["strategy"] + (f" x{t['chunks']}" if t["chunks"] is not None else "")
+    return ui.table([Col("transfer", wrap=True), Col("stages"), Col("strategy"), Col("tasks", "right"),
+                     Col("makespan", "right"), Col("bound", "right"), Col("naive", "right")],
+                    [[t["name"], f"{t['src']['stage']} -> {t['dst']['stage']}", strategy(t), t["tasks"],
+                      _t(t["makespan"]), _t(t["lower_bound"]), _t(t["naive_makespan"])] for t in transfers],
+                    tty=tty)
+
+
+def _transfer(t: dict, tty: bool) -> list:
+    i, j = t["src"]["stage"], t["dst"]["stage"]
+    ratio = f"{t['ratio']:.2f}x" if t["ratio"] is not None else "no bytes cross hosts"
+    out = [f"transfer {t['name']}: {t['dtype']}{t['shape']} stage {i} ({t['src']['spec']}) -> stage {j} ({t['dst']['spec']})",
+           f"  {t['tasks']} unit task(s), strategy {t['strategy']}"
+           + (f" in {t['chunks']} chunks" if t["chunks"] is not None else "") + f", scheduled by {t['scheduler']}",
+           f"  makespan {_t(t['makespan'])}; lower bound {_t(t['lower_bound'])} "
+           f"({ratio}; the bound counts NIC bytes, not latency); naive schedule {_t(t['naive_makespan'])}"]
+    if t["shares_nic_with"]:
+        out.append(f"  scheduled on one NIC timeline with {', '.join(t['shares_nic_with'])} (same source stage): "
+                   "times are where this transfer ends on it")
+    if t["regions"] is not None or t["backward"] is not None:
+        out.append(f"  regions (global ranges a:b per dim; src = stage {i}'s mesh, dst = stage {j}'s):")
+        out.append(_region_table(t["regions"], tty))
+    back = t["backward"]
+    if back is not None:
+        if back["same_regions_reversed"]:
+            out.append(f"  backward (gradients, stage {j} -> stage {i}): the same regions, reversed")
+        else:
+            out.append(f"  backward regions (src = stage {j}'s mesh, sending gradients; dst = stage {i}'s):")
+            out.append(_region_table(back["regions"], tty))
+    return out
+
+
+def explain_renderables(data: dict, tty: bool = False) -> list:
+    """The content of ``explain_data`` as strings (printed as one line each) and rich tables."""
+    c = data["cluster"]
+    levels = ", ".join(f"{l['name']} x {l['fanout']}" for l in c["levels"])
+    out: list = [f"plan {data['plan']}: {c['devices']} devices ({levels}); {c['hosts']} host(s) at level '{c['host_level']}'"]
+    if data["placement"]:
+        out += [""] + _placement(data["placement"], tty)
+    out += ["", "stages:", _stages(data["stages"], tty)]
+    for r in data["reductions"]:
+        out += [""] + _reduction(r, tty)
+    if data["transfers"]:
+        out += ["", "transfers (times predicted by the cost model; bound = NIC lower bound):",
+                _transfers_overview(data["transfers"], tty)]
+    for t in data["transfers"]:
+        out += [""] + _transfer(t, tty)
+    pipe = data["pipeline"]
     if pipe:
-        out.append("")
-        out.append(f"pipeline: {pipe['schedule']}, {pipe['micro_batches']} micro-batches; predicted iteration "
-                   f"{_t(pipe.get('predicted_iteration'))}")
-        for i, ops in enumerate(pipe["per_stage"]):
-            out.append(f"  stage {i}: {' '.join(ops)}")
-    for what, why in (plan.get("choices") or {}).items():   # what `auto` became, and why
+        out += ["", f"pipeline: {pipe['schedule']}, {pipe['micro_batches']} micro-batches; predicted iteration "
+                    f"{_t(pipe['predicted_iteration'])}",
+                ui.table([Col("stage", "right"), Col("instructions (F = forward, B = backward of micro-batch i)", wrap=True)],
+                         [[i, " ".join(ops)] for i, ops in enumerate(pipe["per_stage"])], tty=tty)]
+    for what, why in data["choices"].items():
         out.append(f"{what} = auto: {why}")
-    return "\n".join(out)
+    return out
+
+
+def explain(plan: dict) -> str:
+    """The plain (piped) text of `planc explain` for a plan.json."""
+    return ui.render(*explain_renderables(explain_data(plan), tty=False)).rstrip("\n")
+
+
+def compile_summary(plan: dict, tty: bool = False) -> list:
+    """`planc compile`'s table of what was decided: one row per decision, with its prediction."""
+    d = explain_data(plan)
+    rows = []
+    if d["placement"]:
+        pl = d["placement"]
+        rows.append(["placement", f"matrix {pl['matrix']} (axes {', '.join(pl['axes'])})", _t(pl["ranked"][0]["predicted"])])
+    for s in d["stages"]:
+        layers = f"layers {s['layers'][0]}..{s['layers'][1]}" if s["layers"] else "no layers"
+        rows.append([f"stage {s['index']}", f"{layers}, mesh {s['mesh']}", ""])
+    for r in d["reductions"]:
+        where = f" (stage {r['stage']})" if r["stage"] is not None else ""
+        rows.append([f"reduce {r['name']}{where}", r["program"] or "nothing to reduce", _t(r["predicted"])])
+    for t in d["transfers"]:
+        how = t["strategy"] + (f" in {t['chunks']} chunks" if t["chunks"] is not None else "")
+        rows.append([f"transfer {t['name']}", f"{how}, {t['tasks']} unit task(s)", _t(t["makespan"])])
+    if d["pipeline"]:
+        p = d["pipeline"]
+        rows.append(["pipeline", f"{p['schedule']}, {p['micro_batches']} micro-batches", _t(p["predicted_iteration"])])
+    return [ui.table([Col("decision", wrap=True), Col("chosen", wrap=True), Col("predicted", "right")], rows, tty=tty)]
+
+
+def check_summary(summary: str, tty: bool = False) -> list:
+    """`planc check`'s output: the first line of ``planc.lang.format.summary`` (name, ok, path), then
+    its ``  key   value`` lines as a two-column table; a line of another shape stays a line below it.
+    The facts are summary()'s own, so check shows exactly what it says."""
+    head, *lines = summary.splitlines()
+    rows, notes = [], []
+    for line in lines:
+        m = re.match(r"^  (\S.*?)\s{2,}(\S.*)$", line)
+        if m:
+            rows.append([m.group(1), m.group(2)])
+        else:
+            notes.append(line)
+    out: list = [head]
+    if rows:
+        out.append(ui.table([Col("item"), Col("what", wrap=True)], rows, tty=tty))
+    return out + notes

@@ -31,6 +31,35 @@ class MeasuredTransfer:
 
 
 @dataclass(frozen=True, slots=True)
+class TensorTraffic:
+    """What one device of a tensor-parallel stage all-reduces over its tensor group per micro-batch.
+
+    Measured by the probe (``planc.runtime.probe.measure_tensor_traffic``): the stage's layers, built
+    with a stand-in tensor group of size ``degree``, run forward and backward on ``rows`` rows (the
+    device's slice of a micro-batch along the stage's ``data`` axis); every all-reduce of Megatron's
+    g (forward) and f (backward) is logged with its bytes, in issue order. ``error``: some layer of
+    the stage could not be measured (its traffic is then missing from the counts).
+    """
+
+    stage: int
+    degree: int
+    rows: int
+    forward: tuple[int, ...] = ()
+    backward: tuple[int, ...] = ()
+    error: str | None = None
+
+    @property
+    def ops(self) -> tuple[int, ...]:
+        """Every all-reduce of one micro-batch, forward then backward (bytes each)."""
+        return self.forward + self.backward
+
+    @property
+    def bytes(self) -> int:
+        """Bytes one device all-reduces per micro-batch, forward and backward together."""
+        return sum(self.forward) + sum(self.backward)
+
+
+@dataclass(frozen=True, slots=True)
 class ModelProbe:
     """What the model really is, for one whole micro-batch of ``micro_batch`` rows.
 
@@ -44,6 +73,8 @@ class ModelProbe:
     micro-batch of the unsplit model, counted with ``torch.utils.flop_counter.FlopCounterMode`` (empty:
     not counted; None: that layer's count failed, ``flop_errors`` says why). ``chain``: the layers were
     run as a chain (each gets the previous layer's output), as for a plan whose stages are not cut yet.
+    ``tensor_traffic``: per stage whose ``tensor`` axis has size > 1, what one device of it all-reduces
+    per micro-batch (only when the builder opts in; :class:`TensorTraffic`).
     """
 
     layer_params: tuple[int, ...]
@@ -59,6 +90,7 @@ class ModelProbe:
     layer_flops: tuple[tuple[int, int] | None, ...] = ()
     flop_errors: tuple[str, ...] = ()
     chain: bool = False
+    tensor_traffic: tuple[TensorTraffic, ...] = ()
 
     def measured(self, name: str) -> MeasuredTransfer | None:
         return next((m for m in self.transfers if m.name == name), None)
@@ -96,6 +128,18 @@ def _stage_tensor(program: ir.Program) -> tuple[tuple[int, int], ...]:
     return tuple((s.index, ir.axis_size(program.stage_mesh(s.index), TENSOR_AXIS)) for s in program.stages)
 
 
+def _tensor_stages(program: ir.Program, stage_tensor) -> list[dict]:
+    """The stages whose tensor traffic the probe measures: tensor degree > 1, with each device's rows."""
+    out = []
+    for s, k in stage_tensor:
+        if k > 1:
+            data = ir.axis_size(program.stage_mesh(s), ir.MeshAxis.DATA)
+            layers = program.stage(s).layers
+            out.append({"stage": s, "layers": list(layers) if layers is not None else None, "degree": k,
+                        "rows": max(1, program.train.micro_batch // data)})
+    return out
+
+
 def wants_flops(program: ir.Program) -> bool:
     """Whether compiling ``program`` needs the layers' FLOPs: stages to cut, or a compute model."""
     return program.auto_stages or program.cluster.flops is not None
@@ -125,6 +169,7 @@ def probe_model(program: ir.Program, flops: bool | None = None) -> ModelProbe:
             {"name": t.name, "src_stage": t.src_stage, "src_layer": t.src_layer, "dst_stage": t.dst_stage}
             for t in program.transfers],
         "tensor_degrees": sorted({k for _, k in stage_tensor if k > 1}),
+        "tensor_stages": [] if chain else _tensor_stages(program, stage_tensor),
         "flops": wants_flops(program) if flops is None else bool(flops),
     }
     env = dict(os.environ, PYTHONHASHSEED="0", CUDA_VISIBLE_DEVICES="")
@@ -175,7 +220,20 @@ def probe_from_json(doc: dict, micro_batch: int, stage_tensor=(), chain: bool = 
         layer_flops=tuple((int(f[0]), int(f[1])) if f is not None else None for f in flops) if flops else (),
         flop_errors=tuple(doc.get("flop_errors") or ()),
         chain=chain,
+        tensor_traffic=tuple(TensorTraffic(int(t["stage"]), int(t["degree"]), int(t["rows"]),
+                                           tuple(int(b) for b in t.get("forward", ())),
+                                           tuple(int(b) for b in t.get("backward", ())),
+                                           "; ".join(t.get("errors") or ()) or None)
+                             for t in doc.get("tensor_traffic") or ()),
     )
+
+
+def tensor_traffic_by_stage(probe: ModelProbe | None) -> dict[int, tuple[tuple[int, ...], tuple[int, ...]]]:
+    """Per tensor-parallel stage, ``(forward, backward)``: the bytes of each all-reduce one device
+    issues over its tensor group per micro-batch (placement's input; empty without a measurement)."""
+    if probe is None:
+        return {}
+    return {t.stage: (t.forward, t.backward) for t in probe.tensor_traffic if t.ops}
 
 
 def _type_text(dtype: str | None, shape) -> str:

@@ -1,45 +1,107 @@
-"""`planc explain`: per placement the matrix and why it won, per reduction the program against flat allreduce."""
+"""`planc explain`: per placement the matrix and why it won, per reduction the program against flat allreduce,
+per transfer its schedule and regions; in plain (piped) mode, 80 columns; --json and --draw."""
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
 from pathlib import Path
 
 from planc.compile import compile_file
-from planc.explain import explain
+from planc.draw import draw
+from planc.explain import explain, explain_data
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def _flat(text: str) -> str:
+    """Whitespace runs as one space: long lines wrap at 80 columns with a hanging indent."""
+    return " ".join(text.split())
 
 
 def test_explain_p2_plan_shows_matrix_reasons_and_programs():
     plan = compile_file(ROOT / "plans" / "p2-running-example.plan", probe=False).plan_json
     text = explain(plan)
+    flat = _flat(text)
     pl = plan["placement"]
     assert f"placement: {pl['candidates']} parallelism matrices fit" in text
-    for axis, row in zip(pl["axes"], pl["matrix"]):
-        assert re.search(rf"^\s+{axis['name']}\s+" + r"\s+".join(map(str, row)) + r"\s*$", text, re.M), axis
-    assert "why: predicted communication per iteration" in text and "runner-up" in text
+    for axis, row in zip(pl["axes"], pl["matrix"]):      # one table row per axis: name, then its factors
+        assert re.search(rf"^\s*{axis['name']}\s+" + r"\s+".join(map(str, row)) + r"\s*$", text, re.M), axis
+    assert "why: predicted communication per iteration" in flat and "runner-up" in flat
     for r in plan["reductions"]:
         assert f"reduce {r['name']} over {', '.join(r['axes'])}" in text
-        assert f"  program: {r['program']['text']}" in text
-        assert "flat allreduce" in text and f"{r['candidates']} valid program(s) found" in text
-        for alt in r["alternatives"]:
-            assert alt["text"] in text
+        assert f"program: {r['program']['text']}" in flat
+        assert "flat allreduce" in flat and f"{r['candidates']} valid program(s) found" in flat
+        for alt in r["alternatives"]:                   # one instruction per line of the alternatives table
+            for instruction in alt["text"].split(";"):
+                assert instruction.strip() in text
     for ranked in pl["ranked"]:                       # each costed matrix with its breakdown
         assert str(ranked["matrix"]) in text
         assert all(k in text for k in ranked["breakdown"])
+    assert all(len(line) <= 80 for line in text.splitlines()), max(text.splitlines(), key=len)
 
 
 def test_explain_cli_shows_transfers_and_pipeline():
     r = subprocess.run([sys.executable, "-m", "planc", "explain", str(ROOT / "plans" / "unet-skip.plan"),
                         "--no-probe"], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
+    assert "\x1b[" not in r.stdout                    # piped: no ANSI escapes
     for name in ("down", "mid", "e2", "e1"):
         assert f"transfer {name}: " in r.stdout
+        assert re.search(rf"^{name}\s+\d -> \d\s+\w+", r.stdout, re.M), name   # the transfers table
     assert "scheduled on one NIC timeline with" in r.stdout
-    assert "pipeline: eager_1f1b, 4 micro-batches" in r.stdout and "stage 2: F0 F1 B0 F2" in r.stdout
+    assert "pipeline: eager_1f1b, 4 micro-batches" in r.stdout
+    per_stage = compile_file(ROOT / "plans" / "unet-skip.plan", probe=False).plan_json["pipeline"]["per_stage"]
+    for i, ops in enumerate(per_stage):                            # each stage's row of the schedule table
+        assert re.search(rf"^\s*{i}\s+{' '.join(ops)}$", r.stdout, re.M), (i, ops)
+    assert all(len(line) <= 80 for line in r.stdout.splitlines())
+
+
+def test_explain_json_is_the_same_content():
+    plan = compile_file(ROOT / "plans" / "unet-skip.plan", probe=False).plan_json
+    r = subprocess.run([sys.executable, "-m", "planc", "explain", str(ROOT / "plans" / "unet-skip.plan"),
+                        "--no-probe", "--json"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    data = json.loads(r.stdout)
+    assert data == json.loads(json.dumps(explain_data(plan)))
+    assert list(data) == ["plan", "cluster", "placement", "stages", "reductions", "transfers", "pipeline", "choices"]
+    assert data["placement"]["matrix"] == plan["placement"]["matrix"]
+    assert [t["name"] for t in data["transfers"]] == [t["name"] for t in plan["transfers"]]
+    for t, src in zip(data["transfers"], plan["transfers"]):
+        assert t["strategy"] == src["strategy"] and t["tasks"] == len(src["tasks"])
+        assert t["makespan"] == src["makespan"] and t["lower_bound"] == src["lower_bound"]
+    assert data["pipeline"]["per_stage"] == plan["pipeline"]["per_stage"]
+    assert data["reductions"][0]["program"] == plan["reductions"][0]["program"]["text"]
+
+
+def test_explain_draw_svg_has_one_node_per_device(tmp_path):
+    svg = tmp_path / "tree.svg"
+    plan = compile_file(ROOT / "plans" / "unet-skip.plan", probe=False).plan_json
+    assert draw(plan, svg) == plan["cluster"]["devices"]
+    text = svg.read_text()
+    ids = re.findall(r'id="device-(\d+)"', text)
+    assert sorted(map(int, ids)) == list(range(plan["cluster"]["devices"]))
+    groups = re.findall(r'id="group-(\d+)-(\d+)"', text)
+    assert len(groups) == sum(len(r["groups"]) for r in plan["reductions"])
+    png = tmp_path / "tree.png"
+    draw(plan, png)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_explain_draw_bad_suffix_or_no_matplotlib_exit_2(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "planc", "explain", str(ROOT / "plans" / "unet-skip.plan"),
+                        "--no-probe", "--draw", str(tmp_path / "tree.pdf")], capture_output=True, text=True)
+    assert r.returncode == 2 and "must end in .png or .svg, not '.pdf'" in r.stderr and "Traceback" not in r.stderr
+    (tmp_path / "matplotlib").mkdir()            # a matplotlib that cannot be imported shadows the real one
+    (tmp_path / "matplotlib" / "__init__.py").write_text("raise ImportError('no matplotlib here')\n")
+    r = subprocess.run([sys.executable, "-c", f"import sys; sys.path.insert(0, {str(tmp_path)!r}); "
+                        "from planc.cli import main; raise SystemExit(main(sys.argv[1:]))",
+                        "explain", str(ROOT / "plans" / "unet-skip.plan"), "--no-probe",
+                        "--draw", str(tmp_path / "t.svg")], capture_output=True, text=True)
+    assert r.returncode == 2 and "matplotlib is not installed" in r.stderr, r.stderr
+    assert not (tmp_path / "t.svg").exists()
 
 
 def _small_plan() -> dict:
@@ -77,20 +139,34 @@ def _small_plan() -> dict:
     }
 
 
+def _rows(block: str) -> list[list[str]]:
+    """The rows of the region table in a block of explain's text: device, host, then region cells."""
+    return [line.split(None, 2) for line in block.splitlines() if re.match(r"^\s+(\d+|x)\s+(\d+|\?)\s", line)]
+
+
 def test_explain_prints_each_devices_region_on_both_meshes():
     text = explain(_small_plan())
     block = text[text.index("transfer hidden:"):text.index("\n\ntransfer old:")]
-    assert block == """\
+    assert block.startswith("""\
 transfer hidden: f32[4, 8] stage 0 (S0 R) -> stage 1 (R S0)
   4 unit task(s), strategy send_recv, scheduled by naive
-  makespan 2.000 ms; lower bound 1.000 ms (2.00x; the bound counts NIC bytes, not latency); naive schedule 2.000 ms
-  scheduled on one NIC timeline with old, odd (same source stage): times are where this transfer ends on it
+  makespan 2.000 ms; lower bound 1.000 ms (2.00x; the bound counts NIC bytes,
+      not latency); naive schedule 2.000 ms
+  scheduled on one NIC timeline with old, odd (same source stage): times are
+      where this transfer ends on it
   regions (global ranges a:b per dim; src = stage 0's mesh, dst = stage 1's):
-    dev 0 (host 0)  src [0:2, 0:8]
-    dev 1 (host 0)  src [2:4, 0:8]
-    dev 2 (host 1)  dst [0:4, 0:4]
-    dev 3 (host 1)  dst [0:4, 4:8]
-  backward (gradients, stage 1 -> stage 0): the same regions, reversed"""
+""")
+    # columns: device, host, src region, dst region (a device is on one mesh here)
+    assert re.search(r"^device\s+host\s+src region\s+dst region$", block, re.M)
+    lines = {int(m.group(1)): m.group(0) for m in re.finditer(r"^\s+(\d)\s+(\d)\s+(\[.*\])$", block, re.M)}
+    assert sorted(lines) == [0, 1, 2, 3]
+    src_col = block.splitlines()[[i for i, l in enumerate(block.splitlines()) if l.startswith("device")][0]].index("src")
+    dst_col = block.splitlines()[[i for i, l in enumerate(block.splitlines()) if l.startswith("device")][0]].index("dst")
+    for d, host, region, col in ((0, 0, "[0:2, 0:8]", src_col), (1, 0, "[2:4, 0:8]", src_col),
+                                 (2, 1, "[0:4, 0:4]", dst_col), (3, 1, "[0:4, 4:8]", dst_col)):
+        line = lines[d]
+        assert line.split()[1] == str(host) and line.index(region) == col, line
+    assert block.rstrip().endswith("  backward (gradients, stage 1 -> stage 0): the same regions, reversed")
     assert "reduce gradients over data (stage 0): 1.0 KiB per group, 1 group(s) of 2" in text
 
 
@@ -99,6 +175,12 @@ def test_explain_without_regions_or_with_odd_ones_does_not_crash():
     old = text[text.index("transfer old:"):text.index("\n\ntransfer odd:")]
     assert "regions" not in old
     odd = text[text.index("transfer odd:"):]
-    assert "    dev x (host ?)  dst ?" in odd
+    assert re.search(r"^\s+x\s+\?\s+\?$", odd, re.M)                  # device x, host ?, dst region ?
     assert "  backward regions (src = stage 1's mesh, sending gradients; dst = stage 0's):" in odd
-    assert "    dev 1 (host 0)  dst [0:4, 0:8]" in odd and "    dev 3 (host 1)  src [0:4, 0:8]" in odd
+    back = odd[odd.index("backward regions"):]
+    assert re.search(r"^\s+1\s+0\s+\[0:4, 0:8\]$", back, re.M)         # dev 1 on host 0: dst only
+    assert re.search(r"^\s+3\s+1\s+\[0:4, 0:8\]\s*$", back, re.M)      # dev 3 on host 1: src only
+    hdr = next(l for l in back.splitlines() if l.startswith("device"))
+    one = next(l for l in back.splitlines() if re.match(r"^\s+1\s", l))
+    three = next(l for l in back.splitlines() if re.match(r"^\s+3\s", l))
+    assert one.index("[") == hdr.index("dst") and three.index("[") == hdr.index("src")

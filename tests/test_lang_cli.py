@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -24,6 +25,13 @@ def test_check_ok():
     r = planc("check", GOOD, ROOT / "plans" / "alpacomm-2x4.plan")
     assert r.returncode == 0, r.stderr
     assert "gpt_2x4: ok" in r.stdout and "alpacomm_2x4: ok" in r.stdout
+    # piped: summary()'s lines as an 80-column table without escapes, every fact kept
+    assert "\x1b[" not in r.stdout and all(len(line) <= 80 for line in r.stdout.splitlines())
+    assert re.search(r"^axes\s+pipe 2, data 2, tensor 2 \(place = auto\)$", r.stdout, re.M)
+    assert re.search(r"^reduce\s+gradients over data \(synthesized\)$", r.stdout, re.M)
+    assert re.search(r"^transfer\s+fanout f32\[1024, 1024, 512\]: stage 2 \(R R R\) -> stage 1 \(S0 S1 R\)$",
+                     r.stdout, re.M)
+    assert "  (communication-only plan: no model)" in r.stdout
 
 
 def test_check_json():

@@ -13,13 +13,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from planc import ir
-from planc.cost import Network
+from planc.cost import Network, step_coefficients
 from planc.lang.errors import Diagnostic, PlanError
 from planc.placement.mapping import Coords, coords_for, device_of, level_coords, stage_layouts
 from planc.placement.matrices import (
     Matrix, column_choices, count_matrices, enumerate_matrices, is_matrix, matrix_problems,
 )
-from planc.reduction import best_time, pinned_time, reduction_bytes
+from planc.reduction import best_time, pinned_time, reduction_bytes, stage_reduction_groups
 from planc.resharding import parts_per_dim
 
 __all__ = [
@@ -53,6 +53,7 @@ class Placement:
     search: str | None = None
     evaluated: int = 0
     breakdown: tuple[tuple[tuple[str, float], ...], ...] = ()   # per ranked matrix: (what, seconds)
+    tensor_traffic: tuple[dict, ...] = ()   # the chosen matrix's costed tensor-parallel traffic, per stage
 
     def to_json(self) -> dict[str, Any] | None:
         """The plan.json ``placement`` section (PLAN_FORMAT.md)."""
@@ -68,6 +69,7 @@ class Placement:
             "search": self.search,
             "evaluated": self.evaluated,
             "coords": [list(c) for c in self.coords],
+            **({"tensor_traffic": [dict(t) for t in self.tensor_traffic]} if self.tensor_traffic else {}),
         }
 
 
@@ -85,8 +87,10 @@ def _region_bytes(nbytes: int, spec: ir.ShardingSpec, layout: ir.StageLayout) ->
 class _Costing:
     """Predicted communication seconds of one iteration under a matrix."""
 
-    def __init__(self, program: ir.Program, param_bytes: dict[int, int] | None, honour_pinned: bool = True):
+    def __init__(self, program: ir.Program, param_bytes: dict[int, int] | None, honour_pinned: bool = True,
+                 tensor_traffic=None):
         self.program = program
+        self.tensor_traffic = dict(tensor_traffic or {})   # stage -> (forward, backward) all-reduce bytes
         self.cluster = program.cluster
         self.fanouts = program.cluster.fanouts
         self.names = program.parallel.axis_names()
@@ -120,15 +124,22 @@ class _Costing:
             else:
                 t = best_time(self.cluster, matrix, self.names, axes, nbytes, syn)
             parts.append((f"reduce {name}", t))
-        if self.program.transfers:
+        if self.program.transfers or self.tensor_traffic:
             coords = coords_for(matrix, self.fanouts, self.sizes)
-            parts.append(("transfers", self.transfer_time(stage_layouts(self.program, coords))))
+            layouts = stage_layouts(self.program, coords)
+            if self.program.transfers:
+                parts.append(("transfers", self.transfer_time(layouts)))
+            if self.tensor_traffic:
+                parts.append(("tensor traffic", max(r["predicted"] for r in self.tensor_records(layouts))))
         t = 0.0
         for _, sec in parts:
             t += sec
         self.cache[matrix] = t
         self.parts[matrix] = tuple(parts)
         return t
+
+    def tensor_records(self, stages: tuple[ir.StageLayout, ...]) -> list[dict]:
+        return tensor_records(self.program, self.net, self.tensor_traffic, stages)
 
     def transfer_time(self, stages: tuple[ir.StageLayout, ...]) -> float:
         """Each destination device pulls its region from the nearest source device, forward and backward."""
@@ -155,6 +166,29 @@ class _Costing:
                         break
             total += self.net.flows_time(flows) * self.program.train.micro_batches * 2
         return total
+
+
+def tensor_records(program: ir.Program, net: Network, traffic, stages: tuple[ir.StageLayout, ...]) -> list[dict]:
+    """Per tensor-parallel stage of ``traffic`` (stage -> (forward, backward) all-reduce bytes per
+    micro-batch): its tensor groups in these layouts and the predicted seconds of its all-reduces over
+    one iteration (a flat allreduce on every group at once, as the runtime issues them). Stages run at
+    once, so the slowest stage's time is the iteration's."""
+    by_index = {s.index: s for s in stages}
+    m = program.train.micro_batches if program.train is not None else 1
+    out = []
+    for s, (fwd, bwd) in sorted((traffic or {}).items()):
+        st = by_index.get(s)
+        if st is None:
+            continue
+        groups = tuple(g for g in stage_reduction_groups((st,), (ir.MeshAxis.TENSOR,)) if len(g) > 1)
+        a, b = step_coefficients(net, ir.Collective.ALLREDUCE, groups) if groups else (0.0, 0.0)
+        ops = tuple(fwd) + tuple(bwd)
+        out.append({"stage": s, "groups": [list(g) for g in groups],
+                    "forward": {"all_reduces": len(fwd), "bytes": sum(fwd)},
+                    "backward": {"all_reduces": len(bwd), "bytes": sum(bwd)},
+                    "bytes_per_micro_batch": sum(ops), "micro_batches": m,
+                    "predicted": m * (a * sum(ops) + b * len(ops))})
+    return out
 
 
 def _rank(evaluated: dict[Matrix, float]) -> tuple[tuple[Matrix, float], ...]:
@@ -188,21 +222,27 @@ def _beam(cost: _Costing, fanouts: tuple[int, ...], sizes: tuple[int, ...], widt
 
 
 def place(program: ir.Program, param_bytes: dict[int, int] | None = None, *,
-          exhaustive_limit: int = EXHAUSTIVE_LIMIT, beam_width: int = BEAM_WIDTH) -> Placement:
+          exhaustive_limit: int = EXHAUSTIVE_LIMIT, beam_width: int = BEAM_WIDTH,
+          tensor_traffic=None) -> Placement:
     """Choose the parallelism matrix and lay out devices and stages (a pure pass).
 
     ``param_bytes`` maps a stage index to its parameter-gradient bytes; it
     sizes ``reduce gradients`` (the largest stage's, as the reduction pass does) when ranking.
+    ``tensor_traffic`` maps a stage index to ``(forward, backward)``, the bytes of each all-reduce
+    one device of it issues over its tensor group per micro-batch (measured by the probe); it is
+    costed as the part ``tensor traffic`` of every matrix, with no declaration in the plan.
     """
     par = program.parallel
     if par is None or program.stage_mode is ir.StageMode.EXPLICIT:
         # explicit meshes fix every device's role: there is no matrix to choose (docs/placement.md)
-        return Placement(None, 0, (), (), stage_layouts(program, ()))
+        layouts = stage_layouts(program, ())
+        records = tensor_records(program, Network(program.cluster), tensor_traffic, layouts)
+        return Placement(None, 0, (), (), layouts, tensor_traffic=tuple(records))
     fanouts = program.cluster.fanouts
     sizes = tuple(a.size for a in par.axes)
     axes = tuple((a.name, a.size) for a in par.axes)
     candidates = count_matrices(fanouts, sizes)
-    cost = _Costing(program, param_bytes)
+    cost = _Costing(program, param_bytes, tensor_traffic=tensor_traffic)
 
     if par.matrix is not None:
         matrix = tuple(tuple(r) for r in par.matrix)
@@ -212,7 +252,7 @@ def place(program: ir.Program, param_bytes: dict[int, int] | None = None, *,
                              for p in problems])
         t = cost(matrix)
         if not math.isfinite(t):    # the reduction pass explains why the pinned program cannot run here
-            cost = _Costing(program, param_bytes, honour_pinned=False)
+            cost = _Costing(program, param_bytes, honour_pinned=False, tensor_traffic=tensor_traffic)
             t = cost(matrix)
         ranked = ((matrix, t),)
         search, evaluated = "pinned", 1
@@ -229,7 +269,7 @@ def place(program: ir.Program, param_bytes: dict[int, int] | None = None, *,
         if not ranked:
             # no matrix admits the pinned program(s): rank as if synthesized, and let the
             # reduction pass explain, for the best matrix, which step fails and why
-            cost = _Costing(program, param_bytes, honour_pinned=False)
+            cost = _Costing(program, param_bytes, honour_pinned=False, tensor_traffic=tensor_traffic)
             table = {mx: cost(mx) for mx in table}
             ranked = _rank(table)
         matrix = ranked[0][0]
@@ -237,5 +277,6 @@ def place(program: ir.Program, param_bytes: dict[int, int] | None = None, *,
 
     coords = coords_for(matrix, fanouts, sizes)
     breakdown = tuple(cost.parts[m] for m, _ in ranked)
-    return Placement(matrix, candidates, ranked, coords, stage_layouts(program, coords),
-                     axes, search, evaluated, breakdown)
+    layouts = stage_layouts(program, coords)
+    return Placement(matrix, candidates, ranked, coords, layouts,
+                     axes, search, evaluated, breakdown, tuple(cost.tensor_records(layouts)))

@@ -1,10 +1,13 @@
-"""Program entry of a compiled output: ``deepspeed OUT/train.py [--comm-only] [--steps N]``.
+"""Program entry of a compiled output: ``deepspeed OUT/train.py [--comm-only] [--steps N] [--save DIR]
+[--resume DIR]``.
 
 Reads OUT/plan.json (the compiler's decisions), OUT/run.json (model, loss,
 data and train settings) and OUT/ds_config.json (optimizer), initializes the
 process group, runs the start-up checks, builds the DeepSpeed pipeline engine
 (``PlanEngine``, a ``PipelineEngine`` subclass) from the copied model file and
-trains; rank 0 prints ``step N loss X``.
+trains; rank 0 prints ``step N loss X``. With ``--save DIR`` every rank checkpoints every
+``train.save_every`` steps and at the end; ``--resume DIR`` continues from a checkpoint
+(``checkpoint``; docs/runtime.md "Checkpoints").
 """
 from __future__ import annotations
 
@@ -17,7 +20,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from . import planfile
+from . import checkpoint, planfile
+from .checkpoint import CheckpointError, CountingIterator
 from .dist_util import GroupMissing, StartupError, collective_timeout, init_distributed, startup_checks
 from .engine import EngineError, PlanEngine, check_stage_shapes
 from .planfile import Direction, Plan, PlanFileError
@@ -48,7 +52,12 @@ def parse_args(argv):
     p = argparse.ArgumentParser(prog="train.py", description="Run a planc-compiled training plan.")
     p.add_argument("--comm-only", action="store_true",
                    help="run only the plan's transfers and reductions on random data, and time them")
-    p.add_argument("--steps", type=int, default=None, help="override train.steps")
+    p.add_argument("--steps", type=int, default=None,
+                   help="override train.steps (the step count to reach: a resumed run trains the rest)")
+    p.add_argument("--save", default=None, metavar="DIR",
+                   help="write a checkpoint to DIR/step<N> every train.save_every steps and after the last step")
+    p.add_argument("--resume", default=None, metavar="DIR",
+                   help="continue from the checkpoint DIR (a DIR/step<N> folder, or the one DIR/latest names)")
     p.add_argument("--dump-params", default=None, metavar="DIR",
                    help="after training, save each rank's stage parameters to DIR/rank<R>.pt "
                         "(and its tensor-parallel shards' positions to DIR/rank<R>.shards.json)")
@@ -59,13 +68,13 @@ def parse_args(argv):
     return p.parse_args(argv)
 
 
-def _fail_together(problems: list[str]) -> None:
+def _fail_together(problems: list[str], headline: str = "the plan cannot train") -> None:
     """All ranks learn every rank's problems and stop with the same message."""
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, problems)
     every = [p for ps in gathered for p in ps]
     if every:
-        error = EngineError("the plan cannot train:\n  " + "\n  ".join(dict.fromkeys(every)))
+        error = EngineError(f"{headline}:\n  " + "\n  ".join(dict.fromkeys(every)))
         error.same_on_every_rank = True   # gathered from all ranks: rank 0 says it for everyone
         raise error
 
@@ -134,7 +143,7 @@ def plan_micro_batches(plan: Plan) -> int:
 
 # Failures the runtime plans for and words itself: one line per rank, exit 2, no traceback
 # (PLANC_DEBUG=1 shows it). Anything else is a bug and keeps its traceback.
-EXPECTED = (StartupError, GroupMissing, EngineError, PlanFileError, ReductionError, OSError,
+EXPECTED = (StartupError, GroupMissing, EngineError, PlanFileError, ReductionError, CheckpointError, OSError,
             json.JSONDecodeError)
 
 
@@ -163,12 +172,19 @@ def _main(argv=None, out_dir: str | None = None) -> int:
         ds_config = json.load(f)
     train = run.get("train", {})
     steps = args.steps if args.steps is not None else int(train.get("steps", 1))
+    digest = planfile.digest(plan)
+    if (args.save or args.resume) and (args.comm_only or plan.train is None):
+        raise CheckpointError("--save and --resume need a training run (not --comm-only, and a plan with train)")
+    resume_from = None
+    if args.resume:   # checked before the process group starts: every rank finds the same problem
+        resume_from = checkpoint.resolve(args.resume)
+        checkpoint.check(resume_from, digest, plan.cluster.devices)   # a job of another size: startup_checks
 
     if os.environ.get("PLANC_DUMP_STACKS_AFTER_S"):   # debugging a hang: every rank prints its stack
         import faulthandler
         faulthandler.dump_traceback_later(float(os.environ["PLANC_DUMP_STACKS_AFTER_S"]), exit=False)
     init_distributed(timeout=collective_timeout(plan))
-    startup_checks(plan, planfile.digest(plan))
+    startup_checks(plan, digest)
     rank = dist.get_rank()
     groups = create_groups(plan, timeout=collective_timeout(plan))
 
@@ -189,7 +205,7 @@ def _main(argv=None, out_dir: str | None = None) -> int:
     deepspeed.init_distributed(dist_backend=dist.get_backend(), dist_init_required=False,
                                timeout=collective_timeout(plan))
     stage = plan.stage_of(rank)
-    engine, problems = None, []
+    engine, problems, data = None, [], None
     if stage is not None:
         model_args = dict(run["model"].get("args", {}))
         seed = int(train.get("seed", 0))
@@ -223,14 +239,30 @@ def _main(argv=None, out_dir: str | None = None) -> int:
     _fail_together(problems)
 
     if stage is not None:
-        engine = PlanEngine.build(plan, groups, layers, loss_fn, batches(micro_batch, seed, **model_args), ds_config)
+        data = CountingIterator(batches(micro_batch, seed, **model_args))   # counted: the position a checkpoint keeps
+        engine = PlanEngine.build(plan, groups, layers, loss_fn, data, ds_config)
+    first = 0
+    if resume_from is not None:
+        problems, state = [], None
+        try:
+            state = checkpoint.load_rank(resume_from, rank, stage.index if stage is not None else None)
+            checkpoint.restore(state, engine, data)
+        except CheckpointError as e:
+            problems = [str(e)]
+        _fail_together(problems, f"cannot resume from {resume_from}")
+        first = int(state["step"])
+        if rank == 0:
+            print(f"resumed from {resume_from} at step {first} (plan digest {digest[:16]}…)", flush=True)
     if rank == 0:
         print(f"gradients: {engine.reduce_description if engine else 'rank 0 is idle'}", flush=True)
     device = engine.device if engine is not None else (
         torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu"))
     samples = plan.train.micro_batch * plan.train.micro_batches
     total = 0.0
-    for step in range(steps):
+    save_every = plan.train.save_every
+    if rank == 0 and first >= steps:
+        print(f"the checkpoint is at step {first}: nothing left to train for --steps {steps}", flush=True)
+    for step in range(first, steps):
         t0 = time.perf_counter()
         share = engine.train_batch() if engine is not None else 0.0   # idle ranks only add nothing
         loss = torch.tensor([share], dtype=torch.float64, device=device)
@@ -244,8 +276,13 @@ def _main(argv=None, out_dir: str | None = None) -> int:
         if rank == 0:
             print(f"step {step} loss {float(loss):.6f} time {elapsed:.4f} s {samples / elapsed:.1f} samples/s",
                   flush=True)
-    if rank == 0 and steps:
-        print(f"trained {steps} step(s) in {total:.3f} s: {steps * samples / total:.1f} samples/s", flush=True)
+        if args.save and (step + 1 == steps or (save_every and (step + 1) % save_every == 0)):
+            saved = checkpoint.save(args.save, step + 1, plan, digest, engine, data)
+            if rank == 0:
+                print(f"checkpoint step {step + 1} saved to {saved}", flush=True)
+    trained = steps - first
+    if rank == 0 and trained > 0:
+        print(f"trained {trained} step(s) in {total:.3f} s: {trained * samples / total:.1f} samples/s", flush=True)
 
     if engine is not None and args.dump_params:
         dump_params(engine, args.dump_params, rank)

@@ -4,12 +4,15 @@
         "data_file": .., "data_function": .., "micro_batch": 8, "seed": 0,
         "stages": [[0, 3], [3, 6]],
         "transfers": [{"name": "hidden", "src_stage": 0, "src_layer": null, "dst_stage": 1}],
-        "tensor_degrees": [2], "flops": true}'
+        "tensor_degrees": [2], "tensor_stages": [{"stage": 1, "layers": [3, 6], "degree": 2, "rows": 4}],
+        "flops": true}'
         -> {"layer_params": [...], "layer_outputs": [{"shape": [8, 32, 64], "dtype": "f32"}, ..., null],
             "layer_output_bytes": [65536, ..., null],
             "layer_flops": [[fwd, bwd], ..., null], "flop_errors": [],
             "transfers": [{"name": "hidden", "shape": [8, 32, 64], "dtype": "f32", "error": null}],
             "tensor_parallel": true, "sharded_layer_params": {"2": [...]}, "shard_errors": {},
+            "tensor_traffic": [{"stage": 1, "degree": 2, "rows": 4, "forward": [32768, ...],
+                                "backward": [32768, ...], "errors": []}],
             "graph_errors": []}                                                     (planc.probe)
 
     python -m planc_runtime.probe MODEL_FILE FUNCTION JSON_ARGS MICRO_BATCH \\
@@ -28,7 +31,12 @@ tensor parallelism: the shapes come from a build with ``tensor_parallel=None``
 again with a stand-in context of size ``k`` (rank 0, no process group: its
 all-reduces are identities) to count what one device of a tensor group holds
 (``sharded_layer_params[k]``; a builder that refuses ``k`` lands in
-``shard_errors[k]``). A layer that fails, or a stage whose inputs never
+``shard_errors[k]``). For each entry of ``tensor_stages`` (``{"stage", "layers", "degree",
+"rows"}``: a stage whose ``tensor`` axis has size ``degree`` > 1, each device computing ``rows`` rows
+of a micro-batch) the sharded layers of that stage run once more, forward and backward, through the
+stand-in, whose Megatron f/g operators log every all-reduce: ``tensor_traffic`` lists per stage the
+bytes of each all-reduce one device issues per micro-batch, ``"forward"`` (g) and ``"backward"`` (f),
+with ``"errors"`` for layers that could not be measured. A layer that fails, or a stage whose inputs never
 arrived, is listed in ``graph_errors`` and its transfers get ``error``.
 ``layer_output_bytes`` sums every tensor a layer returns. With ``"flops": true``
 each layer that ran is run once more on the inputs it got, with gradients, under
@@ -88,20 +96,20 @@ class StandInTensorParallel(TensorParallel):
     """Rank 0 of a tensor group of ``size`` with no process group: shards are real, sums are identities.
 
     Enough for what a builder uses at build time (``.rank``, ``.size``, ``.shard``); a forward through
-    it gives each rank's partial results in their full shapes.
+    it gives each rank's partial results in their full shapes. Megatron's f and g are the real autograd
+    functions, so every all-reduce the model would issue, forward (g) and backward (f), reaches
+    :meth:`all_reduce`, which appends ``(phase, bytes)`` to ``log`` while ``phase`` is set.
     """
 
     def __init__(self, size: int):
         super().__init__(None, 0, size, tuple(range(size)))
+        self.phase: str | None = None
+        self.log: list[tuple[str, int]] = []
 
     def all_reduce(self, t):
+        if self.phase is not None:
+            self.log.append((self.phase, t.numel() * t.element_size()))
         return t
-
-    def copy_to_region(self, x):
-        return x
-
-    def reduce_from_region(self, x):
-        return x
 
 
 def _build(builder, args: dict, seed: int, tensor_parallel=None, opts_in: bool = False):
@@ -225,6 +233,46 @@ def count_flops(layers, inputs_of: dict, data_layer: int | None) -> tuple[list, 
     return out, errors
 
 
+def _rows(v, micro_batch: int, rows: int):
+    """A layer input as one device of a data axis sees it: the first ``rows`` of a batch-first tensor."""
+    if torch.is_tensor(v) and v.dim() and v.shape[0] == micro_batch and rows < micro_batch:
+        return v[:rows]
+    return v
+
+
+def measure_tensor_traffic(layers, tp: StandInTensorParallel, lo: int, hi: int, inputs_of: dict,
+                           micro_batch: int, rows: int, data_layer: int | None) -> dict:
+    """The all-reduces one device of a tensor group issues for one micro-batch of stage layers
+    ``lo..hi`` (sharded ``layers``, built with ``tp``): each layer runs on the inputs it got in the
+    probe's run, cut to the device's ``rows``, forward with gradients, then backward from all-ones
+    output gradients (into the parameters and every floating-point input but the data's). Returns
+    ``{"forward": [bytes, ...], "backward": [bytes, ...], "errors": [...]}``, in issue order."""
+    out: dict = {"forward": [], "backward": [], "errors": []}
+    for i in range(lo, hi):
+        if i not in inputs_of:
+            out["errors"].append(f"layer {i} did not run")
+            continue
+        layer = layers[i]
+        try:
+            with torch.enable_grad():
+                args = tuple(_leaf(_rows(v, micro_batch, rows), i != data_layer) for v in inputs_of[i])
+                tp.log, tp.phase = [], "forward"
+                y = layer(*args)
+                ys = [t for t in _tensors(y) if torch.is_tensor(t) and t.requires_grad]
+                tp.phase = "backward"
+                if ys:
+                    torch.autograd.backward(ys, [torch.ones_like(t) for t in ys])
+            for phase, nbytes in tp.log:
+                out[phase].append(nbytes)
+        except Exception as e:  # noqa: BLE001 - its traffic is unknown; say why
+            out["errors"].append(f"layer {i} ({type(layer).__name__}): {type(e).__name__}: {e}")
+        finally:
+            tp.phase, tp.log = None, []
+            for p in layer.parameters():
+                p.grad = None
+    return out
+
+
 def _resolve(stages, n: int) -> list[tuple[int, int]]:
     return [(0, n) if r is None else (int(r[0]), int(r[1])) for r in stages]
 
@@ -307,18 +355,29 @@ def _request(req: dict) -> dict:
                    else (errors[0] if errors else "its layer did not run"))
             measured.append({"name": t["name"], "shape": None, "dtype": None, "error": why})
 
-    sharded, shard_errors = {}, {}
+    sharded, shard_errors, traffic = {}, {}, []
     if opts_in:
+        micro_batch = int(req["micro_batch"])
         for k in sorted({int(k) for k in req.get("tensor_degrees", ()) if int(k) > 1}):
+            tp = StandInTensorParallel(k)
             try:
-                sharded[str(k)] = _layer_params(_build(builder, args, seed, StandInTensorParallel(k), True))
+                shards = _build(builder, args, seed, tp, True)
             except (ValueError, RuntimeError) as e:   # the builder refuses this split (e.g. heads % k)
                 shard_errors[str(k)] = f"{type(e).__name__}: {e}"
+                continue
+            sharded[str(k)] = _layer_params(shards)
+            for st in req.get("tensor_stages", ()):
+                if int(st["degree"]) != k:
+                    continue
+                lo, hi = (0, len(shards)) if st.get("layers") is None else (int(st["layers"][0]), int(st["layers"][1]))
+                rec = measure_tensor_traffic(shards, tp, lo, min(hi, len(shards)), inputs_of, micro_batch,
+                                             int(st["rows"]), stages[0][0] if stages else None)
+                traffic.append({"stage": int(st["stage"]), "degree": k, "rows": int(st["rows"]), **rec})
     return {"layer_params": _layer_params(layers), "layer_outputs": layer_outputs,
             "layer_output_bytes": [_nbytes(outputs[i]) if i in outputs else None for i in range(len(layers))],
             "layer_flops": flops, "flop_errors": flop_errors, "transfers": measured,
             "tensor_parallel": opts_in, "sharded_layer_params": sharded, "shard_errors": shard_errors,
-            "graph_errors": errors}
+            "tensor_traffic": sorted(traffic, key=lambda t: t["stage"]), "graph_errors": errors}
 
 
 def main(argv=None) -> int:

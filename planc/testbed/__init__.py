@@ -2,7 +2,7 @@
 
 Public API::
 
-    Testbed(hosts, link_mbit, *, subnet=None, burst_kb=None, prefix=None)
+    Testbed(hosts, link_mbit, *, subnet=None, burst_kb=None, latency_ms=50, prefix=None, loss=0.0)
         context manager (root only). ``__enter__`` creates, ``__exit__`` removes
         everything it created, also when the body raises or is interrupted.
         .namespaces     host namespace names, host h → namespaces[h]
@@ -16,8 +16,17 @@ Public API::
                         (``deepspeed --no_ssh --node_rank=h ...``) starts host h's ranks of
                         ``train.py [--comm-only]`` (or ``script``); every process is killed on timeout
         .set_link_mbit(x)   change every host link's rate (``tc qdisc change``), also mid-run
+        faults (planc/testbed/faults.py), also mid-run (e.g. from on_step):
+        .set_loss(fraction, host=None)    drop that share of a host link's packets, each direction
+                                          (``loss=`` of the constructor: from the start); .loss
+        .link_down(host, end="bridge") / .link_up(host, end="bridge")   ``ip link set ... down/up``
+        .kill_rank(rank, sig=SIGKILL)     signal a rank of the running launch
+        .dropped_packets() -> {host: packets the loss fault dropped into it}
     LaunchResult        returncode, stdout (rank 0), logs (per rank), host_logs (per launcher),
-                        step_times, losses, peak_rss_kb (VmHWM per rank), timed_out
+                        step_times, losses, peak_rss_kb (VmHWM per rank), timed_out,
+                        failure (which rank failed first and how, every rank's last words, the faults),
+                        rank_exits, rank_ended_s, host_exits, killed, events, dropped_packets,
+                        collective_timeout_s
     available() -> str | None      why a testbed cannot be built here (None: it can)
     cleanup_stale() -> list[str]   remove testbed namespaces left by processes that died
     scaled_link_mbit(plan, intra_bytes_per_s=3e9) -> float
@@ -26,8 +35,8 @@ Public API::
 See docs/testbed.md.
 """
 
-from planc.testbed.netns import (IFNAME, LaunchResult, Testbed, TestbedError, available, cleanup_stale,
-                                 scaled_link_mbit)
+from planc.testbed.netns import IFNAME, Testbed, available, cleanup_stale, scaled_link_mbit
+from planc.testbed.result import LaunchResult, TestbedError
 
 __all__ = ["Testbed", "TestbedError", "LaunchResult", "IFNAME", "available", "cleanup_stale",
            "scaled_link_mbit"]

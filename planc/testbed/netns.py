@@ -23,22 +23,18 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
-from planc.testbed.watch import (_RANK_FAILED_RE, STEP_RE, TRAIN_STEP_RE, _rank_failed,  # noqa: F401
-                                 _sample_hwm, _StepWatch, deepspeed_command)
+from planc.testbed.faults import FaultsMixin, check_loss
+from planc.testbed.result import LaunchResult, TestbedError
+from planc.testbed.watch import (_RANK_FAILED_RE, STEP_RE, TRAIN_STEP_RE, RankTracker, _rank_failed,
+                                 _sample_hwm, _StepWatch, deepspeed_command, describe_failure,  # noqa: F401
+                                 sample_hwm)
 
 IFNAME = "tb0"                  # the veth inside every host namespace
 BRIDGE = "br0"                  # the bridge inside the bridge namespace
 NAME_RE = re.compile(r"^planc(\d+)t(\d+)(?:h\d+|br)$")
 _counter = itertools.count()
-
-
-class TestbedError(RuntimeError):
-    """The testbed could not be built, or a launch inside it failed."""
-
-    __test__ = False   # not a pytest class
 
 
 def available() -> str | None:
@@ -135,43 +131,24 @@ def scaled_link_mbit(plan: dict, intra_bytes_per_s: float = 3e9) -> float:
     return intra_bytes_per_s * host_bw / inner_bw * 8 / 1e6
 
 
-@dataclass
-class LaunchResult:
-    returncode: int                       # 0 when every rank exited 0; 124 on timeout
-    stdout: str                           # rank 0's output (stdout and stderr)
-    logs: dict[int, str] = field(default_factory=dict)
-    step_times: list[float] = field(default_factory=list)
-    timed_out: bool = False
-    seconds: float = 0.0
-    losses: list[float] = field(default_factory=list)       # training: rank 0's `step N loss X` values
-    peak_rss_kb: dict[int, int] = field(default_factory=dict)   # rank -> VmHWM sampled while it ran
-    host_logs: dict[int, str] = field(default_factory=dict)     # host -> its DeepSpeed launcher's output
-    launcher: str = "deepspeed"
-
-    def check(self) -> "LaunchResult":
-        if self.returncode != 0:
-            bad = next((r for r, text in sorted(self.logs.items()) if "Error" in text or "error" in text), 0)
-            what = "timed out" if self.timed_out else f"exited {self.returncode}"
-            launchers = "".join(f"\nhost {h}'s launcher output ends:\n{t[-1500:]}"
-                                for h, t in sorted(self.host_logs.items()) if not self.logs.get(bad))
-            raise TestbedError(f"launch {what}; rank {bad}'s output ends:\n{self.logs.get(bad, '')[-3000:]}"
-                               + launchers)
-        return self
-
-
-class Testbed:
+class Testbed(FaultsMixin):
     """``hosts`` network namespaces on one bridge, each host's link shaped to ``link_mbit`` per direction.
 
     Ranks inside one namespace talk over its own stack (loopback path); between
     namespaces traffic crosses the host's veth (shaped on the way out) and the
     bridge port towards the receiver (shaped on the way in), so a host's link
     is ``link_mbit`` in each direction, as in the cost model's tree of links.
+
+    Faults (planc/testbed/faults.py, docs/testbed.md "Faults"): ``loss`` (a fraction, or
+    {host: fraction}) drops that share of each host link's packets from the start,
+    ``set_loss``, ``link_down``/``link_up`` and ``kill_rank`` apply them while a job runs.
     """
 
     __test__ = False   # not a pytest class
 
     def __init__(self, hosts: int, link_mbit: float, *, subnet: str | None = None,
-                 burst_kb: float | None = None, latency_ms: float = 50.0, prefix: str | None = None):
+                 burst_kb: float | None = None, latency_ms: float = 50.0, prefix: str | None = None,
+                 loss: float | dict[int, float] = 0.0):
         if hosts < 1 or hosts > 250:
             raise ValueError(f"hosts must be 1..250, not {hosts}")
         if link_mbit <= 0:
@@ -196,6 +173,12 @@ class Testbed:
         self._ports = itertools.count(29500)
         self._old_sigterm = None
         self.up = False
+        self._loss = check_loss(loss, hosts)      # per host link, each direction
+        self._loss_ports: list[int] = []          # bridge ports with the drop stage installed
+        self._down: set[tuple[int, str]] = set()  # (host, end) taken down
+        self._events: list[tuple[float, str]] = []
+        self._tracker: RankTracker | None = None  # the running launch's ranks (kill_rank)
+        self._host_of: dict[int, int] = {}
 
     def _burst(self, mbit: float) -> int:
         return int((self._burst_kb * 1024) if self._burst_kb else max(64 * 1024, mbit * 1e6 / 8 * 0.002))
@@ -250,6 +233,8 @@ class Testbed:
             _run(["ip", "-n", ns, "link", "set", IFNAME, "up"])
             _run(["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", IFNAME, "root", *tbf])   # host → bridge
             _run(["ip", "netns", "exec", br, "tc", "qdisc", "add", "dev", port, "root", *tbf])     # bridge → host
+        if any(self._loss):
+            self._apply_loss()
 
     def close(self) -> None:
         """Kill what was launched, delete every namespace created (idempotent, never raises)."""
@@ -296,13 +281,15 @@ class Testbed:
                 r = _run(["ip", "netns", "exec", where, "tc", "qdisc", "change", "dev", dev, "root", *tbf], check=False)
                 if r.returncode != 0:
                     _run(["ip", "netns", "exec", where, "tc", "qdisc", "replace", "dev", dev, "root", *tbf])
+        self._resize_loss_queues()
 
     def launch(self, out: str | os.PathLike, steps: int = 3, timeout: float = 300, *,
                comm_only: bool = True, extra_args: tuple[str, ...] | list[str] = (),
                args: tuple[str, ...] | None = None, script: str | os.PathLike | None = None,
                launcher: str = "deepspeed", env: dict | None = None, python: str | None = None,
                grace: float = 15.0, memory: bool = True,
-               on_step: Callable[[int, float], None] | None = None) -> LaunchResult:
+               on_step: Callable[[int, float], None] | None = None,
+               collective_timeout: float | None = None) -> LaunchResult:
         """Run a compiled output: plan host h's ranks in namespace h, gloo over the veth.
 
         ``launcher="deepspeed"`` (default) starts, in each host's namespace, the
@@ -324,7 +311,13 @@ class Testbed:
         each rank's VmHWM (/proc/PID/status) is sampled while it runs.
         ``on_step(n, seconds)`` is called (from this thread, within ~50 ms) each
         time rank 0 prints the line of step ``n``, e.g. to change the link rate
-        with ``set_link_mbit`` while the program runs.
+        with ``set_link_mbit`` while the program runs (or to apply a fault: ``link_down``,
+        ``set_loss``, ``kill_rank``).
+
+        ``collective_timeout`` (seconds) becomes PLANC_COLLECTIVE_TIMEOUT_S; by default the
+        plan's ``train { timeout = ... }`` when it has one, else max(30, ``timeout``). When the
+        launch fails, ``LaunchResult.failure`` says which rank failed first and how, what every
+        rank said, and the faults applied during the run.
         """
         if not self.up:
             raise TestbedError("the testbed is not up (use it as a context manager)")
@@ -336,6 +329,10 @@ class Testbed:
         if len(hosts) > self.hosts:
             raise TestbedError(f"the plan has {len(hosts)} hosts, the testbed {self.hosts}")
         world = int(plan["cluster"]["devices"])
+        if collective_timeout is None:
+            collective_timeout = (plan.get("train") or {}).get("timeout") or max(30, int(timeout))
+        if collective_timeout <= 0:
+            raise ValueError(f"collective_timeout must be positive, not {collective_timeout}")
         script = Path(script).resolve() if script is not None else out / "train.py"
         argv = list(args) if args is not None else (["--comm-only"] if comm_only else [])
         argv += ["--steps", str(steps), *map(str, extra_args)]
@@ -344,7 +341,7 @@ class Testbed:
                              "CUDA_VISIBLE_DEVICES", "CROSS_RANK", "CROSS_SIZE", "LOCAL_SIZE")}
         python = python or sys.executable
         base.update(DS_ACCELERATOR="cpu", PLANC_BACKEND="gloo", OMP_NUM_THREADS="1", PYTHONPATH="",
-                    PLANC_COLLECTIVE_TIMEOUT_S=str(int(max(30, timeout))),
+                    PLANC_COLLECTIVE_TIMEOUT_S=f"{float(collective_timeout):g}",
                     PATH=str(Path(python).parent) + os.pathsep + os.environ.get("PATH", ""),
                     GLOO_SOCKET_IFNAME=IFNAME)
         port = str(next(self._ports))
@@ -354,7 +351,15 @@ class Testbed:
         files = []
         t0 = time.monotonic()
         timed_out = False
+        killed_at = None
         hwm: dict[int, int] = {}
+        host_of = {r: h for h, ranks in enumerate(hosts) for r in ranks}
+        tracker = RankTracker(str(script), t0)
+        self._tracker, self._host_of = tracker, host_of
+        standing = [f"host {h}'s link drops {x * 100:g}% of its packets" for h, x in enumerate(self._loss) if x]
+        standing += [f"host {h}'s link is down ({end} end)" for h, end in sorted(self._down)]
+        events_from = len(self._events)
+        dropped_before = self.dropped_packets()
         try:
             if launcher == "deepspeed":
                 first = 0
@@ -398,19 +403,26 @@ class Testbed:
             while any(p.poll() is None for p in procs.values()):
                 watch.poll()
                 now = time.monotonic()
-                if memory and now >= next_sample:
-                    _sample_hwm(procs.values(), str(script), hwm)
+                if now >= next_sample:
+                    tracker.scan(procs.values())
+                    if memory:
+                        sample_hwm(tracker, hwm)
                     next_sample = now + 0.25
+                tracker.poll(now, {p.pid: p.returncode for p in procs.values() if p.returncode is not None})
                 if failed_at is None and (any(p.returncode not in (None, 0) for p in procs.values())
+                                          or any(code not in (0, None) for _, code in tracker.ended.values())
                                           or (launcher == "deepspeed" and _rank_failed(logdir))):
                     failed_at = now
                 if now > deadline or (failed_at is not None and now > failed_at + grace):
                     timed_out = now > deadline
+                    killed_at = now - t0
                     break
                 time.sleep(0.05)
             else:
                 watch.poll()   # the lines written just before the last process exited
+                tracker.poll(time.monotonic(), {p.pid: p.returncode for p in procs.values()})
         finally:
+            self._tracker = None
             for p in procs.values():
                 if p.poll() is None:
                     _killpg(p)
@@ -446,9 +458,23 @@ class Testbed:
             found = TRAIN_STEP_RE.findall(stdout)
             steps_seen = [float(t) for _, _, t in found]
             losses = [float(x) for _, x, _ in found]
+        events = [(0.0, f"from the start: {what}") for what in standing]
+        events += [(max(0.0, t - t0), what) for t, what in self._events[events_from:]]
+        dropped_after = self.dropped_packets()
+        failure = ""
+        if rc != 0:
+            failure = describe_failure(world=world, host_of=host_of, tracker=tracker, logs=logs, events=events,
+                                       timed_out=timed_out, killed_at=killed_at, timeout=timeout,
+                                       collective_timeout=float(collective_timeout))
         return LaunchResult(rc, stdout, logs, steps_seen, timed_out, time.monotonic() - t0,
                             losses=losses, peak_rss_kb=dict(sorted(hwm.items())), host_logs=host_logs,
-                            launcher=launcher)
+                            launcher=launcher, failure=failure,
+                            rank_exits={r: c for r, (_, c) in sorted(tracker.ended.items())},
+                            rank_ended_s={r: t for r, (t, _) in sorted(tracker.ended.items())},
+                            killed=killed_at is not None, events=events,
+                            dropped_packets={h: n - dropped_before.get(h, 0) for h, n in dropped_after.items()},
+                            collective_timeout_s=float(collective_timeout),
+                            host_exits={int(k[4:]): p.returncode for k, p in procs.items() if k.startswith("host")})
 
 
 def _killpg(p: subprocess.Popen) -> None:

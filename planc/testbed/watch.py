@@ -1,9 +1,11 @@
 """Watching a testbed launch from outside: rank 0's step lines, failed ranks, ranks' peak memory,
-and the DeepSpeed launcher command (helpers of ``netns.Testbed.launch``)."""
+which rank ended first and how (``RankTracker``), the account of a failed launch
+(``describe_failure``) and the DeepSpeed launcher command (helpers of ``netns.Testbed.launch``)."""
 from __future__ import annotations
 
 import os
 import re
+import signal
 from pathlib import Path
 
 STEP_RE = re.compile(r"step (\d+) comm ([0-9.]+) s \(verified")                  # train.py --comm-only
@@ -83,3 +85,142 @@ def _sample_hwm(launched, script: str, hwm: dict[int, int]) -> None:
                 continue
             if rank is not None and kb is not None:
                 hwm[int(rank)] = max(hwm.get(int(rank), 0), kb)
+
+
+# -- following a launch's ranks ---------------------------------------------------------------
+
+class RankTracker:
+    """Each rank's pid (found below the launched processes by its RANK) and how and when it ended.
+
+    ``poll`` reads ``/proc/PID/stat``: a rank that has exited is a zombie until its parent (the
+    DeepSpeed launcher, which polls once a second) reaps it, and its exit status is field 52."""
+
+    def __init__(self, script: str, t0: float):
+        self.script, self.t0 = script, t0
+        self.pids: dict[int, int] = {}                            # rank -> pid
+        self.ended: dict[int, tuple[float, int | None]] = {}      # rank -> (seconds since t0, returncode)
+
+    def scan(self, launched) -> None:
+        """Find rank processes below ``launched`` (Popen objects) not yet known."""
+        try:
+            import psutil
+        except ImportError:   # pragma: no cover - psutil comes with DeepSpeed
+            return
+        for p in launched:
+            if p.poll() is not None:
+                continue
+            try:
+                procs = [psutil.Process(p.pid), *psutil.Process(p.pid).children(recursive=True)]
+            except psutil.Error:
+                continue
+            for q in procs:
+                if q.pid in self.pids.values():
+                    continue
+                try:
+                    if self.script not in q.cmdline():
+                        continue
+                    rank = q.environ().get("RANK")
+                except (psutil.Error, OSError):
+                    continue
+                if rank is not None and int(rank) not in self.pids:
+                    self.pids[int(rank)] = q.pid
+
+    def poll(self, now: float, reaped: dict[int, int] | None = None) -> None:
+        """Note the ranks that ended; ``reaped``: pid -> returncode of those this process waited for."""
+        for rank, pid in list(self.pids.items()):   # kill_rank may scan from another thread
+            if rank in self.ended:
+                continue
+            state, code = _proc_state(pid)
+            if state is None or state in "ZX":
+                self.ended[rank] = (now - self.t0, code if code is not None else (reaped or {}).get(pid))
+
+    def alive(self) -> list[int]:
+        return sorted(r for r in self.pids if r not in self.ended)
+
+
+def _proc_state(pid: int) -> tuple[str | None, int | None]:
+    """(state letter, returncode as subprocess gives it) of ``pid``; (None, None) if it is gone."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None, None
+    fields = text.rsplit(")", 1)[1].split()
+    state = fields[0]
+    if state not in "ZX" or len(fields) < 50:
+        return state, None
+    status = int(fields[49])
+    return state, (-(status & 0x7F) if status & 0x7F else (status >> 8) & 0xFF)
+
+
+def sample_hwm(tracker: RankTracker, hwm: dict[int, int]) -> None:
+    """Peak resident memory (VmHWM, kB) of every running rank the tracker knows."""
+    for rank, pid in tracker.pids.items():
+        if rank in tracker.ended:
+            continue
+        try:
+            with open(f"/proc/{pid}/status") as f:
+                kb = next((int(line.split()[1]) for line in f if line.startswith("VmHWM:")), None)
+        except (OSError, ValueError):
+            continue
+        if kb is not None:
+            hwm[rank] = max(hwm.get(rank, 0), kb)
+
+
+# -- the account of a failed launch -----------------------------------------------------------
+
+_SAID_RE = re.compile(r"^planc: rank \d+: .*$", re.M)
+
+
+def _how(code: int | None) -> str:
+    if code is None:
+        return "ended (exit status not seen)"
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return f"killed by {name}"
+    return f"exited {code}"
+
+
+def last_words(log: str) -> str:
+    """What a rank said when it failed: its last ``planc: rank R: ...`` line, else its last error line."""
+    said = _SAID_RE.findall(log)
+    if said:
+        return said[-1].strip()
+    errors = [line.strip() for line in log.splitlines() if re.search(r"\w*(Error|Exception)\b", line)]
+    return errors[-1] if errors else ""
+
+
+def describe_failure(*, world: int, host_of: dict[int, int], tracker: RankTracker | None,
+                     logs: dict[int, str], events: list[tuple[float, str]], timed_out: bool,
+                     killed_at: float | None, timeout: float, collective_timeout: float) -> str:
+    """A few lines: the faults applied, the rank that failed first and how, then every rank's end."""
+    lines = []
+    if events:
+        lines.append("faults: " + "; ".join(f"{t:.1f} s: {what}" for t, what in events))
+    ended = tracker.ended if tracker is not None else {}
+    failed = sorted(((t, r) for r, (t, code) in ended.items() if code != 0
+                     and (killed_at is None or t < killed_at)), key=lambda x: x[0])
+    if failed:
+        t, r = failed[0]
+        said = last_words(logs.get(r, ""))
+        lines.append(f"first to fail: rank {r} (host {host_of.get(r, '?')}) {_how(ended[r][1])} at {t:.1f} s"
+                     + (f": {said}" if said else ""))
+    if timed_out:
+        lines.append(f"the launch timeout ({timeout:g} s) ran out: the testbed killed every process left")
+    elif killed_at is not None:
+        lines.append(f"at {killed_at:.1f} s the testbed killed the processes left (a rank had failed; "
+                     f"collective timeout {collective_timeout:g} s)")
+    for r in range(world):
+        host = host_of.get(r, "?")
+        if r in ended:
+            t, code = ended[r]
+            how = f"{_how(code)} at {t:.1f} s" if killed_at is None or t < killed_at else "killed by the testbed"
+        elif tracker is not None and r in tracker.pids:
+            how = "killed by the testbed"
+        else:
+            how = "not seen running"
+        said = last_words(logs.get(r, ""))
+        lines.append(f"  rank {r} (host {host}): {how}" + (f": {said}" if said else ""))
+    return "\n".join(lines)

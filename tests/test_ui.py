@@ -1,0 +1,219 @@
+"""Terminal output (planc.ui): plain 80-column text without escapes when piped, colour on a TTY,
+the progress helper, golden files of the tables in plain mode, and per-rank logs of launch.sh.
+
+Golden files: tests/golden/tables/*.txt hold the plain (piped) output of `planc check` (bundled
+plans), `explain` and `compile`'s table (a hand-written plan.json, so cost-model changes do not
+touch them) and `explain --as` (a pinned placement). After an intended change, regenerate them with
+
+    PLANC_UPDATE_GOLDEN=1 .venv/bin/python -m pytest -q tests/test_ui.py -k golden
+
+and review the diff (the paths of this checkout are written as <ROOT>)."""
+
+from __future__ import annotations
+
+import io
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from planc import ui
+from planc.compile import compile_file
+from planc.explain import check_summary, compile_summary, explain
+from planc.explain_as import explain_as_data, explain_as_renderables
+from planc.lang import load
+from planc.lang.format import summary
+
+ROOT = Path(__file__).resolve().parents[1]
+GOLDEN = ROOT / "tests" / "golden" / "tables"
+ANSI = re.compile(r"\x1b\[")
+
+
+class FakeTTY(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def test_plain_when_piped_colour_on_a_tty():
+    t = ui.table([ui.Col("name"), ui.Col("value", "right")], [["alpha", 1], ["beta", 22]])
+    piped = io.StringIO()
+    ui.emit(["a title line", t], piped)
+    out = piped.getvalue()
+    assert not ANSI.search(out)
+    assert out.splitlines()[:3] == ["a title line", "name    value", "-------------"]
+    assert out.splitlines()[3:] == ["alpha       1", "beta       22"]
+    tty = FakeTTY()
+    ui.emit(["a title line", ui.table([ui.Col("name")], [["alpha"]], tty=True)], tty)
+    assert ANSI.search(tty.getvalue()) and "alpha" in tty.getvalue()
+    assert ui.console(io.StringIO()).width == 80
+
+
+def test_long_lines_wrap_with_a_hanging_indent_and_tables_fit():
+    words = " ".join(f"word{i}" for i in range(40))
+    t = ui.table([ui.Col("k"), ui.Col("v", wrap=True)], [["key", words]])
+    line, table = ui.render("  " + words), ui.render(t)
+    assert all(len(l) <= 80 for l in (line + table).splitlines())
+    lines = line.splitlines()
+    assert len(lines) > 1 and lines[0].startswith("  word0") and all(l.startswith("      word") for l in lines[1:])
+    assert " ".join(line.split()) == words and " ".join(table.split()[2:]).endswith(words)   # every word, in order
+
+
+def test_progress_lines_when_piped_silent_or_bar_on_tty():
+    err = io.StringIO()
+    assert list(ui.progress(["a", "b", "c"], "bench", stream=err)) == ["a", "b", "c"]
+    lines = err.getvalue().splitlines()
+    assert lines[:3] == ["bench [1/3] a", "bench [2/3] b", "bench [3/3] c"]
+    assert re.fullmatch(r"bench: 3 done in \d+\.\d s", lines[3])
+    quiet = io.StringIO()
+    assert list(ui.progress(iter(range(4)), "x", stream=quiet, piped="silent")) == [0, 1, 2, 3]
+    assert quiet.getvalue() == ""
+    tty = FakeTTY()
+    assert list(ui.progress(range(3), "calibrate", stream=tty, describe=lambda i: f"item {i}")) == [0, 1, 2]
+    assert "calibrate" in tty.getvalue() and "3/3" in tty.getvalue()
+    with pytest.raises(ValueError, match="piped must be"):
+        list(ui.progress([1], "x", piped="loud"))
+
+
+def _hand_written_plan() -> dict:
+    """test_explain's hand-written plan.json with a placement and a pipeline: its golden text depends
+    on the layout only, not on the cost model or the schedulers."""
+    from test_explain import _small_plan
+
+    plan = _small_plan()
+    plan["placement"] = {"axes": [{"name": "pipe", "size": 2}, {"name": "data", "size": 2}],
+                         "matrix": [[2, 1], [1, 2]], "candidates": 2, "search": "exhaustive", "evaluated": 2,
+                         "ranked": [{"matrix": [[2, 1], [1, 2]], "predicted": 0.0042,
+                                     "breakdown": {"reduce gradients": 0.0002, "transfers": 0.004}},
+                                    {"matrix": [[1, 2], [2, 1]], "predicted": 0.0123,
+                                     "breakdown": {"reduce gradients": 0.0083, "transfers": 0.004}}],
+                         "coords": [[0, 0], [0, 1], [1, 0], [1, 1]]}
+    plan["pipeline"] = {"schedule": "1f1b", "micro_batches": 2, "predicted_iteration": 0.031,
+                        "per_stage": [["F0", "F1", "B0", "B1"], ["F0", "B0", "F1", "B1"]]}
+    plan["choices"] = {"schedule": "1f1b, the first of eager_1f1b, 1f1b that fits the memory"}
+    return plan
+
+
+def _goldens() -> dict[str, str]:
+    from test_explain_as import PLAN
+
+    small = _hand_written_plan()
+    out = {"explain-hand-written.txt": explain(small) + "\n",
+           "compile-hand-written.txt": ui.render(*compile_summary(small))}
+    for name in ("gpt-2x4", "alpacomm-2x4"):
+        out[f"check-{name}.txt"] = ui.render(*check_summary(summary(load(ROOT / "plans" / f"{name}.plan"))))
+    # a pinned placement: its coordinates follow the rank-mapping rule, whatever the cost model says
+    import tempfile
+    with tempfile.TemporaryDirectory() as d:
+        src = Path(d) / "pinned.plan"
+        src.write_text(PLAN.format(tag="pinned", axes="pipe = 2, data = 2, tensor = 2", matrix="[[1, 2], [1, 2], [2, 1]]"))
+        pinned = compile_file(src, probe=False).plan_json
+    for target in ("megatron", "deepspeed", "torch"):
+        out[f"as-{target}-pinned.txt"] = ui.render(*explain_as_renderables(explain_as_data(pinned, target)))
+    return {k: v.replace(str(ROOT), "<ROOT>") for k, v in out.items()}
+
+
+def test_golden_tables_in_plain_mode():
+    got = _goldens()
+    if os.environ.get("PLANC_UPDATE_GOLDEN"):
+        GOLDEN.mkdir(parents=True, exist_ok=True)
+        for name, text in got.items():
+            (GOLDEN / name).write_text(text)
+    missing = sorted(set(got) - {p.name for p in GOLDEN.glob("*.txt")})
+    assert not missing, f"no golden file for {missing}: run with PLANC_UPDATE_GOLDEN=1"
+    for name, text in got.items():
+        assert not ANSI.search(text) and all(len(l) <= 80 for l in text.splitlines()), name
+        assert text == (GOLDEN / name).read_text(), f"{name} differs from tests/golden/tables/{name}"
+
+
+def test_cli_check_and_compile_print_tables(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "planc", "check", str(ROOT / "plans" / "unet-skip.plan")],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and not ANSI.search(r.stdout)
+    assert re.search(r"^stage 2\s+layers 3\.\.6, 2 device\(s\), mesh axes \(data\)$", r.stdout, re.M)
+    r = subprocess.run([sys.executable, "-m", "planc", "compile", str(ROOT / "plans" / "unet-skip.plan"),
+                        "--no-probe", "-o", str(tmp_path / "o")], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith(f"wrote {tmp_path / 'o'}/ (6 devices; 3 stage(s)")
+    assert re.search(r"^transfer e1\s+\w+", r.stdout, re.M) and re.search(r"^pipeline\s+eager_1f1b", r.stdout, re.M)
+    assert f"launch: bash {tmp_path / 'o'}/launch.sh" in r.stdout and not ANSI.search(r.stdout)
+
+
+TINY = """
+plan tiny_logs {
+  cluster {
+    level node x 2 : bandwidth 1 GB/s, latency 20 us
+    level gpu  x 1 : bandwidth 20 GB/s, latency 2 us
+  }
+  stage 0 on devices 0..1 as (1)
+  stage 1 on devices 1..2 as (1)
+  transfer a : f32[4, 4] from stage 0 as R R to stage 1 as R R
+}
+"""
+
+
+@pytest.mark.slow
+def test_launch_writes_each_ranks_log_and_shows_rank0(tmp_path):
+    """Two ranks, communication only (the cheapest launch): rank 0's lines reach the terminal, and
+    OUT/logs/ holds one log per rank with the rank in its name."""
+    from planc.codegen import write_output
+    from e2e_util import launch_sh
+
+    (tmp_path / "tiny.plan").write_text(TINY)
+    c = compile_file(tmp_path / "tiny.plan")
+    out = write_output(c.plan_json, c.program, tmp_path / "out")
+    r = launch_sh(out, "--steps", "2", timeout=240)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    steps = re.findall(r"^step \d+ comm [0-9.]+ s \(verified 1 transfer", r.stdout, re.M)
+    assert len(steps) == 2, r.stdout[-3000:]
+    logs = sorted((out / "logs").glob("*_rank*.log"))
+    assert sorted(re.search(r"_rank(\d+)\.log$", p.name).group(1) for p in logs) == ["0", "1"]
+    rank0 = next(p for p in logs if p.name.endswith("_rank0.log")).read_text()
+    assert re.findall(r"^step \d+ comm .*$", rank0, re.M) == re.findall(r"^step \d+ comm .*$", r.stdout, re.M)
+    assert not list((out / "logs").glob(".launch.*"))     # the launch's own marker files are gone
+
+
+FAKE_DEEPSPEED = """#!/usr/bin/env bash
+# stands in for DeepSpeed's launcher: writes each rank's output where --enable_each_rank_log says
+dir=""
+while [ $# -gt 0 ]; do
+  case "$1" in --enable_each_rank_log) dir="$2"; shift 2 ;; *) shift ;; esac
+done
+ts=$(date +%Y%m%d%H%M%S)
+for i in 1 2 3; do echo "step $i from rank 0" >> "$dir/${ts}_rank0.log"; sleep 0.1; done
+echo "planc: rank 1: rank 1 (stage 0) failed in Send with ranks [2]" > "$dir/${ts}_rank1.log"
+echo "all fine here" > "$dir/${ts}_rank2.log"
+exit "${FAKE_RC:-0}"
+"""
+
+
+@pytest.mark.parametrize("rc", [0, 3])
+def test_launch_sh_follows_rank0_and_reports_failed_ranks(tmp_path, rc):
+    """launch.sh's own plumbing with a stand-in launcher (the real one: the slow test above):
+    rank 0's log on stdout, the exit status passed on, on failure the other ranks' errors on stderr."""
+    from planc.codegen import write_output
+
+    (tmp_path / "tiny.plan").write_text(TINY)
+    c = compile_file(tmp_path / "tiny.plan")
+    out = write_output(c.plan_json, c.program, tmp_path / "out")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "deepspeed").write_text(FAKE_DEEPSPEED)
+    (bin_dir / "deepspeed").chmod(0o755)
+    env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", PYTHON="false",   # no CUDA probe
+               FAKE_RC=str(rc))
+    r = subprocess.run(["bash", str(out / "launch.sh"), "--steps", "1"], env=env, capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == rc, r.stderr
+    assert r.stdout.splitlines() == ["step 1 from rank 0", "step 2 from rank 0", "step 3 from rank 0"]
+    if rc:
+        assert "planc: rank 1: rank 1 (stage 0) failed in Send with ranks [2]" in r.stderr
+        assert "_rank1.log (last 40 lines) ---" in r.stderr and "all fine here" not in r.stderr
+        assert f"planc: launch failed ({rc}); every rank's log is in {out}/logs/" in r.stderr
+    else:
+        assert r.stderr == ""
+    assert sorted(p.name.split("_")[1] for p in (out / "logs").glob("*_rank*.log")) == \
+        ["rank0.log", "rank1.log", "rank2.log"]
+    assert not list((out / "logs").glob(".launch.*"))
