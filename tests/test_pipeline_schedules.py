@@ -45,14 +45,14 @@ def test_peak_in_flight_is_exact(schedule):
         for i in range(stages):
             assert t.peak_in_flight[i] == peak_in_flight(schedule, stages, i, micro)
             bound = {"gpipe": micro, "1f1b": min(micro, stages - i),
-                     "eager_1f1b": min(micro, 2 * (stages - i))}[schedule]
+                     "eager_1f1b": min(micro, 2 * (stages - i) - 1)}[schedule]
             assert t.peak_in_flight[i] == bound
 
 
 def test_warmup_counts_follow_alpacomm():
     assert [warmup("1f1b", 4, i, 8) for i in range(4)] == [3, 2, 1, 0]
-    assert [warmup("eager_1f1b", 4, i, 8) for i in range(4)] == [7, 5, 3, 1]
-    assert [warmup("eager_1f1b", 4, i, 4) for i in range(4)] == [4, 4, 3, 1]
+    assert [warmup("eager_1f1b", 4, i, 8) for i in range(4)] == [6, 4, 2, 0]
+    assert [warmup("eager_1f1b", 4, i, 4) for i in range(4)] == [4, 4, 2, 0]
 
 
 def test_known_lists():
@@ -60,14 +60,16 @@ def test_known_lists():
                                           ("F", 3), ("B", 2), ("B", 3))
     assert stage_ops("1f1b", 2, 1, 3) == (("F", 0), ("B", 0), ("F", 1), ("B", 1), ("F", 2), ("B", 2))
     assert stage_ops("gpipe", 2, 1, 2) == (("F", 0), ("F", 1), ("B", 0), ("B", 1))
-    assert stage_ops("eager_1f1b", 2, 1, 3) == (("F", 0), ("F", 1), ("B", 0), ("F", 2), ("B", 1), ("B", 2))
+    assert stage_ops("eager_1f1b", 2, 1, 3) == stage_ops("1f1b", 2, 1, 3)   # the last stage: no warm-up
+    assert stage_ops("eager_1f1b", 2, 0, 4) == (("F", 0), ("F", 1), ("F", 2), ("B", 0), ("F", 3), ("B", 1),
+                                                ("B", 2), ("B", 3))
 
 
 def test_json_round_trip_and_contract():
     plan = build("eager_1f1b", 2, 3, edges=chain(2))
     data = plan.to_json()
     assert data == {"schedule": "eager_1f1b", "micro_batches": 3,
-                    "per_stage": [["F0", "F1", "F2", "B0", "B1", "B2"], ["F0", "F1", "B0", "F2", "B1", "B2"]],
+                    "per_stage": [["F0", "F1", "F2", "B0", "B1", "B2"], ["F0", "B0", "F1", "B1", "F2", "B2"]],
                     "predicted_iteration": None}
     assert PipelinePlan.from_json(data) == plan
 
@@ -97,3 +99,14 @@ def test_eager_is_not_slower_with_slow_links():
         one = simulate(build("1f1b", stages, 8).per_stage, edges, comm=1.0).makespan
         eager = simulate(build("eager_1f1b", stages, 8).per_stage, edges, comm=1.0).makespan
         assert eager <= one
+
+
+def test_predicted_figures_round_trip_and_stay_out_of_equality():
+    import dataclasses
+    plan = build("1f1b", 2, 3, edges=chain(2))
+    rich = dataclasses.replace(plan, predicted_iteration=1.5, predicted={"flops": 1e12, "stages": []})
+    data = rich.to_json()
+    assert data["predicted_iteration"] == 1.5 and data["predicted"] == {"flops": 1e12, "stages": []}
+    back = PipelinePlan.from_json(data)
+    assert back.predicted == rich.predicted and back == rich
+    assert "predicted" not in plan.to_json()

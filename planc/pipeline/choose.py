@@ -1,6 +1,9 @@
 """``schedule = auto``: the best pipeline schedule that fits in the devices' memory.
 
-There is no iteration simulator yet, so "best" is the known order of the
+With the model probe the compiler simulates every schedule (``planc.pipeline.simulate``,
+docs/simulator.md) and :func:`choose_by_prediction` picks the fastest predicted one whose
+parameters, gradients, optimizer state and simulated peak of activations fit ``cluster.memory``.
+:func:`choose_schedule` below is the rule without a simulation: the known order of the
 schedules (AlpaComm §4): ``eager_1f1b`` runs forwards ahead, so every
 cross-mesh transfer overlaps computation; ``1f1b`` keeps the fewest
 micro-batches in flight. ``gpipe`` keeps every micro-batch in flight (the most
@@ -27,7 +30,7 @@ Memory of one device of stage ``i`` under a schedule, estimated:
 * ``in_flight_i``: the schedule's exact peak of micro-batches whose forward
   ran on the stage and whose backward has not
   (:func:`planc.pipeline.schedules.peak_in_flight`; ``min(B, S - i)`` for
-  1f1b, ``min(B, 2(S - i))`` for eager_1f1b, ``B`` for gpipe).
+  1f1b, ``min(B, 2(S - i) - 1)`` for eager_1f1b, ``B`` for gpipe).
 
 Without ``memory`` in the cluster there is no limit: ``eager_1f1b``. Without a
 model probe (``--no-probe``) the memory cannot be estimated: ``1f1b`` (the
@@ -154,3 +157,104 @@ def choose_schedule(program: ir.Program, stages, probe) -> tuple[ir.PipeSchedule
         f"schedule = auto: no schedule fits in memory = {_bytes_text(limit)} per device; even 1f1b, which keeps "
         f"the fewest micro-batches in flight, needs an estimated {detail(FALLBACK, one)}. Use more stages or "
         "devices, a smaller micro_batch, or give the devices' real memory", program.train.schedule_span))
+
+
+# ---------------------------------------------------------------- the simulator's predictions
+
+CANDIDATES = (ir.PipeSchedule.EAGER_1F1B, ir.PipeSchedule.ONE_F_ONE_B, ir.PipeSchedule.GPIPE)   # tie order
+
+
+def compiled_input(program: ir.Program, stages, probe, reductions, routes):
+    """The iteration simulator's input from the compiler's records (``reductions``: the reductions
+    pass's plans; ``routes``: the transfers pass's ``(forward, backward)`` plans), and the FLOP/s used;
+    ``(None, None)`` without a probe (no compute model)."""
+    from planc.pipeline.simulate import sim_input, stage_compute
+
+    if probe is None:
+        return None, None
+    compute, rate = stage_compute(program, stages, probe)
+    forward, backward = routes
+    transfers = []
+    for i, (t, fwd) in enumerate(zip(program.transfers, forward)):
+        transfers.append(dict(fwd.to_json(), name=t.name, dtype=t.dtype, src={"stage": t.src_stage},
+                              dst={"stage": t.dst_stage}, backward=backward[i].to_json() if backward else None))
+    modes = {r.name: str(r.mode) for r in program.reductions}
+    reds = [dict(r.to_json(), mode=modes.get(r.name)) for r in reductions]
+    st = [{"index": s.index, "devices": sorted(s.devices)} for s in stages]
+    return sim_input(program.cluster, st, transfers, reds, compute), rate
+
+
+MAX_EVENTS = 60_000   # simulated operations per schedule above which the compiler predicts nothing
+
+
+def sim_size(sim, micro_batches: int) -> int:
+    """Roughly the simulation's node count: per device and operation a begin, a compute and its receives;
+    per unit task and micro-batch, one per direction."""
+    ops = sum(len(d) for d in sim.stage_devices) * 2 * micro_batches * 3
+    return ops + 2 * micro_batches * sum(len(t.forward) + len(t.backward) for t in sim.transfers)
+
+
+def simulate_schedules(sim, num_stages: int, micro_batches: int, edges=None) -> dict | None:
+    """Per concrete schedule: ``(PipelinePlan, Prediction)`` of its lists on ``sim``; None when the
+    simulation would be larger than :data:`MAX_EVENTS` (it would slow the compiler by seconds)."""
+    from planc.pipeline.schedules import build
+    from planc.pipeline.simulate import predict
+
+    if sim_size(sim, micro_batches) > MAX_EVENTS:
+        return None
+    out = {}
+    for schedule in (ir.PipeSchedule.GPIPE, ir.PipeSchedule.ONE_F_ONE_B, ir.PipeSchedule.EAGER_1F1B):
+        plan = build(schedule, num_stages, micro_batches, edges)
+        out[schedule] = (plan, predict(sim, plan.per_stage))
+    return out
+
+
+def predicted_record(sim, prediction, rate: float, given: bool, runs: dict) -> dict:
+    """plan.json ``pipeline.predicted`` (docs/plan-format.md)."""
+    return {
+        "flops": rate, "flops_given": given,
+        "iteration_free_communication": prediction.free_iteration,
+        "exposed_communication": prediction.exposed_communication,
+        "stages": [dict(f.to_json(), **c.to_json()) for f, c in zip(prediction.stages, sim.compute)],
+        "schedules": {str(k): {"iteration": p.iteration, "exposed_communication": p.exposed_communication,
+                               "bubble": max(f.bubble for f in p.stages) if p.stages else 0.0}
+                      for k, (_, p) in runs.items()},
+    }
+
+
+def choose_by_prediction(program: ir.Program, stages, probe, runs: dict) -> tuple[ir.PipeSchedule, str]:
+    """``schedule = auto`` with the simulator: the fastest predicted schedule that fits ``cluster.memory``
+    (static bytes + the simulated peak activation bytes of every stage); ties go to eager_1f1b, then 1f1b.
+    A located error when none fits."""
+    limit = program.cluster.memory
+    memory = {i: static for i, static, _ in stage_memory(program, stages, probe)}
+    order = sorted(memory)
+
+    def need(pred):
+        return max(((memory[order[k]] + f.peak_activation_bytes, order[k]) for k, f in enumerate(pred.stages)),
+                   default=(0.0, 0))
+
+    times = ", ".join(f"{s} {_time_text(runs[s][1].iteration)}" for s in CANDIDATES)
+    fits = [s for s in CANDIDATES if limit is None or need(runs[s][1])[0] <= limit]
+    if not fits:
+        peak, stage = need(runs[FALLBACK][1])
+        raise PlanError(Diagnostic(
+            f"schedule = auto: no schedule fits in memory = {_bytes_text(limit)} per device; even 1f1b needs an "
+            f"estimated {_bytes_text(peak)} on stage {stage} (parameters, gradients and optimizer state + the "
+            "simulated peak of activations). Use more stages or devices, a smaller micro_batch, or give the "
+            "devices' real memory", program.train.schedule_span))
+    best = min(fits, key=lambda s: runs[s][1].iteration)   # min keeps the first of equal ones: the tie order
+    left = [s for s in CANDIDATES if s not in fits]
+    why = f"{best}: the fastest predicted iteration ({times})"
+    why += (f", within memory = {_bytes_text(limit)} (needs at most {_bytes_text(need(runs[best][1])[0])})"
+            if limit is not None else " (no device memory limit given)")
+    if left:
+        why += "; " + ", ".join(f"{s} would need {_bytes_text(need(runs[s][1])[0])}" for s in left)
+    return best, why
+
+
+def _time_text(s: float) -> str:
+    for unit, scale in (("s", 1.0), ("ms", 1e-3), ("us", 1e-6)):
+        if s >= scale:
+            return f"{s / scale:.3g} {unit}"
+    return f"{s / 1e-9:.3g} ns"

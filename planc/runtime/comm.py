@@ -3,13 +3,18 @@
 A stage's receives are known before the step starts: for each ``F m`` of its
 plan.json list, every incoming transfer's forward route; for each ``B m``,
 every outgoing transfer's backward route. ``RecvAhead`` posts them, in that
-order, to a thread of its own, which runs ``TransferExecutor.recv`` (posting
-the receives into preallocated buffers of the plan's static shapes, relaying
-broadcast chunks down the chain the moment they land, gathering allgather
-parts) while the compute thread runs the previous operations; the compute
-thread waits only where it consumes the data. At most ``ahead`` operations
-are posted beyond the one being computed, so receive buffers stay bounded by
-the schedule, not by the micro-batch count.
+order, to a thread of its own. The thread *posts* every receive it has been
+given at once (``TransferExecutor.post``: irecvs into preallocated buffers of
+the plan's static shapes) and then *finishes* the oldest
+(``TransferExecutor.finish``: waits, relays broadcast chunks down the chain
+the moment they land, gathers allgather parts), while the compute thread runs
+the previous operations; the compute thread waits only where it consumes the
+data. Posting ahead matters on gloo: a sender transmits only once the
+receiver's notice that it has posted has reached it, and on a busy link that
+notice queues behind the other direction's traffic (the testbed's tbf queue
+holds up to 50 ms); one receive posted at a time costs that trip per message.
+At most ``ahead`` operations are posted beyond the one being computed, so
+receive buffers stay bounded by the schedule, not by the micro-batch count.
 
 The thread issues its collectives on communicators of its own (``create_groups``
 makes a ``("transfer", direction, *members)`` communicator for every group a
@@ -20,6 +25,7 @@ receiving group shares, so group collectives match.
 """
 from __future__ import annotations
 
+import collections
 import os
 import queue
 import threading
@@ -29,7 +35,8 @@ from .planfile import Direction
 
 __all__ = ["RecvAhead", "receive_jobs", "DEFAULT_AHEAD"]
 
-DEFAULT_AHEAD = 2
+DEFAULT_AHEAD = 4
+_NOTHING = object()
 
 
 def receive_jobs(ops, incoming, outgoing) -> list[list[tuple[str, Direction, int]]]:
@@ -58,18 +65,40 @@ class RecvAhead:
         self._thread.start()
 
     def _run(self) -> None:
+        """Post every queued receive at once, then finish the oldest; repeat.
+
+        Posting (``TransferExecutor.post``) never blocks, so all receives within the window are
+        on the wire while the oldest is completed; finishing (waits, broadcast relays, allgathers)
+        runs strictly in queue order, the one order every member of a receiving group shares.
+        """
+        posted: collections.deque = collections.deque()
         while True:
-            item = self._queue.get()
+            if posted:
+                try:
+                    item = self._queue.get_nowait()
+                except queue.Empty:
+                    item = _NOTHING
+            else:
+                item = self._queue.get()
             if item is None:
                 return
-            key, fut = item
-            if not fut.set_running_or_notify_cancel():
+            if item is not _NOTHING:
+                key, fut = item
+                if not fut.set_running_or_notify_cancel():
+                    continue
+                name, direction, m = key
+                try:
+                    posted.append((fut, self.executors[(name, direction)],
+                                   self.executors[(name, direction)].post(micro_batch=m)))
+                except BaseException as e:  # noqa: BLE001 - raised in the compute thread by take()
+                    fut.set_exception(e)
                 continue
-            name, direction, m = key
+            fut, executor, handle = posted.popleft()
             try:
-                fut.set_result(self.executors[(name, direction)].recv(micro_batch=m))
+                fut.set_result(executor.finish(handle))
             except BaseException as e:  # noqa: BLE001 - raised in the compute thread by take()
                 fut.set_exception(e)
+            del handle
 
     def start_step(self) -> None:
         """Post the first operations' receives (call before the step's first instruction)."""

@@ -11,6 +11,8 @@ moves one global slice from its ``sender`` (one of the holders) to its
         .my_src / .my_dst           this rank's region on the sending / receiving mesh (None: not there)
         .send(local_shard, micro_batch) -> list[Work]   async; keep the shard until they complete
         .recv(micro_batch, out=None) -> Tensor          this rank's assembled region (static shape)
+        .post(micro_batch) -> handle; .finish(handle) -> Tensor   the same, in two halves: post the
+                                                        receives early, complete them where consumed
 
 Tasks run in schedule order (planned ``start``, then index) on every rank, so
 collective and p2p calls are issued in the same order everywhere.
@@ -200,78 +202,104 @@ class TransferExecutor:
     # -------------------------------------------------------------------- recv
     def recv(self, micro_batch: int = 0, out: torch.Tensor | None = None) -> torch.Tensor:
         """Receive (and forward, gather) everything; return this rank's assembled shard."""
+        return self.finish(self.post(micro_batch, out))
+
+    def post(self, micro_batch: int = 0, out: torch.Tensor | None = None) -> "_Posted":
+        """Post this rank's receives of one micro-batch and return at once (``finish`` completes them).
+
+        On gloo every p2p receive is posted here, into buffers of the plan's static shapes: gloo
+        sends nothing until the receiver has posted (the receiver notifies the sender), so a
+        receive posted only when the previous one completed costs one trip of that notice per
+        message, behind whatever queues on the reverse link. On NCCL nothing is issued here:
+        its broadcasts are collectives and keep the issue order ``finish`` gives them.
+        """
         if self.my_dst is None:
             raise PlanFileError(f"rank {self.rank} receives nothing of transfer {self.name!r} ({self.direction})")
         shape = tuple(b - a for a, b in self.my_dst)
         if out is None:
             out = torch.empty(shape, dtype=self.dtype, device=self.device)
-        mine = [t for t in self.tasks if self.rank in t.receivers]
-        gloo = self.backend == "gloo"
-        bufs, pending, sends = {}, {}, []
+        h = _Posted(micro_batch, out, [t for t in self.tasks if self.rank in t.receivers])
+        if self.backend == "gloo":
+            for t in h.mine:
+                self._post_task(h, t)
+        return h
 
-        def post(t):
-            """Post the receives of task t for this rank (non-blocking)."""
-            tag = self._tag(micro_batch, t)
-            if t.strategy is Strategy.BROADCAST:
-                buf = torch.empty(t.numel, dtype=self.dtype, device=self.device)
-                bufs[t.index] = buf
-                if gloo:
-                    chain = self._chain(t)
-                    prev = chain[chain.index(self.rank) - 1]
-                    pending[t.index] = [dist.irecv(buf[a:b], src=prev, tag=tag, group=self.p2p)
-                                        for a, b in self._chunk_bounds(t.numel, t.chunks)]
-                else:
-                    pg = lookup_group(self.groups, t.group or (t.sender,) + t.receivers)
-                    pending[t.index] = [dist.broadcast(buf[a:b], src=t.sender, group=pg, async_op=True)
-                                        for a, b in self._chunk_bounds(t.numel, t.chunks)]
-            elif t.strategy is Strategy.SEND_RECV:
-                buf = torch.empty(t.numel, dtype=self.dtype, device=self.device)
-                bufs[t.index] = buf
-                pending[t.index] = [dist.irecv(buf, src=t.sender, tag=tag, group=self.p2p)]
+    def _post_task(self, h: "_Posted", t: _Task) -> None:
+        """Post the receives of task t for this rank (non-blocking)."""
+        tag = self._tag(h.micro_batch, t)
+        if t.strategy is Strategy.BROADCAST:
+            buf = torch.empty(t.numel, dtype=self.dtype, device=self.device)
+            h.bufs[t.index] = buf
+            if self.backend == "gloo":
+                chain = self._chain(t)
+                prev = chain[chain.index(self.rank) - 1]
+                h.pending[t.index] = [dist.irecv(buf[a:b], src=prev, tag=tag, group=self.p2p)
+                                      for a, b in self._chunk_bounds(t.numel, t.chunks)]
             else:
-                part = next(p for p in t.parts if self.rank in p)
-                if len(part) == 1:
-                    buf = torch.empty(t.numel, dtype=self.dtype, device=self.device)
-                    bufs[t.index] = buf
-                    pending[t.index] = [dist.irecv(buf, src=t.sender, tag=tag, group=self.p2p)]
-                else:
-                    per, padded = self._part_bounds(t.numel, len(part))
-                    buf = torch.empty(padded, dtype=self.dtype, device=self.device)
-                    bufs[t.index] = buf
-                    i = part.index(self.rank)
-                    pending[t.index] = [dist.irecv(buf[i * per:(i + 1) * per], src=t.sender, tag=tag, group=self.p2p)]
+                pg = lookup_group(self.groups, t.group or (t.sender,) + t.receivers)
+                h.pending[t.index] = [dist.broadcast(buf[a:b], src=t.sender, group=pg, async_op=True)
+                                      for a, b in self._chunk_bounds(t.numel, t.chunks)]
+        elif t.strategy is Strategy.SEND_RECV:
+            buf = torch.empty(t.numel, dtype=self.dtype, device=self.device)
+            h.bufs[t.index] = buf
+            h.pending[t.index] = [dist.irecv(buf, src=t.sender, tag=tag, group=self.p2p)]
+        else:
+            part = next(p for p in t.parts if self.rank in p)
+            if len(part) == 1:
+                buf = torch.empty(t.numel, dtype=self.dtype, device=self.device)
+                h.bufs[t.index] = buf
+                h.pending[t.index] = [dist.irecv(buf, src=t.sender, tag=tag, group=self.p2p)]
+            else:
+                per, padded = self._part_bounds(t.numel, len(part))
+                buf = torch.empty(padded, dtype=self.dtype, device=self.device)
+                h.bufs[t.index] = buf
+                i = part.index(self.rank)
+                h.pending[t.index] = [dist.irecv(buf[i * per:(i + 1) * per], src=t.sender, tag=tag, group=self.p2p)]
 
-        if gloo:  # gloo p2p is truly asynchronous: post every receive up front
-            for t in mine:
-                post(t)
-        for t in mine:
+    def finish(self, h: "_Posted") -> torch.Tensor:
+        """Wait for, relay and gather what ``post`` posted; return this rank's assembled shard."""
+        gloo = self.backend == "gloo"
+        sends = []
+        for t in h.mine:
             if not gloo:
-                post(t)
+                self._post_task(h, t)
             if t.strategy is Strategy.BROADCAST and gloo:
                 chain = self._chain(t)
                 pos = chain.index(self.rank)
                 if pos + 1 < len(chain):  # forward each chunk as soon as it lands
-                    nxt, tag, buf = chain[pos + 1], self._tag(micro_batch, t), bufs[t.index]
-                    for w, (a, b) in zip(pending[t.index], self._chunk_bounds(t.numel, t.chunks)):
+                    nxt, tag, buf = chain[pos + 1], self._tag(h.micro_batch, t), h.bufs[t.index]
+                    for w, (a, b) in zip(h.pending[t.index], self._chunk_bounds(t.numel, t.chunks)):
                         w.wait()
                         sends.append(dist.isend(buf[a:b], dst=nxt, tag=tag, group=self.p2p))
-                    pending[t.index] = []
+                    h.pending[t.index] = []
             elif t.parts is not None:
                 part = next(p for p in t.parts if self.rank in p)
                 if len(part) > 1:
-                    for w in pending[t.index]:
+                    for w in h.pending[t.index]:
                         w.wait()
-                    pending[t.index] = []
+                    h.pending[t.index] = []
                     pg = lookup_group(self.groups, part)
                     per, padded = self._part_bounds(t.numel, len(part))
                     i = part.index(self.rank)
-                    full = bufs[t.index]
+                    full = h.bufs[t.index]
                     all_gather_flat(full, full[i * per:(i + 1) * per].clone(), group=pg)
-        for t in mine:
-            for w in pending.get(t.index, ()):
+        out = h.out
+        for t in h.mine:
+            for w in h.pending.get(t.index, ()):
                 w.wait()
-            out[to_local(t.slice, self.my_dst)] = bufs[t.index][:t.numel].view(
+            out[to_local(t.slice, self.my_dst)] = h.bufs[t.index][:t.numel].view(
                 tuple(b - a for a, b in t.slice))
         for w in sends:
             w.wait()
         return out
+
+
+class _Posted:
+    """One micro-batch's receives of one transfer direction, posted and not yet finished."""
+
+    __slots__ = ("micro_batch", "out", "mine", "bufs", "pending")
+
+    def __init__(self, micro_batch: int, out: torch.Tensor, mine: list):
+        self.micro_batch, self.out, self.mine = micro_batch, out, mine
+        self.bufs: dict[int, torch.Tensor] = {}
+        self.pending: dict[int, list] = {}
