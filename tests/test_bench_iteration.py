@@ -91,15 +91,19 @@ def _fake_result(stock: bool) -> dict:
             "stock": {"expressible": stock, "reason": None if stock else "skips to non-adjacent stages",
                       "partition_method": "uniform" if stock else None},
             "programs": programs, "compute_only": {"per_rate": [{"rate": 100.0, "median": 1.0}]},
-            "compute_only_runs": [{"when": "before", "per_rate": [{"rate": 100.0, "median": 1.0}]},
-                                  {"when": "after", "per_rate": [{"rate": 100.0, "median": 1.5}]}]}
+            "compute_only_runs": [{"when": "before", "per_rate": [{"rate": 100.0, "median": 0.5}]}],
+            "signal": {"gpipe": {"per_rate": [{"rate": 100.0, "median": 1.5}]},
+                       "1f1b": {"per_rate": [{"rate": 100.0, "median": 1.0}]},
+                       "eager_1f1b": {"per_rate": [{"rate": 100.0, "median": None}]}}}
 
 
 def test_report_ratios_and_not_applicable_rows():
     rs = iteration.rows(_fake_result(stock=True))
     at10 = {r["program"]: r for r in rs if r["rate"] == 10.0}
     assert at10["planc gpipe"]["vs_stock"] == pytest.approx(0.8)
-    assert at10["planc gpipe"]["bound"] == pytest.approx(2.0)     # link 2.5 MB / 1.25 MB/s > compute 1 s
+    assert at10["planc gpipe"]["bound"] == pytest.approx(2.0)     # link 2.5 MB / 1.25 MB/s > signal 1 s
+    at100 = {r["program"]: r for r in rs if r["rate"] == 100.0}
+    assert at100["planc gpipe"]["bound"] == pytest.approx(1.0)    # the fastest signal run (1f1b), not work alone
     assert at10["planc gpipe"]["vs_bound"] == pytest.approx(2.0)
     text = iteration.markdown(_fake_result(stock=True), "10,100")
     assert "| 10 | planc gpipe | 4.000 | 0.80 | 2.00 | 2.000 (1.000, 2.000) |" in text
@@ -107,8 +111,8 @@ def test_report_ratios_and_not_applicable_rows():
     text = iteration.markdown(_fake_result(stock=False), "10,100")
     assert "| 10 | stock DeepSpeed | n/a: skips to non-adjacent stages |" in text
     assert "| planc 1f1b | 2, 4 | 1.5000, 1.2500 | 3.0 |" in text
-    assert "1.000 s, the faster of two runs (before the programs 1.000 s, after the programs 1.500 s" in text
-    assert "| compute-only (after) | — | — | — |" in text
+    assert "the fastest counts): gpipe 1.500 s, 1f1b 1.000 s, eager_1f1b — s." in text
+    assert "| compute-only (before) | — | — | — |" in text and "| planc 1f1b, signal transfers | — | — | — |" in text
 
 
 def test_run_bench_passes_options_and_skips_without_a_testbed(monkeypatch, tmp_path):

@@ -47,3 +47,10 @@ def test_uneven_meshes_deliver_exact_regions(tmp_path, strategy):
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     lines = re.findall(r"step \d+ comm [0-9.]+ s \(verified 4 transfer\(s\), 2 reduction\(s\)\)", r.stdout)
     assert len(lines) == 2, r.stdout[-3000:]
+    # launch.sh: every rank's log under OUT/logs/ with the rank in its name; rank 0's reached the terminal
+    world = sum(len(h) for h in c.plan_json["cluster"]["hosts"])
+    logs = sorted((out / "logs").glob("*_rank*.log"))
+    assert sorted(int(re.search(r"_rank(\d+)\.log$", p.name).group(1)) for p in logs) == list(range(world))
+    rank0 = next(p for p in logs if p.name.endswith("_rank0.log")).read_text()
+    assert re.findall(r"^step \d+ comm .*$", rank0, re.M) == re.findall(r"^step \d+ comm .*$", r.stdout, re.M)
+    assert not list((out / "logs").glob(".launch.*"))     # the launch's own marker files are gone

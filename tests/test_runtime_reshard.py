@@ -308,7 +308,9 @@ def reshard_worker(rank, world, payload):
             direction = PF.Direction(direction)
             t = plan.transfers[k]
             what = f"{job['name']} {t.name} {direction}: rank {rank}"
+            os.environ["PLANC_SIGNAL_TRANSFERS"] = "1" if job.get("signal") else ""
             ex = TransferExecutor(t, direction, rank, groups, tags, index=k)
+            os.environ.pop("PLANC_SIGNAL_TRANSFERS")
             want_src, want_dst = src.get(rank), dst.get(rank)
             assert ex.my_src == want_src, f"{what}: sends region {ex.my_src}, the spec says {want_src}"
             assert ex.my_dst == want_dst, f"{what}: receives region {ex.my_dst}, the spec says {want_dst}"
@@ -321,9 +323,15 @@ def reshard_worker(rank, world, payload):
                     keep.append(shard)
                     works += ex.send(shard, micro_batch=mb)
             if want_dst is not None:
-                for mb in reversed(mbs):
-                    got = ex.recv(micro_batch=mb)
+                if job.get("posted"):     # every micro-batch's receives posted before any is finished
+                    handles = {mb: ex.post(micro_batch=mb) for mb in mbs}
+                    received = ((mb, ex.finish(handles.pop(mb))) for mb in mbs)
+                else:
+                    received = ((mb, ex.recv(micro_batch=mb)) for mb in reversed(mbs))
+                for mb, got in received:
                     want = (_box(ref, want_dst) + mb).contiguous()
+                    if job.get("signal"):   # one element per task on the wire, zeros of the planned shape
+                        want = torch.zeros_like(want)
                     assert got.dtype == want.dtype and got.shape == want.shape, (what, got.dtype, got.shape)
                     if not torch.equal(got.view(torch.uint8), want.view(torch.uint8)):
                         bad = (got != want).nonzero()[:4].tolist()
@@ -358,6 +366,23 @@ def test_reshard_gloo_forward_bit_exact(strategy):
         src, dst = case_truth(case)
         payload.append({"name": f"{case[0]}/{strategy}", "plan": case_plan(i, strategy), "micro_batches": 2,
                         "moves": [(0, "forward", src, dst, 0)]})
+    _run(payload)
+
+
+@pytest.mark.parametrize("mode", ["posted", "signal"])
+def test_reshard_gloo_posted_ahead_and_signal(mode):
+    """Receives of every micro-batch posted before the first is finished (what the receive thread
+    does) deliver the same bits; PLANC_SIGNAL_TRANSFERS=1 delivers zeros of the planned regions."""
+    payload = []
+    for strategy in STRATEGIES:
+        plan = _model_json(strategy)
+        moves = []
+        for k in range(len(MODEL_TRANSFERS)):
+            for direction, salt in ((Direction.FORWARD, 0), (Direction.BACKWARD, 1000 + k)):
+                src, dst = model_truth(k, direction)
+                moves.append((k, str(direction), src, dst, salt))
+        payload.append({"name": f"mlp/{strategy}/{mode}", "plan": plan, mode: True,
+                        "micro_batches": plan["pipeline"]["micro_batches"], "moves": moves})
     _run(payload)
 
 

@@ -15,19 +15,17 @@ hosts, launched per host with DeepSpeed's own launcher (``deepspeed --no_ssh
   no tensor axis, planc's stage placement equal to DeepSpeed's rank order, a
   cut that ``partition_method='uniform'`` or ``'parameters'`` reproduces);
   otherwise the row says why not;
-- **compute-only** (a bound): every rank runs its stage's part of the plan's
-  list (the eager_1f1b variant's) — forwards on zero inputs of the planned
-  shapes, backwards with constant output gradients, the optimizer step —
-  with no transfer and no reduction, one rank at a time (the others wait in a
-  barrier), so each rank's work is timed alone on the CPUs; a step's bound is
-  max(the slowest rank's work, all ranks' work ÷ the cores the ranks share):
-  a stage cannot finish before its own work, and the emulated hosts share this
-  machine's cores. It has no pipeline bubble and no oversubscription (4 ranks
-  on 2 cores switching mid-computation), so it is a lower bound on compute;
-  it is run before and after the programs and the faster run counts; the runtime has no hook to cut transfers yet (an
-  exact version would be ``PLANC_SIGNAL_TRANSFERS=1`` in the runtime's
-  ``TransferExecutor``/``ReductionExecutor``: same schedule, one-element
-  messages);
+- **signal send/recv** (the compute bound, AlpaComm's "Signal Send/Recv"):
+  each planc program again with ``PLANC_SIGNAL_TRANSFERS=1``: the same
+  schedule, instructions, dependencies and gradient reductions, but every
+  transfer task moves one element (the receiver's region is zeros); unshaped.
+  The fastest schedule's median is the bound: no program that moves the data
+  can be faster than itself without it;
+- **work alone** (for scale, not a bound on a real program): every rank runs
+  its stage's part of the plan's list with no transfer and no reduction, one
+  rank at a time (``planc/bench/compute_only.py``): max(the slowest rank's
+  work, all ranks' work ÷ the cores they share); it has no bubble and no
+  contention;
 - **link** (a bound): bytes per iteration through the busiest host link
   direction (forward and backward transfer tasks × micro-batches from
   plan.json, plus the gradient reduction's cross-host bytes, ring estimate)
@@ -215,7 +213,8 @@ def link_seconds(nbytes: float, mbit: float) -> float:
 
 # ---------------------------------------------------------------- measuring
 
-def _over_rates(tb, out: Path, rates, *, measured: int, timeout: float, script=None, extra_args=()) -> dict:
+def _over_rates(tb, out: Path, rates, *, measured: int, timeout: float, script=None, extra_args=(),
+                env: dict | None = None) -> dict:
     """One launch across every rate: returns {"per_rate": [{rate, steps, median}], "peak_rss_kb", ...}."""
     import statistics
 
@@ -228,7 +227,7 @@ def _over_rates(tb, out: Path, rates, *, measured: int, timeout: float, script=N
 
     tb.set_link_mbit(rates[0])
     r = tb.launch(out, steps=total, timeout=timeout, comm_only=False, script=script,
-                  extra_args=list(extra_args), on_step=on_step)
+                  extra_args=list(extra_args), on_step=on_step, env=env)
     res = {"returncode": r.returncode, "launch_s": round(r.seconds, 1), "step_times": r.step_times,
            "details": [line for line in r.stdout.splitlines() if line.startswith("compute-only step")],
            "losses": r.losses, "peak_rss_kb": r.peak_rss_kb, "per_rate": []}
@@ -283,8 +282,14 @@ def measure_plan(plan_path: str, rates, *, measured: int = MEASURED, timeout: fl
                 result["programs"]["stock DeepSpeed"] = _over_rates(
                     tb, out, rates, measured=measured, timeout=timeout, script=ROOT / "planc/bench/stock_deepspeed.py",
                     extra_args=["--out", str(out), "--partition", result["stock"]["partition_method"]])
-            compute_only(tb, "after")
-        # the bound is the faster of the two runs (the other jobs on the machine only slow a run down)
+            # AlpaComm's "signal send/recv" bound: each planc program again, every transfer cut to one
+            # element (PLANC_SIGNAL_TRANSFERS=1: same schedule, instructions and reductions)
+            result["signal"] = {}
+            for sched in SCHEDULES:
+                log(f"{plan['name']}: planc {sched}, signal transfers")
+                result["signal"][sched] = _over_rates(tb, variants[sched]["out"], [max(rates)],
+                                                      measured=COMPUTE_MEASURED, timeout=timeout,
+                                                      env={"PLANC_SIGNAL_TRANSFERS": "1"})
         done = [r for r in compute_runs if r["per_rate"][0]["median"] is not None]
         result["compute_only"] = min(done, key=lambda r: r["per_rate"][0]["median"]) if done else compute_runs[-1]
         result["compute_only_runs"] = compute_runs
@@ -299,8 +304,9 @@ def _f(x, digits=3, suffix=""):
 
 def rows(result: dict) -> list[dict]:
     """Flat rows (one per rate and program) with the ratios."""
-    comp = (result.get("compute_only") or {}).get("per_rate") or [{}]
-    compute = comp[0].get("median")
+    compute = signal_bound(result)[0]
+    if compute is None:   # a result without signal runs (older JSON): the work-alone figure
+        compute = ((result.get("compute_only") or {}).get("per_rate") or [{}])[0].get("median")
     out = []
     programs = list(result["programs"])
     for i, rate in enumerate(r["rate"] for r in next(iter(result["programs"].values()))["per_rate"]):
@@ -319,6 +325,13 @@ def rows(result: dict) -> list[dict]:
                         "note": None if run else f"n/a: {result['stock']['reason']}",
                         "error": run.get("error") if run else None})
     return out
+
+
+def signal_bound(result: dict) -> tuple[float | None, str | None]:
+    """The fastest signal-transfer run over the schedules: (median s/step, schedule)."""
+    best = [(r["per_rate"][0]["median"], s) for s, r in (result.get("signal") or {}).items()
+            if r["per_rate"][0]["median"] is not None]
+    return min(best) if best else (None, None)
 
 
 def compute_parts(run: dict) -> tuple[float, float, int] | None:
@@ -347,14 +360,16 @@ def markdown(result: dict, rates_arg: str) -> str:
              f"Reproduce: `planc bench iteration {result['plan']} --rates {rates_arg}` "
              f"(today: `python -m planc.bench.iteration {result['plan']} --rates {rates_arg}`)", "",
              f"Link bound: {lk['busiest_bytes'] / 1e6:.2f} MB per iteration through host "
-             f"{lk['busiest_host']}'s link ({lk['busiest_direction']}), ÷ the rate. Compute-only bound: "
-             f"{_f((result.get('compute_only') or {}).get('per_rate', [{}])[0].get('median'))} s{parts_text}, "
-             f"the faster of two runs (" + ", ".join(f"{r.get('when', '?')} the programs {_f(r['per_rate'][0]['median'])} s"
-                                      for r in result.get("compute_only_runs") or ()) +
-             f"; median of {COMPUTE_MEASURED} steps each). Stock DeepSpeed: "
+             f"{lk['busiest_host']}'s link ({lk['busiest_direction']}), ÷ the rate. Compute-only bound "
+             f"(signal send/recv: each planc program with every transfer cut to one element, "
+             f"`PLANC_SIGNAL_TRANSFERS=1`, median of {COMPUTE_MEASURED} steps unshaped; the fastest counts): "
+             + ", ".join(f"{s} {_f(r['per_rate'][0]['median'])} s" for s, r in (result.get("signal") or {}).items())
+             + f". For scale, each rank's work timed alone: "
+             f"{_f((result.get('compute_only') or {}).get('per_rate', [{}])[0].get('median'))} s{parts_text} "
+             f"(no bubble, no contention: below any real program). Stock DeepSpeed: "
              + (f"`PipelineModule(partition_method='{result['stock']['partition_method']}')`, default topology."
                 if result["stock"]["expressible"] else f"n/a: {result['stock']['reason']}."), "",
-             "| link Mbit/s | program | median s/step | ÷ stock DeepSpeed | ÷ bound | bound s (compute-only, link) |",
+             "| link Mbit/s | program | median s/step | ÷ stock DeepSpeed | ÷ bound | bound s (signal, link) |",
              "|---|---|---|---|---|---|"]
     for r in rows(result):
         t = r["note"] or (f"failed ({r['error'][:60]})" if r["error"] and r["median"] is None else _f(r["median"]))
@@ -362,9 +377,11 @@ def markdown(result: dict, rates_arg: str) -> str:
                      f"{_f(r['bound'])} ({_f(r['compute_only'])}, {_f(r['link'])}) |")
     lines += ["", "| program | peak RSS per rank, MB (VmHWM) | loss, first steps | run s |", "|---|---|---|---|"]
     for name, run in list(result["programs"].items()) + [
+            (f"planc {s}, signal transfers", r) for s, r in (result.get("signal") or {}).items()] + [
             (f"compute-only ({r.get('when', '?')})", r) for r in result.get("compute_only_runs") or ()]:
         mem = ", ".join(f"{kb / 1024:.0f}" for _, kb in sorted(run.get("peak_rss_kb", {}).items())) or "—"
-        losses = ", ".join(f"{x:.4f}" for x in run.get("losses", [])[:3]) if "compute" not in name else "—"
+        losses = ", ".join(f"{x:.4f}" for x in run.get("losses", [])[:3]) \
+            if "compute" not in name and "signal" not in name else "—"
         lines.append(f"| {name} | {mem} | {losses or '—'} | {run.get('launch_s', '—')} |")
     return "\n".join(lines) + "\n"
 
@@ -457,7 +474,7 @@ def run(plans=None, rates=None, *, json_path: str | None = None, chart: str | No
     head = (f"Testbed, gloo over tbf-shaped host links, each plan's ranks launched per host by "
             f"`deepspeed --no_ssh --node_rank=h` in that host's namespace. Median of {measured} steps per rate "
             f"after {WARMUP} discarded (the rate changes while a program runs; see planc/bench/iteration.py); "
-            f"bound = max(compute-only, link); ratios > 1 are slower. Machine: {machine}; 1-minute load average "
+            f"bound = max(signal send/recv, link); ratios > 1 are slower. Machine: {machine}; 1-minute load average "
             f"{load[0]:.1f} at the start, {load[1]:.1f} at the end (other jobs share the CPUs: compare within a "
             f"run, expect noise); the whole bench took {took:.0f} s. " + "; ".join(notes) + ".")
     return head + "\n\n" + "\n".join(markdown(r, rates_arg) for r in results)

@@ -35,6 +35,8 @@ tag and rely on per-(peer, tag) FIFO order, which gloo and NCCL both keep.
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.distributed as dist
 
@@ -101,6 +103,10 @@ class TransferExecutor:
         self.tasks = [_Task(i, t, route.strategy, route.chunks) for i, t in route.ordered_tasks()]
         self.strategy = route.strategy
         self.backend = backend or (dist.get_backend() if dist.is_initialized() else "gloo")
+        # PLANC_SIGNAL_TRANSFERS=1: AlpaComm's "signal send/recv" bound; every task moves one element
+        # from its sender to each receiver (same schedule, same order, same dependencies) and the
+        # receiver's region is zeros: the iteration without the cost of moving the data
+        self.signal = os.environ.get("PLANC_SIGNAL_TRANSFERS", "") == "1"
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
         self.device = torch.device(device)
@@ -166,6 +172,10 @@ class TransferExecutor:
         if local_shard.dtype != self.dtype:  # the wire carries the plan's dtype
             local_shard = local_shard.to(self.dtype)
         works = []
+        if self.signal:
+            one = torch.zeros(1, dtype=self.dtype, device=self.device)
+            return [dist.isend(one, dst=r, tag=self._tag(micro_batch, t), group=self.p2p)
+                    for t in self.tasks if t.sender == self.rank for r in t.receivers if r != self.rank]
         for t in self.tasks:
             if t.sender != self.rank:
                 continue
@@ -219,6 +229,13 @@ class TransferExecutor:
         if out is None:
             out = torch.empty(shape, dtype=self.dtype, device=self.device)
         h = _Posted(micro_batch, out, [t for t in self.tasks if self.rank in t.receivers])
+        if self.signal:
+            for t in h.mine:
+                if t.sender != self.rank:
+                    h.bufs[t.index] = torch.empty(1, dtype=self.dtype, device=self.device)
+                    h.pending[t.index] = [dist.irecv(h.bufs[t.index], src=t.sender, tag=self._tag(micro_batch, t),
+                                                     group=self.p2p)]
+            return h
         if self.backend == "gloo":
             for t in h.mine:
                 self._post_task(h, t)
@@ -258,6 +275,11 @@ class TransferExecutor:
 
     def finish(self, h: "_Posted") -> torch.Tensor:
         """Wait for, relay and gather what ``post`` posted; return this rank's assembled shard."""
+        if self.signal:
+            for works in h.pending.values():
+                for w in works:
+                    w.wait()
+            return h.out.zero_()
         gloo = self.backend == "gloo"
         sends = []
         for t in h.mine:
