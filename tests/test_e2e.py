@@ -61,7 +61,7 @@ def train_and_compare(tmp_path, plan_path, ranks):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "eager_1f1b"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])   # eager_1f1b: as bundled, `make demo`, test_e2e_unequal
 def test_gpt_2x4_schedules_match_reference(tmp_path, schedule):
     """plans/gpt-2x4.plan: pipe 2 x data 2 x tensor 2 on 2 hosts of 4, synthesized program;
     the blocks really split over the tensor axis (Megatron-style)."""

@@ -12,7 +12,7 @@ from __future__ import annotations
 import importlib
 from pathlib import Path
 
-BENCHES = ("synthesis", "resharding", "testbed", "iteration")
+BENCHES = ("synthesis", "resharding", "testbed", "iteration", "fuzz")
 
 
 def run_bench(name: str, write: str | None = None, **options) -> str:

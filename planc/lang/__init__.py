@@ -10,40 +10,49 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import yaml
-
 from planc import ir
 from planc.lang import ast
 from planc.lang.errors import Diagnostic, PlanError
+from planc.lang.yamlfile import YamlProblem, read_yaml
 from planc.span import Span
 
 __all__ = ["load", "load_text", "read_inputs"]
 
 
-def load_text(text: str, path: str = "<plan>") -> ir.Program:
-    """Parse and check .plan text; ``path`` names it in diagnostics and locates relative files."""
+def load_text(text: str, path: str = "<plan>", budget=None) -> ir.Program:
+    """Parse and check .plan text; ``path`` names it in diagnostics and locates relative files.
+    ``budget``: the resource bounds to check against (``planc.budget``; None: the one in force)."""
+    from planc import budget as budgets
     from planc.lang.check import check
     from planc.lang.parse import parse_collecting
 
-    tree, found = parse_collecting(text, path)
-    try:
-        return check(tree, path, text, read_inputs(tree, path), found)
-    except PlanError as e:
-        raise e.with_source(path, text) from None
+    with budgets.using(budget):
+        tree, found = parse_collecting(text, path)
+        inputs = read_inputs(tree, path)
+        try:
+            return check(tree, path, text, inputs, found)
+        except PlanError as e:
+            raise e.with_source(path, text) from None
 
 
-def load(path: str | Path) -> ir.Program:
+def load(path: str | Path, budget=None) -> ir.Program:
     """Read, parse and check a .plan file; every user error is a PlanError."""
     p = str(path)
     try:
         raw = Path(p).read_bytes()
-    except OSError as e:
-        raise PlanError([Diagnostic(f"cannot read plan file: {e.strerror or e}", Span.unknown(p))]) from None
+    except (OSError, ValueError) as e:   # ValueError: a path the file system cannot take (a NUL byte)
+        raise PlanError([Diagnostic(f"cannot read plan file: {getattr(e, 'strerror', None) or e}",
+                                    Span.unknown(p))]) from None
     try:
         text = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise PlanError([Diagnostic(f"plan file is not UTF-8 text (byte {e.start})", Span.unknown(p))]) from None
-    return load_text(text, p)
+    except UnicodeDecodeError as e:   # located at the first byte that is not UTF-8, shown with it replaced
+        shown = raw.decode("utf-8", errors="replace")
+        head = raw[:e.start].decode("utf-8", errors="replace")
+        line = head.count("\n") + 1
+        col = len(head) - (head.rfind("\n") + 1) + 1
+        raise PlanError([Diagnostic(f"plan file is not UTF-8 text (byte {e.start})", Span(line, col, line, col + 1, p))],
+                        {p: shown}) from None
+    return load_text(text, p, budget)
 
 
 def read_inputs(tree: ast.PlanFile, path: str):
@@ -57,12 +66,21 @@ def read_inputs(tree: ast.PlanFile, path: str):
         return PlanInputs(source_dir)
     name = block.file.value
     file = Path(source_dir) / name
+    # the file as diagnostics name it: beside the plan, as the plan's own path is written
+    shown = str(Path(path).parent / name) if path and not path.startswith("<") else name
     try:
-        contents = ClusterFile(name, doc=yaml.safe_load(file.read_text()))
+        text = file.read_text()
+        doc, marks = read_yaml(text, shown)
+        contents = ClusterFile(name, doc=doc, path=shown, text=text, marks=marks)
     except FileNotFoundError:
         contents = ClusterFile(name, problem=f"cluster file '{name}' not found (looked in {file.parent})")
     except UnicodeDecodeError as e:
         contents = ClusterFile(name, problem=f"cluster file '{name}' is not UTF-8 text (byte {e.start})")
-    except (OSError, yaml.YAMLError) as e:
-        contents = ClusterFile(name, problem=f"cannot read cluster file '{name}': {str(e).splitlines()[0]}")
+    except YamlProblem as e:
+        contents = ClusterFile(name, problem=f"cannot read cluster file '{name}': {e}", path=shown, text=text,
+                               problem_span=e.span)
+    except OSError as e:
+        contents = ClusterFile(name, problem=f"cannot read cluster file '{name}': {e.strerror or e}")
+    except ValueError as e:   # a name the file system cannot take (a NUL byte)
+        contents = ClusterFile(name, problem=f"cannot read cluster file {name!r}: {e}")
     return PlanInputs(source_dir, contents)

@@ -25,8 +25,8 @@ def parse_quantity(text: str, kind: str) -> float:
                 parts = [parts[0][: -len(unit)], unit]
                 break
     if len(parts) != 2 or parts[1] not in table:
-        raise ValueError(f"expected a {kind} such as {_EXAMPLES[kind]}, got {text!r}")
+        raise ValueError(f"expected a {kind} such as {_EXAMPLES[kind]}, got {text[:60]!r}")
     try:
         return float(parts[0]) * table[parts[1]]
     except ValueError:
-        raise ValueError(f"expected a {kind} such as {_EXAMPLES[kind]}, got {text!r}") from None
+        raise ValueError(f"expected a {kind} such as {_EXAMPLES[kind]}, got {text[:60]!r}") from None

@@ -1,6 +1,6 @@
 """Can the compiled plan hang? Every rank's communication, simulated under rendezvous semantics.
 
-``check_rendezvous(plan, ahead=2, backend="nccl")`` replays one training step
+``check_rendezvous(plan, ahead=4, backend="nccl")`` replays one training step
 (and the ``--comm-only`` step) of every rank exactly in the order the runtime
 issues it, with the strict semantics of NCCL, and returns the hangs it finds
 (empty: the plan cannot hang). Pure and torch-free; docs/deadlock.md has the
@@ -50,6 +50,7 @@ from dataclasses import dataclass
 
 from planc.runtime import planfile
 from planc.runtime.planfile import Direction, Strategy
+from planc.runtime.comm import DEFAULT_AHEAD
 
 __all__ = ["check_rendezvous", "Hang", "Wait", "BACKENDS", "MODES"]
 
@@ -652,12 +653,12 @@ def _find_cycle(edges: dict) -> list[int] | None:
 
 # ---------------------------------------------------------------- the check
 
-def check_rendezvous(plan: planfile.Plan, ahead: int = 2, backend: str = "nccl", mode: str = "auto",
+def check_rendezvous(plan: planfile.Plan, ahead: int = DEFAULT_AHEAD, backend: str = "nccl", mode: str = "auto",
                      tensor_parallel: bool = True, limit: int = 8) -> list[Hang]:
     """The hangs of ``plan`` under rendezvous semantics (empty: it cannot hang).
 
     ``ahead``: how many operations the receive thread runs ahead (``PLANC_RECV_AHEAD``,
-    default ``comm.DEFAULT_AHEAD`` = 2). ``backend``: ``"nccl"`` (strict: p2p FIFO per
+    default ``comm.DEFAULT_AHEAD`` = 4, the runtime's). ``backend``: ``"nccl"`` (strict: p2p FIFO per
     peer pair, broadcast as a collective) or ``"gloo"`` (p2p matched by tag, broadcast
     as a relay chain). ``mode``: ``"train"`` (one training step; needs a pipeline),
     ``"comm_only"`` (one ``--comm-only`` step) or ``"auto"``: ``comm_only``, and

@@ -8,10 +8,11 @@ they are scheduled together on one shared NIC timeline.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from planc import ir
+from planc import budget, ir
 from planc.ir import Cluster, SchedulerKind, StageLayout, Strategy, Transfer
 from planc.resharding.bounds import lower_bound
 from planc.resharding.schedulers import Job, Schedule
@@ -97,7 +98,14 @@ def plan_group(transfers: Sequence[Transfer], layouts: Sequence[tuple[StageLayou
     owner: list[int] = []
     strategies = []
     bounds = []
+    counted = [0, 0]
     for i, (tr, (src, dst)) in enumerate(zip(transfers, layouts)):
+        # bounded before any task is built (planc.budget 'tasks', 'task_devices')
+        counted = [a + b for a, b in zip(counted, _task_count(tr, src, dst))]
+        subject = f"transfer '{tr.name}' has" if not i else \
+            f"the transfers leaving stage {tr.src_stage}, with '{tr.name}', have"
+        budget.check("tasks", counted[0], subject, tr.span)
+        budget.check("task_devices", counted[1], subject, tr.span)
         tasks = unit_tasks(tr.shape, src, tr.src_spec, dst, tr.dst_spec)
         itemsize = ir.DTYPE_BYTES[tr.dtype]
         strategy = config.strategy
@@ -125,6 +133,15 @@ def plan_group(transfers: Sequence[Transfer], layouts: Sequence[tuple[StageLayou
             max((t.start + t.duration for t in task_plans), default=0.0), bounds[i],
             _end(all_jobs, naive_sched, mine)))
     return tuple(plans)
+
+
+def _task_count(tr: Transfer, src: StageLayout, dst: StageLayout) -> tuple[int, int]:
+    """How many unit tasks ``unit_tasks`` would build for ``tr`` (counted per dimension), and the
+    devices they involve together (each task: its holders and its receivers)."""
+    from planc.resharding.tiles import _dim_cells
+    sp, dp = parts_per_dim(src.shape, tr.src_spec), parts_per_dim(dst.shape, tr.dst_spec)
+    n = math.prod(len(_dim_cells(d, a, b)) for d, a, b in zip(tr.shape, sp, dp))
+    return n, n * (len(src.devices) // max(1, math.prod(sp)) + len(dst.devices) // max(1, math.prod(dp)))
 
 
 def _end(jobs: Sequence[Job], sched: Schedule, mine: Sequence[int]) -> float:

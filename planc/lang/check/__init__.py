@@ -12,6 +12,7 @@ a cluster file and resolves the plan's folder, and passes them in as
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import re
 from dataclasses import dataclass
@@ -81,13 +82,21 @@ def check(tree: ast.PlanFile, path: str, text: str, inputs: PlanInputs | None = 
     reductions = check_reductions(errs, by_kind.get("ReduceDecl", []), cluster, parallel, stages, stage_mode)
     resharding = check_resharding(errs, first("resharding"))
     synthesis = check_synthesis(errs, first("synthesis"))
-    train = check_train(errs, first("train"), parallel, stages)
+    train = check_train(errs, first("train"), parallel, stages, model is not None)
     deepspeed = check_deepspeed(first("deepspeed"))
 
     if errs.found or cluster is None:
         if cluster is None and "cluster" not in by_kind:
             errs.add("a plan needs a 'cluster { ... }' block", tree.span if tree.span.line else Span(1, 1, 1, 2, path))
-        raise PlanError(errs.items, {path: text})
+        sources = {path: text}
+        cf = inputs.cluster_file
+        items = errs.items
+        if cf is not None and cf.path and cf.text is not None:   # errors in a YAML cluster file show its line
+            sources[cf.path] = cf.text
+            named = first("cluster").file.span   # and say which plan line named the file
+            note = f"in the cluster file named at {path}:{named.line}:{named.col}: cluster \"{cf.name}\""
+            items = [dataclasses.replace(d, hint=d.hint or note) if d.span.file == cf.path else d for d in items]
+        raise PlanError(items, sources)
     return ir.Program(
         name=tree.name.value if tree.name else _name_from_path(path),
         source_path=path,

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from planc import ir
+from planc import budget, ir
 from planc.lang import ast
 from planc.lang.check.values import Diagnostics, did_you_mean, int_of, quantity
 from planc.lang.units import BANDWIDTH, FLOPS, SIZE, TIME, parse_quantity
@@ -13,7 +13,7 @@ from planc.span import Span
 
 __all__ = ["ClusterFile", "MAX_DEVICES", "check_cluster"]
 
-MAX_DEVICES = 1 << 20
+MAX_DEVICES = budget.BOUNDS["devices"].default   # the default bound; --budget devices=N raises it
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,6 +24,18 @@ class ClusterFile:
     name: str                  # as written in the plan
     doc: object = None
     problem: str | None = None
+    path: str | None = None    # the file as diagnostics name it (None: errors point at the plan's line)
+    text: str | None = None    # its text, to show the line of an error
+    marks: dict = field(default_factory=dict)   # span of each YAML node by path: ("levels", 0, "fanout")
+    problem_span: Span | None = None            # where in the file ``problem`` is, when YAML said
+
+    def at(self, *path, fallback: Span) -> Span:
+        """The span of the YAML node at ``path`` (or of its nearest enclosing node), else ``fallback``."""
+        for k in range(len(path), -1, -1):
+            span = self.marks.get(tuple(path[:k]))
+            if span is not None:
+                return span
+        return fallback
 
 
 def check_cluster(errs: Diagnostics, block: ast.ClusterBlock | None, file: ClusterFile | None) -> ir.Cluster | None:
@@ -97,8 +109,14 @@ def _device_value(errs: Diagnostics, v: ast.Quantity | ast.Num | None, key: str)
 
 
 def _sized(errs: Diagnostics, cluster: ir.Cluster, span: Span) -> ir.Cluster | None:
-    if cluster.devices > MAX_DEVICES:
-        errs.add(f"the cluster has {cluster.devices} devices; planc handles at most {MAX_DEVICES}", span)
+    """The cluster within the budget's ``levels`` and ``devices`` bounds (planc.budget), else None."""
+    limit = int(budget.current()["levels"])
+    past = cluster.levels[limit].span if len(cluster.levels) > limit else None   # the first level too many
+    over = (budget.exceeded("levels", len(cluster.levels), "the cluster has",
+                            past if past is not None and past.line > 0 else span)
+            or budget.exceeded("devices", cluster.devices, "the cluster has", span))
+    if over is not None:
+        errs.items.append(over)
         return None
     return cluster
 
@@ -118,59 +136,95 @@ def _host_level(errs: Diagnostics, levels: list[ir.Level], host: str | None, spa
 
 
 def _from_file(errs: Diagnostics, file: ast.Str, contents: ClusterFile | None) -> ir.Cluster | None:
+    """The cluster of a YAML cluster file; each error points at the YAML node that holds the bad value
+    (``contents.marks``), or at the plan's ``cluster "FILE"`` when the file has no such node."""
     if contents is None:
         errs.add(f"cluster file '{file.value}' was not read", file.span)
         return None
     if contents.problem is not None:
-        errs.add(contents.problem, file.span)
+        errs.add(contents.problem, contents.problem_span or file.span)
         return None
-    doc = contents.doc
+    doc, root = contents.doc, ()
     if isinstance(doc, dict) and isinstance(doc.get("cluster"), dict):
-        doc = doc["cluster"]
+        doc, root = doc["cluster"], ("cluster",)
+
+    def at(*path) -> Span:
+        return contents.at(*root, *path, fallback=file.span)
+
     if not isinstance(doc, dict) or not isinstance(doc.get("levels"), list) or not doc["levels"]:
         errs.add(f"cluster file '{file.value}' must hold a mapping with a non-empty 'levels' list "
-                 "(each: name, fanout, bandwidth, latency) and optionally 'host'", file.span)
+                 "(each: name, fanout, bandwidth, latency) and optionally 'host'",
+                 at("levels") if isinstance(doc, dict) else at())
+        return None
+    limit = int(budget.limit("levels"))
+    if len(doc["levels"]) > limit:   # before reading each one: the budget's 'levels' bound
+        errs.items.append(budget.exceeded("levels", len(doc["levels"]), f"cluster file '{file.value}' has",
+                                          at("levels", limit)))
         return None
     levels = []
     for i, entry in enumerate(doc["levels"]):
         where = f"cluster file '{file.value}', levels[{i}]"
         if not isinstance(entry, dict) or not isinstance(entry.get("name"), str):
-            errs.add(f"{where}: expected a mapping with 'name' and 'fanout'", file.span)
+            errs.add(f"{where}: expected a mapping with 'name' and 'fanout'", at("levels", i))
             return None
-        fanout = entry.get("fanout", entry.get("x"))
+        key = "fanout" if "fanout" in entry else "x"
+        fanout = entry.get(key)
         if not isinstance(fanout, int) or isinstance(fanout, bool) or fanout < 1:
-            errs.add(f"{where}: 'fanout' must be a whole number >= 1, got {fanout!r}", file.span)
+            errs.add(f"{where}: 'fanout' must be a whole number >= 1, got {_short(fanout)}",
+                     at("levels", i, key))
             return None
-        try:
-            bw = _yaml_quantity(entry.get("bandwidth"), "bandwidth")
-            lat = _yaml_quantity(entry.get("latency"), "time") or 0.0
-        except ValueError as e:
-            errs.add(f"{where}: {e}", file.span)
+        values = {}
+        for k, kind in (("bandwidth", "bandwidth"), ("latency", "time")):
+            try:
+                values[k] = _yaml_quantity(entry.get(k), kind)
+            except ValueError as e:
+                errs.add(f"{where}: {k}: {e}", at("levels", i, k))
+                return None
+        bw, lat = values["bandwidth"], values["latency"] or 0.0
+        if bw is not None and bw <= 0:
+            errs.add(f"{where}: bandwidth must be positive, got {_short(entry.get('bandwidth'))}",
+                     at("levels", i, "bandwidth"))
+            return None
+        if lat < 0:
+            errs.add(f"{where}: latency must not be negative, got {_short(entry.get('latency'))}",
+                     at("levels", i, "latency"))
             return None
         if fanout > 1 and bw is None:
-            errs.add(f"{where}: level '{entry['name']}' has {fanout} units and needs a bandwidth", file.span)
+            errs.add(f"{where}: level '{entry['name']}' has {fanout} units and needs a bandwidth", at("levels", i))
             return None
-        levels.append(ir.Level(entry["name"], fanout, bw, lat, file.span))
+        levels.append(ir.Level(entry["name"], fanout, bw, lat, at("levels", i)))
     names = [l.name for l in levels]
     if len(set(names)) != len(names):
-        errs.add(f"cluster file '{file.value}': level names repeat: {names}", file.span)
+        twice = next(i for i, n in enumerate(names) if n in names[:i])
+        errs.add(f"cluster file '{file.value}': level names repeat: level '{names[twice]}' is declared twice",
+                 at("levels", twice, "name"))
         return None
-    host = _host_level(errs, levels, doc.get("host"), file.span)
+    host = doc.get("host")
+    if host is not None and not isinstance(host, str):
+        errs.add(f"cluster file '{file.value}', host: expected a level name, got {_short(host)}", at("host"))
+        return None
+    host = _host_level(errs, levels, host, at("host"))
     device = {}
     for key, kind in (("flops", "FLOP rate"), ("memory", "size")):
         try:
             v = _yaml_quantity(doc.get(key), kind)
         except ValueError as e:
-            errs.add(f"cluster file '{file.value}', {key}: {e}", file.span)
+            errs.add(f"cluster file '{file.value}', {key}: {e}", at(key))
             return None
         if v is not None and (not math.isfinite(v) or v <= 0):
-            errs.add(f"cluster file '{file.value}', {key}: must be a positive {kind}, got {doc.get(key)!r}",
-                     file.span)
+            errs.add(f"cluster file '{file.value}', {key}: must be a positive {kind}, got {_short(doc.get(key))}",
+                     at(key))
             return None
         device[key] = v
     if not host:
         return None
-    return _sized(errs, ir.Cluster(tuple(levels), host, device["flops"], device["memory"]), file.span)
+    return _sized(errs, ir.Cluster(tuple(levels), host, device["flops"], device["memory"]), at("levels"))
+
+
+def _short(v) -> str:
+    """``repr`` of a YAML value, cut short (a fuzzed file can hold anything)."""
+    text = repr(v)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _yaml_quantity(v, kind: str) -> float | None:
@@ -186,7 +240,7 @@ def _yaml_quantity(v, kind: str) -> float | None:
         except ValueError:
             out = parse_quantity(v, kind)
     else:
-        raise ValueError(f"expected a {kind} (a number in base units or a quantity string), got {v!r}")
+        raise ValueError(f"expected a {kind} (a number in base units or a quantity string), got {_short(v)}")
     if not math.isfinite(out):
-        raise ValueError(f"expected a finite {kind}, got {v!r}")
+        raise ValueError(f"expected a finite {kind}, got {_short(v)}")
     return out

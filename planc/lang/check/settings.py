@@ -6,7 +6,7 @@ default (or its cap) and checking goes on.
 
 from __future__ import annotations
 
-from planc import ir
+from planc import budget, ir
 from planc.lang import ast
 from planc.lang.check.values import Diagnostics, did_you_mean, int_of, quantity
 from planc.lang.units import TIME
@@ -14,12 +14,13 @@ from planc.lang.units import TIME
 __all__ = ["check_resharding", "check_synthesis", "check_train", "check_deepspeed",
            "MAX_TRIALS", "MAX_DFS_BUDGET_S", "MAX_MICRO_BATCHES", "MAX_SYNTHESIS_SIZE"]
 
-# Settings whose work grows linearly with their value at compile time: capped so that no accepted
-# plan makes `planc compile` run (or allocate) without end.
-MAX_TRIALS = 4096               # randomized_greedy: each trial is a full pass over the jobs
-MAX_DFS_BUDGET_S = 600.0        # dfs: a node count of budget x DFS_NODES_PER_SECOND
-MAX_MICRO_BATCHES = 100_000     # the pipeline lists and simulates 2 x micro_batches ops per stage
-MAX_SYNTHESIS_SIZE = 8          # P² finds useful programs by size 5
+# Settings whose work grows linearly with their value at compile time are bounded by the budget
+# (planc.budget, --budget NAME=N) so that no accepted plan makes `planc compile` run (or allocate)
+# without end. These are the defaults:
+MAX_TRIALS = budget.BOUNDS["trials"].default                 # each trial is a full pass over the jobs
+MAX_DFS_BUDGET_S = budget.BOUNDS["dfs_seconds"].default      # dfs: a node count of budget x DFS_NODES_PER_SECOND
+MAX_MICRO_BATCHES = budget.BOUNDS["micro_batches"].default   # 2 x micro_batches ops per stage, simulated
+MAX_SYNTHESIS_SIZE = budget.BOUNDS["synthesis_size"].default  # P² finds useful programs by size 5
 
 
 def _settings(errs: Diagnostics, block: ast.SettingsBlock | None, allowed: list[str]) -> dict[str, ast.KeyValue]:
@@ -125,25 +126,27 @@ def check_resharding(errs: Diagnostics, block: ast.SettingsBlock | None) -> ir.R
                 res["seed"] = args.get("seed", 0)
                 if res["trials"] < 1:
                     errs.add("trials must be at least 1", v.span)
-                elif res["trials"] > MAX_TRIALS:
-                    errs.add(f"trials = {res['trials']} is too many (at most {MAX_TRIALS}; each trial "
-                             "is a pass over every unit task)", v.span)
-                    res["trials"] = MAX_TRIALS
-                if res["dfs_budget_s"] > MAX_DFS_BUDGET_S:
+                elif res["trials"] > (most := int(budget.limit("trials"))):
+                    errs.add(f"trials = {res['trials']} is too many (at most {most}, bound 'trials'; each trial "
+                             "is a pass over every unit task)", v.span, budget.hint("trials", res["trials"]))
+                    res["trials"] = most
+                if res["dfs_budget_s"] > (most_s := budget.limit("dfs_seconds")):
                     errs.add(f"a dfs budget of {res['dfs_budget_s']:g} s is too large (at most "
-                             f"{MAX_DFS_BUDGET_S:g} s)", v.span)
-                    res["dfs_budget_s"] = MAX_DFS_BUDGET_S
+                             f"{most_s:g} s, bound 'dfs_seconds')", v.span,
+                             budget.hint("dfs_seconds", res["dfs_budget_s"]))
+                    res["dfs_budget_s"] = most_s
     return ir.Resharding(strategy, chunks, res["scheduler"], float(res["dfs_budget_s"]), int(res["trials"]),
                          int(res["seed"]))
 
 
 def check_synthesis(errs: Diagnostics, block: ast.SettingsBlock | None) -> ir.Synthesis:
     s = _settings(errs, block, ["max_size", "collectives"])
-    max_size = _int_setting(errs, s.get("max_size"), 5)
-    if max_size > MAX_SYNTHESIS_SIZE:
-        errs.add(f"max_size {max_size} is too large (at most {MAX_SYNTHESIS_SIZE}; P² finds useful programs "
-                 "by size 5)", s["max_size"].value.span)
-        max_size = MAX_SYNTHESIS_SIZE
+    most = int(budget.limit("synthesis_size"))
+    max_size = _int_setting(errs, s.get("max_size"), min(5, most))   # the default, within the budget
+    if max_size > most:
+        errs.add(f"max_size {max_size} is too large (at most {most}; P² finds useful programs "
+                 "by size 5)", s["max_size"].value.span, budget.hint("synthesis_size", max_size))
+        max_size = most
     colls = tuple(ir.Collective)
     kv = s.get("collectives")
     if kv is not None:
@@ -165,7 +168,7 @@ def check_synthesis(errs: Diagnostics, block: ast.SettingsBlock | None) -> ir.Sy
 
 
 def check_train(errs: Diagnostics, block: ast.SettingsBlock | None, parallel: ir.Parallel | None,
-                stages: tuple[ir.Stage, ...]) -> ir.Train:
+                stages: tuple[ir.Stage, ...], has_model: bool = False) -> ir.Train:
     """Training settings; ``micro_batch`` must divide over every stage's data axis."""
     s = _settings(errs, block, ["micro_batch", "micro_batches", "steps", "schedule", "optimizer", "precision",
                                 "seed", "save_every", "timeout"])
@@ -195,16 +198,32 @@ def check_train(errs: Diagnostics, block: ast.SettingsBlock | None, parallel: ir
         save_every=_int_setting(errs, s["save_every"], 1) if "save_every" in s else None,
         schedule_span=s["schedule"].value.span if "schedule" in s else (block.span if block else ir.Train().schedule_span),
     )
-    if train.micro_batches > MAX_MICRO_BATCHES:
-        errs.add(f"micro_batches {train.micro_batches} is too many (at most {MAX_MICRO_BATCHES})",
-                 s["micro_batches"].value.span)
-    if "micro_batch" in s:
-        for st in stages:
-            n = ir.axis_size(ir.stage_mesh(st, parallel), ir.MeshAxis.DATA)
-            if n > 1 and train.micro_batch % n:
-                errs.add(f"micro_batch {train.micro_batch} does not divide evenly over the data axis of size {n} "
-                         f"(stage {st.index})", s["micro_batch"].value.span)
-                break
+    if train.micro_batches > (most := int(budget.limit("micro_batches"))):
+        errs.add(f"micro_batches {train.micro_batches} is too many (at most {most}, bound 'micro_batches')",
+                 s["micro_batches"].value.span, budget.hint("micro_batches", train.micro_batches))
+    else:
+        pipe = next((a.size for a in parallel.axes if a.name == ir.MeshAxis.PIPE), 1) if parallel else 1
+        ops = 2 * max(len(stages), pipe, 1) * train.micro_batches
+        over = budget.exceeded("pipeline_ops", ops, f"{max(len(stages), pipe, 1)} stages x "
+                               f"{train.micro_batches} micro-batches make", s["micro_batches"].value.span
+                               if "micro_batches" in s else block.span if block else ir.Train().schedule_span)
+        if over is not None:
+            errs.items.append(over)
+
+    for st in stages:
+        n = ir.axis_size(ir.stage_mesh(st, parallel), ir.MeshAxis.DATA)
+        if "micro_batch" in s and n > 1 and train.micro_batch % n:
+            errs.add(f"micro_batch {train.micro_batch} does not divide evenly over the data axis of size {n} "
+                     f"(stage {st.index})", s["micro_batch"].value.span)
+            break
+        if "micro_batch" not in s and has_model and train.micro_batch < n:
+            # the default leaves a rank of the data axis without a row (an uneven split only makes the
+            # plan untrainable: planc.compile.check_trainable)
+            errs.add(f"the default micro_batch = {train.micro_batch} has fewer rows than stage {st.index}'s data "
+                     f"axis of size {n} has ranks; set 'train {{ micro_batch = {n} }}' (or a multiple)",
+                     block.span if block is not None else st.span if st.span.line or parallel is None
+                     else parallel.span)
+            break
     return train
 
 
