@@ -99,34 +99,42 @@ def comm_only(plan: Plan, groups: dict, rank: int, steps: int) -> None:
     Source ranks send a known pattern; each destination rank compares what it
     assembled with the pattern over its own region. Each reduction sums
     ``rank + 1`` over its group. Any difference stops the run with the
-    transfer or reduction named; rank 0 prints the time per step.
+    transfer or reduction named; rank 0 prints the time per step: the
+    communication alone, between two barriers (patterns are made before it,
+    and checked after it).
     """
     tags = plan.tag_layout()
     transfers = [(t, TransferExecutor(t, Direction.FORWARD, rank, groups, tags, index=i))
                  for i, t in enumerate(plan.transfers)]
     reductions = [(r, ReductionExecutor(r.to_json(), groups, rank), r.group_of(rank))
                   for r in plan.reductions if r.group_of(rank) is not None]
+    # patterns, expected regions and reduction inputs are made before the timed region, and checked after it
+    sent = {i: pattern(t.shape, ex.my_src, ex.dtype) for i, (t, ex) in enumerate(transfers) if ex.is_sender}
+    want = {i: pattern(t.shape, ex.my_dst, ex.dtype) for i, (t, ex) in enumerate(transfers) if ex.my_dst is not None}
     for step in range(steps):
         problems = []
+        mb = step % plan_micro_batches(plan)
+        inputs = [torch.full((max(1, r.nbytes // 4),), float(rank + 1)) for r, _, _ in reductions]
+        got, outs = {}, []
         dist.barrier()
         t0 = time.perf_counter()
-        for t, ex in transfers:
-            works = []
-            if ex.is_sender:
-                works = ex.send(pattern(t.shape, ex.my_src, ex.dtype), micro_batch=step % plan_micro_batches(plan))
+        for i, (t, ex) in enumerate(transfers):
+            works = ex.send(sent[i], micro_batch=mb) if ex.is_sender else []
             if ex.my_dst is not None:
-                got = ex.recv(micro_batch=step % plan_micro_batches(plan))
-                if not torch.equal(got, pattern(t.shape, ex.my_dst, ex.dtype)):
-                    problems.append(f"rank {rank}: transfer {t.name!r} delivered wrong data for region {ex.my_dst}")
+                got[i] = ex.recv(micro_batch=mb)
             for w in works or ():
                 w.wait()
-        for r, ex, group in reductions:
-            n = max(1, r.nbytes // 4)
-            out = ex.run(torch.full((n,), float(rank + 1)))
-            if not torch.all(out == float(sum(g + 1 for g in group))):
-                problems.append(f"rank {rank}: reduction {r.name!r} over {list(group)} gave a wrong sum")
+        for (r, ex, group), x in zip(reductions, inputs):
+            outs.append(ex.run(x))
         dist.barrier()
         elapsed = time.perf_counter() - t0
+        for i, g in got.items():
+            if not torch.equal(g, want[i]):
+                t, ex = transfers[i]
+                problems.append(f"rank {rank}: transfer {t.name!r} delivered wrong data for region {ex.my_dst}")
+        for (r, ex, group), out in zip(reductions, outs):
+            if not torch.all(out == float(sum(g + 1 for g in group))):
+                problems.append(f"rank {rank}: reduction {r.name!r} over {list(group)} gave a wrong sum")
         gathered = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, problems)
         every = [p for ps in gathered for p in ps]
