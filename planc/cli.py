@@ -132,6 +132,11 @@ def _cmd_bench(args) -> int:
         return EXIT_USER
     text = run_bench(args.what, write=args.write, **options)
     print(text)
+    if args.what == "fuzz":
+        from planc.bench import fuzz
+        if fuzz.LAST_FAILURES:
+            print(f"planc bench fuzz: {fuzz.LAST_FAILURES} input(s) failed (listed above)", file=sys.stderr)
+            return 1
     return 0
 
 

@@ -512,11 +512,17 @@ def run(n: int | None = None, seed: int = 0, save: str | None = None) -> str:
         if s:
             rows.append(f"| {kind} | {s['inputs']} | {s['accepted']} | {s['diagnostic']} | {s['failure']} | "
                         f"{s['slowest'][0]:.2f} s (#{s['slowest'][1]}) |")
+    global LAST_FAILURES
+    LAST_FAILURES = len(failures)
     if failures:
         rows += ["", f"Failures (inputs saved under {save_dir}):", ""]
         rows += [f"- #{i} ({kind}): {detail}" for i, kind, detail in failures[:20]]
     return "\n".join(rows) + "\n"
 
 
+LAST_FAILURES = 0   # failures of the last run() (planc bench fuzz exits 1 when there are any)
+
+
 if __name__ == "__main__":
     print(run(), end="")
+    raise SystemExit(1 if LAST_FAILURES else 0)
