@@ -166,11 +166,12 @@ class _Tagged:
 class _Group:
     """A collective communicator: a member's operation completes when every member's head is the same one."""
 
-    __slots__ = ("label", "members", "q")
+    __slots__ = ("label", "members", "q", "filled")
 
     def __init__(self, label, members):
         self.label, self.members = label, members
         self.q = {m: deque() for m in members}
+        self.filled = 0            # members whose queue is not empty: match only when all are
 
 
 class _Thread:
@@ -194,6 +195,9 @@ class _Builder:
         self.nccl = backend == "nccl"
         self.comms: dict = {}
         self.invalid: list[tuple[int, str]] = []
+        self._holding: dict = {}
+        self._keep: list = []
+        self._by_id: dict = {}
         self.ordered = {}
         for i, t in enumerate(plan.transfers):
             for d in Direction:
@@ -227,12 +231,22 @@ class _Builder:
         return self._group(("transfer", str(d), members), members, f"transfer/{d}/{list(members)}")
 
     def _plan_group(self, members):
-        members = tuple(sorted(members))
-        return self._group(("group", members), members, f"group {list(members)}")
+        # the same group object comes back once per member: look it up by identity first, so a
+        # group of N devices costs O(N) once, not sorting and hashing N members N times
+        hit = self._by_id.get(id(members))
+        if hit is not None and hit[0] is members:
+            return hit[1]
+        key = tuple(sorted(members))
+        c = self._group(("group", key), key, f"group {list(key)}")
+        self._by_id[id(members)] = (members, c)
+        return c
 
     def _world(self):
-        n = self.plan.cluster.devices
-        return self._group(("world",), tuple(range(n)), "world")
+        c = self.comms.get(("world",))
+        if c is None:
+            n = self.plan.cluster.devices
+            c = self._group(("world",), tuple(range(n)), "world")
+        return c
 
     # ---- operations
     def send(self, rank, d, peer, key, what):
@@ -354,10 +368,19 @@ class _Builder:
             prog.append((_ISSUE, op, where))
             prog.append((_WAIT, op, where))
 
+    def group_holding(self, groups, rank):
+        """The group of ``groups`` holding ``rank`` (None: none), from a map built once per groups list:
+        scanning every group for every rank would be quadratic in the devices."""
+        by_rank = self._holding.get(id(groups))
+        if by_rank is None:
+            by_rank = self._holding[id(groups)] = {d: g for g in groups for d in g}
+            self._keep.append(groups)    # the id stays valid while the map is used
+        return by_rank.get(rank)
+
     def emit_steps(self, prog, rank, red: planfile.Reduction, label: str, where) -> None:
         """``ReductionExecutor.run`` (one bucket): each step's group holding the rank, if it has peers."""
         for i, step in enumerate(red.steps):
-            g = next((g for g in step.groups if rank in g), None)
+            g = self.group_holding(step.groups, rank)
             if g is not None and len(g) > 1:
                 self.emit_collective(prog, rank, self._plan_group(g), ("reduce", red.name, red.stage, i),
                                      f"{label} step {i} ({step.collective})", where)
@@ -435,7 +458,7 @@ class _Builder:
             for op in works:
                 prog.append((_WAIT, op, where))
         for r in plan.reductions:
-            if r.group_of(rank) is not None:
+            if self.group_holding(r.groups, rank) is not None:
                 self.emit_steps(prog, rank, r, f"reduction {r.name!r}", f"reduction {r.name!r}")
         self.emit_collective(prog, rank, world, ("barrier", 1), "barrier", "end of the step")
         self.emit_collective(prog, rank, world, ("gather",), "all_gather_object of the problems", "end of the step")
@@ -474,7 +497,9 @@ class _Sim:
             q = c.q[op.rank]
             q.append(op)
             if len(q) == 1:
-                self._match_group(c)
+                c.filled += 1
+                if c.filled == len(c.members):
+                    self._match_group(c)
         else:
             if op.kind == _SEND:
                 k = (op.rank, op.peer, op.key)
@@ -501,19 +526,18 @@ class _Sim:
             self._complete(b)
 
     def _match_group(self, c: _Group) -> None:
-        qs = c.q
-        while True:
-            key = None
+        """Complete the heads while every member has one and they are the same operation
+        (O(members) per completed collective: a member's issue only counts queues)."""
+        qs, n = c.q, len(c.members)
+        while c.filled == n:
+            key = qs[c.members[0]][0].key
+            if any(qs[m][0].key != key for m in c.members):
+                return
             for m in c.members:
                 q = qs[m]
+                self._complete(q.popleft())
                 if not q:
-                    return
-                if key is None:
-                    key = q[0].key
-                elif q[0].key != key:
-                    return
-            for m in c.members:
-                self._complete(qs[m].popleft())
+                    c.filled -= 1
 
     def run(self) -> None:
         ready = self.ready
@@ -591,7 +615,8 @@ def _explain(th: _Thread, finished: set) -> Wait | None:
 
 def _report(threads: list[_Thread], backend: str, mode: str, limit: int) -> list[Hang]:
     ranks = sorted({t.rank for t in threads})
-    finished = {r for r in ranks if all(t.finished for t in threads if t.rank == r)}
+    unfinished = {t.rank for t in threads if not t.finished}
+    finished = {r for r in ranks if r not in unfinished}
     waits: dict[int, list[Wait]] = {}
     for th in threads:
         if not th.finished:
