@@ -35,7 +35,9 @@ plan uneven_meshes {
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy", ["broadcast", "send_recv", "local_allgather", "global_allgather"])
+# one strategy through the real launcher (12 ranks); every strategy's regions are checked bit for
+# bit on the same kind of meshes by tests/test_runtime_reshard.py, in one spawn of 8 ranks
+@pytest.mark.parametrize("strategy", ["broadcast"])
 def test_uneven_meshes_deliver_exact_regions(tmp_path, strategy):
     src = tmp_path / "uneven.plan"
     src.write_text(COMM_PLAN.replace("STRATEGY", strategy))

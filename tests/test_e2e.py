@@ -15,12 +15,6 @@ from e2e_util import ROOT, compare_dumps, launch_sh, reference
 
 STEPS = 3
 
-# a hierarchical program over data groups that span both cluster levels (2 nodes x 4):
-# pipe 2 x data 4 with the pinned matrix below gives data groups of 2 devices per node on 2 nodes
-HIER = ("reduce gradients over data using reduce_scatter(slice=node, form=inside); "
-        "allreduce(slice=node, form=parallel(root)); all_gather(slice=node, form=inside)")
-
-
 def variant(tmp_path, plan_name, schedule=None, edits=()):
     """Copy plans/<plan_name> into tmp_path with the model path fixed to the repo's examples/,
     optionally another train schedule, and ``edits`` (pattern, replacement) regex substitutions."""
@@ -61,7 +55,9 @@ def train_and_compare(tmp_path, plan_path, ranks):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])   # eager_1f1b: as bundled, `make demo`, test_e2e_unequal
+# gpipe here; 1f1b and eager_1f1b train tensor-parallel stages in test_e2e_unequal (and eager in `make demo`);
+# the hierarchical reduce_scatter / allreduce / all_gather program across hosts: test_e2e_unequal's check_hierarchical
+@pytest.mark.parametrize("schedule", ["gpipe"])
 def test_gpt_2x4_schedules_match_reference(tmp_path, schedule):
     """plans/gpt-2x4.plan: pipe 2 x data 2 x tensor 2 on 2 hosts of 4, synthesized program;
     the blocks really split over the tensor axis (Megatron-style)."""
@@ -76,35 +72,15 @@ def test_gpt_2x4_schedules_match_reference(tmp_path, schedule):
 
 
 @pytest.mark.slow
-def test_gpt_hierarchical_program_matches_reference(tmp_path):
-    path = variant(tmp_path, "gpt-2x4.plan", "1f1b", edits=[
-        (r"\n\s*tensor = 2[^\n]*", ""), (r"data = 2", "data = 4"),
-        (r"place = auto[^\n]*", "place = [[1, 2], [2, 2]]"),
-        (r"reduce gradients over data[^\n]*", HIER),
-        (r"\n\s*reduce tensor_traffic over tensor[^\n]*(\n\s*#[^\n]*)*", "")])
-    plan, stdout, sharded = train_and_compare(tmp_path, path, 8)
-    assert "tensor_groups" not in plan and not sharded   # no tensor axis: whole layers
-    steps = plan["reductions"][0]["program"]["steps"]
-    assert [s["collective"] for s in steps] == ["reduce_scatter", "allreduce", "all_gather"]
-    hosts = [set(h) for h in plan["cluster"]["hosts"]]
-    assert all(any(set(g) <= h for h in hosts) for g in steps[0]["groups"])       # inside a node
-    assert all(not any(set(g) <= h for h in hosts) for g in steps[1]["groups"])   # across nodes
-    assert f"gradients: planc program {plan['reductions'][0]['program']['text']}" in stdout
-
-
-@pytest.mark.slow
-def test_unet_skips_match_reference(tmp_path):
-    """plans/unet-skip.plan as bundled: 3 stages, skips from stage 0 to stage 2, eager_1f1b."""
-    plan, stdout, sharded = train_and_compare(tmp_path, variant(tmp_path, "unet-skip.plan"), 6)
-    assert not sharded
-    assert {(t["src"]["stage"], t["dst"]["stage"]) for t in plan["transfers"]} >= {(0, 2)}
-
-
-@pytest.mark.slow
-def test_unet_using_allreduce_matches_reference(tmp_path):
-    path = variant(tmp_path, "unet-skip.plan", "1f1b",
+def test_unet_skips_using_allreduce_match_reference(tmp_path):
+    """plans/unet-skip.plan as bundled (3 stages, skips from stage 0 to stage 2, eager_1f1b) with its
+    gradients reduced by DeepSpeed's own data-parallel all-reduce (`using allreduce`); the synthesized
+    program path on U-Net skips: test_e2e_unequal's unet-skip-unequal."""
+    path = variant(tmp_path, "unet-skip.plan",
                    edits=[(r"reduce gradients over data[^\n]*", "reduce gradients over data using allreduce")])
-    plan, stdout, _ = train_and_compare(tmp_path, path, 6)
+    plan, stdout, sharded = train_and_compare(tmp_path, path, 6)
+    assert not sharded and plan["pipeline"]["schedule"] == "eager_1f1b"
+    assert {(t["src"]["stage"], t["dst"]["stage"]) for t in plan["transfers"]} >= {(0, 2)}
     assert plan["reductions"][0]["program"]["text"] == "allreduce(slice=root, form=inside)"
     assert "gradients: DeepSpeed's data-parallel all-reduce" in stdout
 

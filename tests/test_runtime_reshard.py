@@ -358,45 +358,36 @@ def _run(payload):
 
 
 # ----------------------------------------------------------------- multi-process
-@pytest.mark.parametrize("strategy", STRATEGIES)
-def test_reshard_gloo_forward_bit_exact(strategy):
-    """Every comm-only case, one 8-rank job per strategy; two micro-batches received out of order."""
-    payload = []
-    for i, case in enumerate(CASES):
-        src, dst = case_truth(case)
-        payload.append({"name": f"{case[0]}/{strategy}", "plan": case_plan(i, strategy), "micro_batches": 2,
-                        "moves": [(0, "forward", src, dst, 0)]})
-    _run(payload)
-
-
-@pytest.mark.parametrize("mode", ["posted", "signal"])
-def test_reshard_gloo_posted_ahead_and_signal(mode):
-    """Receives of every micro-batch posted before the first is finished (what the receive thread
-    does) deliver the same bits; PLANC_SIGNAL_TRANSFERS=1 delivers zeros of the planned regions."""
+def test_reshard_gloo_forward_bit_exact():
+    """Every comm-only case under every strategy, in one spawn of 8 ranks; two micro-batches received
+    out of order."""
     payload = []
     for strategy in STRATEGIES:
-        plan = _model_json(strategy)
-        moves = []
-        for k in range(len(MODEL_TRANSFERS)):
-            for direction, salt in ((Direction.FORWARD, 0), (Direction.BACKWARD, 1000 + k)):
-                src, dst = model_truth(k, direction)
-                moves.append((k, str(direction), src, dst, salt))
-        payload.append({"name": f"mlp/{strategy}/{mode}", "plan": plan, mode: True,
-                        "micro_batches": plan["pipeline"]["micro_batches"], "moves": moves})
+        for i, case in enumerate(CASES):
+            src, dst = case_truth(case)
+            payload.append({"name": f"{case[0]}/{strategy}", "plan": case_plan(i, strategy), "micro_batches": 2,
+                            "moves": [(0, "forward", src, dst, 0)]})
     _run(payload)
 
 
 def test_reshard_gloo_model_plan_both_directions():
     """The model plan: forward activations and backward gradients of both transfers, every strategy,
-    the plan's four micro-batches received in reverse order."""
+    the plan's four micro-batches received in reverse order; then every micro-batch's receives
+    posted before the first is finished (what the receive thread does); then, with
+    PLANC_SIGNAL_TRANSFERS=1, one element per task and zeros of the planned regions delivered.
+    One spawn of 8 ranks for all of it."""
     payload = []
-    for strategy in STRATEGIES:
+    for strategy, mode in [(s, None) for s in STRATEGIES] + [(s, "posted") for s in STRATEGIES] + [
+            ("send_recv", "signal"), ("broadcast", "signal")]:
         plan = _model_json(strategy)
         moves = []
         for k in range(len(MODEL_TRANSFERS)):
             for direction, salt in ((Direction.FORWARD, 0), (Direction.BACKWARD, 1000 + k)):
                 src, dst = model_truth(k, direction)
                 moves.append((k, str(direction), src, dst, salt))
-        payload.append({"name": f"mlp/{strategy}", "plan": plan, "micro_batches": plan["pipeline"]["micro_batches"],
-                        "moves": moves})
+        job = {"name": f"mlp/{strategy}/{mode}", "plan": plan, "micro_batches": plan["pipeline"]["micro_batches"],
+               "moves": moves}
+        if mode:
+            job[mode] = True
+        payload.append(job)
     _run(payload)
