@@ -152,7 +152,7 @@ def run() -> str:
     took = time.monotonic() - t0
     head = (f"Testbed: {HOSTS} hosts × {PER_HOST} gloo ranks, host links {LINK_MBIT:g} Mbit/s (tbf, each "
             f"direction); measured = median of steps 1–{STEPS - 1} as `train.py --comm-only` prints them "
-            f"(pattern generation and the byte-for-byte check included); baseline = send_recv for transfers, "
+            f"(only the communication, between two barriers: patterns are made before and checked after); baseline = send_recv for transfers, "
             f"flat allreduce for reductions. Machine: {os.cpu_count()} CPU cores ({platform.machine()}), "
             f"Python {platform.python_version()}, torch {torch.__version__}; the whole bench took {took:.0f} s.")
     return head + "\n\n" + table(cases) + "\n"
