@@ -130,8 +130,22 @@ def _cmd_bench(args) -> int:
     elif args.plans or args.rates or args.json_path or args.chart:
         print(f"planc bench {args.what}: takes no PLAN, --rates, --json or --chart", file=sys.stderr)
         return EXIT_USER
+    if args.plot and Path(args.plot).suffix.lower() not in (".png", ".svg"):
+        print(f"planc bench: --plot {args.plot}: the picture must be a .png or .svg file", file=sys.stderr)
+        return EXIT_USER
+    if args.plot:
+        import importlib.util
+        if importlib.util.find_spec("matplotlib") is None:
+            print("planc bench: --plot needs matplotlib (pip install 'planc[plot]')", file=sys.stderr)
+            return EXIT_USER
+        if args.what == "iteration":
+            options["chart"] = options.get("chart") or args.plot   # step time against link rate
     text = run_bench(args.what, write=args.write, **options)
     print(text)
+    if args.plot and args.what != "iteration":
+        from planc.bench.plot import plot_tables
+        n = plot_tables(text, args.plot, f"planc bench {args.what}")
+        print(f"plot: {args.plot} ({n} bars)", file=sys.stderr)
     if args.what == "fuzz":
         from planc.bench import fuzz
         if fuzz.LAST_FAILURES:
@@ -343,6 +357,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--json", dest="json_path", metavar="FILE", help="iteration: also write every measurement as JSON")
     c.add_argument("--chart", metavar="FILE", help="iteration: step time against link rate (needs matplotlib)")
     c.add_argument("--write", metavar="FILE", help="also write the table into FILE (e.g. docs/benchmarks.md)")
+    c.add_argument("--plot", metavar="FILE", help="draw the table (.png or .svg): ratios against the bound or the "
+                                                  "baseline as bars; iteration: step time against link rate")
     c.set_defaults(func=_cmd_bench)
 
     c = sub.add_parser("simulate", help="predict one iteration of every schedule; draw the plan's as a Gantt chart")
