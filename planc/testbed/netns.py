@@ -28,7 +28,7 @@ from typing import Callable
 from planc.testbed.faults import FaultsMixin, check_loss
 from planc.testbed.result import LaunchResult, TestbedError
 from planc.testbed.watch import (_RANK_FAILED_RE, STEP_RE, TRAIN_STEP_RE, RankTracker, _rank_failed,
-                                 _sample_hwm, _StepWatch, deepspeed_command, describe_failure,  # noqa: F401
+                                 _StepWatch, deepspeed_command, describe_failure,  # noqa: F401
                                  sample_hwm)
 
 IFNAME = "tb0"                  # the veth inside every host namespace

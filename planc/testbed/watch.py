@@ -61,8 +61,9 @@ def deepspeed_command(python: str) -> list[str]:
     return [python, "-u", "-c", "import sys; from deepspeed.launcher.runner import main; sys.exit(main())"]
 
 
-def _sample_hwm(launched, script: str, hwm: dict[int, int]) -> None:
-    """Peak resident memory (VmHWM, kB) of every running rank process below ``launched``, by RANK."""
+def _rank_processes(launched, script: str):
+    """(psutil process, RANK) of every running process below ``launched`` (Popen objects) whose
+    command line runs ``script``; processes that vanish or cannot be read are skipped."""
     try:
         import psutil
     except ImportError:   # pragma: no cover - psutil comes with DeepSpeed
@@ -79,12 +80,10 @@ def _sample_hwm(launched, script: str, hwm: dict[int, int]) -> None:
                 if script not in q.cmdline():
                     continue
                 rank = q.environ().get("RANK")
-                with open(f"/proc/{q.pid}/status") as f:
-                    kb = next((int(line.split()[1]) for line in f if line.startswith("VmHWM:")), None)
-            except (psutil.Error, OSError, ValueError):
+            except (psutil.Error, OSError):
                 continue
-            if rank is not None and kb is not None:
-                hwm[int(rank)] = max(hwm.get(int(rank), 0), kb)
+            if rank is not None:
+                yield q, int(rank)
 
 
 # -- following a launch's ranks ---------------------------------------------------------------
@@ -102,28 +101,9 @@ class RankTracker:
 
     def scan(self, launched) -> None:
         """Find rank processes below ``launched`` (Popen objects) not yet known."""
-        try:
-            import psutil
-        except ImportError:   # pragma: no cover - psutil comes with DeepSpeed
-            return
-        for p in launched:
-            if p.poll() is not None:
-                continue
-            try:
-                procs = [psutil.Process(p.pid), *psutil.Process(p.pid).children(recursive=True)]
-            except psutil.Error:
-                continue
-            for q in procs:
-                if q.pid in self.pids.values():
-                    continue
-                try:
-                    if self.script not in q.cmdline():
-                        continue
-                    rank = q.environ().get("RANK")
-                except (psutil.Error, OSError):
-                    continue
-                if rank is not None and int(rank) not in self.pids:
-                    self.pids[int(rank)] = q.pid
+        for q, rank in _rank_processes(launched, self.script):
+            if rank not in self.pids:
+                self.pids[rank] = q.pid
 
     def poll(self, now: float, reaped: dict[int, int] | None = None) -> None:
         """Note the ranks that ended; ``reaped``: pid -> returncode of those this process waited for."""
