@@ -56,3 +56,64 @@ def test_uneven_meshes_deliver_exact_regions(tmp_path, strategy):
     rank0 = next(p for p in logs if p.name.endswith("_rank0.log")).read_text()
     assert re.findall(r"^step \d+ comm .*$", rank0, re.M) == re.findall(r"^step \d+ comm .*$", r.stdout, re.M)
     assert not list((out / "logs").glob(".launch.*"))     # the launch's own marker files are gone
+
+
+KILL_PLAN = """
+plan two_hosts {
+  cluster {
+    level node x 2 : bandwidth 1 GB/s, latency 20 us
+    level gpu  x 1 : bandwidth 20 GB/s, latency 2 us
+  }
+  stage 0 on devices 0..1 as (1)
+  stage 1 on devices 1..2 as (1)
+  transfer a : f32[65536] from stage 0 as R to stage 1 as R
+}
+"""
+
+
+@pytest.mark.slow
+def test_a_killed_rank_is_named_with_the_transfer_it_was_in(tmp_path):
+    """--comm-only: the surviving rank of a killed peer ends non-zero within the collective timeout and
+    names the transfer and the ranks it was exchanging with (not a bare gloo error)."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    from tests.e2e_util import launch_env
+
+    src = tmp_path / "two.plan"
+    src.write_text(KILL_PLAN)
+    c = compile_file(src)
+    out = tmp_path / "out"
+    write_output(c.plan_json, c.program, out)
+    env = dict(launch_env(), PLANC_COLLECTIVE_TIMEOUT_S="20")
+    p = subprocess.Popen(["bash", str(out / "launch.sh"), "--steps", "10000000"], env=env, cwd=out,
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    lines = []
+    try:
+        deadline = time.monotonic() + 180
+        for line in p.stdout:                      # communication has started: rank 0 printed a step
+            lines.append(line)
+            if re.match(r"step 3 comm", line) or time.monotonic() > deadline:
+                break
+        assert any(re.match(r"step 3 comm", ln) for ln in lines), "".join(lines[-40:])
+        victim = None
+        for pid in os.listdir("/proc"):
+            try:
+                cmd = open(f"/proc/{pid}/cmdline", "rb").read().replace(b"\0", b" ").decode()
+            except OSError:
+                continue
+            if f"{out}/train.py --local_rank=1" in cmd and "deepspeed.launcher" not in cmd:
+                victim = int(pid)
+        assert victim is not None
+        os.kill(victim, signal.SIGKILL)
+        rest, _ = p.communicate(timeout=120)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+    text = "".join(lines) + rest
+    assert p.returncode != 0, text[-3000:]
+    # rank 0 was in the transfer or in one of the step's barriers: either way it says which, and with whom
+    assert re.search(r"planc: rank 0: rank 0 failed in (transfer 'a'|the barrier that (starts|ends) the step|"
+                     r"gathering every rank's check) at step \d+ with ranks \[1\]", text), text[-3000:]

@@ -12,6 +12,7 @@ trains; rank 0 prints ``step N loss X``. With ``--save DIR`` every rank checkpoi
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -93,6 +94,29 @@ def pattern(shape, region, dtype) -> torch.Tensor:
     return (values % modulus).to(dtype)
 
 
+def _transfer_peers(transfer, rank: int) -> list[int]:
+    """The ranks this rank exchanges data with in ``transfer`` (either direction), from the plan's tasks."""
+    peers = set()
+    for task in transfer.forward.tasks:
+        ends = {task.sender, *task.receivers, *(r for part in task.parts for r in part)}
+        if rank in ends:
+            peers |= ends
+    peers.discard(rank)
+    return sorted(peers)
+
+
+@contextlib.contextmanager
+def _naming(rank: int, step: int, what: str, peers):
+    """A communication failure (a dead or hung peer, the collective timeout) reported naming this rank,
+    the step, the transfer or reduction and the ranks it was exchanging with."""
+    try:
+        yield
+    except RuntimeError as e:
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise EngineError(f"rank {rank} failed in {what} at step {step}"
+                          f"{f' with ranks {list(peers)}' if peers else ''}: {first}") from e
+
+
 def comm_only(plan: Plan, groups: dict, rank: int, steps: int) -> None:
     """Run every transfer forward and every reduction once per step, and check every byte.
 
@@ -116,17 +140,22 @@ def comm_only(plan: Plan, groups: dict, rank: int, steps: int) -> None:
         mb = step % plan_micro_batches(plan)
         inputs = [torch.full((max(1, r.nbytes // 4),), float(rank + 1)) for r, _, _ in reductions]
         got, outs = {}, []
-        dist.barrier()
+        others = [r for r in range(dist.get_world_size()) if r != rank]
+        with _naming(rank, step, "the barrier that starts the step", others):
+            dist.barrier()
         t0 = time.perf_counter()
         for i, (t, ex) in enumerate(transfers):
-            works = ex.send(sent[i], micro_batch=mb) if ex.is_sender else []
-            if ex.my_dst is not None:
-                got[i] = ex.recv(micro_batch=mb)
-            for w in works or ():
-                w.wait()
+            with _naming(rank, step, f"transfer {t.name!r}", _transfer_peers(t, rank)):
+                works = ex.send(sent[i], micro_batch=mb) if ex.is_sender else []
+                if ex.my_dst is not None:
+                    got[i] = ex.recv(micro_batch=mb)
+                for w in works or ():
+                    w.wait()
         for (r, ex, group), x in zip(reductions, inputs):
-            outs.append(ex.run(x))
-        dist.barrier()
+            with _naming(rank, step, f"reduction {r.name!r}", [g for g in group if g != rank]):
+                outs.append(ex.run(x))
+        with _naming(rank, step, "the barrier that ends the step", others):
+            dist.barrier()
         elapsed = time.perf_counter() - t0
         for i, g in got.items():
             if not torch.equal(g, want[i]):
@@ -136,7 +165,8 @@ def comm_only(plan: Plan, groups: dict, rank: int, steps: int) -> None:
             if not torch.all(out == float(sum(g + 1 for g in group))):
                 problems.append(f"rank {rank}: reduction {r.name!r} over {list(group)} gave a wrong sum")
         gathered = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, problems)
+        with _naming(rank, step, "gathering every rank's check", others):
+            dist.all_gather_object(gathered, problems)
         every = [p for ps in gathered for p in ps]
         if every:
             raise EngineError("communication check failed:\n  " + "\n  ".join(every))
