@@ -54,6 +54,14 @@ def _edges(collective: ir.Collective, members: Sequence[int]) -> list[tuple[int,
     return [(members[i + 1], members[i]) for i in range(k - 1)]  # reduce into members[0]
 
 
+def ring_flows(collective: ir.Collective, members: Sequence[int], nbytes: float) -> list[tuple[int, int, float]]:
+    """The ``(from, to, bytes)`` flows of one collective over ``members`` holding ``nbytes`` each, as
+    this model runs it (rings for allreduce / reduce_scatter / all_gather, chains for broadcast / reduce):
+    what an event simulation puts on the links."""
+    per_edge, _ = _edge_bytes_and_rounds(collective, len(members), nbytes)
+    return [(a, b, per_edge) for a, b in _edges(collective, members)]
+
+
 def _step(net: Network, collective: ir.Collective, groups: Iterable[Group], nbytes: float
           ) -> tuple[float, float]:
     """``(bandwidth term, latency term)`` of one lowered step, by counting.
