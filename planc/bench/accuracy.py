@@ -1,0 +1,309 @@
+"""`planc bench accuracy`: the simulator's and cost model's predictions against measurements.
+
+Given a cluster file written by ``planc calibrate`` and the measurements of
+``python -m planc.bench.iteration ... --json F`` (schedules of each plan at each
+link rate) and/or of ``planc bench testbed`` (a JSON list of the cases
+``planc.bench.testbed.measure()`` returns: that bench has no ``--json`` of its
+own), every measured case is predicted under the calibrated cluster at the
+case's link rate:
+
+* an iteration case (plan, ``planc SCHEDULE``, rate): the plan recompiled with
+  its cluster's host level and the levels below replaced by the calibrated
+  figures (the plan keeps its fanouts), the device ``flops`` the calibrated
+  one; the prediction is plan.json ``pipeline.predicted.schedules[SCHEDULE]``
+  (planc.pipeline.simulate); stock DeepSpeed is not simulated (its row says so);
+* a testbed case (transfer strategy or reduction program): the bench's plan
+  text with the calibrated cluster, compiled without probe; the prediction is
+  the transfer's ``makespan`` or the reduction program's ``predicted``.
+
+The host link at rate r: the calibrated host bandwidth measured at the nearest
+calibrated rate, scaled by r over that rate (the link is the shaper), and its
+latency; a calibration without host measurements uses the nominal rate and no
+latency. Reported: per case predicted, measured and |p - m| / m; their median;
+the fraction of pairs of alternatives (schedules of one plan at one rate,
+strategies of one transfer, programs of one reduction) that the predictions
+order as the measurements do; and per group whether the predicted best is the
+measured best (docs/calibrate.md).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import math
+import statistics
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+class AccuracyError(ValueError):
+    """A bad input: a file that is missing or not what it should be."""
+
+
+# ---------------------------------------------------------------- the calibrated cluster
+
+@dataclasses.dataclass(frozen=True)
+class Calibrated:
+    path: str
+    levels: tuple            # ir.Level of the file (host level first)
+    host_index: int
+    flops: float | None
+    by_rate: tuple           # ((rate_mbit, bandwidth, latency), ...) of the host level
+
+    def host(self, rate: float | None) -> tuple[float | None, float, str]:
+        """(bandwidth, latency, how) of the host link at ``rate`` Mbit/s."""
+        lvl = self.levels[self.host_index]
+        if rate is None:
+            return lvl.bandwidth, lvl.latency, "as calibrated"
+        if self.by_rate:
+            r0, bw, lat = min(self.by_rate, key=lambda e: abs(math.log(e[0] / rate)))
+            return bw * rate / r0, lat, f"calibrated at {r0:g} Mbit/s" + ("" if r0 == rate else ", scaled")
+        if lvl.fanout > 1 and lvl.bandwidth:
+            return lvl.bandwidth, lvl.latency, "as calibrated (unshaped)"
+        return rate * 1e6 / 8, 0.0, "nominal rate (host link not calibrated)"
+
+    def inner(self):
+        below = self.levels[self.host_index + 1:]
+        return next((l for l in below if l.fanout > 1 and l.bandwidth), None)
+
+
+def read_calibrated(path: str | Path) -> Calibrated:
+    """The cluster file through planc's own loader (its errors are PlanErrors), plus its per-rate record."""
+    import yaml
+
+    from planc.lang import load_text
+
+    p = Path(path)
+    if not p.is_file():
+        raise AccuracyError(f"planc bench accuracy: cluster file {path} not found")
+    program = load_text(f'cluster "{p.name}"\n', str(p.resolve().parent / "_calibrated.plan"))
+    c = program.cluster
+    doc = yaml.safe_load(p.read_text()) or {}
+    rec = (doc.get("cluster", doc) if isinstance(doc, dict) else {}).get("calibration") or {}
+    by_rate = tuple((float(e["rate_mbit"]), float(e["bandwidth"]), float(e["latency"]))
+                    for e in rec.get("by_rate") or () if e.get("rate_mbit"))
+    return Calibrated(str(path), c.levels, c.host_index, c.flops, by_rate)
+
+
+def substitute(cluster, cal: Calibrated, rate: float | None):
+    """``cluster`` (an ir.Cluster) with the calibrated figures at ``rate``: levels at and above the
+    host level get the host link's, levels below it the calibrated device level's; fanouts kept."""
+    from planc import ir
+
+    bw, lat, _ = cal.host(rate)
+    inner = cal.inner()
+    levels = []
+    for i, l in enumerate(cluster.levels):
+        if l.fanout == 1:
+            levels.append(l)
+        elif i <= cluster.host_index and bw:
+            levels.append(dataclasses.replace(l, bandwidth=bw, latency=lat))
+        elif i > cluster.host_index and inner is not None:
+            levels.append(dataclasses.replace(l, bandwidth=inner.bandwidth, latency=inner.latency))
+        else:
+            levels.append(l)
+    return ir.Cluster(tuple(levels), cluster.host_level, cal.flops or cluster.flops, cluster.memory)
+
+
+# ---------------------------------------------------------------- predicting the cases
+
+def _plan_path(p: str) -> Path:
+    path = Path(p)
+    return path if path.exists() else ROOT / p
+
+
+def iteration_cases(doc: dict, cal: Calibrated, source: str) -> list[dict]:
+    """One row per (plan, program, rate) of a ``bench iteration`` JSON, each with its prediction."""
+    from planc.compile import compile_program
+    from planc.lang import load
+    from planc.probe import probe_model
+
+    rows = []
+    for res in doc.get("plans") or ():
+        path = _plan_path(res["plan"])
+        if not path.exists():
+            raise AccuracyError(f"planc bench accuracy: {source}: plan {res['plan']} not found")
+        program = load(path)
+        rates = sorted({float(r["rate"]) for run in res["programs"].values() for r in run["per_rate"]})
+        probe = probe_model(dataclasses.replace(program, cluster=substitute(program.cluster, cal, rates[0])))
+        predicted = {}
+        for rate in rates:
+            compiled = compile_program(dataclasses.replace(program, cluster=substitute(program.cluster, cal, rate)),
+                                       probe)
+            pred = (compiled.plan_json.get("pipeline") or {}).get("predicted") or {}
+            predicted[rate] = {s: v.get("iteration") for s, v in (pred.get("schedules") or {}).items()}
+        for name, run in res["programs"].items():
+            for r in run["per_rate"]:
+                rate = float(r["rate"])
+                sched = name[len("planc "):] if name.startswith("planc ") else None
+                p = predicted[rate].get(sched) if sched else None
+                note = None if p is not None else ("not predicted: stock DeepSpeed's engine is not simulated"
+                                                   if sched is None else "not predicted (plan.json has no prediction)")
+                rows.append({"source": source, "group": f"{res.get('name', path.stem)} at {rate:g} Mbit/s",
+                             "alternatives": "schedules", "alternative": name, "rate_mbit": rate,
+                             "predicted": p, "measured": r.get("median"), "note": note,
+                             "host_link": cal.host(rate)[2]})
+    return rows
+
+
+def _testbed_cluster_text(cal: Calibrated, rate: float, hosts: int, per_host: int) -> str:
+    bw, lat, _ = cal.host(rate)
+    inner = cal.inner()
+    ib, il = (inner.bandwidth, inner.latency) if inner else (3e9, 20e-6)
+    return (f"\n  cluster {{\n    level node x {hosts} : bandwidth {bw / 1e6:.6f} MB/s, latency {lat * 1e6:.4f} us\n"
+            f"    level gpu  x {per_host} : bandwidth {ib / 1e6:.6f} MB/s, latency {il * 1e6:.4f} us\n  }}")
+
+
+def testbed_cases(cases: list, cal: Calibrated, source: str, rate: float | None = None) -> list[dict]:
+    """One row per case of ``planc.bench.testbed.measure()``'s list, predicted under the calibrated cluster."""
+    from planc.bench import testbed as tb
+    from planc.compile import compile_file
+
+    rate = float(rate or tb.LINK_MBIT)
+    text = _testbed_cluster_text(cal, rate, tb.HOSTS, tb.PER_HOST)
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="planc-accuracy-") as tmp:
+        for i, c in enumerate(cases):
+            if not isinstance(c, dict) or c.get("kind") not in ("transfer", "reduction"):
+                raise AccuracyError(f"planc bench accuracy: {source}: case {i} is not a bench testbed case "
+                                    f"(a mapping with kind 'transfer' or 'reduction')")
+            if c["kind"] == "transfer":
+                if c.get("case") not in tb.TRANSFERS or c.get("what") not in tb.STRATEGIES:
+                    raise AccuracyError(f"planc bench accuracy: {source}: case {i}: unknown transfer case "
+                                        f"{c.get('case')!r} / strategy {c.get('what')!r}")
+                plan = tb.TRANSFERS[c["case"]].format(CLUSTER=text, STRATEGY=c["what"])
+            else:
+                if c.get("what") not in tb.PROGRAMS:
+                    raise AccuracyError(f"planc bench accuracy: {source}: case {i}: unknown reduction program "
+                                        f"{c.get('what')!r}")
+                plan = tb.REDUCTION.format(CLUSTER=text, PROGRAM=tb.PROGRAMS[c["what"]])
+            src = Path(tmp) / f"case{i}.plan"
+            src.write_text(plan)
+            pj = compile_file(src, probe=False).plan_json
+            p = (float(pj["transfers"][0]["makespan"]) if c["kind"] == "transfer"
+                 else float(pj["reductions"][0]["program"]["predicted"]))
+            rows.append({"source": source, "group": f"{c['case']} ({c['kind']})",
+                         "alternatives": "strategies" if c["kind"] == "transfer" else "programs",
+                         "alternative": c["what"], "rate_mbit": rate, "predicted": p,
+                         "measured": c.get("measured"), "note": c.get("error"), "host_link": cal.host(rate)[2]})
+    return rows
+
+
+def read_measured(path: str | Path) -> tuple[str, object]:
+    """``("iteration", doc)`` or ``("testbed", cases)`` (AccuracyError for anything else)."""
+    p = Path(path)
+    try:
+        doc = json.loads(p.read_text())
+    except FileNotFoundError:
+        raise AccuracyError(f"planc bench accuracy: measured file {path} not found") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise AccuracyError(f"planc bench accuracy: {path} is not JSON: {e}") from None
+    if isinstance(doc, dict) and isinstance(doc.get("plans"), list):
+        return "iteration", doc
+    if isinstance(doc, dict) and isinstance(doc.get("cases"), list):
+        return "testbed", doc
+    if isinstance(doc, list):
+        return "testbed", {"cases": doc}
+    raise AccuracyError(f"planc bench accuracy: {path}: neither `bench iteration --json` output (a 'plans' list) "
+                        f"nor a list of bench testbed cases")
+
+
+# ---------------------------------------------------------------- the figures
+
+def _sign(x: float) -> int:
+    return (x > 0) - (x < 0)
+
+
+def summarize(rows: list[dict]) -> dict:
+    """Per-case errors, their median, pair ordering and best-vs-best over the groups of alternatives.
+
+    A pair (i, j) of one group agrees when ``sign(p_i - p_j) == sign(m_i - m_j)``; only cases with
+    both a prediction and a measurement count."""
+    done = [r for r in rows if r.get("predicted") is not None and r.get("measured")]
+    for r in rows:
+        r["error"] = (abs(r["predicted"] - r["measured"]) / r["measured"]
+                      if r.get("predicted") is not None and r.get("measured") else None)
+    groups = {}
+    for r in done:
+        groups.setdefault((r["source"], r["group"]), []).append(r)
+    agree = total = 0
+    best = []
+    for (source, name), rs in groups.items():
+        pairs = list(itertools.combinations(rs, 2))
+        ok = sum(_sign(a["predicted"] - b["predicted"]) == _sign(a["measured"] - b["measured"]) for a, b in pairs)
+        agree, total = agree + ok, total + len(pairs)
+        if len(rs) > 1:
+            bp = min(rs, key=lambda r: r["predicted"])["alternative"]
+            bm = min(rs, key=lambda r: r["measured"])["alternative"]
+            best.append({"source": source, "group": name, "alternatives": rs[0]["alternatives"],
+                         "predicted_best": bp, "measured_best": bm, "same": bp == bm,
+                         "pairs": len(pairs), "pairs_agree": ok})
+    errors = [r["error"] for r in done]
+    return {"cases": rows, "median_error": statistics.median(errors) if errors else None,
+            "pairs_agree": agree, "pairs": total, "pair_fraction": agree / total if total else None,
+            "groups": best, "best_all_same": all(g["same"] for g in best) if best else None}
+
+
+def evaluate(cluster: str, measured: list[str]) -> dict:
+    cal = read_calibrated(cluster)
+    rows = []
+    for path in measured:
+        kind, doc = read_measured(path)
+        if kind == "iteration":
+            rows += iteration_cases(doc, cal, str(path))
+        else:
+            rows += testbed_cases(doc["cases"], cal, str(path), doc.get("link_mbit"))
+    out = summarize(rows)
+    out["cluster"] = str(cluster)
+    return out
+
+
+# ---------------------------------------------------------------- reporting
+
+def _f(x, fmt="{:.4g}") -> str:
+    return "—" if x is None else fmt.format(x)
+
+
+def markdown(res: dict) -> str:
+    lines = [f"Predicted under `{res['cluster']}` against measured.", "",
+             "| group | alternative | Mbit/s | predicted s | measured s | \\|p−m\\|/m | note |",
+             "|---|---|---|---|---|---|---|"]
+    for r in res["cases"]:
+        lines.append(f"| {r['group']} | {r['alternative']} | {r['rate_mbit']:g} | {_f(r['predicted'])} | "
+                     f"{_f(r['measured'])} | {_f(r['error'], '{:.1%}')} | {r.get('note') or ''} |")
+    lines += ["", f"Median |p−m|/m: {_f(res['median_error'], '{:.1%}')}; pairs of alternatives ordered as "
+              f"measured: {res['pairs_agree']}/{res['pairs']} ({_f(res['pair_fraction'], '{:.0%}')}); predicted "
+              f"best = measured best in {sum(g['same'] for g in res['groups'])}/{len(res['groups'])} groups.", ""]
+    for g in res["groups"]:
+        lines.append(f"- {g['group']} ({g['alternatives']}): predicted best {g['predicted_best']}, measured best "
+                     f"{g['measured_best']}{'' if g['same'] else ' (differ)'}; pairs {g['pairs_agree']}/{g['pairs']}")
+    return "\n".join(lines) + "\n"
+
+
+def _rich(res: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title=f"predicted against measured ({res['cluster']})")
+    for col in ("group", "alternative", "Mbit/s", "predicted s", "measured s", "|p-m|/m", "note"):
+        t.add_column(col)
+    for r in res["cases"]:
+        t.add_row(r["group"], r["alternative"], f"{r['rate_mbit']:g}", _f(r["predicted"]), _f(r["measured"]),
+                  _f(r["error"], "{:.1%}"), r.get("note") or "")
+    Console(stderr=True).print(t)
+
+
+def run(measured=None, cluster: str | None = None, json_path: str | None = None, verbose: bool = True) -> str:
+    """Markdown of :func:`evaluate` (``measured``: JSON files; ``cluster``: the calibrated YAML)."""
+    if not cluster or not measured:
+        return ("_Skipped: `planc bench accuracy` needs `--cluster CALIBRATED.yaml` and the measured JSON "
+                "files (see docs/calibrate.md)._\n")
+    res = evaluate(cluster, list(measured))
+    if json_path:
+        Path(json_path).write_text(json.dumps(res, indent=1) + "\n")
+    if verbose:
+        _rich(res)
+    return markdown(res)

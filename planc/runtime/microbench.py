@@ -1,0 +1,192 @@
+"""The torch side of ``planc calibrate``: microbenchmarks run by every rank of a job.
+
+Run as a script by each rank (``python microbench.py --spec JSON``) under a
+launcher that sets RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR and
+MASTER_PORT (the testbed's direct launcher, or the ranks ``planc calibrate
+--on cluster`` spawns). Ranks are numbered host by host: rank r is on host
+``r // LOCAL_WORLD_SIZE``. Standard library and torch only (no planc import):
+the compiler that starts it stays torch-free.
+
+Phases, each ended on rank 0 by a line ``step I comm T s (verified: PHASE)``
+(the testbed's step-line format, so the caller can follow progress) and the
+whole result printed by rank 0 as one line ``PLANC_MICROBENCH {json}``:
+
+* ``matmul``: every rank at once multiplies two ``n x n`` f32 matrices (on its
+  GPU under NCCL) for each ``n`` of the spec; seconds per product;
+* ``p2p inner`` / ``p2p outer``: ping-pong between rank 0 and rank 1 (same host)
+  and between rank 0 and the first rank of host 1; one-way time = round trip / 2;
+* ``allreduce inner`` / ``allreduce outer``: ``all_reduce`` (SUM) over host 0's
+  ranks and over the first rank of every host.
+
+Every payload is checked after it arrives (p2p: the sender's pattern; all-reduce:
+the sum of the members' values); a wrong byte is an error, not a timing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+MARK = "PLANC_MICROBENCH "
+
+
+def _sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _matmul(ns, repeats: int, device) -> list[dict]:
+    out = []
+    for n in ns:
+        a = torch.rand(n, n, device=device)
+        b = torch.rand(n, n, device=device)
+        torch.matmul(a, b)   # warm-up (allocations, kernels)
+        _sync(device)
+        dist.barrier()
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            torch.matmul(a, b)
+            _sync(device)
+            times.append(time.perf_counter() - t0)
+        out.append({"n": n, "flop": 2.0 * n ** 3, "seconds": statistics.median(times)})
+    return out
+
+
+def _pingpong(me: int, a: int, b: int, sizes, repeats: int, device) -> list[list]:
+    """[[bytes, [one-way seconds per repeat]]] measured by ``a`` (empty on the other ranks)."""
+    samples = []
+    for nbytes in sizes:
+        n = max(1, nbytes // 4)
+        times = []
+        for rep in range(repeats + 1):                       # the first round trip warms the connection
+            value = float(rep + 1)
+            if me == a:
+                buf = torch.full((n,), value, device=device)
+                back = torch.empty(n, device=device)
+                _sync(device)
+                t0 = time.perf_counter()
+                dist.send(buf, b)
+                dist.recv(back, b)
+                _sync(device)
+                dt = time.perf_counter() - t0
+                if not torch.equal(back, buf):
+                    raise RuntimeError(f"p2p {a}<->{b}: {nbytes} B came back altered")
+                if rep:
+                    times.append(dt / 2)
+            elif me == b:
+                buf = torch.empty(n, device=device)
+                dist.recv(buf, a)
+                if not bool((buf == value).all()):
+                    raise RuntimeError(f"p2p {a}->{b}: {nbytes} B arrived altered")
+                dist.send(buf, a)
+        if me == a:
+            samples.append([n * 4, times])
+    return samples
+
+
+def _allreduce(me: int, members: list[int], group, sizes, repeats: int, device) -> list[list]:
+    """[[bytes, [seconds per repeat]]] measured by ``members[0]`` (empty elsewhere)."""
+    samples = []
+    if me not in members:
+        return samples
+    want = float(sum(m + 1 for m in members))
+    for nbytes in sizes:
+        n = max(1, nbytes // 4)
+        times = []
+        for rep in range(repeats + 1):
+            buf = torch.full((n,), float(me + 1), device=device)
+            dist.barrier(group=group)
+            _sync(device)
+            t0 = time.perf_counter()
+            dist.all_reduce(buf, group=group)
+            _sync(device)
+            dt = time.perf_counter() - t0
+            if not bool((buf == want).all()):
+                raise RuntimeError(f"allreduce over {members}: wrong sum for {nbytes} B")
+            if rep:
+                times.append(dt)
+        if me == members[0]:
+            samples.append([n * 4, times])
+    return samples
+
+
+def run(spec: dict) -> dict | None:
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    per_host = int(os.environ.get("LOCAL_WORLD_SIZE") or spec.get("per_host") or world)
+    if world % per_host:
+        raise RuntimeError(f"WORLD_SIZE {world} is not a multiple of LOCAL_WORLD_SIZE {per_host}")
+    hosts = world // per_host
+    backend = spec.get("backend", "auto")
+    if backend == "auto":
+        backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= per_host else "gloo"
+    if backend == "nccl":
+        device = torch.device("cuda", rank % per_host)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    dist.init_process_group(backend, rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=float(spec.get("timeout", 120))))
+    repeats = int(spec.get("repeats", 3))
+    step = 0
+
+    def done(phase: str, t0: float) -> None:
+        nonlocal step
+        dist.barrier()
+        if rank == 0:
+            print(f"step {step} comm {time.perf_counter() - t0:.6f} s (verified: {phase})", flush=True)
+        step += 1
+
+    t0 = time.perf_counter()
+    mm = _matmul(spec.get("matmul", [256, 512]), repeats, device)
+    done("matmul", t0)
+    inner_group = [dist.new_group(list(range(h * per_host, (h + 1) * per_host))) for h in range(hosts)]
+    leaders = list(range(0, world, per_host))
+    outer_group = dist.new_group(leaders)
+    result = {"world": world, "hosts": hosts, "per_host": per_host, "backend": backend, "device": str(device),
+              "threads": torch.get_num_threads(), "p2p": {}, "allreduce": {}}
+    if per_host > 1:
+        t0 = time.perf_counter()
+        result["p2p"]["inner"] = _pingpong(rank, 0, 1, spec["sizes_inner"], repeats, device)
+        done("p2p inner", t0)
+        t0 = time.perf_counter()
+        members = list(range(per_host))
+        result["allreduce"]["inner"] = {"k": per_host, "samples": _allreduce(
+            rank, members, inner_group[0], spec["sizes_inner"], repeats, device)}
+        done("allreduce inner", t0)
+    if hosts > 1:
+        t0 = time.perf_counter()
+        result["p2p"]["outer"] = _pingpong(rank, 0, per_host, spec["sizes_outer"], repeats, device)
+        done("p2p outer", t0)
+        t0 = time.perf_counter()
+        result["allreduce"]["outer"] = {"k": hosts, "samples": _allreduce(
+            rank, leaders, outer_group, spec["sizes_outer"], repeats, device)}
+        done("allreduce outer", t0)
+    gathered = [None] * world
+    dist.all_gather_object(gathered, mm)
+    result["matmul"] = gathered
+    dist.barrier()
+    dist.destroy_process_group()
+    return result if rank == 0 else None
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="microbench.py")
+    p.add_argument("--spec", required=True, help="the run's JSON (sizes, repeats, backend, timeout)")
+    args, _ = p.parse_known_args(argv)     # the launcher may add its own (--steps, --local_rank)
+    result = run(json.loads(args.spec))
+    if result is not None:
+        print(MARK + json.dumps(result), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,178 @@
+"""`planc bench accuracy`: the figures (median error, pairs ordered as measured, best against best)
+against a hand computation; predictions under a calibrated cluster against an independent route
+(the same plan compiled with the cluster file itself, and a closed form for a link-bound transfer);
+the report, its JSON and the bad inputs."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from planc.bench import accuracy
+from planc.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _row(group, alt, p, m, source="s"):
+    return {"source": source, "group": group, "alternatives": "schedules", "alternative": alt,
+            "rate_mbit": 100.0, "predicted": p, "measured": m, "note": None}
+
+
+def test_summary_by_hand():
+    rows = [_row("A", "x", 1.0, 1.25), _row("A", "y", 2.0, 1.6), _row("A", "z", 3.0, 1.5),
+            _row("B", "u", 0.5, 0.8), _row("B", "v", 0.4, 1.0),
+            _row("C", "w", 1.1, 1.0),
+            _row("A", "stock", None, 2.0)]          # no prediction: left out of every figure
+    s = accuracy.summarize(rows)
+    # errors |p-m|/m: x .2, y .25, z 1.0, u .375, v .6, w .1 -> sorted .1 .2 .25 .375 .6 1.0, median .3125
+    assert [r["error"] for r in s["cases"]][:6] == pytest.approx([0.2, 0.25, 1.0, 0.375, 0.6, 0.1])
+    assert s["cases"][6]["error"] is None
+    assert s["median_error"] == pytest.approx(0.3125)
+    # pairs: A (x,y) agree, (x,z) agree, (y,z) predicted y<z measured y>z: disagree; B (u,v) disagree
+    assert (s["pairs_agree"], s["pairs"]) == (2, 4) and s["pair_fraction"] == pytest.approx(0.5)
+    best = {g["group"]: (g["predicted_best"], g["measured_best"], g["same"]) for g in s["groups"]}
+    assert best == {"A": ("x", "x", True), "B": ("v", "u", False)}   # C has one alternative: no group
+    assert s["best_all_same"] is False
+
+
+def test_a_predicted_tie_against_a_measured_order_disagrees():
+    s = accuracy.summarize([_row("D", "a", 1.0, 1.0), _row("D", "b", 1.0, 2.0)])
+    assert (s["pairs_agree"], s["pairs"]) == (0, 1)
+
+
+CAL = """\
+levels:
+  - {name: host, fanout: 2, bandwidth: 12000000.0, latency: 0.0001}
+  - {name: device, fanout: 2, bandwidth: 2000000000.0, latency: 0.00002}
+host: host
+flops: 20000000000.0
+calibration:
+  measured_on: testbed
+  rate_mbit: 100.0
+  by_rate: [{rate_mbit: 100.0, bandwidth: 12000000.0, latency: 0.0001}]
+"""
+
+
+@pytest.fixture
+def cal_file(tmp_path) -> Path:
+    p = tmp_path / "cal.yaml"
+    p.write_text(CAL)
+    return p
+
+
+def test_host_link_scales_with_the_rate(cal_file):
+    cal = accuracy.read_calibrated(cal_file)
+    assert cal.host(100) == (pytest.approx(12e6), pytest.approx(1e-4), "calibrated at 100 Mbit/s")
+    assert cal.host(400)[0] == pytest.approx(48e6)
+    assert cal.inner().bandwidth == pytest.approx(2e9)
+
+
+def test_testbed_transfer_against_the_closed_form(cal_file):
+    from planc.bench import testbed
+
+    name = "1 -> (1,4)  R R -> R R"
+    cases = [{"kind": "transfer", "case": name, "what": "send_recv", "measured": 1.5},
+             {"kind": "transfer", "case": name, "what": "broadcast", "measured": 0.4},
+             {"kind": "reduction", "case": "8 ranks, 16 MB f32", "what": "hierarchical", "measured": 0.6}]
+    rows = accuracy.testbed_cases(cases, accuracy.read_calibrated(cal_file), "tb.json", 400)
+    # send_recv: the sender's host link carries the 16 MiB slice once per receiver (4) at 4 x 12 MB/s
+    nbytes = 1024 * 4096 * 4
+    assert rows[0]["predicted"] == pytest.approx(4 * nbytes / 48e6, rel=0.02)
+    # broadcast pipelines it once over the host link
+    assert rows[1]["predicted"] == pytest.approx(nbytes / 48e6, rel=0.1)
+    assert [r["rate_mbit"] for r in rows] == [400.0] * 3 and rows[2]["predicted"] > 0
+    with pytest.raises(accuracy.AccuracyError, match="unknown transfer case"):
+        accuracy.testbed_cases([{"kind": "transfer", "case": "nope", "what": "send_recv"}],
+                               accuracy.read_calibrated(cal_file), "tb.json")
+    assert testbed.LINK_MBIT == 400.0
+
+
+PLAN = """\
+plan tiny {{
+  {cluster}
+  parallel {{ pipe = 2, data = 2, place = [[2, 1], [1, 2]] }}
+  model "{ex}/mlp.py:build" {{ layers = 4, hidden = 64, inputs = 8, outputs = 4 }}
+  loss  "{ex}/mlp.py:loss"
+  data  "{ex}/mlp.py:batches"
+  stage 0 : layers 0..2
+  stage 1 : layers 2..4
+  transfer h from stage 0 to stage 1
+  reduce gradients over data
+  train {{ micro_batch = 8, micro_batches = 4, steps = 2, schedule = 1f1b, optimizer = adam(lr = 1e-3) }}
+}}
+"""
+OWN_CLUSTER = ("cluster {\n    level node x 2 : bandwidth 1 GB/s, latency 5 us\n"
+               "    level gpu x 2 : bandwidth 10 GB/s, latency 1 us\n    host = node\n  }")
+
+
+def test_iteration_cases_match_the_plan_compiled_with_the_file(tmp_path, cal_file, capsys):
+    from planc.compile import compile_program
+    from planc.lang import load
+    from planc.probe import probe_model
+
+    ex = ROOT / "examples"
+    plan = tmp_path / "tiny.plan"
+    plan.write_text(PLAN.format(cluster=OWN_CLUSTER, ex=ex))
+    measured = {"plans": [{"plan": str(plan), "name": "tiny", "programs": {
+        "planc gpipe": {"per_rate": [{"rate": 100, "median": 0.030}, {"rate": 10, "median": 0.20}]},
+        "planc 1f1b": {"per_rate": [{"rate": 100, "median": 0.028}, {"rate": 10, "median": 0.19}]},
+        "planc eager_1f1b": {"per_rate": [{"rate": 100, "median": 0.027}, {"rate": 10, "median": 0.18}]},
+        "stock DeepSpeed": {"per_rate": [{"rate": 100, "median": 0.04}, {"rate": 10, "median": None}]}}}]}
+    mfile = tmp_path / "it.json"
+    mfile.write_text(json.dumps(measured))
+    out = tmp_path / "acc.json"
+    assert main(["bench", "accuracy", str(mfile), "--cluster", str(cal_file), "--json", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert "Median |p−m|/m" in capsys.readouterr().out
+    # the independent route: the plan's cluster block replaced by the cluster file itself, with the host
+    # link at 100 Mbit/s (as calibrated) and at 10 Mbit/s (a tenth of the bandwidth) written out
+    direct, probe = {}, None
+    for rate, bw in ((100.0, 12e6), (10.0, 1.2e6)):
+        (tmp_path / f"c{rate:g}.yaml").write_text(CAL.replace("bandwidth: 12000000.0, latency: 0.0001}",
+                                                              f"bandwidth: {bw}, latency: 0.0001}}", 1))
+        p = tmp_path / f"tiny{rate:g}.plan"
+        p.write_text(PLAN.format(cluster=f'cluster "c{rate:g}.yaml"', ex=ex))
+        program = load(p)
+        probe = probe or probe_model(program)          # the model is the same in both: probed once
+        sched = compile_program(program, probe).plan_json["pipeline"]["predicted"]["schedules"]
+        direct[rate] = {s: v["iteration"] for s, v in sched.items()}
+    rows = res["cases"]
+    assert len(rows) == 8
+    for r in rows:
+        if r["alternative"] == "stock DeepSpeed":
+            assert r["predicted"] is None and "not simulated" in r["note"]
+        else:
+            want = direct[r["rate_mbit"]][r["alternative"].removeprefix("planc ")]
+            assert r["predicted"] == pytest.approx(want, rel=1e-9)
+            assert r["error"] == pytest.approx(abs(want - r["measured"]) / r["measured"])
+    # the figures recomputed from the rows
+    errs = sorted(r["error"] for r in rows if r["error"] is not None)
+    assert res["median_error"] == pytest.approx((errs[2] + errs[3]) / 2)
+    assert res["pairs"] == 6 and len(res["groups"]) == 2
+
+
+def test_bad_inputs_exit_2(tmp_path, cal_file, capsys):
+    assert main(["bench", "accuracy", "x.json"]) == 2
+    assert "needs --cluster" in capsys.readouterr().err
+    assert main(["bench", "accuracy", str(tmp_path / "none.json"), "--cluster", str(cal_file)]) == 2
+    assert "not found" in capsys.readouterr().err
+    (tmp_path / "bad.json").write_text("{oops")
+    assert main(["bench", "accuracy", str(tmp_path / "bad.json"), "--cluster", str(cal_file)]) == 2
+    assert "is not JSON" in capsys.readouterr().err
+    (tmp_path / "odd.json").write_text('{"a": 1}')
+    assert main(["bench", "accuracy", str(tmp_path / "odd.json"), "--cluster", str(cal_file)]) == 2
+    assert "neither" in capsys.readouterr().err
+    (tmp_path / "ok.json").write_text("[]")
+    assert main(["bench", "accuracy", str(tmp_path / "ok.json"), "--cluster", str(tmp_path / "no.yaml")]) == 2
+    assert "cluster file" in capsys.readouterr().err
+    (tmp_path / "broken.yaml").write_text(textwrap.dedent("""\
+        levels: [{name: host, fanout: 2}]
+        """))
+    assert main(["bench", "accuracy", str(tmp_path / "ok.json"), "--cluster", str(tmp_path / "broken.yaml")]) == 2
+    err = capsys.readouterr().err
+    assert "needs a bandwidth" in err and "Traceback" not in err
+    assert main(["bench", "synthesis", "--cluster", str(cal_file)]) == 2
