@@ -8,6 +8,7 @@ as meshes. See docs/placement.md.
 
 from __future__ import annotations
 
+import bisect
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -15,23 +16,25 @@ from typing import Any
 from planc import ir
 from planc.cost import Network, step_coefficients
 from planc.lang.errors import Diagnostic, PlanError
-from planc.placement.mapping import Coords, coords_for, device_of, level_coords, stage_layouts
-from planc.placement.matrices import (
-    Matrix, column_choices, count_matrices, enumerate_matrices, is_matrix, matrix_problems,
+from planc.placement.mapping import (
+    Coords, coords_for, device_of, level_coords, program_costs, reduction_factors, reduction_lower_bound,
+    stage_layouts,
 )
-from planc.reduction import best_time, pinned_time, reduction_bytes, stage_reduction_groups
+from planc.placement.matrices import Matrix, count_matrices, enumerate_matrices, is_matrix, matrix_problems
+from planc.reduction import pinned_time, reduction_bytes, stage_reduction_groups
 from planc.resharding import parts_per_dim
 
 __all__ = [
     "Placement", "place", "coords_for", "stage_layouts", "device_of", "level_coords",
     "count_matrices", "enumerate_matrices", "is_matrix", "matrix_problems",
-    "NOMINAL_REDUCTION_BYTES", "EXHAUSTIVE_LIMIT", "BEAM_WIDTH", "MAX_RANKED",
+    "NOMINAL_REDUCTION_BYTES", "MAX_RANKED", "BOUND_SLACK",
 ]
 
 NOMINAL_REDUCTION_BYTES = 1 << 20   # a reduction whose size is unknown is costed at 1 MiB
-EXHAUSTIVE_LIMIT = 512              # rank every matrix when there are at most this many
-BEAM_WIDTH = 8                      # otherwise: beam search over levels, innermost first
 MAX_RANKED = 10
+# Lower bounds are scaled by (1 - BOUND_SLACK) before pruning: a bound and a cost computed by
+# different float expressions of the same quantity may differ by rounding, never by this much.
+BOUND_SLACK = 1e-9
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,8 +43,9 @@ class Placement:
 
     ``matrix`` is None for explicit-stage plans without a ``parallel`` block
     (then ``coords`` is empty and ``to_json()`` is None). ``search`` says how
-    the ranking was made: ``pinned``, ``exhaustive`` or ``beam``; ``evaluated``
-    how many matrices were costed.
+    the ranking was made: ``pinned``, ``exhaustive`` (every matrix costed) or
+    ``branch_and_bound`` (every matrix costed or proven, by a lower bound, worse than
+    the ``MAX_RANKED``-th best); ``evaluated`` how many matrices were costed.
     """
 
     matrix: Matrix | None
@@ -98,6 +102,7 @@ class _Costing:
         self.honour_pinned = honour_pinned   # False: cost pinned programs as if synthesized
         self.net = Network(program.cluster)
         self.reductions = []
+        rows_of = {n: i for i, n in enumerate(self.names)}
         for red in program.reductions:
             if not red.axes or not all(a in self.names for a in red.axes):
                 continue  # explicit-stage reductions over mesh names the matrix does not decide
@@ -106,7 +111,8 @@ class _Costing:
                 # A one-instruction program of allreduce is exactly the flat AllReduce.
                 syn = ir.Synthesis(max_size=1, collectives=(ir.Collective.ALLREDUCE,))
             pinned = red.program if red.mode is ir.ReductionMode.PROGRAM else None
-            self.reductions.append((red.name, tuple(red.axes), _reduction_bytes(red, param_bytes), syn, pinned))
+            rows = tuple(sorted({rows_of[a] for a in red.axes}))
+            self.reductions.append((red.name, tuple(red.axes), _reduction_bytes(red, param_bytes), syn, pinned, rows))
         self.cache: dict[Matrix, float] = {}
         self.parts: dict[Matrix, tuple[tuple[str, float], ...]] = {}
 
@@ -115,14 +121,16 @@ class _Costing:
         if hit is not None:
             return hit
         parts = []
-        for name, axes, nbytes, syn, pinned in self.reductions:
+        for name, axes, nbytes, syn, pinned, rows in self.reductions:
             if pinned is not None and self.honour_pinned:
                 t = pinned_time(self.cluster, matrix, self.names, axes, pinned, nbytes)
                 if t is None:           # the pinned program is not valid under this matrix
                     self.cache[matrix] = math.inf
                     return math.inf
             else:
-                t = best_time(self.cluster, matrix, self.names, axes, nbytes, syn)
+                # the best synthesized program; depends on the matrix only through its reduction factors
+                coeffs = program_costs(self.cluster, reduction_factors(matrix, rows), syn)
+                t = min(a * nbytes + b for a, b in coeffs)
             parts.append((f"reduce {name}", t))
         if self.program.transfers or self.tensor_traffic:
             coords = coords_for(matrix, self.fanouts, self.sizes)
@@ -137,6 +145,18 @@ class _Costing:
         self.cache[matrix] = t
         self.parts[matrix] = tuple(parts)
         return t
+
+    def key(self, matrix: Matrix) -> tuple[tuple[int, ...], ...]:
+        """What the reduction parts of the cost depend on: each reduction's per-level factors."""
+        return tuple(reduction_factors(matrix, r[5]) for r in self.reductions)
+
+    def bound(self, key: tuple[tuple[int, ...], ...]) -> float:
+        """A lower bound on the cost of every matrix with these reduction factors (docs/placement.md):
+        the sum of each reduction's :func:`reduction_lower_bound`; transfers and tensor traffic >= 0."""
+        total = 0.0
+        for (_, _, nbytes, _, _, _), factors in zip(self.reductions, key):
+            total += reduction_lower_bound(self.cluster, factors, nbytes)
+        return total * (1 - BOUND_SLACK)
 
     def tensor_records(self, stages: tuple[ir.StageLayout, ...]) -> list[dict]:
         return tensor_records(self.program, self.net, self.tensor_traffic, stages)
@@ -197,32 +217,43 @@ def _rank(evaluated: dict[Matrix, float]) -> tuple[tuple[Matrix, float], ...]:
     return tuple(best[:MAX_RANKED])
 
 
-def _beam(cost: _Costing, fanouts: tuple[int, ...], sizes: tuple[int, ...], width: int) -> dict[Matrix, float]:
-    """Fix columns innermost level first; score each partial choice by its first completion."""
-    m = len(sizes)
-    evaluated: dict[Matrix, float] = {}
-    beam: list[tuple[tuple[int, ...], ...]] = [()]
-    for j in range(len(fanouts) - 1, -1, -1):
-        scored = []
-        for inner in beam:
-            left = tuple(sizes[i] // math.prod(c[i] for c in inner) for i in range(m))
-            for col in column_choices(fanouts[j], left):
-                rest = tuple(a // c for a, c in zip(left, col))
-                outer = next(enumerate_matrices(fanouts[:j], rest), None)
-                if outer is None:
-                    continue
-                cols = (col,) + inner
-                full = tuple(tuple(outer[i]) + tuple(c[i] for c in cols) for i in range(m))
-                t = cost(full)
-                evaluated[full] = t
-                scored.append((t, full, cols))
-        scored.sort(key=lambda x: (x[0], x[1]))
-        beam = [cols for _, _, cols in scored[:width]]
-    return evaluated
+def _branch_and_bound(cost: _Costing, fanouts: tuple[int, ...], sizes: tuple[int, ...]
+                      ) -> tuple[dict[Matrix, float], bool]:
+    """Cost every matrix that can be among the ``MAX_RANKED`` best; return the table and whether
+    every matrix was costed.
+
+    Matrices are grouped by what their reduction costs depend on (:meth:`_Costing.key`); groups
+    are visited in increasing lower bound, and once ``MAX_RANKED`` finite costs are known, a group
+    whose bound exceeds the ``MAX_RANKED``-th best cannot contain a ranked matrix (its every
+    matrix costs at least the bound), nor can any later group. Every matrix of a visited group is
+    costed. Equal costs are never pruned (``>``, not ``>=``), so ties break exactly as in full
+    enumeration.
+    """
+    groups: dict[tuple, list[Matrix]] = {}
+    for mx in enumerate_matrices(fanouts, sizes):
+        groups.setdefault(cost.key(mx), []).append(mx)
+    order = sorted(groups, key=lambda k: (cost.bound(k), k))
+    table: dict[Matrix, float] = {}
+    best: list[float] = []     # the MAX_RANKED smallest finite costs so far, ascending
+
+    def cutoff() -> float:
+        return best[-1] if len(best) >= MAX_RANKED else math.inf
+
+    complete = True
+    for key in order:
+        if cost.bound(key) > cutoff():
+            complete = False
+            break
+        for mx in groups[key]:
+            t = cost(mx)
+            table[mx] = t
+            if math.isfinite(t) and t <= cutoff():
+                bisect.insort(best, t)
+                del best[MAX_RANKED:]
+    return table, complete
 
 
 def place(program: ir.Program, param_bytes: dict[int, int] | None = None, *,
-          exhaustive_limit: int = EXHAUSTIVE_LIMIT, beam_width: int = BEAM_WIDTH,
           tensor_traffic=None) -> Placement:
     """Choose the parallelism matrix and lay out devices and stages (a pure pass).
 
@@ -259,12 +290,8 @@ def place(program: ir.Program, param_bytes: dict[int, int] | None = None, *,
     else:
         if candidates == 0:
             raise PlanError(Diagnostic("no parallelism matrix fits these axes on this cluster", par.span))
-        if candidates <= exhaustive_limit:
-            table = {mx: cost(mx) for mx in enumerate_matrices(fanouts, sizes)}
-            search = "exhaustive"
-        else:
-            table = _beam(cost, fanouts, sizes, beam_width)
-            search = "beam"
+        table, complete = _branch_and_bound(cost, fanouts, sizes)
+        search = "exhaustive" if complete else "branch_and_bound"
         ranked = _rank(table)
         if not ranked:
             # no matrix admits the pinned program(s): rank as if synthesized, and let the

@@ -11,9 +11,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from functools import lru_cache
 
 from planc import ir
+from planc.cost import Network, held_after
+from planc.cost.collectives import _RING, _edge_bytes_and_rounds   # the step model counted in closed form
 from planc.ir import level_coords
+from planc.reduction import FLAT_ALLREDUCE, Hierarchy, resolve, synthesize
 
 Coords = tuple[tuple[int, ...], ...]
 
@@ -80,3 +84,121 @@ def stage_layouts(program: ir.Program, coords: Coords) -> tuple[ir.StageLayout, 
         layers = declared[index].layers if index in declared else None
         out.append(ir.StageLayout(index, layers, shape, axes, tuple(members)))
     return tuple(out)
+
+
+# ---------------------------------------------------------------- reductions in closed form
+
+def reduction_factors(matrix: Sequence[Sequence[int]], rows: Sequence[int]) -> tuple[int, ...]:
+    """Per cluster level (1 included), the product of the reduction axes' entries: ``f_j = Π_{i∈rows} M[i][j]``.
+
+    The synthesis hierarchy is the levels with ``f_j > 1``; every cost of a reduction under the
+    matrix is a function of this vector and the cluster alone (see :func:`step_coefficients_by_factors`)."""
+    return tuple(math.prod(matrix[i][j] for i in rows) for j in range(len(matrix[0]) if matrix else 0))
+
+
+def step_coefficients_by_factors(cluster: ir.Cluster, levels: Sequence[int], factors: Sequence[int],
+                                 collective: ir.Collective, varying: range, master_below: int | None
+                                 ) -> tuple[float, float, int]:
+    """``(a, b, k)`` of one lowered instruction, from the factors alone (no device list).
+
+    ``levels[x]``/``factors[x]``: cluster level and factor of hierarchy level ``x + 1``; ``varying``
+    the hierarchy levels (0-based) a group's members differ in; ``master_below``: for ``master``
+    forms the first hierarchy level whose digit must be 0. It counts what
+    ``planc.cost.collectives._step`` counts on the lowered groups: members sorted by rank enumerate
+    the varying digits outermost first, so at cluster level ``l`` a group touches
+    ``U_l = Π f (varying, at or above l)`` units with ``I_l = Π f (varying, below l)`` members each;
+    a unit holds ``D_l`` participating devices (all of its devices, or for master forms those
+    whose master digits below ``l`` are 0), hence ``D_l / I_l`` groups, each loading its up- and
+    down-link with one ``per_edge`` (ring; a chain loads all but its last / first unit, and some
+    unit is never last / first). A ring's latency is ``rounds ×`` the latency of the outermost
+    level spanned; a chain's is the sum of its hops, ``Π_{<x} f · (f_x − 1)`` of them first
+    crossing varying level ``x``.
+    """
+    net = _network(cluster)
+    fan = cluster.fanouts
+    k = math.prod(factors[x] for x in varying)
+    per_edge, rounds = _edge_bytes_and_rounds(collective, k, 1.0)
+    masked = range(master_below, len(levels)) if master_below is not None else range(0)
+    bandwidth = 0.0
+    for l in range(len(fan)):
+        units = math.prod(factors[x] for x in varying if levels[x] <= l)
+        if fan[l] < 2 or units < 2:
+            continue
+        inside = math.prod(factors[x] for x in varying if levels[x] > l)
+        devices = math.prod(fan[l + 1:]) // math.prod(factors[x] for x in masked if levels[x] > l)
+        bandwidth = max(bandwidth, per_edge * (devices // inside) / net.level_bandwidth(l))
+    if collective in _RING:
+        latency = rounds * net.latency_from(min(levels[x] for x in varying))
+    else:
+        latency, outer = 0.0, 1
+        for x in varying:
+            latency += outer * (factors[x] - 1) * net.latency_from(levels[x])
+            outer *= factors[x]
+    return bandwidth, latency, k
+
+
+@lru_cache(maxsize=64)
+def _network(cluster: ir.Cluster) -> Network:
+    return Network(cluster)
+
+
+@lru_cache(maxsize=4096)
+def program_costs(cluster: ir.Cluster, factors: tuple[int, ...], synthesis: ir.Synthesis
+                  ) -> tuple[tuple[float, float], ...]:
+    """Per synthesized program ``(a, b)``, its time ``a·S + b`` for ``S`` bytes, from the per-level
+    reduction factors alone: what ``planc.reduction.best_time`` computes on the lowered groups of
+    any matrix with these factors, up to float rounding. Cached by exactly what it depends on:
+    the cluster, the factor vector and the synthesis settings (the programs themselves come from
+    ``synthesize``, cached by the hierarchy's factors)."""
+    kept = tuple(j for j, f in enumerate(factors) if f > 1)
+    if not kept:
+        return ((0.0, 0.0),)
+    hier = Hierarchy(tuple((cluster.levels[j].name, factors[j]) for j in kept))
+    fs = tuple(factors[j] for j in kept)
+    programs = synthesize(hier, synthesis.max_size, synthesis.collectives) or (FLAT_ALLREDUCE,)
+    steps: dict[ir.Instruction, tuple[float, float, int]] = {}
+    out = []
+    for program in programs:
+        a = b = 0.0
+        frac = 1.0
+        for instr in program:
+            hit = steps.get(instr)
+            if hit is None:
+                s, t = resolve(instr, hier)
+                varying, master = (range(s, len(fs)), None) if t is None else (range(t, s), None)
+                if instr.form is ir.FormKind.MASTER:
+                    master = s
+                hit = steps[instr] = step_coefficients_by_factors(cluster, kept, fs, instr.collective, varying, master)
+            bw, lat, k = hit
+            a += frac * bw
+            b += lat
+            frac = held_after(instr.collective, k, frac)
+        out.append((a, b))
+    return tuple(out)
+
+
+def reduction_lower_bound(cluster: ir.Cluster, factors: Sequence[int], nbytes: float) -> float:
+    """A lower bound on the time of every valid reduction program under these factors.
+
+    For each linked level ``l`` at or below the outermost level with factor > 1 (so that every
+    reduction group spans two or more units of ``l``): a unit ``u`` of ``l`` holds ``D_l`` devices,
+    ``I_l`` of each reduction group, so ``D_l / I_l`` groups. Every device outside ``u`` of such a
+    group needs ``u``'s contributions at every point of the buffer, so over the program the points
+    carried out of ``u`` measure at least ``S`` per group; a step carries out of ``u`` no more
+    than it charges ``u``'s up-link (docs/placement.md, "The lower bound"). A program's time is at
+    least the sum over its steps of the load on that link ÷ its bandwidth, plus the latency of one
+    step that crosses ``l``: ``D_l / I_l · S ÷ bandwidth_l + latency_from(l)``. The bound is the
+    largest of these.
+    """
+    kept = [j for j, f in enumerate(factors) if f > 1]
+    if not kept:
+        return 0.0
+    net = _network(cluster)
+    fan = cluster.fanouts
+    best = 0.0
+    for l in range(kept[0], len(fan)):
+        if fan[l] < 2:
+            continue
+        groups = math.prod(fan[l + 1:]) // math.prod(factors[l + 1:])
+        best = max(best, groups * nbytes / net.level_bandwidth(l) + net.latency_from(l))
+    return best

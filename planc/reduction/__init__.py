@@ -26,7 +26,7 @@ from planc.reduction.synthesize import synthesize
 __all__ = [
     "ReductionPlan", "plan_reduction", "plan_reductions", "best_time", "reduction_groups",
     "stage_reduction_groups", "Hierarchy", "hierarchy_from_matrix", "synthesize", "parse_program",
-    "FLAT_ALLREDUCE", "reduction_bytes", "pinned_time", "rank_programs", "TIE_RELATIVE",
+    "FLAT_ALLREDUCE", "reduction_bytes", "pinned_time", "rank_programs", "TIE_RELATIVE", "resolve",
 ]
 
 Groups = tuple[tuple[int, ...], ...]
@@ -202,6 +202,20 @@ def best_time(cluster: ir.Cluster, matrix: Sequence[Sequence[int]], axis_names: 
     return min(a * nbytes + b for a, b in coeffs)
 
 
+def _lowered(program, hierarchy: Hierarchy, positions, cache: dict) -> tuple:
+    """:func:`lower_program` with the groups :func:`_program_coefficients` lowered reused from ``cache``."""
+    groups_of = cache.setdefault("groups", {})
+    out = []
+    for instr in program:
+        s, t = resolve(instr, hierarchy)
+        key = (s, t, instr.form is ir.FormKind.MASTER)
+        groups = groups_of.get(key)
+        if groups is None:
+            groups = groups_of[key] = lower(instr, hierarchy, positions)
+        out.append((instr.collective, groups))
+    return tuple(out)
+
+
 def _groups_of(positions) -> Groups:
     by_gid: dict[int, list[int]] = {}
     for d, (gid, _) in positions.items():
@@ -330,21 +344,26 @@ def plan_reduction(cluster: ir.Cluster, reduction: ir.Reduction, groups: Sequenc
                              allreduce_predicted=flat_time, candidates=1, **common)
     programs = synthesize(hierarchy, synthesis.max_size, synthesis.collectives) if regular else ()
     programs = tuple(p for p in programs) or FLAT_ALLREDUCE_ONLY
-    coeffs = _program_coefficients(net, hierarchy, positions, programs, {})
+    cache: dict = {}
+    coeffs = _program_coefficients(net, hierarchy, positions, programs, cache)
     # ties (within TIE_RELATIVE, below the model's precision) go to the shorter program, then by text
     order = [i for i, _ in rank_programs(programs, [a * nbytes + b for a, b in coeffs])]
     chosen = programs[order[0]]
-    steps = lower_program(chosen, hierarchy, positions)
+    steps = _lowered(chosen, hierarchy, positions, cache)
     seen = {steps}
     alternatives = []
+    # Alternatives are re-checked on the first reduction group (lowering repeats the same groups
+    # over every reduction group); the chosen program is checked on all of them (ReductionPlan).
+    first = set(groups[0])
     for i in order[1:]:
         if len(alternatives) == MAX_ALTERNATIVES:
             break
-        alt_steps = lower_program(programs[i], hierarchy, positions)
+        alt_steps = _lowered(programs[i], hierarchy, positions, cache)
         if alt_steps in seen:
             continue
         seen.add(alt_steps)
-        why = check.check_program([(str(c), g) for c, g in alt_steps], groups)
+        why = check.check_program([(str(c), tuple(g for g in gs if g[0] in first)) for c, gs in alt_steps],
+                                  groups[:1])
         if why is not None:
             raise AssertionError(f"alternative {ir.program_text(programs[i])} fails the checker: {why}")
         alternatives.append((ir.program_text(programs[i]), coeffs[i][0] * nbytes + coeffs[i][1]))
