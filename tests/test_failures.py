@@ -8,7 +8,9 @@
   another size, or ranks per host not matching the plan, is refused with both numbers (each rank
   started by hand as a per-host launcher would; other hostnames through ``unshare --uts``).
 
-A stage producing a tensor of the wrong shape: tests/test_e2e.py::test_shape_mismatch_is_reported."""
+A stage producing a tensor of the wrong shape: tests/test_e2e.py::test_shape_mismatch_is_reported.
+The same cases on the multi-host testbed: tests/test_testbed_failures.py (HANGING_MODEL and FOUR are
+shared with it)."""
 
 from __future__ import annotations
 

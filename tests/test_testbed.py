@@ -215,3 +215,31 @@ def test_training_plan_launched_per_host_by_the_deepspeed_launcher(tmp_path):
     assert sorted(r.logs) == [0, 1, 2, 3] and all(r.logs.values())
     assert sorted(r.peak_rss_kb) == [0, 1, 2, 3]
     assert _leftovers(prefix) == []
+
+
+class _Terminal(__import__("io").StringIO):
+    def isatty(self):
+        return True
+
+
+def test_step_bar_follows_rank_0s_steps_on_a_terminal_only(monkeypatch):
+    """`planc testbed run`'s bar (planc.ui.progress over the steps): on a terminal it counts the step
+    lines seen, skipping none when lines arrive late; piped it writes nothing."""
+    from planc.testbed.watch import StepBar
+
+    term = _Terminal()
+    monkeypatch.setattr(sys, "stderr", term)
+    bar = StepBar(3, "testbed: out", None)
+    assert bar.shown
+    bar.step(1)            # steps 0 and 1 in one poll
+    bar.step(2)
+    bar.close()
+    shown = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", term.getvalue())
+    assert "testbed: out" in shown and "3/3" in shown, shown
+    piped = __import__("io").StringIO()
+    monkeypatch.setattr(sys, "stderr", piped)
+    bar = StepBar(3, "testbed: out", None)
+    assert not bar.shown
+    bar.step(2)
+    bar.close()
+    assert piped.getvalue() == ""

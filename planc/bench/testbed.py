@@ -10,6 +10,12 @@ program itself; every byte moved is checked by it.
 
 Needs root and iproute2 (``ip``, ``tc``); otherwise ``run()`` returns a note
 saying why it was skipped.
+
+A fault can be injected for real (planc/testbed/faults.py; docs/testbed.md
+"Faults"): ``PLANC_BENCH_LINK_DOWN=SECONDS[@HOST]`` takes HOST's link (default
+the last host) down that long after rank 0's first step of the first case; the
+bench then stops with the launch's account on stderr and exits 1.
+``PLANC_COLLECTIVE_TIMEOUT_S`` is passed on to the ranks (default 120 s).
 """
 
 from __future__ import annotations
@@ -17,13 +23,28 @@ from __future__ import annotations
 import os
 import platform
 import statistics
+import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
 HOSTS, PER_HOST, LINK_MBIT = 2, 4, 400.0
 STEPS = 4                  # step 0 warms up; the median of steps 1..3 is reported
 STRATEGIES = ("send_recv", "local_allgather", "global_allgather", "broadcast")
+LINK_DOWN_ENV = "PLANC_BENCH_LINK_DOWN"        # SECONDS[@HOST]: a host link goes down during the first case
+
+
+class BenchFailed(SystemExit):
+    """The bench cannot go on (a fault broke a launch): ``planc bench`` exits 1 with the message
+    printed to stderr; the testbed is removed by then."""
+
+    def __init__(self, message: str):
+        super().__init__(1)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
 
 CLUSTER = """
   cluster {
@@ -106,23 +127,79 @@ def _fmt(x: float | None, digits: int = 3) -> str:
     return "—" if x is None else f"{x:.{digits}f}"
 
 
-def measure(steps: int = STEPS, timeout: float = 120) -> list[dict]:
-    """Compile every case and run it on one testbed; adds ``measured`` (median s/step) or ``error``."""
+def parse_link_down(text: str | None) -> tuple[float, int] | None:
+    """``PLANC_BENCH_LINK_DOWN``'s value ``SECONDS[@HOST]`` as (seconds, host); None when unset."""
+    if not text:
+        return None
+    after, _, host = text.partition("@")
+    try:
+        seconds, h = float(after), int(host) if host else HOSTS - 1
+    except ValueError:
+        raise ValueError(f"{LINK_DOWN_ENV}={text!r}: expected SECONDS[@HOST], e.g. 2 or 2@1") from None
+    if seconds < 0 or not 0 <= h < HOSTS:
+        raise ValueError(f"{LINK_DOWN_ENV}={text!r}: SECONDS must be >= 0 and HOST one of 0..{HOSTS - 1}")
+    return seconds, h
+
+
+def measure(steps: int = STEPS, timeout: float = 120, *, link_down: tuple[float, int] | None = None,
+            collective_timeout: float | None = None, progress: bool = True) -> list[dict]:
+    """Compile every case and run it on one testbed; adds ``measured`` (median s/step) or ``error``.
+
+    ``link_down=(seconds, host)``: host's link goes down that long after rank 0's first step of the
+    first case (a real fault, ``Testbed.link_down``); when that launch fails the bench stops with
+    ``BenchFailed`` (the launch's account). ``collective_timeout``: the ranks' (default 120 s); each
+    case is killed after ``timeout`` + ``collective_timeout`` seconds.
+    ``progress``: one bar over the cases (``planc.ui.progress``, stderr)."""
+    from planc import ui
     from planc.testbed import Testbed
 
+    collective_timeout = collective_timeout or max(30.0, float(timeout))
     with tempfile.TemporaryDirectory(prefix="planc-bench-testbed-") as tmp:
         cases = _cases(Path(tmp))
         with Testbed(HOSTS, LINK_MBIT) as tb:
-            for c in cases:
-                r = tb.launch(c["out"], steps=steps, timeout=timeout)
-                times = r.step_times[1:] if len(r.step_times) > 1 else r.step_times
-                if r.returncode != 0 or not times:
-                    c["measured"], c["error"] = None, f"failed ({'timeout' if r.timed_out else r.returncode})"
-                else:
-                    c["measured"] = statistics.median(times)
-                c["launch_s"] = r.seconds
-                c.pop("out")
+            items = ui.progress(cases, "bench testbed", describe=lambda c: f"{c['case']}: {c['what']}",
+                                piped="lines") if progress else iter(cases)
+            try:
+                _run_cases(tb, cases, items, steps, timeout, link_down, collective_timeout)
+            finally:
+                if hasattr(items, "close"):
+                    items.close()     # the bar ends before the error is printed
     return cases
+
+
+def _run_cases(tb, cases: list[dict], items, steps: int, timeout: float, link_down,
+               collective_timeout: float) -> None:
+    """Launch each case in turn (``items``: the cases, through the progress bar); see ``measure``."""
+    for i, c in enumerate(items):
+        timers: list[threading.Timer] = []
+
+        def on_step(n, seconds, tb=tb):
+            if not timers:
+                timers.append(threading.Timer(link_down[0], tb.link_down, args=(link_down[1],)))
+                timers[0].daemon = True
+                timers[0].start()
+        fault = link_down is not None and i == 0
+        try:
+            # a stuck case may wait out one collective timeout after its start-up: it ends by itself
+            r = tb.launch(c["out"], steps=steps, timeout=timeout + collective_timeout,
+                          on_step=on_step if fault else None, collective_timeout=collective_timeout, progress=False)
+        finally:
+            for t in timers:
+                t.cancel()
+        times = r.step_times[1:] if len(r.step_times) > 1 else r.step_times
+        if r.returncode != 0 or not times:
+            c["measured"], c["error"] = None, f"failed ({'timeout' if r.timed_out else r.returncode})"
+            if fault and any("link set down" in what for _, what in r.events):
+                what = "timed out" if r.timed_out else f"failed (exit {r.returncode})"
+                raise BenchFailed(
+                    f"planc bench testbed: case {c['case']!r} ({c['what']}) {what} after host "
+                    f"{link_down[1]}'s link went down (collective timeout {collective_timeout:g} s); "
+                    f"the other {len(cases) - 1} case(s) were not run and the testbed is removed:\n"
+                    f"{r.failure or r.stdout[-2000:]}")
+        else:
+            c["measured"] = statistics.median(times)
+        c["launch_s"] = r.seconds
+        c.pop("out")
 
 
 def table(cases: list[dict]) -> str:
@@ -147,8 +224,24 @@ def run() -> str:
         return f"_Skipped: {why}. The testbed needs root and iproute2 (`ip`, `tc`); see docs/testbed.md._\n"
     import torch
 
+    try:
+        link_down = parse_link_down(os.environ.get(LINK_DOWN_ENV))
+        text = os.environ.get("PLANC_COLLECTIVE_TIMEOUT_S") or "120"
+        try:
+            limit = float(text)
+        except ValueError:
+            limit = float("nan")
+        if not limit > 0:
+            raise ValueError(f"PLANC_COLLECTIVE_TIMEOUT_S must be positive seconds, not {text!r}")
+    except ValueError as e:
+        print(f"planc bench testbed: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
     t0 = time.monotonic()
-    cases = measure()
+    try:
+        cases = measure(link_down=link_down, collective_timeout=limit)
+    except BenchFailed as e:
+        print(e.message, file=sys.stderr)
+        raise
     took = time.monotonic() - t0
     head = (f"Testbed: {HOSTS} hosts × {PER_HOST} gloo ranks, host links {LINK_MBIT:g} Mbit/s (tbf, each "
             f"direction); measured = median of steps 1–{STEPS - 1} as `train.py --comm-only` prints them "

@@ -11,10 +11,15 @@ Public API::
         .ifname         the veth inside every host namespace (GLOO_SOCKET_IFNAME)
         .exec(h, argv, **subprocess kwargs)    run a command inside host h's namespace
         .launch(out, steps=..., timeout=..., comm_only=True, extra_args=(), script=None,
-                launcher="deepspeed", on_step=None) -> LaunchResult
+                launcher="deepspeed", on_step=None, ranks_per_host=None, host_outs=None,
+                progress=None) -> LaunchResult
                         run a compiled output: in namespace h, DeepSpeed's launcher for node h
                         (``deepspeed --no_ssh --node_rank=h ...``) starts host h's ranks of
-                        ``train.py [--comm-only]`` (or ``script``); every process is killed on timeout
+                        ``train.py [--comm-only]`` (or ``script``); every process is killed on timeout;
+                        each host's ranks run under the hostname ``node<h>``; ranks_per_host /
+                        host_outs start a job that is not the plan (start-up faults); progress: a bar
+                        of rank 0's steps on stderr (default: on a terminal); afterwards the launch's
+                        DeepSpeed /dev/shm buffers are removed (LaunchResult.shm_removed)
         .set_link_mbit(x)   change every host link's rate (``tc qdisc change``), also mid-run
         faults (planc/testbed/faults.py), also mid-run (e.g. from on_step):
         .set_loss(fraction, host=None)    drop that share of a host link's packets, each direction
@@ -26,7 +31,7 @@ Public API::
                         step_times, losses, peak_rss_kb (VmHWM per rank), timed_out,
                         failure (which rank failed first and how, every rank's last words, the faults),
                         rank_exits, rank_ended_s, host_exits, killed, events, dropped_packets,
-                        collective_timeout_s
+                        collective_timeout_s, shm_removed
     available() -> str | None      why a testbed cannot be built here (None: it can)
     cleanup_stale() -> list[str]   remove testbed namespaces left by processes that died
     scaled_link_mbit(plan, intra_bytes_per_s=3e9) -> float

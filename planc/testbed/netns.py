@@ -27,14 +27,16 @@ from pathlib import Path
 from typing import Callable
 from planc.testbed.faults import FaultsMixin, check_loss
 from planc.testbed.result import LaunchResult, TestbedError
-from planc.testbed.watch import (_RANK_FAILED_RE, STEP_RE, TRAIN_STEP_RE, RankTracker, _rank_failed,
-                                 _StepWatch, deepspeed_command, describe_failure,  # noqa: F401
-                                 sample_hwm)
+from planc.testbed.watch import (_RANK_FAILED_RE, STEP_RE, TRAIN_STEP_RE, RankTracker, StepBar,  # noqa: F401
+                                 _rank_failed, _StepWatch, deepspeed_command, describe_failure, remove_shm,
+                                 sample_hwm, shm_buffers, uts_wrapper)
 
 IFNAME = "tb0"                  # the veth inside every host namespace
 BRIDGE = "br0"                  # the bridge inside the bridge namespace
 NAME_RE = re.compile(r"^planc(\d+)t(\d+)(?:h\d+|br)$")
 _counter = itertools.count()
+_ports = itertools.count(29500)   # one master port per launch of this process, so that two testbeds up at
+                                  # once never share DeepSpeed's /dev/shm buffer names (address_port_rank)
 
 
 def available() -> str | None:
@@ -170,7 +172,7 @@ class Testbed(FaultsMixin):
         self._created: list[str] = []
         self._lock = threading.Lock()
         self._procs: list[subprocess.Popen] = []
-        self._ports = itertools.count(29500)
+        self._ports = _ports
         self._old_sigterm = None
         self.up = False
         self._loss = check_loss(loss, hosts)      # per host link, each direction
@@ -289,7 +291,9 @@ class Testbed(FaultsMixin):
                launcher: str = "deepspeed", env: dict | None = None, python: str | None = None,
                grace: float = 15.0, memory: bool = True,
                on_step: Callable[[int, float], None] | None = None,
-               collective_timeout: float | None = None) -> LaunchResult:
+               collective_timeout: float | None = None, ranks_per_host: list[int] | None = None,
+               host_outs: dict[int, str | os.PathLike] | None = None,
+               progress: bool | None = None) -> LaunchResult:
         """Run a compiled output: plan host h's ranks in namespace h, gloo over the veth.
 
         ``launcher="deepspeed"`` (default) starts, in each host's namespace, the
@@ -318,6 +322,13 @@ class Testbed(FaultsMixin):
         plan's ``train { timeout = ... }`` when it has one, else max(30, ``timeout``). When the
         launch fails, ``LaunchResult.failure`` says which rank failed first and how, what every
         rank said, and the faults applied during the run.
+
+        Start-up faults (the plan is not what runs): ``ranks_per_host`` starts that many ranks on
+        each host (numbered host by host) instead of the plan's, ``host_outs`` {h: OUT2} runs
+        OUT2/train.py on host h (another plan's digest). Every host's ranks run under the hostname
+        ``node<h>`` (``unshare --uts``, when it works), as on separate machines. ``progress``: a bar
+        of rank 0's steps on stderr (``planc.ui.progress``); None: when stderr is a terminal. What
+        DeepSpeed's ranks leave in /dev/shm for this launch is removed afterwards (``shm_removed``).
         """
         if not self.up:
             raise TestbedError("the testbed is not up (use it as a context manager)")
@@ -329,11 +340,22 @@ class Testbed(FaultsMixin):
         if len(hosts) > self.hosts:
             raise TestbedError(f"the plan has {len(hosts)} hosts, the testbed {self.hosts}")
         world = int(plan["cluster"]["devices"])
+        if ranks_per_host is not None:
+            counts = [int(n) for n in ranks_per_host]
+            if len(counts) != len(hosts) or min(counts) < 1:
+                raise ValueError(f"ranks_per_host must give each of the plan's {len(hosts)} hosts at least one "
+                                 f"rank, not {list(ranks_per_host)}")
+            hosts = [list(range(sum(counts[:h]), sum(counts[:h + 1]))) for h in range(len(counts))]
+            world = sum(counts)
+        if any(not (isinstance(h, int) and 0 <= h < len(hosts)) for h in (host_outs or {})):
+            raise ValueError(f"host_outs: hosts must be among the plan's 0..{len(hosts) - 1}, not {sorted(host_outs)}")
         if collective_timeout is None:
             collective_timeout = (plan.get("train") or {}).get("timeout") or max(30, int(timeout))
         if collective_timeout <= 0:
             raise ValueError(f"collective_timeout must be positive, not {collective_timeout}")
         script = Path(script).resolve() if script is not None else out / "train.py"
+        outs = {h: Path((host_outs or {}).get(h, out)).resolve() for h in range(len(hosts))}
+        scripts = {h: outs[h] / "train.py" if h in (host_outs or {}) else script for h in range(len(hosts))}
         argv = list(args) if args is not None else (["--comm-only"] if comm_only else [])
         argv += ["--steps", str(steps), *map(str, extra_args)]
         base = {k: v for k, v in os.environ.items()
@@ -354,12 +376,19 @@ class Testbed(FaultsMixin):
         killed_at = None
         hwm: dict[int, int] = {}
         host_of = {r: h for h, ranks in enumerate(hosts) for r in ranks}
-        tracker = RankTracker(str(script), t0)
+        tracker = RankTracker(tuple(sorted({str(x) for x in scripts.values()})), t0)
         self._tracker, self._host_of = tracker, host_of
         standing = [f"host {h}'s link drops {x * 100:g}% of its packets" for h, x in enumerate(self._loss) if x]
         standing += [f"host {h}'s link is down ({end} end)" for h, end in sorted(self._down)]
         events_from = len(self._events)
         dropped_before = self.dropped_packets()
+        shm_before = set(shm_buffers(self.addresses[0], port))
+        bar = StepBar(steps, f"testbed: {out.name}", progress)
+
+        def step_seen(n: int, seconds: float) -> None:
+            bar.step(n)
+            if on_step is not None:
+                on_step(n, seconds)
         try:
             if launcher == "deepspeed":
                 first = 0
@@ -375,12 +404,13 @@ class Testbed(FaultsMixin):
                     cmd = [*deepspeed_command(python), f"--hostfile={hostfile}", "--no_ssh", f"--node_rank={h}",
                            f"--num_nodes={len(hosts)}", *([f"--num_gpus={len(ranks)}"] if uniform else []),
                            f"--master_addr={self.addresses[0]}", f"--master_port={port}",
-                           f"--enable_each_rank_log={logdir / f'host{h}'}", str(script), *argv]
+                           f"--enable_each_rank_log={logdir / f'host{h}'}", str(scripts[h]), *argv]
                     f = open(logdir / f"host{h}.log", "w")
                     files.append(f)
                     procs[f"host{h}"] = subprocess.Popen(
-                        ["ip", "netns", "exec", self.namespaces[h], *cmd], env=base, stdout=f,
-                        stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=str(out), start_new_session=True)
+                        ["ip", "netns", "exec", self.namespaces[h], *uts_wrapper(f"node{h}"), *cmd], env=base,
+                        stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=str(outs[h]),
+                        start_new_session=True)
                     with self._lock:
                         self._procs.append(procs[f"host{h}"])
             else:
@@ -391,15 +421,17 @@ class Testbed(FaultsMixin):
                         f = open(logdir / f"rank{rank}.log", "w")
                         files.append(f)
                         procs[f"rank{rank}"] = subprocess.Popen(
-                            ["ip", "netns", "exec", self.namespaces[h], python, str(script), *argv],
+                            ["ip", "netns", "exec", self.namespaces[h], *uts_wrapper(f"node{h}"), python,
+                             str(scripts[h]), *argv],
                             env=e, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                            cwd=str(out), start_new_session=True)
+                            cwd=str(outs[h]), start_new_session=True)
                         with self._lock:
                             self._procs.append(procs[f"rank{rank}"])
             deadline = t0 + timeout
             failed_at = None
             next_sample = 0.0
-            watch = _StepWatch(logdir, "host0/*_rank0.log" if launcher == "deepspeed" else "rank0.log", on_step)
+            watch = _StepWatch(logdir, "host0/*_rank0.log" if launcher == "deepspeed" else "rank0.log",
+                               step_seen if (on_step is not None or bar.shown) else None)
             while any(p.poll() is None for p in procs.values()):
                 watch.poll()
                 now = time.monotonic()
@@ -437,6 +469,10 @@ class Testbed(FaultsMixin):
                 f.close()
             with self._lock:
                 self._procs = [p for p in self._procs if p not in procs.values()]
+            bar.close()
+            # DeepSpeed's CPU ranks each map /dev/shm/deepspeed_allreduce_buffer_<uid>_<addr>_<port>_<rank>
+            # (~69 MB) when all ranks are on one node and never unlink it: remove what this launch left
+            shm_removed = remove_shm(self.addresses[0], port, keep=shm_before)
         if launcher == "deepspeed":
             logs = {}
             for r in range(world):
@@ -473,7 +509,7 @@ class Testbed(FaultsMixin):
                             rank_ended_s={r: t for r, (t, _) in sorted(tracker.ended.items())},
                             killed=killed_at is not None, events=events,
                             dropped_packets={h: n - dropped_before.get(h, 0) for h, n in dropped_after.items()},
-                            collective_timeout_s=float(collective_timeout),
+                            collective_timeout_s=float(collective_timeout), shm_removed=shm_removed,
                             host_exits={int(k[4:]): p.returncode for k, p in procs.items() if k.startswith("host")})
 
 

@@ -30,6 +30,7 @@ class LaunchResult:
     dropped_packets: dict[int, int] = field(default_factory=dict)     # host -> packets the loss fault dropped
     collective_timeout_s: float = 0.0     # PLANC_COLLECTIVE_TIMEOUT_S the ranks ran with
     host_exits: dict[int, int | None] = field(default_factory=dict)   # host -> its DeepSpeed launcher's returncode
+    shm_removed: list[str] = field(default_factory=list)  # DeepSpeed /dev/shm buffers its ranks left, removed
 
     def check(self) -> "LaunchResult":
         if self.returncode != 0 and self.failure:

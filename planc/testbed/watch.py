@@ -1,15 +1,94 @@
-"""Watching a testbed launch from outside: rank 0's step lines, failed ranks, ranks' peak memory,
-which rank ended first and how (``RankTracker``), the account of a failed launch
-(``describe_failure``) and the DeepSpeed launcher command (helpers of ``netns.Testbed.launch``)."""
+"""Watching a testbed launch from outside: rank 0's step lines (and their progress bar), failed
+ranks, ranks' peak memory, which rank ended first and how (``RankTracker``), the account of a failed
+launch (``describe_failure``), the DeepSpeed launcher command, each host's hostname and the
+/dev/shm buffers a launch's ranks leave (helpers of ``netns.Testbed.launch``)."""
 from __future__ import annotations
 
+import functools
+import glob
 import os
 import re
+import shutil
 import signal
+import subprocess
+import sys
 from pathlib import Path
 
 STEP_RE = re.compile(r"step (\d+) comm ([0-9.]+) s \(verified")                  # train.py --comm-only
 TRAIN_STEP_RE = re.compile(r"step (\d+) loss (\S+) time ([0-9.]+) s [0-9.]+ samples/s")   # train.py
+
+SHM_PREFIX = "/dev/shm/deepspeed_allreduce_buffer"   # DeepSpeed's CPU shm all-reduce (ops/csrc/cpu/comm/shm.cpp)
+
+
+def shm_buffers(master_addr: str, port: str | int) -> list[str]:
+    """The /dev/shm buffers of DeepSpeed's CPU ranks of one job: ``<prefix>_<uid>_<addr>_<port>_<rank>``
+    (MASTER_ADDR and MASTER_PORT name the job)."""
+    return sorted(glob.glob(f"{SHM_PREFIX}_{os.getuid()}_{glob.escape(master_addr)}_{port}_*"))
+
+
+def remove_shm(master_addr: str, port: str | int, keep=()) -> list[str]:
+    """Remove the job's buffers (those not in ``keep``: there before it started); returns what was removed."""
+    removed = []
+    for path in shm_buffers(master_addr, port):
+        if path in keep:
+            continue
+        try:
+            os.unlink(path)
+            removed.append(path)
+        except OSError:
+            pass
+    return removed
+
+
+@functools.lru_cache(maxsize=1)
+def _can_unshare_uts() -> bool:
+    return shutil.which("unshare") is not None and subprocess.run(
+        ["unshare", "--uts", "true"], capture_output=True).returncode == 0
+
+
+def uts_wrapper(hostname: str) -> list[str]:
+    """The command prefix that runs the rest under its own ``hostname`` (a UTS namespace), so the
+    runtime's per-host check sees each testbed host as its own machine; [] when unshare cannot."""
+    if not _can_unshare_uts():
+        return []
+    return ["unshare", "--uts", "sh", "-c", 'hostname "$0" && exec "$@"', hostname]
+
+
+class StepBar:
+    """Rank 0's steps as a ``planc.ui.progress`` bar on stderr; ``enabled`` None: when stderr is a
+    terminal (piped output stays as it was). ``step(n)``: rank 0 printed step n."""
+
+    def __init__(self, steps: int, label: str, enabled: bool | None = None):
+        from planc import ui
+
+        self.it, self.done = None, 0
+        if enabled is None:
+            enabled = ui.is_tty(sys.stderr)
+        if enabled and steps > 0:
+            self.it = ui.progress(range(steps), label, stream=sys.stderr, piped="silent",
+                                  describe=lambda n: f"step {n}")
+            try:
+                next(self.it)                     # the bar is up, step 0 running
+            except Exception:                     # e.g. rich's LiveError: another live display is up
+                self.it = None
+
+    @property
+    def shown(self) -> bool:
+        return self.it is not None
+
+    def step(self, n: int) -> None:
+        while self.it is not None and self.done <= n:
+            self.done += 1
+            try:
+                next(self.it)
+            except StopIteration:
+                self.it = None
+
+    def close(self) -> None:
+        if self.it is not None:
+            self.it.close()
+            self.it = None
+
 
 class _StepWatch:
     """Follows rank 0's log while it is written and calls ``on_step(n, seconds)`` per step line."""
@@ -61,9 +140,10 @@ def deepspeed_command(python: str) -> list[str]:
     return [python, "-u", "-c", "import sys; from deepspeed.launcher.runner import main; sys.exit(main())"]
 
 
-def _rank_processes(launched, script: str):
+def _rank_processes(launched, script: str | tuple[str, ...]):
     """(psutil process, RANK) of every running process below ``launched`` (Popen objects) whose
-    command line runs ``script``; processes that vanish or cannot be read are skipped."""
+    command line runs ``script`` (or one of them); processes that vanish or cannot be read are skipped."""
+    scripts = (script,) if isinstance(script, str) else tuple(script)
     try:
         import psutil
     except ImportError:   # pragma: no cover - psutil comes with DeepSpeed
@@ -77,7 +157,8 @@ def _rank_processes(launched, script: str):
             continue
         for q in procs:
             try:
-                if script not in q.cmdline():
+                cmdline = q.cmdline()
+                if not any(s in cmdline for s in scripts):
                     continue
                 rank = q.environ().get("RANK")
             except (psutil.Error, OSError):
@@ -94,7 +175,7 @@ class RankTracker:
     ``poll`` reads ``/proc/PID/stat``: a rank that has exited is a zombie until its parent (the
     DeepSpeed launcher, which polls once a second) reaps it, and its exit status is field 52."""
 
-    def __init__(self, script: str, t0: float):
+    def __init__(self, script: str | tuple[str, ...], t0: float):
         self.script, self.t0 = script, t0
         self.pids: dict[int, int] = {}                            # rank -> pid
         self.ended: dict[int, tuple[float, int | None]] = {}      # rank -> (seconds since t0, returncode)
