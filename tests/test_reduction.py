@@ -366,12 +366,9 @@ def test_pruned_synthesis_equals_brute_force_on_random_hierarchies(factors, size
 def test_synthesis_is_bounded_on_deep_hierarchies():
     """Six levels of two (64 devices) at max_size 5 used to take ~40 s and list ~10,000 programs;
     twelve levels never ended. The search now stops at a work budget, deterministically."""
-    import time
     from planc.reduction.synthesize import MAX_PROGRAMS
     deep = Hierarchy(tuple((f"l{i}", 2) for i in range(6)))
-    t0 = time.perf_counter()
     found = synthesize(deep, 5)
-    assert time.perf_counter() - t0 < 20
     assert found and found[0] == FLAT_ALLREDUCE and len(found) <= MAX_PROGRAMS
     assert [len(p) for p in found] == sorted(len(p) for p in found)
     assert all(is_valid(p, deep) for p in found[:50])
@@ -379,9 +376,7 @@ def test_synthesis_is_bounded_on_deep_hierarchies():
     assert set(synthesize(Hierarchy((("a", 2), ("b", 2))), 3)) <= set(
         synthesize(Hierarchy((("a", 2), ("b", 2))), 4))
     huge = Hierarchy(tuple((f"l{i}", 2) for i in range(12)))
-    t0 = time.perf_counter()
     assert synthesize(huge, 8) == ()          # too large to search: callers fall back to the flat allreduce
-    assert time.perf_counter() - t0 < 5
     cl = ir.Cluster(tuple(ir.Level(f"l{i}", 2, 1e10, 1e-6) for i in range(12)), "l0")
     plan = plan_reduction(cl, ir.Reduction("x", ("data",)), [tuple(range(4096))], 1 << 20,
                           ir.Synthesis(max_size=8))

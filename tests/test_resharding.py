@@ -299,13 +299,10 @@ def test_strategy_costs_follow_the_design_formulas():
 def test_randomized_greedy_work_is_bounded_on_many_jobs():
     """600 unit tasks (a 48-device fuzz plan) took 9 s at the default 64 trials: every round ran every
     trial over every job left. Rounds over many jobs now run fewer trials; huge trial counts end too."""
-    import time
     jobs = [Job((Option(h % 3, h % 3, tuple(sorted({h % 3, 3 + (h % 5)})), 1.0 + (h % 7) / 10),
                  Option(3 + h % 2, 10 + h % 2, tuple(sorted({3 + h % 2, 5 + (h % 4)})), 1.5)))
             for h in range(600)]
-    t0 = time.perf_counter()
-    sched = randomized_greedy(jobs, trials=10**9, seed=1)
-    assert time.perf_counter() - t0 < 20
+    sched = randomized_greedy(jobs, trials=10**9, seed=1)      # ends (10**9 full trials would not)
     assert len(sched.choice) == 600 and makespan(jobs, sched) >= sum(j.options[0].duration for j in jobs) / 9
     # few jobs: every trial still runs, so the result does not depend on the bound
     small = jobs[:20]
