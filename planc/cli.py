@@ -1,4 +1,4 @@
-"""planc command line: compile | check | explain | bench | testbed.
+"""planc command line: compile | check | explain | bench | simulate | calibrate | testbed.
 
 User errors (PlanError) print as file:line:col with the source line and a caret
 run, and exit 2. Anything else is a bug in planc: one line and exit 3, the
@@ -50,9 +50,12 @@ def _cmd_check(args) -> int:
 def _cmd_compile(args) -> int:
     from planc.compile import compile_file
     from planc.codegen import write_output
+    from planc import ui
 
     src = Path(args.plan)
-    compiled = compile_file(src, probe=not args.no_probe, verify=True if args.verify else None)
+    with ui.status(f"planc compile {src.name}") as progress:   # a spinner on a terminal only
+        compiled = compile_file(src, probe=not args.no_probe, verify=True if args.verify else None,
+                                progress=progress)
     out = Path(args.output) if args.output else Path("build") / compiled.program.name
     write_output(compiled.plan_json, compiled.program, out)
     from planc import ui
@@ -83,7 +86,8 @@ def _cmd_explain(args) -> int:
         except DrawError as e:
             print(f"planc explain --draw: {e}", file=sys.stderr)
             return EXIT_USER
-    compiled = compile_file(Path(args.plan), probe=not args.no_probe)
+    with ui.status(f"planc explain {Path(args.plan).name}") as progress:   # a spinner on a terminal only
+        compiled = compile_file(Path(args.plan), probe=not args.no_probe, progress=progress)
     plan = compiled.plan_json
     if args.as_:
         from planc.explain_as import ExplainAsError, explain_as_data, explain_as_renderables
@@ -127,8 +131,17 @@ def _cmd_bench(args) -> int:
                   file=sys.stderr)
             return EXIT_USER
         options = dict(plans=args.plans or None, json_path=args.json_path, chart=args.chart, rates=rates)
+    elif args.what == "accuracy":
+        if not args.cluster or not args.plans:
+            print("planc bench accuracy: needs --cluster CALIBRATED.yaml and the measured JSON files "
+                  "(bench iteration --json, bench testbed cases)", file=sys.stderr)
+            return EXIT_USER
+        options = dict(measured=args.plans, cluster=args.cluster, json_path=args.json_path)
     elif args.plans or args.rates or args.json_path or args.chart:
         print(f"planc bench {args.what}: takes no PLAN, --rates, --json or --chart", file=sys.stderr)
+        return EXIT_USER
+    if args.cluster and args.what != "accuracy":
+        print(f"planc bench {args.what}: takes no --cluster (only accuracy does)", file=sys.stderr)
         return EXIT_USER
     if args.plot and Path(args.plot).suffix.lower() not in (".png", ".svg"):
         print(f"planc bench: --plot {args.plot}: the picture must be a .png or .svg file", file=sys.stderr)
@@ -140,7 +153,12 @@ def _cmd_bench(args) -> int:
             return EXIT_USER
         if args.what == "iteration":
             options["chart"] = options.get("chart") or args.plot   # step time against link rate
-    text = run_bench(args.what, write=args.write, **options)
+    from planc.bench.accuracy import AccuracyError
+    try:
+        text = run_bench(args.what, write=args.write, **options)
+    except AccuracyError as e:
+        print(e, file=sys.stderr)
+        return EXIT_USER
     print(text)
     if args.plot and args.what != "iteration":
         from planc.bench.plot import plot_tables
@@ -240,7 +258,7 @@ def _cmd_testbed(args) -> int:
     if args.action == "up":
         from planc.compile import compile_file
 
-        plan = compile_file(Path(args.target), probe=False).plan_json
+        plan = compile_file(Path(args.target)).plan_json   # probed: bundled plans leave transfer types to it
         hosts = len(plan["cluster"]["hosts"])
     else:
         path = Path(args.target) / "plan.json"
@@ -302,6 +320,33 @@ def _cmd_testbed(args) -> int:
         return r.returncode
 
 
+def _cmd_calibrate(args) -> int:
+    from planc.calibrate import CalibrateError, calibrate, summary
+
+    try:
+        rates = [float(x) for x in args.rate.split(",") if x.strip()] if args.rate else None
+    except ValueError:
+        print(f"planc calibrate: --rate {args.rate!r} is not a comma-separated list of Mbit/s", file=sys.stderr)
+        return EXIT_USER
+    if args.on == "cluster" and (rates or args.hosts is not None or args.ranks_per_host is not None):
+        print("planc calibrate --on cluster: --rate, --hosts and --ranks-per-host are testbed options "
+              "(use --ranks)", file=sys.stderr)
+        return EXIT_USER
+    try:
+        doc = calibrate(args.on, args.out, hosts=2 if args.hosts is None else args.hosts,
+                        per_host=2 if args.ranks_per_host is None else args.ranks_per_host, rates=rates,
+                        ranks=args.ranks, backend=args.backend, repeats=args.repeats, timeout=args.timeout,
+                        command=f"planc calibrate --on {args.on} {args.out}"
+                        + "".join(f" --{k.replace('_', '-')} {v}" for k, v in (
+                            ("rate", args.rate), ("hosts", args.hosts), ("ranks_per_host", args.ranks_per_host))
+                            if v is not None))
+    except CalibrateError as e:
+        print(e, file=sys.stderr)
+        return e.code
+    print(f"wrote {args.out}:\n{summary(doc)}")
+    return 0
+
+
 def _budget_argument(c: argparse.ArgumentParser) -> None:
     """--budget NAME=N,...: raise (or lower) the compiler's resource bounds (planc.budget, docs/limits.md)."""
     from planc import budget
@@ -356,6 +401,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="iteration: host link rates, Mbit/s, comma-separated (default 10,25,100,10000; 10000 ≈ unshaped)")
     c.add_argument("--json", dest="json_path", metavar="FILE", help="iteration: also write every measurement as JSON")
     c.add_argument("--chart", metavar="FILE", help="iteration: step time against link rate (needs matplotlib)")
+    c.add_argument("--cluster", metavar="YAML", help="accuracy: the cluster file `planc calibrate` wrote "
+                                                    "(PLAN arguments: the measured JSON files)")
     c.add_argument("--write", metavar="FILE", help="also write the table into FILE (e.g. docs/benchmarks.md)")
     c.add_argument("--plot", metavar="FILE", help="draw the table (.png or .svg): ratios against the bound or the "
                                                   "baseline as bars; iteration: step time against link rate")
@@ -367,6 +414,22 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--schedule", choices=["gpipe", "1f1b", "eager_1f1b"],
                    help="the schedule to draw (default: the plan's)")
     c.set_defaults(func=_cmd_simulate)
+
+    c = sub.add_parser("calibrate", help="measure links and device throughput; write a cluster YAML (docs/calibrate.md)")
+    c.add_argument("--on", required=True, choices=["testbed", "cluster"],
+                   help="testbed: emulated hosts (root, docs/testbed.md); cluster: ranks spawned on this machine")
+    c.add_argument("out", metavar="OUT.yaml", help="the cluster file to write (plans load it: cluster \"OUT.yaml\")")
+    c.add_argument("--rate", default=None, metavar="MBIT[,MBIT...]",
+                   help="testbed: host link rates to measure at, Mbit/s (default 100; the first one's figures "
+                        "are the file's levels)")
+    c.add_argument("--hosts", type=int, default=None, help="testbed: emulated hosts (default 2)")
+    c.add_argument("--ranks-per-host", type=int, default=None, help="testbed: ranks per host (default 2)")
+    c.add_argument("--ranks", type=int, default=2, help="cluster: ranks on this machine (default 2)")
+    c.add_argument("--backend", choices=["auto", "gloo", "nccl"], default="auto",
+                   help="cluster: auto = NCCL when there is a GPU per rank, else gloo")
+    c.add_argument("--repeats", type=int, default=3, help="timed repeats per message size (median)")
+    c.add_argument("--timeout", type=float, default=300.0, help="seconds before every rank is killed")
+    c.set_defaults(func=_cmd_calibrate)
 
     c = sub.add_parser("testbed", help="emulated cluster: network namespaces + tc shaping (root; docs/testbed.md)")
     c.add_argument("action", choices=["up", "run", "down"],

@@ -135,6 +135,7 @@ class Context:
     placement: Placement | None = None
     untrainable: tuple[Diagnostic, ...] = ()
     choices: tuple = ()     # (what, why) of decisions made for `auto` (stage cut, schedule)
+    progress: object = None  # progress(text) before each pass (planc compile's spinner on a terminal)
 
     @property
     def training(self) -> bool:
@@ -143,10 +144,11 @@ class Context:
 
 @budget.accepts   # budget=...: the resource bounds (planc.budget) every pass checks
 def compile_program(program: ir.Program, probe: ModelProbe | None = None, verify: bool = False,
-                    stages_reason: str | None = None) -> CompiledPlan:
+                    stages_reason: str | None = None, progress=None) -> CompiledPlan:
     """The passes in order, each ``(input, ctx) -> record``; with ``verify`` each output is checked
-    by an independent checker before the next pass runs (``planc.verify``)."""
-    ctx = Context(program, probe, verify)
+    by an independent checker before the next pass runs (``planc.verify``). ``progress(text)``, if
+    given, is told what runs next (``PASS_TEXT``); it does not change the result."""
+    ctx = Context(program, probe, verify, progress=progress)
     program = _run("infer", infer_pass, program, ctx)
     ctx = dataclasses.replace(ctx, program=program)
     placement = _run("place", place_pass, program, ctx)
@@ -155,6 +157,8 @@ def compile_program(program: ir.Program, probe: ModelProbe | None = None, verify
                               untrainable=check_trainable(program, placement.stages) if ctx.training else ())
     reductions = _run("reductions", reductions_pass, program, ctx)
     routes = _run("transfers", transfers_pass, program, ctx)
+    if progress is not None:
+        progress(PASS_TEXT["simulate"])
     runs = _simulated(program, ctx, reductions, routes)   # every schedule's predicted iteration
     if ctx.training and program.train.schedule is ir.PipeSchedule.AUTO:   # the best that fits the memory
         if runs is not None:
@@ -168,7 +172,14 @@ def compile_program(program: ir.Program, probe: ModelProbe | None = None, verify
     return CompiledPlan(program, plan.to_json(), ctx.untrainable, plan)
 
 
+PASS_TEXT = {"probe": "probing the model", "infer": "inferring transfers", "place": "ranking placements",
+             "reductions": "synthesizing reductions", "transfers": "planning resharding",
+             "simulate": "simulating schedules", "pipeline": "building the pipeline", "assemble": "assembling plan.json"}
+
+
 def _run(name: str, fn, value, ctx: Context):
+    if ctx.progress is not None:
+        ctx.progress(PASS_TEXT[name])
     out = fn(value, ctx)
     if ctx.verify:
         verify(name, out, ctx)
@@ -407,20 +418,27 @@ def _loss_devices(last: ir.StageLayout) -> list[int]:
 
 
 @budget.accepts   # budget=...: the resource bounds (planc.budget), from load on
-def compile_file(path: str | Path, probe: bool = True, timings: bool = False, verify: bool | None = None) -> CompiledPlan:
+def compile_file(path: str | Path, probe: bool = True, timings: bool = False, verify: bool | None = None,
+                 progress=None) -> CompiledPlan:
     """Load, probe and compile one plan file. ``verify`` (default: env ``PLANC_VERIFY=1``, which the
-    test suite sets) checks every pass's output independently."""
+    test suite sets) checks every pass's output independently. ``progress(text)``: told what runs
+    next (the CLI's spinner on a terminal; see ``compile_program``)."""
+    say = progress or (lambda text: None)
     t0 = time.perf_counter()
     if verify is None:
         verify = os.environ.get("PLANC_VERIFY") == "1"
     program = load(path)
     try:
+        if probe and program.model is not None:
+            say(PASS_TEXT["probe"])
         model_probe = probe_model(program) if (probe and program.model is not None) else None
         stages_reason = None
         if program.auto_stages:   # stages = auto(N): cut the layers first, then probe the cut's real dataflow
             program, stages_reason = apply_auto_stages(program, model_probe)
+            say(PASS_TEXT["probe"] + " (the cut's dataflow)")
             model_probe = probe_model(program)
-        compiled = compile_program(program, model_probe, verify=verify, stages_reason=stages_reason)
+        compiled = compile_program(program, model_probe, verify=verify, stages_reason=stages_reason,
+                                   progress=progress)
     except PlanError as e:   # errors found by the passes point into the plan: show its lines too
         raise e.with_source(program.source_path, Path(path).read_text()) from None
     if timings:

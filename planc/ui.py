@@ -9,6 +9,12 @@ ASCII rules, no ANSI escapes, so piped output is stable enough for golden files 
     emit(things, stream)   print lines and tables (coloured on a TTY, plain when piped)
     render(*things)        the same as plain 80-column text (what a pipe would get)
     progress(items, label) iterate with a progress bar on a TTY; one line per item (or nothing) when piped
+    bar(label, total)      a progress bar advanced by hand (``advance(n, item)``); nothing when piped
+    status(label)          a transient spinner with a changing line (``update(text)``); nothing when piped
+
+Bars and spinners go to stderr by default and only to a terminal: piped output (stdout and stderr)
+gets no escape sequences, no carriage returns and no extra lines from them. One at a time per
+stream: one started while another is up (a testbed launch's step bar inside a bench's bar) is silent.
 """
 
 from __future__ import annotations
@@ -18,7 +24,8 @@ import sys
 import textwrap
 import time
 from dataclasses import dataclass
-from typing import Iterable, Iterator, TypeVar
+from contextlib import contextmanager
+from typing import Callable, Iterable, Iterator, TypeVar
 
 from rich import box
 from rich.console import Console
@@ -139,15 +146,19 @@ def progress(items: Iterable[T], label: str, *, total: int | None = None, stream
             total = len(items)            # type: ignore[arg-type]
         except TypeError:
             total = None
-    if is_tty(stream):
+    if is_tty(stream) and _live_free(stream):
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-        with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                      TextColumn("{task.fields[item]}"), console=console(stream), transient=False) as bar:
+        with _live(stream), Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                                     TimeElapsedColumn(), TextColumn("{task.fields[item]}"), console=console(stream),
+                                     transient=False) as bar:
             task = bar.add_task(label, total=total, item="")
             for x in items:
                 bar.update(task, item=describe(x))
                 yield x
                 bar.advance(task)
+        return
+    if is_tty(stream):                    # inside another bar on this terminal: that one shows the progress
+        yield from items
         return
     n = "?" if total is None else str(total)
     t0 = time.monotonic()
@@ -158,3 +169,70 @@ def progress(items: Iterable[T], label: str, *, total: int | None = None, stream
         yield x
     if piped == "lines":
         print(f"{label}: {i} done in {time.monotonic() - t0:.1f} s", file=stream, flush=True)
+
+
+_LIVE: set[int] = set()   # streams showing a bar or spinner now: one live display per terminal
+
+
+def _live_free(stream) -> bool:
+    """No bar or spinner of ours is up on ``stream``: a nested one (a testbed launch's step bar
+    inside a bench's bar) stays silent rather than fight the outer one for the terminal's lines."""
+    return _key(stream) not in _LIVE
+
+
+def _key(stream) -> int:
+    # while a rich display is up, sys.stderr is its FileProxy: the terminal is the file behind it
+    return id(getattr(stream, "rich_proxied_file", stream))
+
+
+@contextmanager
+def _live(stream):
+    _LIVE.add(_key(stream))
+    try:
+        yield
+    finally:
+        _LIVE.discard(_key(stream))
+
+
+class Bar:
+    """What ``bar()`` yields: ``advance(n=1, item=None)`` and ``update(item)``; a no-op when piped."""
+
+    def __init__(self, progress=None, task=None):
+        self._progress, self._task = progress, task
+
+    def advance(self, n: float = 1, item: str | None = None) -> None:
+        if self._progress is not None:
+            fields = {} if item is None else {"item": item}
+            self._progress.update(self._task, advance=n, **fields)
+
+    def update(self, item: str) -> None:
+        if self._progress is not None:
+            self._progress.update(self._task, item=item)
+
+
+@contextmanager
+def bar(label: str, total: float | None, *, stream=None, transient: bool = False) -> Iterator[Bar]:
+    """A rich progress bar on ``stream`` (stderr by default) when it is a TTY, advanced by hand, for
+    work that is not a loop over items (steps reported by a callback); when piped, nothing at all."""
+    stream = sys.stderr if stream is None else stream
+    if not (is_tty(stream) and _live_free(stream)):
+        yield Bar()
+        return
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    with _live(stream), Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                                 TimeElapsedColumn(), TextColumn("{task.fields[item]}"), console=console(stream),
+                                 transient=transient) as p:
+        yield Bar(p, p.add_task(label, total=total, item=""))
+
+
+@contextmanager
+def status(label: str, *, stream=None) -> Iterator[Callable[[str], None]]:
+    """A transient spinner ``label: TEXT`` on ``stream`` (stderr by default) when it is a TTY; yields
+    ``update(TEXT)``. It leaves nothing behind; when piped it writes nothing (``update`` is a no-op)."""
+    stream = sys.stderr if stream is None else stream
+    if not (is_tty(stream) and _live_free(stream)):
+        yield lambda text: None
+        return
+    with _live(stream), console(stream).status(f"{label} …") as s:
+        yield lambda text: s.update(f"{label}: {text}")
+

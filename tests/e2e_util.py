@@ -13,6 +13,17 @@ ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
 
 
+def spelled(plan) -> Path:
+    """For a bundled plan (``plans/NAME`` or its name) whose transfers are inferred by the model probe:
+    its spelled copy ``tests/plans/STEM-spelled.plan`` (line for line, the transfers' types written
+    out), so tests that are about something else than the probe compile it with ``probe=False``
+    (~6 s less each). A plan without a spelled copy (nothing inferred) is returned as is.
+    ``test_compile.test_spelled_copies_match_the_bundled_plans`` keeps the copies in step."""
+    path = Path(plan) if Path(plan).is_absolute() or "/" in str(plan) else ROOT / "plans" / plan
+    copy = ROOT / "tests" / "plans" / f"{path.stem}-spelled.plan"
+    return copy if path.resolve().parent == ROOT / "plans" and copy.is_file() else path
+
+
 def launch_env():
     """CPU/gloo, one thread per rank, this venv's deepspeed and python first on PATH."""
     bin_dir = str(Path(PY).parent)

@@ -20,7 +20,8 @@ ROOT = Path(__file__).resolve().parents[1]
 def _compile(path: Path) -> dict:
     from planc.compile import compile_file
 
-    return compile_file(path, probe=False).plan_json
+    from e2e_util import spelled
+    return compile_file(spelled(path), probe=False).plan_json   # a bundled plan's types: its spelled copy
 
 
 @pytest.fixture(scope="module")
@@ -180,3 +181,58 @@ def test_compute_parts_reads_the_workers_lines_after_the_warm_up():
              f"per rank [0.1, 0.2]" for i, (a, b) in enumerate([(9.0, 9.0), (0.4, 0.7), (0.5, 0.8), (0.3, 0.9)])]
     assert iteration.compute_parts({"details": lines}) == (0.4, 0.8, 2)
     assert iteration.compute_parts({}) is None
+
+
+class _Bar:
+    """A stand-in for planc.ui.Bar that records what the bench tells it."""
+
+    def __init__(self):
+        self.done, self.items = 0, []
+
+    def advance(self, n=1, item=None):
+        self.done += n
+        self.items.append(item)
+
+    def update(self, item):
+        self.items.append(item)
+
+
+class _Testbed:
+    """Runs ``steps_run`` of a launch's steps (fewer: a launch that died), calling ``on_step`` as the
+    real testbed does, and records the link rate set before each step."""
+
+    def __init__(self, steps_run=None):
+        self.steps_run, self.rates, self.rate = steps_run, [], None
+
+    def set_link_mbit(self, rate):
+        self.rate = rate
+
+    def launch(self, out, steps, on_step, **_):
+        from planc.testbed.result import LaunchResult
+        n = steps if self.steps_run is None else self.steps_run
+        times = []
+        for i in range(n):
+            self.rates.append(self.rate)
+            times.append(0.1 * (i + 1))
+            on_step(i, times[-1])
+        return LaunchResult(returncode=0 if n == steps else 1, stdout="", step_times=times)
+
+
+def test_progress_bar_counts_every_step_of_every_launch(tmp_path):
+    """The bar advances once per step (the rate shown is the segment's), and a launch that stops
+    early still completes its share, so a bench's bar ends at its total."""
+    tb, bar = _Testbed(), _Bar()
+    rates = [10.0, 100.0]
+    res = iteration._over_rates(tb, tmp_path, rates, measured=2, timeout=1, bar=bar, what="planc 1f1b")
+    total = iteration.launch_steps(rates, 2)
+    assert total == (iteration.WARMUP + 2) * 2 and bar.done == total
+    assert tb.rates == [10.0] * (total // 2) + [100.0] * (total // 2)       # the rates the steps ran at
+    shown = [i for i in bar.items if i and "@" in i]
+    assert shown[0] == "planc 1f1b @ 10 Mbit/s" and "planc 1f1b @ 100 Mbit/s" in shown
+    assert [r["median"] is not None for r in res["per_rate"]] == [True, True]
+    dead, bar2 = _Testbed(steps_run=1), _Bar()
+    res = iteration._over_rates(dead, tmp_path, rates, measured=2, timeout=1, bar=bar2, what="stock DeepSpeed")
+    assert bar2.done == total and "error" in res
+    # without a bar (piped): the same measurement
+    assert iteration._over_rates(_Testbed(), tmp_path, rates, measured=2, timeout=1)["per_rate"] == \
+        iteration._over_rates(_Testbed(), tmp_path, rates, measured=2, timeout=1, bar=_Bar())["per_rate"]

@@ -11,11 +11,11 @@ from planc import codegen
 from planc.compile import compile_file
 
 sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
-from e2e_util import ROOT  # noqa: E402
+from e2e_util import ROOT, spelled  # noqa: E402
 
 
 def _gpt():
-    c = compile_file(ROOT / "plans" / "gpt-2x4.plan", probe=False)
+    c = compile_file(spelled("gpt-2x4.plan"), probe=False)
     return c.program, c.plan_json
 
 

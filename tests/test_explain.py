@@ -13,7 +13,10 @@ from planc.compile import compile_file
 from planc.draw import draw
 from planc.explain import explain, explain_data
 
+from e2e_util import spelled
+
 ROOT = Path(__file__).resolve().parents[1]
+UNET = spelled("unet-skip.plan")   # the bundled plan with its transfer types written out: no probe needed
 
 
 def _flat(text: str) -> str:
@@ -44,7 +47,7 @@ def test_explain_p2_plan_shows_matrix_reasons_and_programs():
 
 
 def test_explain_cli_shows_transfers_and_pipeline():
-    r = subprocess.run([sys.executable, "-m", "planc", "explain", str(ROOT / "plans" / "unet-skip.plan"),
+    r = subprocess.run([sys.executable, "-m", "planc", "explain", str(UNET),
                         "--no-probe"], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     assert "\x1b[" not in r.stdout                    # piped: no ANSI escapes
@@ -53,15 +56,15 @@ def test_explain_cli_shows_transfers_and_pipeline():
         assert re.search(rf"^{name}\s+\d -> \d\s+\w+", r.stdout, re.M), name   # the transfers table
     assert "scheduled on one NIC timeline with" in r.stdout
     assert "pipeline: eager_1f1b, 4 micro-batches" in r.stdout
-    per_stage = compile_file(ROOT / "plans" / "unet-skip.plan", probe=False).plan_json["pipeline"]["per_stage"]
+    per_stage = compile_file(UNET, probe=False).plan_json["pipeline"]["per_stage"]
     for i, ops in enumerate(per_stage):                            # each stage's row of the schedule table
         assert re.search(rf"^\s*{i}\s+{' '.join(ops)}$", r.stdout, re.M), (i, ops)
     assert all(len(line) <= 80 for line in r.stdout.splitlines())
 
 
 def test_explain_json_is_the_same_content():
-    plan = compile_file(ROOT / "plans" / "unet-skip.plan", probe=False).plan_json
-    r = subprocess.run([sys.executable, "-m", "planc", "explain", str(ROOT / "plans" / "unet-skip.plan"),
+    plan = compile_file(UNET, probe=False).plan_json
+    r = subprocess.run([sys.executable, "-m", "planc", "explain", str(UNET),
                         "--no-probe", "--json"], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     data = json.loads(r.stdout)
@@ -78,7 +81,7 @@ def test_explain_json_is_the_same_content():
 
 def test_explain_draw_svg_has_one_node_per_device(tmp_path):
     svg = tmp_path / "tree.svg"
-    plan = compile_file(ROOT / "plans" / "unet-skip.plan", probe=False).plan_json
+    plan = compile_file(UNET, probe=False).plan_json
     assert draw(plan, svg) == plan["cluster"]["devices"]
     text = svg.read_text()
     ids = re.findall(r'id="device-(\d+)"', text)
@@ -91,14 +94,14 @@ def test_explain_draw_svg_has_one_node_per_device(tmp_path):
 
 
 def test_explain_draw_bad_suffix_or_no_matplotlib_exit_2(tmp_path):
-    r = subprocess.run([sys.executable, "-m", "planc", "explain", str(ROOT / "plans" / "unet-skip.plan"),
+    r = subprocess.run([sys.executable, "-m", "planc", "explain", str(UNET),
                         "--no-probe", "--draw", str(tmp_path / "tree.pdf")], capture_output=True, text=True)
     assert r.returncode == 2 and "must end in .png or .svg, not '.pdf'" in r.stderr and "Traceback" not in r.stderr
     (tmp_path / "matplotlib").mkdir()            # a matplotlib that cannot be imported shadows the real one
     (tmp_path / "matplotlib" / "__init__.py").write_text("raise ImportError('no matplotlib here')\n")
     r = subprocess.run([sys.executable, "-c", f"import sys; sys.path.insert(0, {str(tmp_path)!r}); "
                         "from planc.cli import main; raise SystemExit(main(sys.argv[1:]))",
-                        "explain", str(ROOT / "plans" / "unet-skip.plan"), "--no-probe",
+                        "explain", str(UNET), "--no-probe",
                         "--draw", str(tmp_path / "t.svg")], capture_output=True, text=True)
     assert r.returncode == 2 and "matplotlib is not installed" in r.stderr, r.stderr
     assert not (tmp_path / "t.svg").exists()

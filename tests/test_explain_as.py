@@ -18,6 +18,8 @@ from planc.compile import compile_file
 from planc.explain_as import explain_as_data, explain_as_renderables
 from planc.ui import render
 
+from e2e_util import spelled
+
 ROOT = Path(__file__).resolve().parents[1]
 MEGATRON = {"tensor": "tp", "data": "dp", "pipe": "pp"}
 
@@ -160,11 +162,11 @@ def test_explicit_stages_are_explained_per_stage():
 
 
 def test_cli_as_json_and_text():
-    r = subprocess.run([sys.executable, "-m", "planc", "explain", str(ROOT / "plans" / "gpt-2x4.plan"),
+    r = subprocess.run([sys.executable, "-m", "planc", "explain", str(spelled("gpt-2x4.plan")),
                         "--no-probe", "--as", "deepspeed", "--json"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     data = json.loads(r.stdout)
     assert data["as"] == "deepspeed" and data["views"][0]["scope"] == "world"
-    r = subprocess.run([sys.executable, "-m", "planc", "explain", str(ROOT / "plans" / "gpt-2x4.plan"),
+    r = subprocess.run([sys.executable, "-m", "planc", "explain", str(spelled("gpt-2x4.plan")),
                         "--no-probe", "--as", "mpi"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "invalid choice: 'mpi'" in r.stderr

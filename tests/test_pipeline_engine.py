@@ -28,7 +28,8 @@ UNET_TRANSFERS = [("down", 0, 1, 1, [4, 8, 8]), ("mid", 1, 2, 2, [4, 8, 8]),
 
 @pytest.fixture(scope="module")
 def unet():
-    return Plan.from_json(compile_file(ROOT / "plans" / "unet-skip.plan", probe=False).plan_json)
+    from e2e_util import spelled
+    return Plan.from_json(compile_file(spelled("unet-skip.plan"), probe=False).plan_json)
 
 
 # The engine may open each operation's step with a marker (``BeginOp(index=i)``, which lets its

@@ -97,7 +97,8 @@ def test_bundled_plans_are_there():
 
 @pytest.mark.parametrize("path", BUNDLED, ids=[p.name for p in BUNDLED])
 def test_round_trip_bundled_plan(path):
-    _round_trip(compile_file(path, probe=False).plan_json)
+    from e2e_util import spelled
+    _round_trip(compile_file(spelled(path), probe=False).plan_json)
 
 
 def test_round_trip_comm_and_model_plans():
@@ -527,7 +528,8 @@ def test_stage_topology_pipe_data_tensor():
     """gpt-2x4 (pipe 2 x data 2 x tensor 2, placed by the compiler): (pipe, data, model) = the
     placement's (pipe, data, tensor) coordinates of every device."""
     from planc.runtime.topology import StageTopology
-    d = compile_file(ROOT / "plans" / "gpt-2x4.plan", probe=False).plan_json
+    from e2e_util import spelled
+    d = compile_file(spelled("gpt-2x4.plan"), probe=False).plan_json
     names = [a["name"] for a in d["placement"]["axes"]]
     assert names == ["pipe", "data", "tensor"]
     coords = d["placement"]["coords"]

@@ -27,6 +27,8 @@ from planc.explain_as import explain_as_data, explain_as_renderables
 from planc.lang import load
 from planc.lang.format import summary
 
+from e2e_util import spelled
+
 ROOT = Path(__file__).resolve().parents[1]
 GOLDEN = ROOT / "tests" / "golden" / "tables"
 ANSI = re.compile(r"\x1b\[")
@@ -133,7 +135,7 @@ def test_cli_check_and_compile_print_tables(tmp_path):
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and not ANSI.search(r.stdout)
     assert re.search(r"^stage 2\s+layers 3\.\.6, 2 device\(s\), mesh axes \(data\)$", r.stdout, re.M)
-    r = subprocess.run([sys.executable, "-m", "planc", "compile", str(ROOT / "plans" / "unet-skip.plan"),
+    r = subprocess.run([sys.executable, "-m", "planc", "compile", str(spelled("unet-skip.plan")),
                         "--no-probe", "-o", str(tmp_path / "o")], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith(f"wrote {tmp_path / 'o'}/ (6 devices; 3 stage(s)")
@@ -199,3 +201,80 @@ def test_launch_sh_follows_rank0_and_reports_failed_ranks(tmp_path, rc):
     assert sorted(p.name.split("_")[1] for p in (out / "logs").glob("*_rank*.log")) == \
         ["rank0.log", "rank1.log", "rank2.log"]
     assert not list((out / "logs").glob(".launch.*"))
+
+
+def test_bar_and_status_only_on_a_terminal():
+    quiet = io.StringIO()
+    with ui.bar("steps", 4, stream=quiet) as b:
+        b.advance(2, "a")
+        b.update("b")
+        b.advance(2)
+    with ui.status("planc compile", stream=quiet) as say:
+        say("probing the model")
+    assert quiet.getvalue() == ""                      # piped: not a byte
+    tty = FakeTTY()
+    with ui.bar("steps", 4, stream=tty) as b:
+        b.advance(3, "planc 1f1b @ 10 Mbit/s")
+        b.advance(1)
+    assert "steps" in tty.getvalue() and "4/4" in tty.getvalue()
+    tty = FakeTTY()
+    with ui.status("planc compile", stream=tty) as say:
+        say("ranking placements")
+    assert "planc compile" in tty.getvalue()
+
+
+def test_a_bar_inside_another_stays_silent(monkeypatch):
+    """One live display per terminal: a testbed launch's step bar inside a bench's bar (which has
+    sys.stderr redirected to rich's proxy meanwhile) yields its items and draws nothing."""
+    tty = FakeTTY()
+    monkeypatch.setattr(sys, "stderr", tty)
+    with ui.bar("outer steps", 2) as b:
+        assert sys.stderr is not tty                   # rich's proxy while the bar is up
+        assert list(ui.progress(range(3), "inner bar", stream=sys.stderr, piped="silent")) == [0, 1, 2]
+        with ui.status("inner spinner") as say:
+            say("x")
+        b.advance(2)
+    assert "outer steps" in tty.getvalue() and "2/2" in tty.getvalue()
+    assert "inner" not in tty.getvalue()
+    assert list(ui.progress(range(2), "after", stream=tty)) == [0, 1] and "after" in tty.getvalue()
+
+
+ESC = re.compile(r"\x1b|\r")
+
+
+def test_compile_progress_names_each_pass_and_changes_nothing(tmp_path):
+    """compile_file(progress=...) is told each pass before it runs; the plan is the same without it,
+    and `planc compile` / `explain` piped print no spinner (stderr empty, stdout unchanged)."""
+    src = tmp_path / "tiny.plan"
+    src.write_text(TINY)                               # communication only: nothing to probe
+    said = []
+    with_progress = compile_file(src, progress=said.append).plan_json
+    from planc.compile import PASS_TEXT
+    assert said[0] == PASS_TEXT["infer"] and said[-1] == PASS_TEXT["assemble"] and PASS_TEXT["probe"] not in said
+    assert [s for s in said if s in (PASS_TEXT["infer"], PASS_TEXT["place"], PASS_TEXT["transfers"])] == [
+        PASS_TEXT["infer"], PASS_TEXT["place"], PASS_TEXT["transfers"]]
+    assert compile_file(src).plan_json == with_progress
+    for cmd in (["compile", str(src), "--no-probe", "-o", str(tmp_path / "o")], ["explain", str(src), "--no-probe"]):
+        r = subprocess.run([sys.executable, "-m", "planc", *cmd], capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0 and r.stderr == "" and not ESC.search(r.stdout), (cmd, r.stderr)
+    from planc.explain import explain_data, explain_renderables
+    assert r.stdout == ui.render(*explain_renderables(explain_data(compile_file(src, probe=False).plan_json)))
+
+
+def test_fuzz_and_resharding_bars_on_a_terminal_only(monkeypatch, capsys, tmp_path):
+    from planc.bench import fuzz, resharding
+    piped = fuzz.run(n=6, seed=1, save=str(tmp_path))
+    assert capsys.readouterr().err == ""
+    tty = FakeTTY()
+    monkeypatch.setattr(sys, "stderr", tty)
+    on_tty = fuzz.run(n=6, seed=1, save=str(tmp_path))
+    assert "planc bench fuzz" in tty.getvalue() and "6/6" in tty.getvalue()
+    counts = lambda text: [l.split("|")[1:6] for l in text.splitlines() if l.startswith("| ") and "inputs" not in l]
+    assert counts(on_tty) == counts(piped) and counts(piped)           # the same table, bar or not
+    one = resharding.cases(False)[:1]                  # a 1-to-2 broadcast: quick to plan
+    monkeypatch.setattr(resharding, "cases", lambda large: one)
+    table = resharding.run(large=False)
+    assert "planc bench resharding" in tty.getvalue() and table.count("\n") == 3   # header, rule, one case
+    monkeypatch.setattr(sys, "stderr", io.StringIO())
+    assert resharding.run(large=False).splitlines()[2].split("|")[1:5] == table.splitlines()[2].split("|")[1:5]
+    assert sys.stderr.getvalue() == ""

@@ -4,7 +4,8 @@ Each benchmark module has ``run() -> str`` (a markdown section). With
 ``--write FILE`` the section replaces the text between its markers in FILE:
 ``<!-- bench:NAME -->`` ... ``<!-- /bench:NAME -->`` (appended if absent).
 ``run_bench(name, write, **options)`` passes ``options`` to ``run`` (``iteration``:
-``plans``, ``rates``, ``json_path``, ``chart``).
+``plans``, ``rates``, ``json_path``, ``chart``; ``accuracy``: ``measured``, ``cluster``,
+``json_path``).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 import importlib
 from pathlib import Path
 
-BENCHES = ("synthesis", "resharding", "testbed", "iteration", "fuzz")
+BENCHES = ("synthesis", "resharding", "testbed", "iteration", "fuzz", "accuracy", "cut")
 
 
 def run_bench(name: str, write: str | None = None, **options) -> str:

@@ -35,7 +35,7 @@ import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
-from planc import budget
+from planc import budget, ui
 
 ROOT = Path(__file__).resolve().parents[2]
 SEED_DIRS = ("plans", "examples", "tests/plans", "tests/golden/diagnostics", "tests/fuzz_regressions")
@@ -490,7 +490,9 @@ def run(n: int | None = None, seed: int = 0, save: str | None = None) -> str:
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="planc-fuzz-") as tmp:
         folder = Path(tmp)
-        for i, (kind, plan, yml) in enumerate(inputs(n, seed)):
+        stream = ui.progress(inputs(n, seed), "planc bench fuzz", total=n, piped="silent",
+                             describe=lambda x: x[0])   # a bar on a terminal (stderr) only
+        for i, (kind, plan, yml) in enumerate(stream):
             out = run_input(plan, yml, folder)
             s = stats.setdefault(kind, {"inputs": 0, "accepted": 0, "diagnostic": 0, "failure": 0,
                                         "slowest": (0.0, -1)})

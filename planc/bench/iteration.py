@@ -213,21 +213,37 @@ def link_seconds(nbytes: float, mbit: float) -> float:
 
 # ---------------------------------------------------------------- measuring
 
+def launch_steps(rates, measured: int) -> int:
+    """Steps one ``_over_rates`` launch runs: a discarded and ``measured`` steps per rate."""
+    return (WARMUP + measured) * len(rates)
+
+
 def _over_rates(tb, out: Path, rates, *, measured: int, timeout: float, script=None, extra_args=(),
-                env: dict | None = None) -> dict:
-    """One launch across every rate: returns {"per_rate": [{rate, steps, median}], "peak_rss_kb", ...}."""
+                env: dict | None = None, bar=None, what: str = "") -> dict:
+    """One launch across every rate: returns {"per_rate": [{rate, steps, median}], "peak_rss_kb", ...}.
+    ``bar`` (a ``planc.ui.Bar``): advanced by one per step, showing ``what`` and the rate."""
     import statistics
 
     seg = WARMUP + measured
-    total = seg * len(rates)
+    total = launch_steps(rates, measured)
+
+    def at(n: int) -> str:
+        return f"{what} @ {rates[min(n // seg, len(rates) - 1)]:g} Mbit/s"
+
+    if bar is not None:
+        bar.update(at(0))
 
     def on_step(n: int, _seconds: float) -> None:
         if (n + 1) % seg == 0 and n + 1 < total:
             tb.set_link_mbit(rates[(n + 1) // seg])
+        if bar is not None:
+            bar.advance(1, at(n + 1) if n + 1 < total else what)
 
     tb.set_link_mbit(rates[0])
     r = tb.launch(out, steps=total, timeout=timeout, comm_only=False, script=script,
                   extra_args=list(extra_args), on_step=on_step, env=env)
+    if bar is not None and len(r.step_times) < total:   # a launch that stopped early: its steps count as done
+        bar.advance(total - len(r.step_times), what)
     res = {"returncode": r.returncode, "launch_s": round(r.seconds, 1), "step_times": r.step_times,
            "details": [line for line in r.stdout.splitlines() if line.startswith("compute-only step")],
            "losses": r.losses, "peak_rss_kb": r.peak_rss_kb, "per_rate": []}
@@ -245,12 +261,15 @@ def measure_plan(plan_path: str, rates, *, measured: int = MEASURED, timeout: fl
                  log=lambda *a: None) -> dict:
     import tempfile
 
+    from planc import ui
     from planc.testbed import Testbed
 
     rates = [float(x) for x in rates]
     with tempfile.TemporaryDirectory(prefix="planc-bench-iteration-") as tmp:
         t0 = time.monotonic()
-        variants = compile_variants(plan_path, Path(tmp))
+        with ui.status(f"planc bench iteration {Path(plan_path).name}") as say:   # on a terminal only
+            say(f"compiling (the model probed once, {len(SCHEDULES)} schedules)")
+            variants = compile_variants(plan_path, Path(tmp))
         plan = variants["eager_1f1b"]["plan"]
         hosts = plan["cluster"]["hosts"]
         result = {"plan": str(plan_path), "name": plan["name"], "hosts": [len(h) for h in hosts],
@@ -261,27 +280,33 @@ def measure_plan(plan_path: str, rates, *, measured: int = MEASURED, timeout: fl
         result["stock"] = {"expressible": reason is None, "reason": reason,
                            "partition_method": stock_partition(plan) if reason is None else None}
         compute_runs = []
+        # every step of every launch below: the progress bar's total (a terminal only; piped, the log lines)
+        steps = (launch_steps([max(rates)], COMPUTE_MEASURED) * (1 + len(SCHEDULES))
+                 + launch_steps(rates, measured) * (len(SCHEDULES) + (reason is None)))
 
-        def compute_only(tb, when):
+        def compute_only(tb, when, bar):
             log(f"{plan['name']}: compute-only ({when})")
             out = variants["eager_1f1b"]["out"]
             run = _over_rates(tb, out, [max(rates)], measured=COMPUTE_MEASURED, timeout=timeout,
-                              script=Path(worker.__file__).resolve(), extra_args=["--compute-only", "--out", str(out)])
+                              script=Path(worker.__file__).resolve(), extra_args=["--compute-only", "--out", str(out)],
+                              bar=bar, what=f"compute-only ({when})")
             run["when"] = when
             compute_runs.append(run)
 
-        with Testbed(len(hosts), rates[0]) as tb:
-            compute_only(tb, "before")
+        with Testbed(len(hosts), rates[0]) as tb, ui.bar(f"{plan['name']} steps", steps) as bar:
+            compute_only(tb, "before", bar)
             for sched in SCHEDULES:
                 log(f"{plan['name']}: planc {sched}")
                 result["programs"][f"planc {sched}"] = _over_rates(
-                    tb, variants[sched]["out"], rates, measured=measured, timeout=timeout)
+                    tb, variants[sched]["out"], rates, measured=measured, timeout=timeout, bar=bar,
+                    what=f"planc {sched}")
             if reason is None:
                 log(f"{plan['name']}: stock DeepSpeed")
                 out = variants["eager_1f1b"]["out"]
                 result["programs"]["stock DeepSpeed"] = _over_rates(
                     tb, out, rates, measured=measured, timeout=timeout, script=ROOT / "planc/bench/stock_deepspeed.py",
-                    extra_args=["--out", str(out), "--partition", result["stock"]["partition_method"]])
+                    extra_args=["--out", str(out), "--partition", result["stock"]["partition_method"]],
+                    bar=bar, what="stock DeepSpeed")
             # AlpaComm's "signal send/recv" bound: each planc program again, every transfer cut to one
             # element (PLANC_SIGNAL_TRANSFERS=1: same schedule, instructions and reductions)
             result["signal"] = {}
@@ -289,7 +314,8 @@ def measure_plan(plan_path: str, rates, *, measured: int = MEASURED, timeout: fl
                 log(f"{plan['name']}: planc {sched}, signal transfers")
                 result["signal"][sched] = _over_rates(tb, variants[sched]["out"], [max(rates)],
                                                       measured=COMPUTE_MEASURED, timeout=timeout,
-                                                      env={"PLANC_SIGNAL_TRANSFERS": "1"})
+                                                      env={"PLANC_SIGNAL_TRANSFERS": "1"}, bar=bar,
+                                                      what=f"planc {sched}, signal transfers")
         done = [r for r in compute_runs if r["per_rate"][0]["median"] is not None]
         result["compute_only"] = min(done, key=lambda r: r["per_rate"][0]["median"]) if done else compute_runs[-1]
         result["compute_only_runs"] = compute_runs

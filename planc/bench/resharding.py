@@ -9,6 +9,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+from planc import ui
 from planc.ir import Cluster, Level, Resharding, SchedulerKind, ShardingSpec, StageLayout, Strategy, Transfer
 from planc.resharding import plan_group
 from planc.resharding.check import check_plan
@@ -85,7 +86,8 @@ def run(check: bool = True, large: bool = True) -> str:
             + [f"{s} ÷ LB (greedy)" for s in STRATEGIES]
             + [f"{s} s" for s in sched_cols])
     rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for case in cases(large):
+    # a bar on a terminal (stderr) only: piped, the table is all there is
+    for case in ui.progress(cases(large), "planc bench resharding", piped="silent", describe=lambda c: c.name):
         ratios, times, strat_ratios = [], [], []
         auto = None
         for s in sched_cols:
