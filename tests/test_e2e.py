@@ -89,17 +89,21 @@ def test_unet_skips_using_allreduce_match_reference(tmp_path):
 def test_shape_mismatch_is_reported(tmp_path):
     """A stage whose real output differs from its transfer: the compiler rejects a wrong declared
     shape, so plan.json is edited after compiling, consistently (shape, every region and task
-    slice of 'e1' one column narrower), and the runtime's start-up check must name stage,
-    transfer and both shapes."""
-    _, out = compile_to(tmp_path, variant(tmp_path, "unet-skip.plan"))
+    slice of 'h' one column narrower), and the runtime's start-up check must name stage,
+    transfer and both shapes. (Two ranks, the quickest launch; on the multi-host testbed:
+    tests/test_testbed_failures.py::test_start_up_refusals_on_the_testbed. Communication only on
+    a bundled plan's skips: tests/test_runtime_reshard.py and tests/test_comm_only.py.)"""
+    src = tmp_path / "two.plan"
+    src.write_text(SHAPE_PLAN.replace("EXAMPLES", str(ROOT / "examples")))
+    _, out = compile_to(tmp_path, src)
     plan = json.loads((out / "plan.json").read_text())
-    e1 = next(t for t in plan["transfers"] if t["name"] == "e1")
+    h = next(t for t in plan["transfers"] if t["name"] == "h")
 
     def narrow(box):
-        box[2] = [box[2][0], min(box[2][1], 15)]
+        box[1] = [box[1][0], min(box[1][1], 15)]
 
-    e1["shape"] = [4, 4, 15]
-    for route in (e1, e1["backward"]):
+    h["shape"] = [8, 15]
+    for route in (h, h["backward"]):
         for task in route["tasks"]:
             narrow(task["slice"])
         for side in route["regions"].values():
@@ -108,16 +112,25 @@ def test_shape_mismatch_is_reported(tmp_path):
     (out / "plan.json").write_text(json.dumps(plan, indent=2))
     r = launch_sh(out, "--steps", "1")
     assert r.returncode != 0
-    assert ("stage 0, transfer 'e1': the plan moves a [2, 4, 15] shard from rank 0 (of f32[4, 4, 15]) "
-            "but the stage produces [2, 4, 16]" in r.stdout + r.stderr)
+    assert ("stage 0, transfer 'h': the plan moves a [8, 15] shard from rank 0 (of f32[8, 15]) "
+            "but the stage produces [8, 16]" in r.stdout + r.stderr), r.stdout[-3000:] + r.stderr[-3000:]
 
 
-@pytest.mark.slow
-def test_comm_only_runs_transfers_and_reductions(tmp_path):
-    _, out = compile_to(tmp_path, variant(tmp_path, "unet-skip.plan"))
-    r = launch_sh(out, "--comm-only", "--steps", "2")
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert len(re.findall(r"step \d+ comm [0-9.]+ s", r.stdout)) == 2
+SHAPE_PLAN = """
+plan two_stages {
+  cluster {
+    level node x 2 : bandwidth 100 MB/s, latency 50 us
+    level gpu  x 1 : bandwidth 10 GB/s,  latency 2 us
+  }
+  model "EXAMPLES/mlp.py:build" { layers = 4, hidden = 16, inputs = 8, outputs = 4 }
+  loss  "EXAMPLES/mlp.py:loss"
+  data  "EXAMPLES/mlp.py:batches"
+  stage 0 : layers 0..2 on devices 0..1 as (data = 1)
+  stage 1 : layers 2..4 on devices 1..2 as (data = 1)
+  transfer h : f32[8, 16] from stage 0 as R R to stage 1 as R R
+  train { micro_batch = 8, micro_batches = 2, steps = 1, schedule = 1f1b, optimizer = sgd(lr = 0.1) }
+}
+"""
 
 
 def test_grid_topology_is_the_plans_placement(tmp_path):

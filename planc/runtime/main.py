@@ -25,6 +25,7 @@ from . import checkpoint, planfile
 from .checkpoint import CheckpointError, CountingIterator
 from .dist_util import GroupMissing, StartupError, collective_timeout, init_distributed, startup_checks
 from .engine import EngineError, PlanEngine, check_stage_shapes
+from .failwatch import FailureWatch, report_failure
 from .planfile import Direction, Plan, PlanFileError
 from .reduce import ReductionError, ReductionExecutor
 from .reshard import TransferExecutor
@@ -185,6 +186,9 @@ EXPECTED = (StartupError, GroupMissing, EngineError, PlanFileError, ReductionErr
             json.JSONDecodeError)
 
 
+_WATCH: FailureWatch | None = None     # this rank's watch for other ranks' failures (failwatch.py)
+
+
 def main(argv=None, out_dir: str | None = None) -> int:
     try:
         return _main(argv, out_dir)
@@ -193,11 +197,21 @@ def main(argv=None, out_dir: str | None = None) -> int:
             raise
         rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
         message = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
+        if _WATCH is not None:
+            _WATCH.stop()
         if rank == 0 or not getattr(e, "same_on_every_rank", False):
             print(f"planc: rank {rank}: {message}", file=sys.stderr, flush=True)
+        if not getattr(e, "same_on_every_rank", False):
+            report_failure(rank, message)      # a rank that waits in nothing learns of it (failwatch.py)
         if dist.is_initialized():
             dist.destroy_process_group()
         return 2
+    except BaseException as e:                 # a bug (it keeps its traceback): the others still learn of it
+        if _WATCH is not None:
+            _WATCH.stop()
+        if dist.is_initialized():
+            report_failure(dist.get_rank(), f"{type(e).__name__}: {e}")
+        raise
 
 
 def _main(argv=None, out_dir: str | None = None) -> int:
@@ -222,12 +236,15 @@ def _main(argv=None, out_dir: str | None = None) -> int:
         import faulthandler
         faulthandler.dump_traceback_later(float(os.environ["PLANC_DUMP_STACKS_AFTER_S"]), exit=False)
     init_distributed(timeout=collective_timeout(plan))
+    global _WATCH
+    _WATCH = FailureWatch(dist.get_rank())
     startup_checks(plan, digest)
     rank = dist.get_rank()
     groups = create_groups(plan, timeout=collective_timeout(plan))
 
     if args.comm_only or plan.train is None:
         comm_only(plan, groups, rank, steps)
+        _WATCH.stop()          # the last collective: a finished rank 0 takes the store with it
         dist.barrier()
         dist.destroy_process_group()
         return 0
@@ -328,6 +345,7 @@ def _main(argv=None, out_dir: str | None = None) -> int:
         os.makedirs(args.memory_stats, exist_ok=True)
         with open(os.path.join(args.memory_stats, f"rank{rank}.json"), "w") as f:
             json.dump(engine.stats, f, sort_keys=True)
+    _WATCH.stop()              # the last collective: a finished rank 0 takes the store with it
     dist.barrier()
     dist.destroy_process_group()
     return 0

@@ -1,0 +1,75 @@
+"""The failure watch (planc/runtime/failwatch.py) on a real rendezvous store, in-process: a failure
+another rank reports ends the watching rank, a store that goes away ends it after the grace, and a
+stopped watch ends nothing. (On the testbed: tests/test_testbed_failures.py, a rank hung alone on
+its host.)"""
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from datetime import timedelta
+
+from torch.distributed import TCPStore
+
+from planc.runtime.failwatch import FAILED_KEY, FailureWatch, report_failure
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _stores():
+    port = _free_port()
+    server = TCPStore("127.0.0.1", port, 2, True, wait_for_workers=False)
+    client = TCPStore("127.0.0.1", port, 2, False, wait_for_workers=False, timeout=timedelta(seconds=2))
+    return server, client
+
+
+class _Exit:
+    def __init__(self):
+        self.codes, self.event = [], threading.Event()
+
+    def __call__(self, code):
+        self.codes.append(code)
+        self.event.set()
+
+
+def test_a_reported_failure_ends_the_watching_rank(capsys):
+    server, client = _stores()
+    ended = _Exit()
+    watch = FailureWatch(1, interval=0.05, store=client, exit=ended)
+    time.sleep(0.2)
+    assert not ended.event.is_set()                 # nothing failed: the watch lets the rank run
+    report_failure(0, "rank 0 (stage 0) failed in BackwardPass with ranks [1]: timeout\nmore", store=server)
+    report_failure(2, "a later failure is not the one named", store=server)
+    assert ended.event.wait(5) and ended.codes == [2]
+    assert server.get(FAILED_KEY).decode() == "rank 0: rank 0 (stage 0) failed in BackwardPass with ranks [1]: timeout"
+    err = capsys.readouterr().err
+    assert "planc: rank 1: ending: rank 0: rank 0 (stage 0) failed in BackwardPass" in err
+    assert "seen in the rendezvous store" in err
+    watch.stop()
+
+
+def test_a_store_that_goes_away_ends_the_rank_after_the_grace(capsys):
+    server, client = _stores()
+    ended = _Exit()
+    t0 = time.monotonic()
+    watch = FailureWatch(3, interval=0.05, grace=0.5, store=client, exit=ended)
+    del server                                      # rank 0's process (the store's host) is gone
+    assert ended.event.wait(30) and ended.codes == [2]
+    assert time.monotonic() - t0 >= 0.5             # not before the grace
+    assert "planc: rank 3: ending: the job's rendezvous store (rank 0, host 0) has not answered" in \
+        capsys.readouterr().err
+    watch.stop()
+
+
+def test_a_stopped_watch_ends_nothing():
+    server, client = _stores()
+    ended = _Exit()
+    watch = FailureWatch(1, interval=0.05, grace=0.1, store=client, exit=ended)
+    watch.stop()                                    # the run is at its last barrier
+    report_failure(0, "too late to matter", store=server)
+    del server
+    assert not ended.event.wait(0.6)
