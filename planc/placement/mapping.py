@@ -14,10 +14,10 @@ from collections.abc import Sequence
 from functools import lru_cache
 
 from planc import ir
-from planc.cost import Network, held_after
+from planc.cost import Network
 from planc.cost.collectives import _RING, _edge_bytes_and_rounds   # the step model counted in closed form
 from planc.ir import level_coords
-from planc.reduction import FLAT_ALLREDUCE, Hierarchy, resolve, synthesize
+from planc.reduction import FLAT_ALLREDUCE, Hierarchy, program_coefficients, resolve, synthesize
 
 Coords = tuple[tuple[int, ...], ...]
 
@@ -156,25 +156,14 @@ def program_costs(cluster: ir.Cluster, factors: tuple[int, ...], synthesis: ir.S
     hier = Hierarchy(tuple((cluster.levels[j].name, factors[j]) for j in kept))
     fs = tuple(factors[j] for j in kept)
     programs = synthesize(hier, synthesis.max_size, synthesis.collectives) or (FLAT_ALLREDUCE,)
-    steps: dict[ir.Instruction, tuple[float, float, int]] = {}
-    out = []
-    for program in programs:
-        a = b = 0.0
-        frac = 1.0
-        for instr in program:
-            hit = steps.get(instr)
-            if hit is None:
-                s, t = resolve(instr, hier)
-                varying, master = (range(s, len(fs)), None) if t is None else (range(t, s), None)
-                if instr.form is ir.FormKind.MASTER:
-                    master = s
-                hit = steps[instr] = step_coefficients_by_factors(cluster, kept, fs, instr.collective, varying, master)
-            bw, lat, k = hit
-            a += frac * bw
-            b += lat
-            frac = held_after(instr.collective, k, frac)
-        out.append((a, b))
-    return tuple(out)
+
+    def step(instr):
+        s, t = resolve(instr, hier)
+        varying = range(s, len(fs)) if t is None else range(t, s)
+        master = s if instr.form is ir.FormKind.MASTER else None
+        return step_coefficients_by_factors(cluster, kept, fs, instr.collective, varying, master)
+
+    return tuple(program_coefficients(programs, step))
 
 
 def reduction_lower_bound(cluster: ir.Cluster, factors: Sequence[int], nbytes: float) -> float:

@@ -27,6 +27,7 @@ __all__ = [
     "ReductionPlan", "plan_reduction", "plan_reductions", "best_time", "reduction_groups",
     "stage_reduction_groups", "Hierarchy", "hierarchy_from_matrix", "synthesize", "parse_program",
     "FLAT_ALLREDUCE", "reduction_bytes", "pinned_time", "rank_programs", "TIE_RELATIVE", "resolve",
+    "program_coefficients",
 ]
 
 Groups = tuple[tuple[int, ...], ...]
@@ -159,21 +160,34 @@ def _program_coefficients(net: Network, hierarchy: Hierarchy, positions, program
     on its slice and form, not on its collective, so they are lowered once
     per ``(slice, form level, master?)``.
     """
-    out = []
     groups_of: dict[tuple, tuple] = cache.setdefault("groups", {})
+
+    def step(instr):
+        s, t = resolve(instr, hierarchy)
+        key = (s, t, instr.form is ir.FormKind.MASTER)
+        groups = groups_of.get(key)
+        if groups is None:
+            groups = groups_of[key] = lower(instr, hierarchy, positions)
+        bw, lat = _step_coefficients(net, instr.collective, groups)
+        return bw, lat, len(groups[0])
+
+    return program_coefficients(programs, step, cache)
+
+
+def program_coefficients(programs, step, memo: dict | None = None) -> list[tuple[float, float]]:
+    """Per program ``(a, b)``, its time ``a·S + b`` for S bytes: over its instructions, each step's
+    bandwidth coefficient times the fraction of S held at that step, plus its latency.
+    ``step(instr)`` gives an instruction's ``(bandwidth coefficient, latency, group size)``; it is
+    called once per instruction (memoised in ``memo``, shared across calls when given)."""
+    memo = {} if memo is None else memo
+    out = []
     for program in programs:
         a = b = 0.0
         frac = 1.0
         for instr in program:
-            hit = cache.get(instr)
+            hit = memo.get(instr)
             if hit is None:
-                s, t = resolve(instr, hierarchy)
-                key = (s, t, instr.form is ir.FormKind.MASTER)
-                groups = groups_of.get(key)
-                if groups is None:
-                    groups = groups_of[key] = lower(instr, hierarchy, positions)
-                bw, lat = _step_coefficients(net, instr.collective, groups)
-                hit = cache[instr] = (bw, lat, len(groups[0]))
+                hit = memo[instr] = step(instr)
             bw, lat, k = hit
             a += frac * bw
             b += lat
