@@ -116,6 +116,17 @@ def _by_kind(raw: dict, where: str) -> dict:
     return out
 
 
+def _fit_kind(raw: dict, kind: str, where: str):
+    """``(latency, bandwidth, rms, points)`` of the ``inner`` or ``outer`` measurements; a fit that
+    cannot be made is a failed run, worded with ``where``."""
+    pts = _points(raw, kind)
+    try:
+        lat, bw, rms = fit_line(pts)
+    except ValueError as e:
+        raise CalibrateError(f"{where}: {e}", 1) from None
+    return lat, bw, rms, pts
+
+
 def fit(raw: dict) -> dict:
     """Per level ``{bandwidth, latency, rms, points}`` and the device ``flops`` from one run's result."""
     out = {"hosts": raw["hosts"], "per_host": raw["per_host"], "levels": {}, "backend": raw.get("backend"),
@@ -123,19 +134,11 @@ def fit(raw: dict) -> dict:
     inner_lat = 0.0
     inner_bw = math.inf
     if raw["per_host"] > 1:
-        pts = _points(raw, "inner")
-        try:
-            inner_lat, inner_bw, rms = fit_line(pts)
-        except ValueError as e:
-            raise CalibrateError(f"inside a host: {e}", 1) from None
+        inner_lat, inner_bw, rms, pts = _fit_kind(raw, "inner", "inside a host")
         out["levels"]["device"] = {"bandwidth": inner_bw, "latency": inner_lat, "rms_relative": rms,
                                    "points": len(pts), "apart": _by_kind(raw, "inner")}
     if raw["hosts"] > 1:
-        pts = _points(raw, "outer")
-        try:
-            lat, bw, rms = fit_line(pts)
-        except ValueError as e:
-            raise CalibrateError(f"between hosts: {e}", 1) from None
+        lat, bw, rms, pts = _fit_kind(raw, "outer", "between hosts")
         # a cross-host hop pays both levels' latencies and the slower link (network.py): the host
         # level's own latency is the excess over the device level's
         out["levels"]["host"] = {"bandwidth": bw, "latency": max(0.0, lat - inner_lat), "rms_relative": rms,
