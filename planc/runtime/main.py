@@ -136,17 +136,19 @@ def comm_only(plan: Plan, groups: dict, rank: int, steps: int) -> None:
     # patterns, expected regions and reduction inputs are made before the timed region, and checked after it
     sent = {i: pattern(t.shape, ex.my_src, ex.dtype) for i, (t, ex) in enumerate(transfers) if ex.is_sender}
     want = {i: pattern(t.shape, ex.my_dst, ex.dtype) for i, (t, ex) in enumerate(transfers) if ex.my_dst is not None}
+    # who each operation waits for, named when it fails (worked out once, outside the timed region)
+    others = [r for r in range(dist.get_world_size()) if r != rank]
+    transfer_peers = [_transfer_peers(t, rank) for t, _ in transfers]
     for step in range(steps):
         problems = []
         mb = step % plan_micro_batches(plan)
         inputs = [torch.full((max(1, r.nbytes // 4),), float(rank + 1)) for r, _, _ in reductions]
         got, outs = {}, []
-        others = [r for r in range(dist.get_world_size()) if r != rank]
         with _naming(rank, step, "the barrier that starts the step", others):
             dist.barrier()
         t0 = time.perf_counter()
         for i, (t, ex) in enumerate(transfers):
-            with _naming(rank, step, f"transfer {t.name!r}", _transfer_peers(t, rank)):
+            with _naming(rank, step, f"transfer {t.name!r}", transfer_peers[i]):
                 works = ex.send(sent[i], micro_batch=mb) if ex.is_sender else []
                 if ex.my_dst is not None:
                     got[i] = ex.recv(micro_batch=mb)
