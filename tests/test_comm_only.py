@@ -81,6 +81,7 @@ def test_a_killed_rank_is_named_with_the_transfer_it_was_in(tmp_path):
     import time
 
     from tests.e2e_util import launch_env
+    from test_failures import _pid_of
 
     src = tmp_path / "two.plan"
     src.write_text(KILL_PLAN)
@@ -98,14 +99,7 @@ def test_a_killed_rank_is_named_with_the_transfer_it_was_in(tmp_path):
             if re.match(r"step 3 comm", line) or time.monotonic() > deadline:
                 break
         assert any(re.match(r"step 3 comm", ln) for ln in lines), "".join(lines[-40:])
-        victim = None
-        for pid in os.listdir("/proc"):
-            try:
-                cmd = open(f"/proc/{pid}/cmdline", "rb").read().replace(b"\0", b" ").decode()
-            except OSError:
-                continue
-            if f"{out}/train.py --local_rank=1" in cmd and "deepspeed.launcher" not in cmd:
-                victim = int(pid)
+        victim = _pid_of(out, 1)
         assert victim is not None
         os.kill(victim, signal.SIGKILL)
         rest, _ = p.communicate(timeout=120)
