@@ -1,4 +1,4 @@
-"""planc command line: compile | check | explain | bench | simulate | calibrate | testbed.
+"""planc command line: compile | check | explain | bench | simulate | trace | calibrate | testbed.
 
 User errors (PlanError) print as file:line:col with the source line and a caret
 run, and exit 2. Anything else is a bug in planc: one line and exit 3, the
@@ -236,6 +236,36 @@ def _cmd_simulate(args) -> int:
     return 0
 
 
+def _cmd_trace(args) -> int:
+    import json
+    from planc import ui
+    from planc.runtime.trace import summarise
+
+    try:
+        rows = summarise(args.directory, skip_steps=args.skip)
+    except OSError as e:
+        print(f"planc trace: {args.directory}: {e.strerror or e}", file=sys.stderr)
+        return EXIT_USER
+    except ValueError as e:
+        print(f"planc trace: {e}", file=sys.stderr)
+        return EXIT_USER
+    if not rows:
+        print(f"planc trace: {args.directory}: the traces hold no training step", file=sys.stderr)
+        return EXIT_USER
+    if args.json:
+        print(json.dumps(rows, indent=1, sort_keys=True))
+        return 0
+    pct = lambda x: f"{100 * x:.0f}%"   # noqa: E731
+    ui.emit([ui.table(
+        ["rank", "stage", "steps", ui.Col("s/step", justify="right"), ui.Col("compute", justify="right"),
+         ui.Col("waiting for receives", justify="right"), ui.Col("issuing sends", justify="right"),
+         ui.Col("reduction tail", justify="right"), ui.Col("other", justify="right")],
+        [[r["rank"], "idle" if r["stage"] is None else r["stage"], r["steps"], f"{r['step_s']:.4f}",
+          pct(r["compute"]), pct(r["wait"]), pct(r["send"]), pct(r["reduce"]), pct(r["other"])] for r in rows],
+        title=f"{args.directory}: the compute thread's time per step (first {args.skip} step(s) left out)")])
+    return 0
+
+
 def _cmd_testbed(args) -> int:
     import json
     import signal
@@ -270,6 +300,7 @@ def _cmd_testbed(args) -> int:
                   f"{getattr(e, 'strerror', None) or e})", file=sys.stderr)
             return EXIT_USER
     problem = ("--loss must be a fraction of packets in [0, 1] (0.05 is 5%)" if not 0 <= args.loss <= 1 else
+               "--trace needs --train (it records training steps)" if args.trace and not args.train else
                "--link-down-after must be >= 0 seconds" if (args.link_down_after or 0) < 0 else
                f"--link-down-host must be one of the plan's hosts 0..{hosts - 1}"
                if args.link_down_host is not None and not 0 <= args.link_down_host < hosts else None)
@@ -298,7 +329,8 @@ def _cmd_testbed(args) -> int:
                 timers[0].start()
         try:
             r = tb.launch(args.target, steps=args.steps, timeout=args.timeout, comm_only=not args.train,
-                          on_step=on_step if args.link_down_after is not None else None)
+                          on_step=on_step if args.link_down_after is not None else None,
+                          extra_args=("--trace", str(Path(args.trace).resolve())) if args.trace else ())
         except KeyboardInterrupt:
             print("planc testbed: interrupted; the testbed's processes and namespaces are removed", file=sys.stderr)
             return 130
@@ -415,6 +447,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the schedule to draw (default: the plan's)")
     c.set_defaults(func=_cmd_simulate)
 
+    c = sub.add_parser("trace", help="summarise the timelines `train.py --trace DIR` recorded (docs/runtime.md)")
+    c.add_argument("directory", help="the folder given to train.py --trace")
+    c.add_argument("--skip", type=int, default=1, metavar="N", help="leave out the first N steps (default 1: warm-up)")
+    c.add_argument("--json", action="store_true", help="print the per-rank figures as JSON")
+    c.set_defaults(func=_cmd_trace)
+
     c = sub.add_parser("calibrate", help="measure links and device throughput; write a cluster YAML (docs/calibrate.md)")
     c.add_argument("--on", required=True, choices=["testbed", "cluster"],
                    help="testbed: emulated hosts (root, docs/testbed.md); cluster: ranks spawned on this machine")
@@ -447,6 +485,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run: take a host's link down this long after rank 0's first step")
     c.add_argument("--link-down-host", type=int, default=None, metavar="H",
                    help="the host whose link --link-down-after takes down (default: the last)")
+    c.add_argument("--trace", metavar="DIR", default=None,
+                   help="run --train: every rank records its timeline into DIR (train.py --trace; `planc trace DIR`)")
     c.set_defaults(func=_cmd_testbed)
     return p
 

@@ -247,6 +247,11 @@ def test_missing_incomplete_or_damaged_checkpoints_are_refused(two, tmp_path, ca
     # --save/--resume with --comm-only
     assert main_in_process(out, "--comm-only", "--save", tmp_path / "x") == 2
     assert "need a training run" in capsys.readouterr().err
+    # --trace records training steps only
+    assert main_in_process(out, "--comm-only", "--trace", tmp_path / "t") == 2
+    err = capsys.readouterr().err
+    assert "--trace records training steps" in err and "Traceback" not in err, err
+    assert not (tmp_path / "t").exists()
 
 
 # ---------------------------------------------------------------- unequal meshes, a crash, resume

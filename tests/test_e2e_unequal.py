@@ -225,6 +225,38 @@ def test_unequal_stages_match_reference(tmp_path, name, schedule):
         assert sharded[f"layers.{b}.qkv.weight"] == (0, 2, 3) and sharded[f"layers.{b}.mlp.2.weight"] == (1, 2, 1)
 
 
+def check_traces(plan: dict, directory, steps: int) -> None:
+    """``--trace``: every rank wrote its timeline; each stage rank's compute thread ran exactly its
+    plan.json list, step after step, in order; every receive and send of the list is there."""
+    from planc.runtime.trace import load, summarise
+    traces = load(str(directory))
+    assert sorted(traces) == list(range(plan["cluster"]["devices"]))
+    per_stage = plan["pipeline"]["per_stage"]
+    for st in plan["stages"]:
+        ops = per_stage[st["index"]]
+        incoming = [t["name"] for t in plan["transfers"] if t["dst"]["stage"] == st["index"]]
+        outgoing = [t["name"] for t in plan["transfers"] if t["src"]["stage"] == st["index"]]
+        for rank in st["devices"]:
+            ev = [e for e in traces[rank]["traceEvents"] if e.get("ph") == "X"]
+            ran = [("F" if e["name"] == "ForwardPass" else "B") + str(e["args"]["micro_batch"])
+                   for e in sorted(ev, key=lambda e: e["ts"]) if e["name"] in ("ForwardPass", "BackwardPass")]
+            assert ran == list(ops) * steps, f"rank {rank} ran {ran[:12]}… against its list {ops[:12]}…"
+            recvs = [e for e in ev if e["tid"] == "recv"]
+            assert len(recvs) == steps * len(ops) // 2 * (len(incoming) + len(outgoing)), (rank, len(recvs))
+            assert {e["tid"] for e in ev} >= {"compute", "main"}
+            steps_seen = [e for e in ev if e["tid"] == "main"]
+            assert [e["name"] for e in sorted(steps_seen, key=lambda e: e["ts"])] == [f"step {i}" for i in range(steps)]
+            for e in ev:   # everything a step did lies inside it
+                if e["tid"] == "compute":
+                    assert any(s["ts"] <= e["ts"] and e["ts"] + e["dur"] <= s["ts"] + s["dur"] + 1
+                               for s in steps_seen), e
+    for row in summarise(str(directory)):
+        parts = [row[k] for k in ("compute", "wait", "send", "reduce", "other")]
+        assert all(0 <= x <= 1 for x in parts) and sum(parts) <= 1 + 1e-6, row
+        if row["stage"] is not None:
+            assert row["compute"] > 0 and row["step_s"] > 0, row
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("schedule", ["eager_1f1b"])   # the schedule with the most in flight
 def test_many_micro_batches_stay_within_schedule_bound(tmp_path, schedule):
@@ -237,8 +269,10 @@ def test_many_micro_batches_stay_within_schedule_bound(tmp_path, schedule):
     sc = PLANS[MEMORY_PLAN]
     path = variant(tmp_path, MEMORY_PLAN, schedule,
                    edits=[(r"micro_batches = \d+", f"micro_batches = {MEMORY_MICRO_BATCHES}")])
-    stats = tmp_path / "memory"
-    plan, r, _ = train_and_compare(tmp_path, path, sc, steps=2, extra=("--memory-stats", str(stats)))
+    stats, traces = tmp_path / "memory", tmp_path / "trace"
+    plan, r, _ = train_and_compare(tmp_path, path, sc, steps=2,
+                                   extra=("--memory-stats", str(stats), "--trace", str(traces)))
+    check_traces(plan, traces, steps=2)
     assert plan["pipeline"]["micro_batches"] == MEMORY_MICRO_BATCHES
     per_stage = plan["pipeline"]["per_stage"]
     bounds = {st["index"]: schedule_bound(per_stage[st["index"]]) for st in plan["stages"]}

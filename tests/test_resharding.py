@@ -292,6 +292,14 @@ def test_strategy_costs_follow_the_design_formulas():
     assert task_time(Strategy.LOCAL_ALLGATHER, S, 0, recv, cl, K) == pytest.approx(2 * t + S / 1e11)
     assert task_time(Strategy.GLOBAL_ALLGATHER, S, 0, recv, cl, K) == pytest.approx(2 * t)
     assert task_time(Strategy.BROADCAST, S, 0, recv, cl, K) == pytest.approx(t + 2 * t / K)
+    # every receiver on one other host: global allgather's one part gathers in-host, which is local
+    # allgather's program exactly (compile writes the same parts for both)
+    one_host = [1, 1, 1]
+    assert task_time(Strategy.GLOBAL_ALLGATHER, S, 0, one_host, cl, K) == pytest.approx(t + S / 1e11)
+    assert task_time(Strategy.GLOBAL_ALLGATHER, S, 0, one_host, cl, K) == \
+        task_time(Strategy.LOCAL_ALLGATHER, S, 0, one_host, cl, K)
+    # ... but not with a receiver on the sender's host too: the ring crosses hosts
+    assert task_time(Strategy.GLOBAL_ALLGATHER, S, 0, [0, 1, 1], cl, K) == pytest.approx(2 * t)
     # all receivers on the sender's host: in-host links only
     assert task_time(Strategy.BROADCAST, S, 1, [1, 1], cl, K) == pytest.approx(S / 1e11 * (1 + 1 / K))
 

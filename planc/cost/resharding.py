@@ -10,7 +10,9 @@ bandwidth_l`` (the slowest level below the host).
 
 - send/recv:                  A·B·t  (+ one t_loc per receiver on the sender's host)
 - send/recv + local allgather: A·t   (+ t_loc for the in-host allgather)
-- global allgather:           2t
+- global allgather:           2t, the all-gather crossing hosts; with every receiver on one other
+                              host (A = 1, none local) the all-gather stays inside that host and the
+                              task is local allgather's program exactly (same parts): A·t + t_loc
 - broadcast (K chunks, chain): t + A·t/K
 
 A task with no receiver off the sender's host uses only in-host links: the
@@ -67,6 +69,8 @@ def task_time(strategy: Strategy, nbytes: int, sender_host: int, receiver_hosts:
         return _remote_time(strategy, t_loc, 1, local, chunks) + extra
     bw, lat = host_link(cluster)
     t = lat + nbytes / bw
+    if strategy is Strategy.GLOBAL_ALLGATHER and a == 1 and not local:
+        strategy = Strategy.LOCAL_ALLGATHER      # one part, gathered in-host: the same program (docs/cost-model.md)
     extra = 0.0
     if strategy is Strategy.SEND_RECV:
         extra = local * t_loc

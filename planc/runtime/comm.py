@@ -54,8 +54,9 @@ def receive_jobs(ops, incoming, outgoing) -> list[list[tuple[str, Direction, int
 class RecvAhead:
     """Runs a stage's receives in a thread, ``ahead`` operations ahead of the compute thread."""
 
-    def __init__(self, executors: dict, jobs: list[list[tuple[str, Direction, int]]], ahead: int | None = None):
-        self.executors = executors
+    def __init__(self, executors: dict, jobs: list[list[tuple[str, Direction, int]]], ahead: int | None = None,
+                 tracer=None):
+        self.executors, self.tracer = executors, tracer
         self.jobs = jobs
         self.ahead = int(os.environ.get("PLANC_RECV_AHEAD", DEFAULT_AHEAD)) if ahead is None else int(ahead)
         self._futures: dict[tuple[str, Direction, int], Future] = {}
@@ -89,13 +90,19 @@ class RecvAhead:
                 name, direction, m = key
                 try:
                     posted.append((fut, self.executors[(name, direction)],
-                                   self.executors[(name, direction)].post(micro_batch=m)))
+                                   self.executors[(name, direction)].post(micro_batch=m),
+                                   key, self.tracer.now() if self.tracer is not None else 0.0))
                 except BaseException as e:  # noqa: BLE001 - raised in the compute thread by take()
                     fut.set_exception(e)
                 continue
-            fut, executor, handle = posted.popleft()
+            fut, executor, handle, key, t_post = posted.popleft()
             try:
-                fut.set_result(executor.finish(handle))
+                result = executor.finish(handle)
+                if self.tracer is not None:   # from posting to arrival (and relay, for broadcast chains)
+                    name, direction, m = key
+                    self.tracer.complete(f"recv {name} {direction.value} m{m}", t_post, self.tracer.now(), "recv",
+                                         micro_batch=m)
+                fut.set_result(result)
             except BaseException as e:  # noqa: BLE001 - raised in the compute thread by take()
                 fut.set_exception(e)
             del handle

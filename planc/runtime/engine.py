@@ -162,8 +162,9 @@ class PlanEngine(PipelineEngine):
     with sends in flight.
     """
 
-    def __init__(self, *ds_args, plan: Plan, groups: dict, data_iter=None, **ds_kwargs):
+    def __init__(self, *ds_args, plan: Plan, groups: dict, data_iter=None, tracer=None, **ds_kwargs):
         super().__init__(*ds_args, **ds_kwargs)
+        self.tracer = tracer
         rank = self.global_rank
         self.plan, self.plan_groups, self.rank = plan, groups, rank
         self.graph = StageGraph(plan)
@@ -201,14 +202,14 @@ class PlanEngine(PipelineEngine):
                               f"stage's data group {self.grid.get_data_parallel_group_ranks()}")
         self.held = {k: {} for k in ("inputs", "outputs", "labels", "losses", "grads")}
         self.last_backward = int(next(op for op in reversed(self.ops) if op[0] == "B")[1:])
-        self.grads = GradientBuckets(self.module.parameters(), self.reduction, self.device) \
+        self.grads = GradientBuckets(self.module.parameters(), self.reduction, self.device, tracer=tracer) \
             if self.reduction is not None else None
-        self.sends = SendReaper()
-        self.recvs = RecvAhead(self.executors, receive_jobs(self.ops, self.incoming, self.outgoing))
+        self.sends = SendReaper(tracer=tracer)
+        self.recvs = RecvAhead(self.executors, receive_jobs(self.ops, self.incoming, self.outgoing), tracer=tracer)
         self.stats = {"stage": self.stage_id, "peak_live_micro_batches": 0, "peak_pending_sends": 0}
 
     @classmethod
-    def build(cls, plan: Plan, groups: dict, layers, loss_fn, data_iter, ds_config: dict, timeout=None):
+    def build(cls, plan: Plan, groups: dict, layers, loss_fn, data_iter, ds_config: dict, timeout=None, tracer=None):
         """Construct the engine the way ``deepspeed.initialize`` does for a ``PipelineModule``
         (module, mpu = module.mpu(), DeepSpeedConfig), on the plan's grid and groups."""
         import deepspeed
@@ -229,7 +230,7 @@ class PlanEngine(PipelineEngine):
             engine = cls(args=None, model=module, optimizer=optimizer, model_parameters=None,
                          training_data=None, lr_scheduler=None, mpu=mpu, dist_init_required=False,
                          collate_fn=None, config=cfg, config_class=config_class,
-                         plan=plan, groups=groups, data_iter=data_iter)
+                         plan=plan, groups=groups, data_iter=data_iter, tracer=tracer)
         return engine
 
     # ---- buffer bookkeeping
@@ -283,7 +284,7 @@ class PlanEngine(PipelineEngine):
     def _exec_send_activations(self, buffer_id, transfer):
         out = self.held["outputs"][buffer_id][transfer]
         works = self.executors[(transfer, Direction.FORWARD)].send(out.detach(), micro_batch=buffer_id)
-        self.sends.add(buffer_id, works)
+        self.sends.add(buffer_id, works, f"send {transfer} forward m{buffer_id}")
         self._note()
 
     def _exec_recv_grads(self, buffer_id, transfer):
@@ -325,7 +326,7 @@ class PlanEngine(PipelineEngine):
         t = self.held["inputs"][buffer_id][transfer]
         g = t.grad if t.grad is not None else torch.zeros_like(t)
         works = self.executors[(transfer, Direction.BACKWARD)].send(g, micro_batch=buffer_id)
-        self.sends.add(buffer_id, works)
+        self.sends.add(buffer_id, works, f"send {transfer} backward m{buffer_id}")
         if transfer == self.incoming[-1]:
             self._drop(buffer_id, "inputs")
         self._note()
@@ -392,7 +393,11 @@ def _named(instruction: str, fn):
     @functools.wraps(fn)
     def run(self, **kwargs):
         try:
-            return fn(self, **kwargs)
+            if self.tracer is None or instruction == "BeginOp":
+                return fn(self, **kwargs)
+            with self.tracer.span(instruction, "compute", micro_batch=kwargs.get("buffer_id"),
+                                  transfer=kwargs.get("transfer")):
+                return fn(self, **kwargs)
         except (RuntimeError, EngineError) as e:
             if getattr(e, "planc_named", False):
                 raise

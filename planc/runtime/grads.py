@@ -28,7 +28,8 @@ DEFAULT_BUCKET_BYTES = 8 << 20
 
 
 class GradientBuckets:
-    def __init__(self, params, executor, device, bucket_bytes: int | None = None):
+    def __init__(self, params, executor, device, bucket_bytes: int | None = None, tracer=None):
+        self.tracer = tracer
         self.executor = executor
         self.params = [p for p in params if p.requires_grad]
         limit = bucket_bytes or int(os.environ.get("PLANC_GRAD_BUCKET_BYTES", DEFAULT_BUCKET_BYTES))
@@ -112,7 +113,11 @@ class GradientBuckets:
                 if b is None:
                     return
                 if self._error is None:
+                    t0 = self.tracer.now() if self.tracer is not None else 0.0
                     self.executor.run(self.buckets[b][0])
+                    if self.tracer is not None:
+                        self.tracer.complete(f"reduce bucket {b}", t0, self.tracer.now(), "reduce",
+                                             bytes=self.buckets[b][0].numel() * self.buckets[b][0].element_size())
             except BaseException as e:  # noqa: BLE001 - raised in the compute thread by finish()
                 self._error = e
             finally:

@@ -31,6 +31,7 @@ from .reduce import ReductionError, ReductionExecutor
 from .reshard import TransferExecutor
 from .tensor_parallel import context_from_plan, shard_info
 from .topology import create_groups
+from .trace import Tracer
 from .usercode import accepts_tensor_parallel, build_layers, load_callable  # noqa: F401 (re-exported)
 
 
@@ -66,6 +67,10 @@ def parse_args(argv):
     p.add_argument("--memory-stats", default=None, metavar="DIR",
                    help="after training, write each stage rank's peak held micro-batches and pending sends "
                         "to DIR/rank<R>.json")
+    p.add_argument("--trace", default=None, metavar="DIR",
+                   help="record every instruction, receive, send and gradient bucket of every step with its "
+                        "wall-clock times and write DIR/trace-rank<R>.json (Chrome trace format; "
+                        "`planc trace DIR` summarises them)")
     p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
@@ -229,6 +234,11 @@ def _main(argv=None, out_dir: str | None = None) -> int:
     digest = planfile.digest(plan)
     if (args.save or args.resume) and (args.comm_only or plan.train is None):
         raise CheckpointError("--save and --resume need a training run (not --comm-only, and a plan with train)")
+    if args.trace and (args.comm_only or plan.train is None):
+        error = EngineError("--trace records training steps: it needs a training run (not --comm-only, and a "
+                            "plan with train); --comm-only prints its own per-transfer times")
+        error.same_on_every_rank = True
+        raise error
     resume_from = None
     if args.resume:   # checked before the process group starts: every rank finds the same problem
         resume_from = checkpoint.resolve(args.resume)
@@ -295,9 +305,10 @@ def _main(argv=None, out_dir: str | None = None) -> int:
             problems = [f"rank {rank}: {e}"]
     _fail_together(problems)
 
+    tracer = Tracer(rank, stage.index if stage is not None else None) if args.trace else None
     if stage is not None:
         data = CountingIterator(batches(micro_batch, seed, **model_args))   # counted: the position a checkpoint keeps
-        engine = PlanEngine.build(plan, groups, layers, loss_fn, data, ds_config)
+        engine = PlanEngine.build(plan, groups, layers, loss_fn, data, ds_config, tracer=tracer)
     first = 0
     if resume_from is not None:
         problems, state = [], None
@@ -321,6 +332,7 @@ def _main(argv=None, out_dir: str | None = None) -> int:
         print(f"the checkpoint is at step {first}: nothing left to train for --steps {steps}", flush=True)
     for step in range(first, steps):
         t0 = time.perf_counter()
+        t0_trace = tracer.now() if tracer is not None else 0.0
         share = engine.train_batch() if engine is not None else 0.0   # idle ranks only add nothing
         loss = torch.tensor([share], dtype=torch.float64, device=device)
         try:
@@ -329,6 +341,8 @@ def _main(argv=None, out_dir: str | None = None) -> int:
             raise EngineError(f"rank {rank} failed in the step {step} loss all-reduce over every rank: "
                               f"{str(e).splitlines()[0]}") from e
         elapsed = time.perf_counter() - t0
+        if tracer is not None:
+            tracer.complete(f"step {step}", t0_trace, tracer.now(), "main", step=step)
         total += elapsed
         if rank == 0:
             print(f"step {step} loss {float(loss):.6f} time {elapsed:.4f} s {samples / elapsed:.1f} samples/s",
@@ -343,6 +357,8 @@ def _main(argv=None, out_dir: str | None = None) -> int:
 
     if engine is not None and args.dump_params:
         dump_params(engine, args.dump_params, rank)
+    if tracer is not None:
+        tracer.dump(args.trace)
     if engine is not None and args.memory_stats:
         os.makedirs(args.memory_stats, exist_ok=True)
         with open(os.path.join(args.memory_stats, f"rank{rank}.json"), "w") as f:

@@ -20,7 +20,8 @@ class SendReaper:
     thread at its next question.
     """
 
-    def __init__(self):
+    def __init__(self, tracer=None):
+        self.tracer = tracer
         self._queue: queue.Queue = queue.Queue()
         self._lock = threading.Lock()
         self._pending: dict[int, int] = {}      # micro-batch -> sends in flight
@@ -28,23 +29,25 @@ class SendReaper:
         self._thread = threading.Thread(target=self._run, name="planc-send-reaper", daemon=True)
         self._thread.start()
 
-    def add(self, micro_batch: int, works) -> None:
+    def add(self, micro_batch: int, works, what: str = "send") -> None:
         works = [w for w in works if w is not None]
         if not works:
             return
         with self._lock:
             self._pending[micro_batch] = self._pending.get(micro_batch, 0) + 1
-        self._queue.put((micro_batch, works))
+        self._queue.put((micro_batch, works, what, self.tracer.now() if self.tracer is not None else 0.0))
 
     def _run(self) -> None:
         while True:
             item = self._queue.get()
             if item is None:
                 return
-            m, works = item
+            m, works, what, issued = item
             try:
                 for w in works:
                     w.wait()
+                if self.tracer is not None:   # from issue to completion (waits run in issue order)
+                    self.tracer.complete(what, issued, self.tracer.now(), "send", micro_batch=m)
             except BaseException as e:  # noqa: BLE001 - handed to the compute thread
                 self._error = e
             finally:
