@@ -19,8 +19,9 @@ The model, per rank:
   Ranks in no stage only do the all_reduce;
 - the **receive thread** (``comm.RecvAhead``) runs, one after the other, the
   receive jobs of the list (per op, the transfers it consumes, in declaration
-  order), job ``j`` only once the compute thread has begun op ``j - ahead``
-  (``advance``), each job being ``TransferExecutor.recv``: per task of the
+  order), job ``j`` only once the compute thread has begun the op
+  ``comm.post_gates`` names (``j - ahead``, or for ``B m`` this stage's ``F m``
+  when earlier; ``advance``), each job being ``TransferExecutor.recv``: per task of the
   route in schedule order, the receive, broadcast or all_gather it posts and
   the waits in the order the code has them;
 - ``--comm-only`` (``main.comm_only``): one thread; a barrier, then per
@@ -50,7 +51,7 @@ from dataclasses import dataclass
 
 from planc.runtime import planfile
 from planc.runtime.planfile import Direction, Strategy
-from planc.runtime.comm import DEFAULT_AHEAD
+from planc.runtime.comm import DEFAULT_AHEAD, post_gates
 
 __all__ = ["check_rendezvous", "Hang", "Wait", "BACKENDS", "MODES"]
 
@@ -403,9 +404,10 @@ class _Builder:
         begun = [_Event() for _ in ops]
         done = {}
         receive: list = []
+        gates = post_gates(ops, self.ahead, [bool(incoming if text[0] == "F" else outgoing) for text in ops])
         for j, text in enumerate(ops):
             where = f"receiving for stage {s} op {j} ({text})"
-            gate = max(0, j - self.ahead)
+            gate = gates[j]
             receive.append((_WAIT, begun[gate], where))
             m = int(text[1:])
             d = Direction.FORWARD if text[0] == "F" else Direction.BACKWARD

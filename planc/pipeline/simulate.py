@@ -30,6 +30,7 @@ from planc import ir
 from planc.cost import events
 from planc.cost.collectives import held_after, ring_flows, step_coefficients
 from planc.cost.network import Network
+from planc.runtime.comm import post_gates
 from planc.pipeline.siminput import (
     BUCKET_BYTES, DEFAULT_FLOPS, RECV_AHEAD, SimInput, SimReduction, SimTask, SimTransfer, StageCompute,
     sim_input, stage_compute,
@@ -182,17 +183,19 @@ def _simulate(sim: SimInput, per_stage, free: bool, keep: bool) -> Prediction:
                     prev = g.add([b], duration=sum(c.backward), tag=("B", s, d, m))
                     comp_nodes.append((prev, s, d, "B", m))
                 comp_end[d, i] = prev
-    # the receive thread of every device: its receives in list order, posted `ahead` operations early
+    # the receive thread of every device: its receives in list order, posted at planc.runtime.comm.post_gates
     posted, recv_job, recv_sources, begin_jobs = {}, {}, {}, {}
     before = {}     # the receive finished before this one on the same device (relays and gathers wait for it)
     for s, devs in enumerate(sim.stage_devices):
+        gates = post_gates(per_stage[s], sim.ahead,
+                           [bool(incoming[s] if kind == "F" else outgoing[s]) for kind, _ in per_stage[s]])
         for d in devs:
             prev = None
             for i, (kind, m) in enumerate(per_stage[s]):
                 jobs = ([(t, "forward") for t in incoming[s]] if kind == "F" else
                         [(t, "backward") for t in outgoing[s]])
                 for t, direction in jobs:   # posted when queued (never blocks), finished in queue order
-                    post = g.add([begin[d, i - sim.ahead] if i - sim.ahead > 0 else None],
+                    post = g.add([begin[d, gates[i]] if gates[i] > 0 else None],
                                  tag=("post", s, d, t, direction, m))
                     posted[d, t, direction, m] = post
                     before[d, t, direction, m] = prev

@@ -13,8 +13,17 @@ data. Posting ahead matters on gloo: a sender transmits only once the
 receiver's notice that it has posted has reached it, and on a busy link that
 notice queues behind the other direction's traffic (the testbed's tbf queue
 holds up to 50 ms); one receive posted at a time costs that trip per message.
-At most ``ahead`` operations are posted beyond the one being computed, so
-receive buffers stay bounded by the schedule, not by the micro-batch count.
+When a receive is posted is :func:`post_gates`: an operation's receives are
+queued once the compute thread begins the operation ``ahead`` before it, and a
+backward's output gradients already once the stage has begun that micro-batch's
+forward (the gradient can only come after it, and the schedule bounds how many
+micro-batches are between the two). Receive buffers therefore stay bounded by
+the schedule's in-flight micro-batches plus ``ahead`` operations, not by the
+micro-batch count. The early backward posting matters on gloo's rendezvous:
+measured on the testbed (``train.py --trace``, docs/benchmarks.md), a
+first stage waiting in ``B m`` with only ``ahead`` operations posted kept the
+gradients of later micro-batches, computed downstream, from leaving their host
+for seconds, and the host link sat idle while the pipeline's tail grew.
 
 The thread issues its collectives on communicators of its own (``create_groups``
 makes a ``("transfer", direction, *members)`` communicator for every group a
@@ -33,7 +42,7 @@ from concurrent.futures import Future
 
 from .planfile import Direction
 
-__all__ = ["RecvAhead", "receive_jobs", "DEFAULT_AHEAD"]
+__all__ = ["RecvAhead", "receive_jobs", "post_gates", "DEFAULT_AHEAD"]
 
 DEFAULT_AHEAD = 4
 _NOTHING = object()
@@ -51,14 +60,45 @@ def receive_jobs(ops, incoming, outgoing) -> list[list[tuple[str, Direction, int
     return out
 
 
+def post_gates(ops, ahead: int, receives=None) -> list[int]:
+    """Per operation ``j`` of a stage's list (``"F3"``, ``"B0"`` or ``("F", 3)``), the operation whose
+    beginning lets the receive thread post ``j``'s receives.
+
+    - ``F m``: the operation ``ahead`` before it (0 for the first ``ahead`` operations);
+    - ``B m``: that, or the stage's ``F m`` when earlier: the output gradients of micro-batch ``m``
+      cannot arrive before its forward ran here, and are posted from then on;
+    - receives are queued (and finished) in list order, so each gate is at least the gate of
+      every earlier operation that receives anything (``receives[j]``: whether op ``j`` does;
+      default every op), and an operation with nothing to receive gets the gate before it: the
+      result never decreases, and every gate is at most its own operation.
+
+    The runtime (``RecvAhead``), the simulator and the deadlock check all use this one rule.
+    """
+    ops = [(op[0], int(op[1:])) if isinstance(op, str) else (op[0], int(op[1])) for op in ops]
+    receives = [True] * len(ops) if receives is None else list(receives)
+    forward_at = {m: j for j, (kind, m) in enumerate(ops) if kind == "F"}
+    gates, floor = [], 0
+    for j, (kind, m) in enumerate(ops):
+        g = max(0, j - max(0, int(ahead)))
+        if kind == "B" and forward_at.get(m, j) < g:
+            g = forward_at[m]
+        if receives[j]:
+            floor = max(floor, g)
+        gates.append(floor)      # an operation with nothing to receive never holds back the next ones
+    return gates
+
+
 class RecvAhead:
     """Runs a stage's receives in a thread, ``ahead`` operations ahead of the compute thread."""
 
     def __init__(self, executors: dict, jobs: list[list[tuple[str, Direction, int]]], ahead: int | None = None,
-                 tracer=None):
+                 tracer=None, ops=None):
         self.executors, self.tracer = executors, tracer
         self.jobs = jobs
         self.ahead = int(os.environ.get("PLANC_RECV_AHEAD", DEFAULT_AHEAD)) if ahead is None else int(ahead)
+        # ops given: post_gates; else (tests of the thread alone) the operation ``ahead`` before
+        self.gates = (post_gates(ops, self.ahead, [bool(j) for j in jobs]) if ops is not None else
+                      [max(0, j - self.ahead) for j in range(len(jobs))])
         self._futures: dict[tuple[str, Direction, int], Future] = {}
         self._posted = 0
         self._queue: queue.Queue = queue.Queue()
@@ -116,9 +156,8 @@ class RecvAhead:
         self.advance(0)
 
     def advance(self, op_index: int) -> None:
-        """The compute thread is at operation ``op_index``: post receives up to ``op_index + ahead``."""
-        last = min(len(self.jobs), op_index + self.ahead + 1)
-        while self._posted < last:
+        """The compute thread is at operation ``op_index``: post every receive whose gate it has reached."""
+        while self._posted < len(self.jobs) and self.gates[self._posted] <= op_index:
             for key in self.jobs[self._posted]:
                 fut: Future = Future()
                 self._futures[key] = fut

@@ -205,7 +205,8 @@ class PlanEngine(PipelineEngine):
         self.grads = GradientBuckets(self.module.parameters(), self.reduction, self.device, tracer=tracer) \
             if self.reduction is not None else None
         self.sends = SendReaper(tracer=tracer)
-        self.recvs = RecvAhead(self.executors, receive_jobs(self.ops, self.incoming, self.outgoing), tracer=tracer)
+        self.recvs = RecvAhead(self.executors, receive_jobs(self.ops, self.incoming, self.outgoing), tracer=tracer,
+                               ops=self.ops)
         self.stats = {"stage": self.stage_id, "peak_live_micro_batches": 0, "peak_pending_sends": 0}
 
     @classmethod
