@@ -258,11 +258,12 @@ def _cmd_trace(args) -> int:
     pct = lambda x: f"{100 * x:.0f}%"   # noqa: E731
     ui.emit([ui.table(
         ["rank", "stage", "steps", ui.Col("s/step", justify="right"), ui.Col("compute", justify="right"),
-         ui.Col("waiting for receives", justify="right"), ui.Col("issuing sends", justify="right"),
-         ui.Col("reduction tail", justify="right"), ui.Col("other", justify="right")],
+         ui.Col("recv wait", justify="right"), ui.Col("send", justify="right"),
+         ui.Col("reduce", justify="right"), ui.Col("other", justify="right")],
         [[r["rank"], "idle" if r["stage"] is None else r["stage"], r["steps"], f"{r['step_s']:.4f}",
           pct(r["compute"]), pct(r["wait"]), pct(r["send"]), pct(r["reduce"]), pct(r["other"])] for r in rows],
-        title=f"{args.directory}: the compute thread's time per step (first {args.skip} step(s) left out)")])
+        title=f"{args.directory}: the compute thread's time per step (first {args.skip} step(s) left out; "
+              "recv wait: for data the receive thread had not finished; reduce: the tail after the last backward)")])
     return 0
 
 

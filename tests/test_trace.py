@@ -79,7 +79,7 @@ def test_cli_table_json_and_errors(tmp_path):
     tr.dump(str(tmp_path / "t"))
     r = _planc(tmp_path / "t")
     assert r.returncode == 0, r.stderr
-    assert "waiting" in r.stdout and "50%" in r.stdout and "20%" in r.stdout
+    assert "recv wait" in r.stdout and "50%" in r.stdout and "20%" in r.stdout
     r = _planc(tmp_path / "t", "--json", "--skip", "0")
     assert r.returncode == 0 and json.loads(r.stdout)[0]["steps"] == 2
 
