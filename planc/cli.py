@@ -267,6 +267,35 @@ def _cmd_trace(args) -> int:
     return 0
 
 
+def _testbed_check(args) -> int:
+    """planc testbed check: plain TCP through two shaped hosts, the ceiling of the training figures."""
+    from planc import ui
+    from planc.testbed import Testbed, available
+    from planc.testbed.linkcheck import tcp_rates
+
+    why = available()
+    if why:
+        print(f"planc testbed: {why}", file=sys.stderr)
+        return EXIT_USER
+    if args.target:
+        print("planc testbed check: takes no target (it measures the links of a 2-host testbed)", file=sys.stderr)
+        return EXIT_USER
+    mbit = 25.0 if args.link_mbit is None else args.link_mbit
+    if not mbit > 0:
+        print(f"planc testbed check: --link-mbit must be positive, not {mbit:g}", file=sys.stderr)
+        return EXIT_USER
+    mbytes = max(1, round(mbit / 8 * 2))          # about 2 s per flow on its own
+    with Testbed(2, mbit) as tb:
+        rows = tcp_rates(tb, mbytes=mbytes)
+    ui.emit([ui.table(
+        ["traffic (plain TCP)", ui.Col("flows", justify="right"), ui.Col("s", justify="right"),
+         ui.Col("MB/s busiest direction", justify="right"), ui.Col("of the rate", justify="right")],
+        [[r["pattern"], r["flows"], f"{r['seconds']:.2f}", f"{r['rate'] / 1e6:.3f}", f"{r['fraction']:.0%}"]
+         for r in rows],
+        title=f"2 hosts, links shaped to {mbit:g} Mbit/s ({mbit / 8:g} MB/s) each way; {mbytes} MiB per flow")])
+    return 0
+
+
 def _cmd_testbed(args) -> int:
     import json
     import signal
@@ -278,6 +307,8 @@ def _cmd_testbed(args) -> int:
         removed = cleanup_stale()
         print(f"removed {len(removed)} stale testbed namespace(s)" + (": " + " ".join(removed) if removed else ""))
         return 0
+    if args.action == "check":
+        return _testbed_check(args)
     if not args.target:
         print(f"planc testbed {args.action}: needs {'a PLAN' if args.action == 'up' else 'a compiled output folder'}",
               file=sys.stderr)
@@ -302,6 +333,8 @@ def _cmd_testbed(args) -> int:
             return EXIT_USER
     problem = ("--loss must be a fraction of packets in [0, 1] (0.05 is 5%)" if not 0 <= args.loss <= 1 else
                "--trace needs --train (it records training steps)" if args.trace and not args.train else
+               f"--link-mbit must be positive, not {args.link_mbit:g}" if args.link_mbit is not None and
+               not args.link_mbit > 0 else
                "--link-down-after must be >= 0 seconds" if (args.link_down_after or 0) < 0 else
                f"--link-down-host must be one of the plan's hosts 0..{hosts - 1}"
                if args.link_down_host is not None and not 0 <= args.link_down_host < hosts else None)
@@ -471,9 +504,10 @@ def build_parser() -> argparse.ArgumentParser:
     c.set_defaults(func=_cmd_calibrate)
 
     c = sub.add_parser("testbed", help="emulated cluster: network namespaces + tc shaping (root; docs/testbed.md)")
-    c.add_argument("action", choices=["up", "run", "down"],
+    c.add_argument("action", choices=["up", "run", "down", "check"],
                    help="up PLAN: build and hold until Ctrl-C; run OUT: launch a compiled output's ranks "
-                        "(--comm-only) inside; down: remove namespaces left by dead testbeds")
+                        "(--comm-only) inside; down: remove namespaces left by dead testbeds; check: what the "
+                        "shaped links give plain TCP one way and both ways (--link-mbit, default 25)")
     c.add_argument("target", nargs="?", help="PLAN (up) or compiled output folder (run)")
     c.add_argument("--link-mbit", type=float, default=None,
                    help="host link rate (default: the plan's host/in-host bandwidth ratio scaled to 3 GB/s)")

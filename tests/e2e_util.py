@@ -24,13 +24,25 @@ def spelled(plan) -> Path:
     return copy if path.resolve().parent == ROOT / "plans" and copy.is_file() else path
 
 
+def extensions_env() -> dict:
+    """``TORCH_EXTENSIONS_DIR`` for the ranks, unless set: a folder of this venv. Every CPU rank
+    JIT-loads DeepSpeed's shared-memory op (``deepspeed_shm_comm``); in the shared default folder
+    (~/.cache/torch_extensions) a build there by another environment (another compile command) makes
+    the next rank here rebuild it: ~45 s of one core, every rank of the launch waiting on its lock."""
+    venv = Path(sys.prefix)
+    if os.environ.get("TORCH_EXTENSIONS_DIR") or sys.prefix == sys.base_prefix or not os.access(venv, os.W_OK):
+        return {}   # set already, or no venv of ours to keep it in: the default folder
+    return {"TORCH_EXTENSIONS_DIR": str(venv / "torch_extensions")}
+
+
 def launch_env():
-    """CPU/gloo, one thread per rank, this venv's deepspeed and python first on PATH."""
+    """CPU/gloo, one thread per rank, this venv's deepspeed and python first on PATH, the JIT-built
+    DeepSpeed op kept in this venv (``extensions_env``)."""
     bin_dir = str(Path(PY).parent)
     return dict(os.environ, DS_ACCELERATOR="cpu", PLANC_BACKEND="gloo", OMP_NUM_THREADS="1",
                 PLANC_COLLECTIVE_TIMEOUT_S="120", PYTHONPATH="", PYTHON=PY,
                 PATH=bin_dir + os.pathsep + os.environ.get("PATH", ""),
-                PLANC_MASTER_PORT=str(29500 + os.getpid() % 2000))
+                PLANC_MASTER_PORT=str(29500 + os.getpid() % 2000), **extensions_env())
 
 
 def launch_sh(out: Path, *args, timeout=300):

@@ -155,6 +155,7 @@ def test_stock_deepspeed_and_compute_only_run_per_host_in_the_testbed(tmp_path):
     from planc.compile import compile_file
     from planc.testbed import Testbed
 
+    from e2e_util import extensions_env
     src = tmp_path / "tiny.plan"
     src.write_text(TINY.format(mlp=ROOT / "examples/mlp.py"))
     c = compile_file(src, probe=True)
@@ -162,11 +163,12 @@ def test_stock_deepspeed_and_compute_only_run_per_host_in_the_testbed(tmp_path):
     write_output(c.plan_json, c.program, out)
     assert iteration.stock_reason(c.plan_json) is None
     with Testbed(2, 1000) as tb:
-        planc_run = tb.launch(out, steps=2, timeout=240, comm_only=False).check()
-        stock = tb.launch(out, steps=2, timeout=240, comm_only=False,
+        env = extensions_env()
+        planc_run = tb.launch(out, steps=2, timeout=240, comm_only=False, env=env).check()
+        stock = tb.launch(out, steps=2, timeout=240, comm_only=False, env=env,
                           script=ROOT / "planc/bench/stock_deepspeed.py",
                           extra_args=["--out", str(out), "--partition", iteration.stock_partition(c.plan_json)]).check()
-        compute = tb.launch(out, steps=2, timeout=240, comm_only=False, script=Path(iteration.__file__),
+        compute = tb.launch(out, steps=2, timeout=240, comm_only=False, env=env, script=Path(iteration.__file__),
                             extra_args=["--compute-only", "--out", str(out)]).check()
     assert "parts=[0, 2, 4], topology pipe 2 x data 2" in stock.stdout
     assert len(planc_run.losses) == len(stock.losses) == 2

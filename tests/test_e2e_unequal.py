@@ -18,6 +18,7 @@ Slow tests: 12 launches of 6-10 ranks (~50 s each, mostly start-up; ~8 min with 
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from dataclasses import dataclass
@@ -82,6 +83,12 @@ def variant(tmp_path, plan_name, schedule=None, edits=()):
     return path
 
 
+@functools.lru_cache(maxsize=None)
+def compiled(name):
+    """compile_file of tests/plans/<name>, once per test process: the fast tests below only read it."""
+    return compile_file(PLANS_DIR / name)
+
+
 def compile_to(tmp_path, plan_path):
     c = compile_file(plan_path)
     out = tmp_path / "out"
@@ -143,14 +150,14 @@ def test_plan_checks_and_compiles(name):
     (Untrainable diagnostics are allowed here: the runtime for unequal stages may lag behind.)"""
     from planc.cli import main
     assert main(["check", str(PLANS_DIR / name)]) == 0
-    c = compile_file(PLANS_DIR / name)
+    c = compiled(name)
     assert c.program.train.optimizer.name == "sgd"
     check_layout(c.plan_json, PLANS[name])
 
 
 @pytest.mark.parametrize("name", sorted(n for n, sc in PLANS.items() if sc.hierarchical))
 def test_cross_host_data_axis_gets_hierarchical_program(name):
-    plan = compile_file(PLANS_DIR / name).plan_json
+    plan = compiled(name).plan_json
     for s in PLANS[name].hierarchical:
         check_hierarchical(plan, s)
 
@@ -158,7 +165,7 @@ def test_cross_host_data_axis_gets_hierarchical_program(name):
 @pytest.mark.parametrize("name", sorted(PLANS))
 def test_independent_reference_runs_on_each_plan(name):
     """The reference alone, 1 step, on each plan's dataflow (transfers, skips, tuple outputs)."""
-    plan = compile_file(PLANS_DIR / name).plan_json
+    plan = compiled(name).plan_json
     losses, state = independent_reference(plan, ROOT / "examples", 1)
     assert len(losses) == 1 and losses[0] > 0
     n_layers = max(st["layers"][1] for st in plan["stages"])

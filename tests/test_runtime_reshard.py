@@ -286,6 +286,35 @@ def _box(t, region):
     return t[tuple(slice(a, b) for a, b in region)]
 
 
+def _create_groups_reusing(plan, pool: dict) -> dict:
+    """``create_groups(plan)`` with communicators reused from this rank's earlier jobs: the n-th
+    ``dist.new_group`` of a member set within this call gets ``pool``'s n-th communicator of that
+    set, made when a call first needs it. Within a job every key create_groups makes still has its
+    own communicator (as in a real run); across jobs one of the same members is reused instead of
+    made again (a new gloo group costs a store rendezvous of all 8 ranks: most of the test's time,
+    ~10 per job). Every rank makes the same calls in the same order, so all agree on which are made."""
+    import collections
+
+    import torch.distributed as dist
+
+    from planc.runtime.topology import create_groups
+    real, made = dist.new_group, collections.Counter()
+
+    def new_group(ranks=None, **kwargs):
+        key = tuple(ranks)
+        have, n = pool.setdefault(key, []), made[key]
+        made[key] += 1
+        if n == len(have):
+            have.append(real(ranks=ranks, **kwargs))
+        return have[n]
+
+    dist.new_group = new_group
+    try:
+        return create_groups(plan)
+    finally:
+        dist.new_group = real
+
+
 def reshard_worker(rank, world, payload):
     """For every job: build the plan's groups, send this rank's shard of every micro-batch, receive
     in reverse micro-batch order (tags keep them apart), compare bit for bit with the truth."""
@@ -293,11 +322,10 @@ def reshard_worker(rank, world, payload):
 
     from planc.runtime import planfile as PF
     from planc.runtime.reshard import TransferExecutor
-    from planc.runtime.topology import create_groups
-    checked = 0
+    checked, pool = 0, {}
     for job in payload:
         plan = PF.Plan.from_json(job["plan"])
-        groups = create_groups(plan)
+        groups = _create_groups_reusing(plan, pool)
         if plan.pipeline is not None:          # a model plan: the plan's own tags
             assert plan.pipeline.micro_batches == job["micro_batches"]
             tags = plan.tag_layout()

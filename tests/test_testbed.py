@@ -243,3 +243,33 @@ def test_step_bar_follows_rank_0s_steps_on_a_terminal_only(monkeypatch):
     bar.step(2)
     bar.close()
     assert piped.getvalue() == ""
+
+
+def test_link_check_moves_every_flow_and_accounts_the_busiest_direction():
+    """``planc testbed check``'s measurement (planc.testbed.linkcheck): every flow of a pattern
+    delivers its bytes (a client that does not exits non-zero and fails the call), the busiest
+    direction's bytes are counted from the pattern, and the rate is those bytes over the time."""
+    from planc.testbed.linkcheck import PATTERNS, tcp_rates
+    with Testbed(2, 200) as tb:
+        prefix = tb.prefix
+        rows = tcp_rates(tb, mbytes=2, patterns=(PATTERNS[0], PATTERNS[3]))
+    assert not _leftovers(prefix)
+    assert [r["pattern"] for r in rows] == [PATTERNS[0][0], PATTERNS[3][0]]
+    one, both = rows
+    assert (one["flows"], both["flows"]) == (1, 4)
+    assert one["busiest_bytes"] == 2 * 2 ** 20 and both["busiest_bytes"] == 2 * 2 * 2 ** 20   # two flows a way
+    for r in rows:
+        assert r["seconds"] > 0 and r["rate"] == pytest.approx(r["busiest_bytes"] / r["seconds"])
+        assert r["fraction"] == pytest.approx(r["rate"] / (200e6 / 8))
+
+
+def test_link_check_and_run_refuse_bad_arguments(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "plan.json").write_text('{"cluster": {"hosts": [[0], [1]]}}')   # enough for the argument checks
+    for argv, want in ((["check", "somewhere"], "takes no target"), (["check", "--link-mbit", "0"], "must be positive"),
+                       (["run", str(out), "--link-mbit", "-3"], "--link-mbit must be positive, not -3"),
+                       (["run", str(out), "--trace", str(tmp_path / "t")], "--trace needs --train")):
+        r = subprocess.run([sys.executable, "-m", "planc", "testbed", *argv], capture_output=True, text=True,
+                           timeout=60)
+        assert r.returncode == 2 and want in r.stderr and "Traceback" not in r.stderr, r.stderr

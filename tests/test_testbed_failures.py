@@ -30,7 +30,7 @@ import pytest
 
 from planc.testbed import Testbed, available
 
-from e2e_util import ROOT
+from e2e_util import ROOT, extensions_env
 from test_failures import FOUR, HANGING_MODEL
 from test_testbed_faults import MARGIN_S, _leftovers, _machine_state
 
@@ -123,12 +123,12 @@ def started(outs):
                 hang["prefix"], hang["master"] = tb.prefix, tb.addresses[0]
                 hang["t0"] = time.monotonic()
                 hang["r"] = tb.launch(outs["two"], steps=1000, timeout=240, comm_only=False,
-                                      env={"HANG_TEST_RANK": "1"}, on_step=on_step)
+                                      env={"HANG_TEST_RANK": "1", **extensions_env()}, on_step=on_step)
         except BaseException as e:      # shown by the test
             hang["error"] = f"{type(e).__name__}: {e}"
 
     bench = {"shm_before": set(glob.glob("/dev/shm/deepspeed_allreduce_buffer_*"))}
-    env = dict(os.environ, PLANC_BENCH_LINK_DOWN="0@1", PLANC_COLLECTIVE_TIMEOUT_S=str(TIMEOUT_S))
+    env = dict(os.environ, PLANC_BENCH_LINK_DOWN="0@1", PLANC_COLLECTIVE_TIMEOUT_S=str(TIMEOUT_S), **extensions_env())
     bench["p"] = subprocess.Popen([sys.executable, "-m", "planc", "bench", "testbed"], stdout=subprocess.PIPE,
                                   stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
     th = threading.Thread(target=run_hang, daemon=True)
@@ -176,7 +176,8 @@ def test_start_up_refusals_on_the_testbed(outs):
         try:
             with Testbed(2, 100) as tb:
                 prefixes.append(tb.prefix)
-                results[name] = tb.launch(kw.pop("out"), steps=2, timeout=240, comm_only=False, **kw)
+                results[name] = tb.launch(kw.pop("out"), steps=2, timeout=240, comm_only=False, env=extensions_env(),
+                                          **kw)
         except BaseException as e:      # shown by the assertion below
             errors.append(f"{name}: {type(e).__name__}: {e}")
 
@@ -225,7 +226,8 @@ def test_the_dev_shm_buffers_a_launch_leaves_are_removed(outs):
 
     with Testbed(1, 100) as tb:
         prefix = tb.prefix
-        r = tb.launch(outs["one_host"], steps=1000, timeout=240, comm_only=False, on_step=on_step)
+        r = tb.launch(outs["one_host"], steps=1000, timeout=240, comm_only=False, env=extensions_env(),
+                      on_step=on_step)
     assert r.returncode != 0 and r.rank_exits.get(1) == -9, r.failure
     uid = os.getuid()
     assert sorted(seen) == [f"/dev/shm/deepspeed_allreduce_buffer_{uid}_{tb.addresses[0]}_{p}_{rank}"
