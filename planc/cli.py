@@ -271,7 +271,7 @@ def _testbed_check(args) -> int:
     """planc testbed check: plain TCP through two shaped hosts, the ceiling of the training figures."""
     from planc import ui
     from planc.testbed import Testbed, available
-    from planc.testbed.linkcheck import tcp_rates
+    from planc.testbed.linkcheck import gloo_rates, tcp_rates
 
     why = available()
     if why:
@@ -284,15 +284,21 @@ def _testbed_check(args) -> int:
     if not mbit > 0:
         print(f"planc testbed check: --link-mbit must be positive, not {mbit:g}", file=sys.stderr)
         return EXIT_USER
-    mbytes = max(1, round(mbit / 8 * 2))          # about 2 s per flow on its own
+    mbytes = max(1, round(mbit / 8))              # about 1 s per flow on its own
     with Testbed(2, mbit) as tb:
         rows = tcp_rates(tb, mbytes=mbytes)
+        try:
+            rows += gloo_rates(tb, messages=max(4, round(mbytes * 2)), mib=0.5)
+        except RuntimeError as e:
+            print(f"planc testbed check: {e}", file=sys.stderr)
+            return 1
     ui.emit([ui.table(
-        ["traffic (plain TCP)", ui.Col("flows", justify="right"), ui.Col("s", justify="right"),
+        ["traffic", ui.Col("flows", justify="right"), ui.Col("s", justify="right"),
          ui.Col("MB/s busiest direction", justify="right"), ui.Col("of the rate", justify="right")],
         [[r["pattern"], r["flows"], f"{r['seconds']:.2f}", f"{r['rate'] / 1e6:.3f}", f"{r['fraction']:.0%}"]
          for r in rows],
-        title=f"2 hosts, links shaped to {mbit:g} Mbit/s ({mbit / 8:g} MB/s) each way; {mbytes} MiB per flow")])
+        title=f"2 hosts, links shaped to {mbit:g} Mbit/s ({mbit / 8:g} MB/s) each way; plain TCP: {mbytes} MiB per "
+              f"flow; gloo: 2 ranks per host, 0.5 MiB messages, every receive posted first")])
     return 0
 
 

@@ -252,7 +252,7 @@ def test_link_check_moves_every_flow_and_accounts_the_busiest_direction():
     from planc.testbed.linkcheck import PATTERNS, tcp_rates
     with Testbed(2, 200) as tb:
         prefix = tb.prefix
-        rows = tcp_rates(tb, mbytes=2, patterns=(PATTERNS[0], PATTERNS[3]))
+        rows = tcp_rates(tb, mbytes=2, patterns=(PATTERNS[0], PATTERNS[3]), repeats=1)
     assert not _leftovers(prefix)
     assert [r["pattern"] for r in rows] == [PATTERNS[0][0], PATTERNS[3][0]]
     one, both = rows
@@ -261,6 +261,22 @@ def test_link_check_moves_every_flow_and_accounts_the_busiest_direction():
     for r in rows:
         assert r["seconds"] > 0 and r["rate"] == pytest.approx(r["busiest_bytes"] / r["seconds"])
         assert r["fraction"] == pytest.approx(r["rate"] / (200e6 / 8))
+
+
+@pytest.mark.slow
+def test_gloo_link_check_reports_every_pattern():
+    """The gloo half of ``planc testbed check``: 2 hosts x 2 ranks run planc/runtime/gloocheck.py;
+    every pattern is reported with the bytes through its busiest direction."""
+    from planc.testbed.linkcheck import gloo_rates
+    with Testbed(2, 200) as tb:
+        rows = gloo_rates(tb, messages=4, mib=0.25, repeats=1, timeout=180)
+    assert [r["pattern"] for r in rows] == ["gloo: one pair, one way", "gloo: two pairs, one way",
+                                            "gloo: two pairs, both ways"]
+    one = 4 * 0.25 * 2 ** 20
+    assert [r["busiest_bytes"] for r in rows] == [one, 2 * one, 2 * one]
+    assert [r["flows"] for r in rows] == [1, 2, 4]
+    for r in rows:
+        assert r["seconds"] > 0 and r["rate"] == pytest.approx(r["busiest_bytes"] / r["seconds"])
 
 
 def test_link_check_and_run_refuse_bad_arguments(tmp_path):
