@@ -12,8 +12,8 @@ synthesized gradient program must be hierarchical (reduce_scatter inside the hos
 across, all_gather inside). Scenario table: ``PLANS`` below. Plus: 32 micro-batches must not
 grow a stage's live activations beyond what its schedule allows (``--memory-stats``).
 
-Slow tests: 12 launches of 6-10 ranks (~50 s each, mostly start-up; ~8 min with -n 2). Run them with
-``.venv/bin/pytest -m slow tests/test_e2e_unequal.py -n 2``.
+Slow tests: 6 launches of 6-10 ranks (~25-50 s each, almost all of it start-up: the steps take ~1 s).
+Run them with ``.venv/bin/pytest -m slow tests/test_e2e_unequal.py -n 2``.
 """
 
 from __future__ import annotations
