@@ -236,6 +236,16 @@ def _cmd_simulate(args) -> int:
     return 0
 
 
+def _trace_predicted(path: str) -> tuple[float | None, dict[int, float]]:
+    """(predicted iteration, {stage: predicted busy fraction}) from a compiled output or its plan.json."""
+    import json
+    p = Path(path)
+    p = p / "plan.json" if p.is_dir() else p
+    pipe = json.loads(p.read_text()).get("pipeline") or {}
+    stages = ((pipe.get("predicted") or {}).get("stages")) or []
+    return pipe.get("predicted_iteration"), {int(st["stage"]): float(st["busy"]) for st in stages}
+
+
 def _cmd_trace(args) -> int:
     import json
     from planc import ui
@@ -252,18 +262,38 @@ def _cmd_trace(args) -> int:
     if not rows:
         print(f"planc trace: {args.directory}: the traces hold no training step", file=sys.stderr)
         return EXIT_USER
+    iteration, busy = None, {}
+    if args.plan:
+        try:
+            iteration, busy = _trace_predicted(args.plan)
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            print(f"planc trace: --plan {args.plan}: not a compiled output or plan.json "
+                  f"({getattr(e, 'strerror', None) or e})", file=sys.stderr)
+            return EXIT_USER
+        for r in rows:
+            r["predicted_step_s"] = iteration
+            r["predicted_compute"] = busy.get(r["stage"]) if r["stage"] is not None else None
     if args.json:
         print(json.dumps(rows, indent=1, sort_keys=True))
         return 0
-    pct = lambda x: f"{100 * x:.0f}%"   # noqa: E731
-    ui.emit([ui.table(
-        ["rank", "stage", "steps", ui.Col("s/step", justify="right"), ui.Col("compute", justify="right"),
-         ui.Col("recv wait", justify="right"), ui.Col("send", justify="right"),
-         ui.Col("reduce", justify="right"), ui.Col("other", justify="right")],
-        [[r["rank"], "idle" if r["stage"] is None else r["stage"], r["steps"], f"{r['step_s']:.4f}",
-          pct(r["compute"]), pct(r["wait"]), pct(r["send"]), pct(r["reduce"]), pct(r["other"])] for r in rows],
-        title=f"{args.directory}: the compute thread's time per step (first {args.skip} step(s) left out; "
-              "recv wait: for data the receive thread had not finished; reduce: the tail after the last backward)")])
+    pct = lambda x: "—" if x is None else f"{100 * x:.0f}%"   # noqa: E731
+    cols = ["rank", "stage", "steps", ui.Col("s/step", justify="right"), ui.Col("compute", justify="right"),
+            ui.Col("recv wait", justify="right"), ui.Col("send", justify="right"),
+            ui.Col("reduce", justify="right"), ui.Col("other", justify="right")]
+    table_rows = []
+    for r in rows:
+        row = [r["rank"], "idle" if r["stage"] is None else r["stage"], r["steps"], f"{r['step_s']:.4f}",
+               pct(r["compute"]), pct(r["wait"]), pct(r["send"]), pct(r["reduce"]), pct(r["other"])]
+        table_rows.append(row)
+    title = (f"{args.directory}: the compute thread's time per step (first {args.skip} step(s) left out; "
+             "recv wait: for data the receive thread had not finished; reduce: the tail after the last backward)")
+    out = [ui.table(cols, table_rows, title=title)]
+    if args.plan:
+        out += ["", f"predicted by plan.json (`planc simulate`, for the cluster it was compiled with): "
+                    f"{'no prediction' if iteration is None else f'{iteration:.4f} s per step'}"
+                    + ("; compute busy per stage: " + ", ".join(f"stage {k} {pct(v)}" for k, v in sorted(busy.items()))
+                       if busy else "")]
+    ui.emit(out)
     return 0
 
 
@@ -491,6 +521,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("directory", help="the folder given to train.py --trace")
     c.add_argument("--skip", type=int, default=1, metavar="N", help="leave out the first N steps (default 1: warm-up)")
     c.add_argument("--json", action="store_true", help="print the per-rank figures as JSON")
+    c.add_argument("--plan", metavar="OUT", help="a compiled output (or its plan.json): show its predicted "
+                                                 "iteration and stage busy fractions beside the measured ones")
     c.set_defaults(func=_cmd_trace)
 
     c = sub.add_parser("calibrate", help="measure links and device throughput; write a cluster YAML (docs/calibrate.md)")

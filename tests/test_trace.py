@@ -95,3 +95,27 @@ def test_cli_table_json_and_errors(tmp_path):
     Tracer(rank=0).dump(str(tmp_path / "idle"))
     r = _planc(tmp_path / "idle")
     assert r.returncode == 2 and "no training step" in r.stderr
+
+
+def test_cli_shows_the_plans_prediction_beside_the_measurement(tmp_path):
+    tr = Tracer(rank=1, stage=0)
+    _steps(tr, origin=5e14)
+    tr.dump(str(tmp_path / "t"))
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "plan.json").write_text(json.dumps({"pipeline": {"predicted_iteration": 0.75, "predicted": {
+        "stages": [{"stage": 0, "busy": 0.4}, {"stage": 1, "busy": 0.9}]}}}))
+    for plan in (out, out / "plan.json"):      # the output folder or its plan.json
+        r = _planc(tmp_path / "t", "--plan", plan)
+        assert r.returncode == 0, r.stderr
+        text = " ".join(r.stdout.split())
+        assert "0.7500 s per step" in text and "stage 0 40%, stage 1 90%" in text, r.stdout
+    r = _planc(tmp_path / "t", "--plan", out, "--json")
+    (row,) = json.loads(r.stdout)
+    assert row["predicted_step_s"] == 0.75 and row["predicted_compute"] == 0.4
+    (tmp_path / "bad.json").write_text("[1, 2")
+    (tmp_path / "list.json").write_text("[1, 2]")
+    for bad in (tmp_path / "nowhere", tmp_path / "bad.json", tmp_path / "list.json"):
+        r = _planc(tmp_path / "t", "--plan", bad)
+        assert r.returncode == 2 and "not a compiled output or plan.json" in r.stderr, r.stderr
+        assert "Traceback" not in r.stderr
