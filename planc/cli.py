@@ -280,11 +280,9 @@ def _cmd_trace(args) -> int:
     cols = ["rank", "stage", "steps", ui.Col("s/step", justify="right"), ui.Col("compute", justify="right"),
             ui.Col("recv wait", justify="right"), ui.Col("send", justify="right"),
             ui.Col("reduce", justify="right"), ui.Col("other", justify="right")]
-    table_rows = []
-    for r in rows:
-        row = [r["rank"], "idle" if r["stage"] is None else r["stage"], r["steps"], f"{r['step_s']:.4f}",
-               pct(r["compute"]), pct(r["wait"]), pct(r["send"]), pct(r["reduce"]), pct(r["other"])]
-        table_rows.append(row)
+    table_rows = [[r["rank"], "idle" if r["stage"] is None else r["stage"], r["steps"], f"{r['step_s']:.4f}",
+                   pct(r["compute"]), pct(r["wait"]), pct(r["send"]), pct(r["reduce"]), pct(r["other"])]
+                  for r in rows]
     title = (f"{args.directory}: the compute thread's time per step (first {args.skip} step(s) left out; "
              "recv wait: for data the receive thread had not finished; reduce: the tail after the last backward)")
     out = [ui.table(cols, table_rows, title=title)]
@@ -311,9 +309,6 @@ def _testbed_check(args) -> int:
         print("planc testbed check: takes no target (it measures the links of a 2-host testbed)", file=sys.stderr)
         return EXIT_USER
     mbit = 25.0 if args.link_mbit is None else args.link_mbit
-    if not mbit > 0:
-        print(f"planc testbed check: --link-mbit must be positive, not {mbit:g}", file=sys.stderr)
-        return EXIT_USER
     mbytes = max(1, round(mbit / 8))              # about 1 s per flow on its own
     with Testbed(2, mbit) as tb:
         rows = tcp_rates(tb, mbytes=mbytes)
@@ -343,6 +338,9 @@ def _cmd_testbed(args) -> int:
         removed = cleanup_stale()
         print(f"removed {len(removed)} stale testbed namespace(s)" + (": " + " ".join(removed) if removed else ""))
         return 0
+    if args.link_mbit is not None and not args.link_mbit > 0:
+        print(f"planc testbed: --link-mbit must be positive, not {args.link_mbit:g}", file=sys.stderr)
+        return EXIT_USER
     if args.action == "check":
         return _testbed_check(args)
     if not args.target:
@@ -369,8 +367,6 @@ def _cmd_testbed(args) -> int:
             return EXIT_USER
     problem = ("--loss must be a fraction of packets in [0, 1] (0.05 is 5%)" if not 0 <= args.loss <= 1 else
                "--trace needs --train (it records training steps)" if args.trace and not args.train else
-               f"--link-mbit must be positive, not {args.link_mbit:g}" if args.link_mbit is not None and
-               not args.link_mbit > 0 else
                "--link-down-after must be >= 0 seconds" if (args.link_down_after or 0) < 0 else
                f"--link-down-host must be one of the plan's hosts 0..{hosts - 1}"
                if args.link_down_host is not None and not 0 <= args.link_down_host < hosts else None)

@@ -4,7 +4,7 @@ Run by ``planc.testbed.linkcheck.gloo_rates`` as the script of a 2-host x 2-rank
 testbed launch: rank k of host 0 pairs with rank k of host 1. Per pattern, after
 a barrier, the receivers post all their irecvs, the senders isend ``N`` messages of
 ``MIB`` MiB each, and everyone waits; the slowest rank's time is printed by rank 0
-as ``gloo PATTERN|SECONDS|BUSIEST_BYTES`` (the median of ``GLOOCHECK_REPEATS`` runs). Patterns: one pair one way; both pairs
+as ``gloo PATTERN|FLOWS|SECONDS|BUSIEST_BYTES`` (the median of ``GLOOCHECK_REPEATS`` runs). Patterns: one pair one way; both pairs
 one way (two flows through the link); both pairs both ways (four flows).
 """
 from __future__ import annotations
@@ -47,9 +47,10 @@ def main() -> None:
     repeats = int(os.environ.get("GLOOCHECK_REPEATS", 3))
     for pattern in PATTERNS:
         seconds = sorted(_run(pattern, rank, n, numel) for _ in range(repeats))[repeats // 2]   # the median
-        busiest = (1 if pattern == "one pair, one way" else 2) * n * numel * 4
+        flows = {"one pair, one way": 1, "two pairs, one way": 2}.get(pattern, 4)
+        busiest = min(flows, 2) * n * numel * 4          # bytes through the busiest link direction
         if rank == 0:
-            print(f"gloo {pattern}|{seconds:.6f}|{busiest}", flush=True)
+            print(f"gloo {pattern}|{flows}|{seconds:.6f}|{busiest}", flush=True)
     dist.barrier()
     dist.destroy_process_group()
 

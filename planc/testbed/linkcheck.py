@@ -90,6 +90,13 @@ def _flows(tb, pairs, mbytes: int, timeout: float) -> float:
             p.wait()
 
 
+def _record(pattern: str, flows: int, seconds: float, busiest: float, tb) -> dict:
+    """One pattern's result: the busiest link direction's bytes over the time, and its share of the rate."""
+    rate = busiest / seconds
+    return {"pattern": pattern, "flows": flows, "seconds": seconds, "busiest_bytes": busiest, "rate": rate,
+            "fraction": rate / (tb.link_mbit * 1e6 / 8)}
+
+
 def gloo_rates(tb, messages: int = 16, mib: float = 0.5, timeout: float = 300, repeats: int = 3) -> list[dict]:
     """gloo p2p (``planc/runtime/gloocheck.py``) on a live 2-host testbed with 2 ranks per host:
     per pattern the same record as :func:`tcp_rates`. Raises ``RuntimeError`` when the launch fails."""
@@ -98,7 +105,6 @@ def gloo_rates(tb, messages: int = 16, mib: float = 0.5, timeout: float = 300, r
     from pathlib import Path
 
     from planc import resources
-    nominal = tb.link_mbit * 1e6 / 8
     with tempfile.TemporaryDirectory(prefix="planc-gloocheck-") as tmp:
         (Path(tmp) / "plan.json").write_text(json.dumps({"cluster": {"hosts": [[0, 1], [2, 3]], "devices": 4},
                                                          "stages": []}))
@@ -108,12 +114,9 @@ def gloo_rates(tb, messages: int = 16, mib: float = 0.5, timeout: float = 300, r
                       progress=False)
     rows = []
     for line in r.stdout.splitlines():
-        if line.startswith("gloo ") and line.count("|") == 2:
-            name, seconds, busiest = line[5:].split("|")
-            seconds, busiest = float(seconds), float(busiest)
-            rows.append({"pattern": f"gloo: {name}", "flows": {"one pair, one way": 1, "two pairs, one way": 2}.get(
-                name, 4), "seconds": seconds, "busiest_bytes": busiest, "rate": busiest / seconds,
-                "fraction": busiest / seconds / nominal})
+        if line.startswith("gloo ") and line.count("|") == 3:
+            name, flows, seconds, busiest = line[5:].split("|")
+            rows.append(_record(f"gloo: {name}", int(flows), float(seconds), float(busiest), tb))
     if r.returncode != 0 or not rows:
         raise RuntimeError(f"the gloo link check failed (exit {r.returncode}): {r.failure or r.stdout[-1000:]}")
     return rows
@@ -123,7 +126,6 @@ def tcp_rates(tb, mbytes: int = 8, patterns=PATTERNS, timeout: float = 300, repe
     """Per pattern: ``pattern``, ``flows``, ``seconds`` (the median of ``repeats`` runs),
     ``busiest_bytes``, ``rate`` (bytes/s through the busiest link direction) and ``fraction`` of the
     testbed's nominal rate."""
-    nominal = tb.link_mbit * 1e6 / 8
     rows = []
     for name, pairs in patterns:
         load: dict[tuple[str, int], float] = {}
@@ -131,7 +133,5 @@ def tcp_rates(tb, mbytes: int = 8, patterns=PATTERNS, timeout: float = 300, repe
             load[("out", s)] = load.get(("out", s), 0.0) + mbytes * 2 ** 20
             load[("in", d)] = load.get(("in", d), 0.0) + mbytes * 2 ** 20
         seconds = sorted(_flows(tb, pairs, mbytes, timeout) for _ in range(max(1, repeats)))[max(1, repeats) // 2]
-        busiest = max(load.values())
-        rows.append({"pattern": name, "flows": len(pairs), "seconds": seconds, "busiest_bytes": busiest,
-                     "rate": busiest / seconds, "fraction": busiest / seconds / nominal})
+        rows.append(_record(name, len(pairs), seconds, max(load.values()), tb))
     return rows
