@@ -252,6 +252,8 @@ class FaultsMixin:
         if pid is None or rank in tracker.ended:
             raise TestbedError(f"rank {rank} is not running (running: {tracker.alive()})")
         os.kill(pid, sig)
+        if sig == signal.SIGKILL:
+            tracker.sigkilled[pid] = -signal.SIGKILL
         host = self._host_of.get(rank, "?")
         self._event(f"rank {rank} (host {host}) sent {signal.Signals(sig).name} by the testbed")
         return pid

@@ -179,6 +179,9 @@ class RankTracker:
         self.script, self.t0 = script, t0
         self.pids: dict[int, int] = {}                            # rank -> pid
         self.ended: dict[int, tuple[float, int | None]] = {}      # rank -> (seconds since t0, returncode)
+        # pid -> returncode of a rank the testbed sent SIGKILL: it cannot be caught, so when the
+        # launcher reaps the rank before ``poll`` sees its zombie (a loaded machine), that is its status
+        self.sigkilled: dict[int, int] = {}
 
     def scan(self, launched) -> None:
         """Find rank processes below ``launched`` (Popen objects) not yet known."""
@@ -193,7 +196,9 @@ class RankTracker:
                 continue
             state, code = _proc_state(pid)
             if state is None or state in "ZX":
-                self.ended[rank] = (now - self.t0, code if code is not None else (reaped or {}).get(pid))
+                if code is None:
+                    code = (reaped or {}).get(pid, self.sigkilled.get(pid))
+                self.ended[rank] = (now - self.t0, code)
 
     def alive(self) -> list[int]:
         return sorted(r for r in self.pids if r not in self.ended)
