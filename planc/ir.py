@@ -119,12 +119,20 @@ class Level:
 @dataclass(frozen=True, slots=True)
 class Cluster:
     """``flops``: one device's throughput in FLOP/s (None: not given, no compute model); ``memory``:
-    one device's memory in bytes (None: not given, no limit for ``schedule = auto``)."""
+    one device's memory in bytes (None: not given, no limit for ``schedule = auto``).
+
+    ``cores``: devices that compute on one shared pool of CPU cores (``cores = 2 per cluster``:
+    an emulated cluster on one machine; ``cores = 8 per host``: CPU hosts whose ranks share the
+    host's cores). ``cores_level`` names the level each of whose units holds one pool; None with
+    ``cores`` given: one pool for the whole cluster. ``cores`` None: every device computes on its
+    own (GPUs), the default."""
 
     levels: tuple[Level, ...]
     host_level: str
     flops: float | None = None
     memory: float | None = None
+    cores: int | None = None
+    cores_level: str | None = None
 
     @property
     def fanouts(self) -> tuple[int, ...]:
@@ -162,6 +170,16 @@ class Cluster:
     def hosts(self) -> tuple[tuple[int, ...], ...]:
         k = self.devices_per_host
         return tuple(tuple(range(h * k, (h + 1) * k)) for h in range(self.num_hosts))
+
+    def core_pools(self) -> tuple[tuple[int, ...], ...]:
+        """The devices sharing each pool of ``cores`` (contiguous ranges); () when ``cores`` is None."""
+        if self.cores is None:
+            return ()
+        if self.cores_level is None:
+            return (tuple(range(self.devices)),)
+        i = self.level_index(self.cores_level)
+        k = math.prod(self.fanouts[i + 1:])
+        return tuple(tuple(range(u * k, (u + 1) * k)) for u in range(self.devices // k))
 
 
 # ---------------------------------------------------------------- parallelism and meshes
