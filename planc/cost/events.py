@@ -8,6 +8,13 @@ has finished, and then either
   links of :class:`planc.cost.network.Network`, and finishes ``latency``
   seconds after its last byte arrived.
 
+Compute may share a pool of cores (``Graph.pools``: an emulated cluster on
+one machine, CPU ranks sharing a host): a node with ``pool = p`` does
+``duration`` seconds of one core's work, and the nodes computing in pool ``p``
+at an instant share its ``cores`` equally, each at most one core (processor
+sharing, capped: with no more nodes than cores every node runs at full speed).
+Nodes without a pool run for their ``duration``, whatever else runs.
+
 Serial streams (a device's compute stream, its receive thread, its reduction
 thread) are expressed as dependencies: each node of a stream depends on the
 one before it. So the graph fixes the *order* of work; the simulation decides
@@ -49,17 +56,31 @@ class Node:
     flows: tuple[tuple[int, int, float], ...] = ()
     latency: float = 0.0
     tag: tuple = ()          # what the node is, for the caller (stage, kind, micro-batch, ...)
+    pool: int | None = None  # the core pool its ``duration`` of work runs on (None: its own core)
 
 
 @dataclass(slots=True)
 class Graph:
     nodes: list[Node] = field(default_factory=list)
+    pools: list[float] = field(default_factory=list)   # cores of each pool
 
-    def add(self, deps=(), duration: float = 0.0, flows=(), latency: float = 0.0, tag: tuple = ()) -> int:
+    def add_pool(self, cores: float) -> int:
+        """A pool of ``cores`` (> 0) shared by the nodes added with its index as ``pool``."""
+        if not (cores > 0 and math.isfinite(cores)):
+            raise ValueError(f"a core pool needs a positive number of cores, got {cores!r}")
+        self.pools.append(float(cores))
+        return len(self.pools) - 1
+
+    def add(self, deps=(), duration: float = 0.0, flows=(), latency: float = 0.0, tag: tuple = (),
+            pool: int | None = None) -> int:
         deps = [d for d in deps if d is not None]   # more may be appended later: g.nodes[i].deps
         if duration < 0 or latency < 0 or not math.isfinite(duration) or not math.isfinite(latency):
             raise ValueError(f"node {len(self.nodes)}: duration and latency must be finite and non-negative")
-        self.nodes.append(Node(deps, float(duration), tuple(flows), float(latency), tag))
+        if pool is not None and not 0 <= pool < len(self.pools):
+            raise ValueError(f"node {len(self.nodes)}: unknown core pool {pool}")
+        if pool is not None and flows:
+            raise ValueError(f"node {len(self.nodes)}: a node on a core pool moves no bytes")
+        self.nodes.append(Node(deps, float(duration), tuple(flows), float(latency), tag, pool))
         return len(self.nodes) - 1
 
 
@@ -129,11 +150,17 @@ def run(graph: Graph, net: Network | None) -> Trace:
     next_flow = 0
     now = 0.0
     dirty = False
+    computing: dict[int, float] = {}           # node on a core pool -> seconds of one core's work left
+    in_pool = [0] * len(graph.pools)
 
     def begin(i: int, t: float) -> None:
         nonlocal order, next_flow, dirty
         nd = nodes[i]
         start[i] = t
+        if nd.pool is not None and nd.duration > 0:
+            computing[i] = nd.duration
+            in_pool[nd.pool] += 1
+            return
         moving = [(a, b, x) for a, b, x in nd.flows if a != b and x > 0]
         if not moving:
             order += 1
@@ -166,7 +193,10 @@ def run(graph: Graph, net: Network | None) -> Trace:
             if rec[1] > 0:
                 rec[6] = now + rec[0] / rec[1]
                 t_flow = min(t_flow, rec[6])
+        speed = [min(1.0, cores / k) if k else 0.0 for cores, k in zip(graph.pools, in_pool)]
+        t_comp = min((now + w / speed[nodes[i].pool] for i, w in computing.items()), default=math.inf)
         t_node = heap[0][0] if heap else math.inf
+        t_node = min(t_node, t_comp)
         if t_flow == math.inf and t_node == math.inf:
             stuck = [i for i in range(n) if math.isnan(finish[i])]
             raise ValueError(f"the task graph cannot finish: {len(stuck)} node(s) wait on each other "
@@ -194,6 +224,18 @@ def run(graph: Graph, net: Network | None) -> Trace:
                     heapq.heappush(heap, (now + nodes[i].duration + nodes[i].latency, order, i))
             if ended:
                 dirty = True
+        if computing:
+            done_work = []
+            for i in computing:
+                v = speed[nodes[i].pool]
+                computing[i] -= v * dt
+                if now + computing[i] / v <= now * (1 + 1e-12) + EPS:   # due now (floating-point residue)
+                    done_work.append(i)
+            for i in done_work:   # its work is done: it ends after its latency, as any node
+                del computing[i]
+                in_pool[nodes[i].pool] -= 1
+                order += 1
+                heapq.heappush(heap, (now + nodes[i].latency, order, i))
         while heap and heap[0][0] <= now:
             _, _, i = heapq.heappop(heap)
             finish[i] = now

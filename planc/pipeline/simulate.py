@@ -161,6 +161,11 @@ def _simulate(sim: SimInput, per_stage, free: bool, keep: bool) -> Prediction:
         """A node moving ``fl`` (free: nothing, at once)."""
         return g.add(deps, flows=() if free else tuple(fl), latency=0.0 if free else lat, tag=tag)
 
+    # cluster { cores = N per ... }: the devices of a pool compute on its N shared cores
+    pool_of: dict[int, int] = {}
+    for devs in sim.cluster.core_pools():
+        p = g.add_pool(sim.cluster.cores)
+        pool_of.update((d, p) for d in devs)
     begin, comp_end, layer_end = {}, {}, {}
     comp_nodes = []            # (node, stage, device, kind, m)
     for s, devs in enumerate(sim.stage_devices):
@@ -168,19 +173,21 @@ def _simulate(sim: SimInput, per_stage, free: bool, keep: bool) -> Prediction:
         last_b = max(i for i, op in enumerate(per_stage[s]) if op[0] == "B") if per_stage[s] else -1
         for d in devs:
             prev = None
+            pool = pool_of.get(d)
             for i, (kind, m) in enumerate(per_stage[s]):
                 b = g.add([prev], tag=("begin", s, d, i))
                 begin[d, i] = b
                 if kind == "F":
-                    prev = g.add([b], duration=sum(c.forward), tag=("F", s, d, m))
+                    prev = g.add([b], duration=sum(c.forward), tag=("F", s, d, m), pool=pool)
                     comp_nodes.append((prev, s, d, "F", m))
                 elif i == last_b:   # per layer, last layer first: gradient buckets are released as they fill
                     prev = b
                     for j in range(len(c.backward) - 1, -1, -1):
-                        prev = layer_end[d, j] = g.add([prev], duration=c.backward[j], tag=("B", s, d, m, j))
+                        prev = layer_end[d, j] = g.add([prev], duration=c.backward[j], tag=("B", s, d, m, j),
+                                                       pool=pool)
                         comp_nodes.append((prev, s, d, "B", m))
                 else:
-                    prev = g.add([b], duration=sum(c.backward), tag=("B", s, d, m))
+                    prev = g.add([b], duration=sum(c.backward), tag=("B", s, d, m), pool=pool)
                     comp_nodes.append((prev, s, d, "B", m))
                 comp_end[d, i] = prev
     # the receive thread of every device: its receives in list order, posted at planc.runtime.comm.post_gates
