@@ -52,6 +52,8 @@ class Calibrated:
     host_index: int
     flops: float | None
     by_rate: tuple           # ((rate_mbit, bandwidth, latency), ...) of the host level
+    cores: int | None = None          # the file's `cores` (testbed: the machine's, per cluster)
+    cores_per_host: bool = False      # True: per unit of the host level; False: one pool for the cluster
 
     def host(self, rate: float | None) -> tuple[float | None, float, str]:
         """(bandwidth, latency, how) of the host link at ``rate`` Mbit/s."""
@@ -85,7 +87,12 @@ def read_calibrated(path: str | Path) -> Calibrated:
     rec = (doc.get("cluster", doc) if isinstance(doc, dict) else {}).get("calibration") or {}
     by_rate = tuple((float(e["rate_mbit"]), float(e["bandwidth"]), float(e["latency"]))
                     for e in rec.get("by_rate") or () if e.get("rate_mbit"))
-    return Calibrated(str(path), c.levels, c.host_index, c.flops, by_rate)
+    cores_level = getattr(c, "cores_level", None)
+    if c.cores is not None and cores_level not in (None, c.host_level):
+        raise AccuracyError(f"planc bench accuracy: cluster file {path}: cores per level '{cores_level}' cannot "
+                            f"be carried over to other plans (use 'cores_per: cluster' or the host level)")
+    return Calibrated(str(path), c.levels, c.host_index, c.flops, by_rate, c.cores,
+                      c.cores is not None and cores_level is not None)
 
 
 def substitute(cluster, cal: Calibrated, rate: float | None):
@@ -105,7 +112,11 @@ def substitute(cluster, cal: Calibrated, rate: float | None):
             levels.append(dataclasses.replace(l, bandwidth=inner.bandwidth, latency=inner.latency))
         else:
             levels.append(l)
-    return ir.Cluster(tuple(levels), cluster.host_level, cal.flops or cluster.flops, cluster.memory)
+    cores, cores_level = cluster.cores, cluster.cores_level
+    if cal.cores is not None:   # the calibrated machine's cores replace the plan's
+        cores, cores_level = cal.cores, (cluster.host_level if cal.cores_per_host else None)
+    return ir.Cluster(tuple(levels), cluster.host_level, cal.flops or cluster.flops, cluster.memory,
+                      cores, cores_level)
 
 
 # ---------------------------------------------------------------- predicting the cases
