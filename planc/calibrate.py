@@ -3,8 +3,9 @@
 The microbenchmarks (``planc/runtime/microbench.py``, torch, run by every rank
 in a subprocess: the compiler stays torch-free) time a ping-pong between two
 ranks of one host and between two hosts, ``all_reduce`` over one host's ranks
-and over one rank per host, at several message sizes, and an ``n x n`` matmul
-on every rank at once. :func:`fit` turns the medians into each level's
+and over one rank per host, at several message sizes, an ``n x n`` matmul and
+the forward and backward of a transformer layer on every rank (on CPUs one rank
+at a time: the simulator models the sharing of cores itself). :func:`fit` turns the medians into each level's
 bandwidth and latency under the cost model's own formulas (docs/cost-model.md)
 by weighted least squares, and the device ``flops``; :func:`write_yaml` writes
 the cluster file that plans load with ``cluster "OUT.yaml"`` (docs/calibrate.md).
@@ -144,9 +145,17 @@ def fit(raw: dict) -> dict:
         out["levels"]["host"] = {"bandwidth": bw, "latency": max(0.0, lat - inner_lat), "rms_relative": rms,
                                  "points": len(pts), "path_latency": lat, "apart": _by_kind(raw, "outer"),
                                  "limited_by_device_level": bw >= inner_bw}
-    rates = [max(m["flop"] / m["seconds"] for m in per_rank if m["seconds"] > 0) for per_rank in raw["matmul"]]
+    def best(runs):   # per rank, the best rate over the sizes
+        return [max(m["flop"] / m["seconds"] for m in per_rank if m["seconds"] > 0) for per_rank in runs]
+
+    peak = best(raw["matmul"])
+    # the device's training throughput (what the compute model divides the probe's FLOPs by) is the
+    # transformer layer's; a run without that phase (an older microbench) falls back to the matmul's
+    rates = best(raw["block"]) if raw.get("block") else peak
     out["flops"] = statistics.median(rates)
     out["flops_per_rank"] = rates
+    out["matmul_flops"] = statistics.median(peak)
+    out["alone"] = bool(raw.get("alone"))
     return out
 
 
@@ -170,6 +179,9 @@ def cluster_doc(fits: list[dict], on: str, rates: list[float | None], repeats: i
               "machine": f"{os.cpu_count()} CPU cores ({platform.machine()}), Python {platform.python_version()}",
               "backend": first.get("backend"), "device": first.get("device"),
               "flops_per_rank": [float(f"{x:.6g}") for x in first["flops_per_rank"]],
+              "flops_from": "transformer layer, forward and backward" if "matmul_flops" in first else "matmul",
+              "matmul_flops": float(f"{first.get('matmul_flops', flops):.6g}"),
+              "ranks_measured": "one at a time" if first.get("alone") else "all at once",
               "fit": {name: {k: (float(f"{v:.6g}") if isinstance(v, float) else v) for k, v in got.items()}
                       for name, got in first["levels"].items()}}
     if first["hosts"] > 1:
@@ -177,14 +189,27 @@ def cluster_doc(fits: list[dict], on: str, rates: list[float | None], repeats: i
                               "latency": float(f"{f['levels']['host']['latency']:.6g}"),
                               "rms_relative": float(f"{f['levels']['host']['rms_relative']:.4g}")}
                              for r, f in zip(rates, fits)]
-    return {"levels": levels, "host": "host", "flops": float(f"{flops:.6g}"), "calibration": record}
+    doc = {"levels": levels, "host": "host", "flops": float(f"{flops:.6g}")}
+    if on == "testbed":   # its hosts are namespaces of this machine: every rank computes on its cores
+        doc.update(cores=cores_available(), cores_per="cluster")
+    doc["calibration"] = record
+    return doc
+
+
+def cores_available() -> int:
+    """The CPU cores this process may run on (its affinity mask; the machine's count where there is none)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):   # no sched_getaffinity (macOS)
+        return os.cpu_count() or 1
 
 
 def write_yaml(doc: dict, path: Path, command: str) -> None:
     import yaml
 
     head = (f"# planc cluster file, written by `{command}` (docs/calibrate.md)\n"
-            "# bandwidth: bytes/s per direction; latency: seconds; flops: one device's FLOP/s\n")
+            "# bandwidth: bytes/s per direction; latency: seconds; flops: one device's FLOP/s\n"
+            + ("# cores: the CPU cores the devices of each 'cores_per' unit share\n" if "cores" in doc else ""))
     path.write_text(head + yaml.safe_dump(doc, sort_keys=False, default_flow_style=None, width=110))
 
 
@@ -247,7 +272,7 @@ def _with_progress(work, total: int, label: str):
     return box["value"]
 
 
-PHASE_NAMES = ("matmul", "p2p inner", "allreduce inner", "p2p outer", "allreduce outer")
+PHASE_NAMES = ("matmul", "block", "p2p inner", "allreduce inner", "p2p outer", "allreduce outer")
 
 
 def _phase_list(hosts: int, per_host: int) -> list[str]:
@@ -416,5 +441,13 @@ def summary(doc: dict) -> str:
                          f"rms relative residual {f['rms_relative'] * 100:.1f}%)")
         else:
             lines.append(f"  {level['name']} x {level['fanout']}: one unit, nothing to measure")
-    lines.append(f"  device: {doc['flops'] / 1e9:.4g} GFLOP/s (matmul, median over ranks)")
+    rec = doc.get("calibration") or {}
+    peak = rec.get("matmul_flops")
+    lines.append(f"  device: {doc['flops'] / 1e9:.4g} GFLOP/s ({rec.get('flops_from', 'matmul')}, median over ranks, "
+                 f"{rec.get('ranks_measured', 'all at once')})"
+                 + (f"; matmul peak {peak / 1e9:.4g} GFLOP/s" if peak else ""))
+    if doc.get("cores") is not None:
+        per = doc.get("cores_per", "host")
+        lines.append(f"  cores: {doc['cores']} per {per} (the devices of each {per} compute on "
+                     f"{doc['cores']} shared CPU core(s))")
     return "\n".join(lines)

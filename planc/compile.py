@@ -291,6 +291,8 @@ def assemble(decisions, ctx: Context) -> planfile.Plan:
     for key in ("flops", "memory"):   # cluster { flops = ..., memory = ... }, when given
         if getattr(c, key, None) is not None:
             plan["cluster"][key] = getattr(c, key)
+    if getattr(c, "cores", None) is not None:   # cluster { cores = N per LEVEL|cluster }: cores_level None = cluster
+        plan["cluster"].update(cores=c.cores, cores_level=c.cores_level)
     pj = placement.to_json()
     if pj is not None:
         plan["placement"] = pj

@@ -80,6 +80,22 @@ def test_fit_levels_and_flops():
     assert f["flops"] == pytest.approx(40e9)          # the median over ranks
 
 
+def test_flops_is_the_transformer_layers_rate_and_the_matmul_is_kept_as_the_peak():
+    raw = dict(_raw(), alone=True,
+               block=[[{"h": 256, "seq": 64, "batch": 8, "flop": 6e9, "seconds": 0.2},      # 30 GFLOP/s
+                       {"h": 512, "seq": 64, "batch": 4, "flop": 8e9, "seconds": 0.2}],     # 40: the best
+                      [{"h": 256, "seq": 64, "batch": 8, "flop": 6e9, "seconds": 0.3}],     # 20
+                      [{"h": 256, "seq": 64, "batch": 8, "flop": 6e9, "seconds": 0.1}]])    # 60
+    f = cal.fit(raw)
+    assert f["flops_per_rank"] == pytest.approx([40e9, 20e9, 60e9])
+    assert f["flops"] == pytest.approx(40e9)
+    assert f["matmul_flops"] == pytest.approx(40e9)    # the matmul ranks' median: 40, 50, 10
+    doc = cal.cluster_doc([f], "testbed", [100.0], 3)
+    assert doc["calibration"]["flops_from"].startswith("transformer layer")
+    assert doc["calibration"]["ranks_measured"] == "one at a time"
+    assert "transformer layer" in cal.summary(doc) and "matmul peak 40 GFLOP/s" in cal.summary(doc)
+
+
 def test_outer_sizes_scale_with_the_rate():
     assert cal.outer_sizes(100)[-1] == pytest.approx(100e6 / 8 * 0.2, abs=4)
     assert cal.outer_sizes(1)[-1] == 256 << 10 and cal.outer_sizes(1e6)[-1] == 16 << 20

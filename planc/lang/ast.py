@@ -93,6 +93,8 @@ class ClusterBlock:
     span: Span
     flops: Quantity | Num | None = None    # `flops = 312 TFLOP/s` (a plain number: reported, it needs a unit)
     memory: Quantity | Num | None = None   # `memory = 80 GB`
+    cores: Quantity | Num | None = None    # `cores = 2 per cluster` (a quantity: reported, a count takes no unit)
+    cores_per: Name | None = None          # the word after `per` (a level or `cluster`); None: not written
 
 
 @dataclass(frozen=True, slots=True)

@@ -74,6 +74,8 @@ def to_text(p: ir.Program) -> str:
         out.append(f"    flops = {_num(p.cluster.flops)} FLOP/s")
     if p.cluster.memory is not None:
         out.append(f"    memory = {_num(p.cluster.memory)} B")
+    if p.cluster.cores is not None:   # `per cluster` (None) reads back as a level named `cluster`, if one is
+        out.append(f"    cores = {p.cluster.cores} per {p.cluster.cores_level or 'cluster'}")
     out.append("  }")
     if p.parallel is not None:
         out.append("  parallel {")
@@ -154,6 +156,10 @@ def summary(p: ir.Program) -> str:
         each = [f"{c.flops / 1e12:g} TFLOP/s" if c.flops is not None else None,
                 f"{c.memory / 1e9:g} GB memory" if c.memory is not None else None]
         lines.append(f"  device     {', '.join(x for x in each if x)} each")
+    if c.cores is not None:
+        pools = c.core_pools()
+        where = f"one per {c.cores_level}, {len(pools)} in all" if c.cores_level else "one for the whole cluster"
+        lines.append(f"  cores      {c.cores} shared by the {len(pools[0])} device(s) of each pool ({where})")
     if p.parallel is not None:
         place = "auto" if p.parallel.matrix is None else "pinned " + str([list(r) for r in p.parallel.matrix])
         lines.append(f"  axes       {', '.join(f'{a.name} {a.size}' for a in p.parallel.axes)} (place = {place})")

@@ -217,9 +217,9 @@ class _ToAst(Transformer):
     def cluster_inline(self, meta, *items):
         levels: list[ast.LevelDecl] = []
         host = None
-        device: dict[str, object] = {}   # flops, memory
+        device: dict[str, object] = {}   # flops, memory, cores (its value and the `per` name)
         for it in items:
-            if isinstance(it, tuple) and it and it[0] in ("flops", "memory"):
+            if isinstance(it, tuple) and it and it[0] in ("flops", "memory", "cores"):
                 key, value, span = it
                 if key in device:   # the first one stands
                     self.found.append(Diagnostic(f"'{key}' is set twice in this cluster", span))
@@ -240,8 +240,9 @@ class _ToAst(Transformer):
                     self.found.append(Diagnostic("'host' is set twice in this cluster", it.span))
                     continue
                 host = it
+        cores, per = device.get("cores", (None, None))
         return ast.ClusterBlock(tuple(levels), host, None, self._span(meta), device.get("flops"),
-                                device.get("memory"))
+                                device.get("memory"), cores, per)
 
     def cluster_file(self, meta, path):
         return ast.ClusterBlock((), None, self._str(path), self._span(meta))
@@ -263,6 +264,9 @@ class _ToAst(Transformer):
 
     def cluster_memory(self, meta, value):
         return ("memory", value, self._span(meta))
+
+    def cluster_cores(self, meta, value, per=None):
+        return ("cores", (value, self._name(per) if per is not None else None), self._span(meta))
 
     # -- parallel
     def parallel(self, meta, *items):

@@ -22,7 +22,7 @@ __all__ = ["plan_input", "draw", "table"]
 def cluster_of(plan: dict) -> ir.Cluster:
     c = plan["cluster"]
     levels = tuple(ir.Level(lv["name"], lv["fanout"], lv["bandwidth"], lv.get("latency", 0.0)) for lv in c["levels"])
-    return ir.Cluster(levels, c["host_level"], c.get("flops"), c.get("memory"))
+    return ir.Cluster(levels, c["host_level"], c.get("flops"), c.get("memory"), c.get("cores"), c.get("cores_level"))
 
 
 def plan_input(plan: dict) -> SimInput:

@@ -11,8 +11,20 @@ Phases, each ended on rank 0 by a line ``step I comm T s (verified: PHASE)``
 (the testbed's step-line format, so the caller can follow progress) and the
 whole result printed by rank 0 as one line ``PLANC_MICROBENCH {json}``:
 
-* ``matmul``: every rank at once multiplies two ``n x n`` f32 matrices (on its
-  GPU under NCCL) for each ``n`` of the spec; seconds per product;
+* ``matmul``: each rank multiplies two ``n x n`` f32 matrices (on its GPU under
+  NCCL) for each ``n`` of the spec; seconds per product;
+* ``block``: each rank runs the forward and backward of a transformer encoder
+  layer (``torch.nn.TransformerEncoderLayer``, hidden ``h``, ``h // 64`` heads,
+  4 h feed-forward, for each ``[h, seq, batch]`` of the spec), FLOPs counted by
+  ``torch.utils.flop_counter`` as the model probe counts them; seconds per step.
+  This is the device's training throughput, what the compute model divides the
+  probe's FLOPs by (a bare matmul is its peak, which a training step on CPU
+  does not reach: docs/calibrate.md).
+
+  On GPUs every rank measures at once (each has its own device). On CPUs the
+  ranks take turns, one at a time between barriers: ranks that share a
+  machine's cores would otherwise measure their share of it, and the
+  simulator models that sharing itself (``cluster { cores = ... }``).
 * ``p2p inner`` / ``p2p outer``: ping-pong between rank 0 and rank 1 (same host)
   and between rank 0 and the first rank of host 1; one-way time = round trip / 2;
 * ``allreduce inner`` / ``allreduce outer``: ``all_reduce`` (SUM) over host 0's
@@ -36,6 +48,7 @@ import torch
 import torch.distributed as dist
 
 MARK = "PLANC_MICROBENCH "
+BLOCK = [[256, 64, 8], [512, 64, 4]]   # [hidden, seq, batch] of the training-throughput block
 
 
 def _sync(device) -> None:
@@ -43,21 +56,52 @@ def _sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _matmul(ns, repeats: int, device) -> list[dict]:
+def _timed(fn, repeats: int, device, alone: bool) -> float:
+    """Median seconds of ``fn()`` on this rank; ``alone``: the ranks take turns (one at a time)."""
+    fn()   # warm-up (allocations, kernels)
+    _sync(device)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    times = []
+    for turn in range(world if alone else 1):
+        dist.barrier()
+        if alone and turn != rank:
+            continue
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            fn()
+            _sync(device)
+            times.append(time.perf_counter() - t0)
+    dist.barrier()
+    return statistics.median(times)
+
+
+def _matmul(ns, repeats: int, device, alone: bool) -> list[dict]:
     out = []
     for n in ns:
         a = torch.rand(n, n, device=device)
         b = torch.rand(n, n, device=device)
-        torch.matmul(a, b)   # warm-up (allocations, kernels)
-        _sync(device)
-        dist.barrier()
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            torch.matmul(a, b)
-            _sync(device)
-            times.append(time.perf_counter() - t0)
-        out.append({"n": n, "flop": 2.0 * n ** 3, "seconds": statistics.median(times)})
+        out.append({"n": n, "flop": 2.0 * n ** 3, "seconds": _timed(lambda: torch.matmul(a, b), repeats, device,
+                                                                    alone)})
+    return out
+
+
+def _block(shapes, repeats: int, device, alone: bool) -> list[dict]:
+    from torch.utils.flop_counter import FlopCounterMode
+
+    out = []
+    torch.manual_seed(0)
+    for h, seq, batch in shapes:
+        layer = torch.nn.TransformerEncoderLayer(h, max(1, h // 64), 4 * h, dropout=0.0, batch_first=True,
+                                                 device=device)
+        x = torch.rand(batch, seq, h, device=device, requires_grad=True)
+
+        def step():
+            layer(x).sum().backward()
+
+        with FlopCounterMode(display=False) as counter:
+            step()
+        out.append({"h": h, "seq": seq, "batch": batch, "flop": float(counter.get_total_flops()),
+                    "seconds": _timed(step, repeats, device, alone)})
     return out
 
 
@@ -145,9 +189,13 @@ def run(spec: dict) -> dict | None:
             print(f"step {step} comm {time.perf_counter() - t0:.6f} s (verified: {phase})", flush=True)
         step += 1
 
+    alone = device.type == "cpu"
     t0 = time.perf_counter()
-    mm = _matmul(spec.get("matmul", [256, 512]), repeats, device)
+    mm = _matmul(spec.get("matmul", [256, 512]), repeats, device, alone)
     done("matmul", t0)
+    t0 = time.perf_counter()
+    blocks = _block(spec.get("block", BLOCK), repeats, device, alone)
+    done("block", t0)
     inner_group = [dist.new_group(list(range(h * per_host, (h + 1) * per_host))) for h in range(hosts)]
     leaders = list(range(0, world, per_host))
     outer_group = dist.new_group(leaders)
@@ -173,6 +221,10 @@ def run(spec: dict) -> dict | None:
     gathered = [None] * world
     dist.all_gather_object(gathered, mm)
     result["matmul"] = gathered
+    gathered = [None] * world
+    dist.all_gather_object(gathered, blocks)
+    result["block"] = gathered
+    result["alone"] = alone
     dist.barrier()
     dist.destroy_process_group()
     return result if rank == 0 else None

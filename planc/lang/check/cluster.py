@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from planc import budget, ir
 from planc.lang import ast
-from planc.lang.check.values import Diagnostics, did_you_mean, int_of, quantity
+from planc.lang.check.values import MAX_DIGITS, Diagnostics, did_you_mean, int_of, quantity
 from planc.lang.units import BANDWIDTH, FLOPS, SIZE, TIME, parse_quantity
 from planc.span import Span
 
@@ -79,9 +79,37 @@ def check_cluster(errs: Diagnostics, block: ast.ClusterBlock | None, file: Clust
                        block.host.span if block.host else block.span)
     flops = _device_value(errs, block.flops, "flops")
     memory = _device_value(errs, block.memory, "memory")
-    if host is None or len(levels) != len(block.levels):
+    cores = _cores(errs, block.cores, block.cores_per, levels, host)
+    if host is None or len(levels) != len(block.levels) or cores is False:
         return None
-    return _sized(errs, ir.Cluster(tuple(levels), host, flops, memory), block.span)
+    return _sized(errs, ir.Cluster(tuple(levels), host, flops, memory, *(cores or (None, None))), block.span)
+
+
+def _cores(errs: Diagnostics, v: ast.Quantity | ast.Num | None, per: ast.Name | None,
+           levels: list[ir.Level], host: str | None) -> tuple[int, str | None] | None | bool:
+    """``cores = N per LEVEL|cluster`` as ``(N, cores_level)`` (``cores_level`` None: the whole cluster;
+    ``per`` left out: the host level); None when not written, False after an error. A level literally
+    named ``cluster`` wins over the word."""
+    if v is None:
+        return None
+    if isinstance(v, ast.Quantity):
+        errs.add(f"cores is a count of CPU cores and takes no unit, got '{v.number.text} {v.unit}'; "
+                 "write e.g. 'cores = 2 per cluster'", v.span)
+        return False
+    n = int_of(errs, v, "cores")
+    names = [l.name for l in levels]
+    if per is None:
+        level = host
+    elif per.value in names:
+        level = per.value
+    elif per.value == "cluster":
+        level = None
+    else:
+        errs.add(f"cores per '{per.value}': '{per.value}' is not a level of this cluster "
+                 f"({', '.join(names)}) nor 'cluster' (one pool for all devices)", per.span,
+                 did_you_mean(per.value, names + ["cluster"]))
+        return False
+    return (n, level) if n is not None else False
 
 
 # the per-device settings of a cluster: (unit table, kind in messages, example)
@@ -218,7 +246,42 @@ def _from_file(errs: Diagnostics, file: ast.Str, contents: ClusterFile | None) -
         device[key] = v
     if not host:
         return None
-    return _sized(errs, ir.Cluster(tuple(levels), host, device["flops"], device["memory"]), at("levels"))
+    cores = _yaml_cores(errs, doc, file.value, [l.name for l in levels], host, at)
+    if cores is False:
+        return None
+    return _sized(errs, ir.Cluster(tuple(levels), host, device["flops"], device["memory"], *(cores or (None, None))),
+                  at("levels"))
+
+
+def _yaml_cores(errs: Diagnostics, doc: dict, file: str, names: list[str], host: str, at):
+    """``cores: N`` and ``cores_per: LEVEL|cluster`` of a cluster file, as :func:`_cores` reads them."""
+    cores, per = doc.get("cores"), doc.get("cores_per")
+    if cores is None:
+        if per is not None:
+            errs.add(f"cluster file '{file}', cores_per: given without 'cores' (e.g. 'cores: 2')", at("cores_per"))
+            return False
+        return None
+    if not isinstance(cores, int) or isinstance(cores, bool) or cores < 1:
+        errs.add(f"cluster file '{file}', cores: expected a whole number of CPU cores >= 1, got {_short(cores)}",
+                 at("cores"))
+        return False
+    if cores >= 10 ** MAX_DIGITS:   # as the language's whole numbers
+        errs.add(f"cluster file '{file}', cores: {_short(cores)} is too large (at most {MAX_DIGITS} digits)",
+                 at("cores"))
+        return False
+    if per is None:
+        return cores, host
+    if not isinstance(per, str):
+        errs.add(f"cluster file '{file}', cores_per: expected a level name or 'cluster', got {_short(per)}",
+                 at("cores_per"))
+        return False
+    if per in names:   # a level named `cluster` wins over the word
+        return cores, per
+    if per == "cluster":
+        return cores, None
+    errs.add(f"cluster file '{file}', cores_per: '{per}' is not a level of this cluster ({', '.join(names)}) "
+             "nor 'cluster'", at("cores_per"), did_you_mean(per, names + ["cluster"]))
+    return False
 
 
 def _short(v) -> str:
