@@ -137,11 +137,28 @@ def _cmd_bench(args) -> int:
                   "(bench iteration --json, bench testbed cases)", file=sys.stderr)
             return EXIT_USER
         options = dict(measured=args.plans, cluster=args.cluster, json_path=args.json_path)
+    elif args.what == "nic":
+        try:
+            rates = [float(x) for x in args.rates.split(",") if x.strip()] if args.rates else None
+        except ValueError:
+            rates = [-1.0]
+        if rates is not None and (not rates or any(not r > 0 for r in rates)):
+            print(f"planc bench nic: --rates {args.rates!r} is not a comma-separated list of positive Mbit/s",
+                  file=sys.stderr)
+            return EXIT_USER
+        if not args.cluster:
+            print("planc bench nic: needs --cluster CALIBRATED.yaml (planc calibrate --on testbed): the compiler "
+                  "decides the order on the calibrated figures", file=sys.stderr)
+            return EXIT_USER
+        if args.chart:
+            print("planc bench nic: takes no --chart", file=sys.stderr)
+            return EXIT_USER
+        options = dict(plans=args.plans or None, cluster=args.cluster, rates=rates, json_path=args.json_path)
     elif args.plans or args.rates or args.json_path or args.chart:
         print(f"planc bench {args.what}: takes no PLAN, --rates, --json or --chart", file=sys.stderr)
         return EXIT_USER
-    if args.cluster and args.what != "accuracy":
-        print(f"planc bench {args.what}: takes no --cluster (only accuracy does)", file=sys.stderr)
+    if args.cluster and args.what not in ("accuracy", "nic"):
+        print(f"planc bench {args.what}: takes no --cluster (only accuracy and nic do)", file=sys.stderr)
         return EXIT_USER
     if args.plot and Path(args.plot).suffix.lower() not in (".png", ".svg"):
         print(f"planc bench: --plot {args.plot}: the picture must be a .png or .svg file", file=sys.stderr)
@@ -154,9 +171,10 @@ def _cmd_bench(args) -> int:
         if args.what == "iteration":
             options["chart"] = options.get("chart") or args.plot   # step time against link rate
     from planc.bench.accuracy import AccuracyError
+    from planc.bench.nic import NicBenchError
     try:
         text = run_bench(args.what, write=args.write, **options)
-    except AccuracyError as e:
+    except (AccuracyError, NicBenchError) as e:
         print(e, file=sys.stderr)
         return EXIT_USER
     print(text)
@@ -499,8 +517,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="iteration: host link rates, Mbit/s, comma-separated (default 10,25,100,10000; 10000 ≈ unshaped)")
     c.add_argument("--json", dest="json_path", metavar="FILE", help="iteration: also write every measurement as JSON")
     c.add_argument("--chart", metavar="FILE", help="iteration: step time against link rate (needs matplotlib)")
-    c.add_argument("--cluster", metavar="YAML", help="accuracy: the cluster file `planc calibrate` wrote "
-                                                    "(PLAN arguments: the measured JSON files)")
+    c.add_argument("--cluster", metavar="YAML", help="accuracy, nic: the cluster file `planc calibrate` wrote "
+                                                    "(accuracy's PLAN arguments: the measured JSON files)")
     c.add_argument("--write", metavar="FILE", help="also write the table into FILE (e.g. docs/benchmarks.md)")
     c.add_argument("--plot", metavar="FILE", help="draw the table (.png or .svg): ratios against the bound or the "
                                                   "baseline as bars; iteration: step time against link rate")

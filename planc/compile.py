@@ -238,7 +238,7 @@ def pipeline_pass(value, ctx: Context):
     runs, sim, rate = runs
     prediction = runs[program.train.schedule][1]
     return dataclasses.replace(plan, predicted_iteration=prediction.iteration, predicted=predicted_record(
-        sim, prediction, rate, program.cluster.flops is not None, runs))
+        sim, prediction, rate, program.cluster.flops is not None, runs), nic_order=prediction.nic_order)
 
 
 def assemble(decisions, ctx: Context) -> planfile.Plan:

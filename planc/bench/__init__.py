@@ -5,7 +5,7 @@ Each benchmark module has ``run() -> str`` (a markdown section). With
 ``<!-- bench:NAME -->`` ... ``<!-- /bench:NAME -->`` (appended if absent).
 ``run_bench(name, write, **options)`` passes ``options`` to ``run`` (``iteration``:
 ``plans``, ``rates``, ``json_path``, ``chart``; ``accuracy``: ``measured``, ``cluster``,
-``json_path``).
+``json_path``; ``nic``: ``plans``, ``cluster``, ``rates``, ``json_path``).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from __future__ import annotations
 import importlib
 from pathlib import Path
 
-BENCHES = ("synthesis", "resharding", "testbed", "iteration", "fuzz", "accuracy", "cut")
+BENCHES = ("synthesis", "resharding", "testbed", "iteration", "fuzz", "accuracy", "cut", "nic")
 
 
 def run_bench(name: str, write: str | None = None, **options) -> str:

@@ -205,7 +205,7 @@ def simulate_schedules(sim, num_stages: int, micro_batches: int, edges=None) -> 
     out = {}
     for schedule in (ir.PipeSchedule.GPIPE, ir.PipeSchedule.ONE_F_ONE_B, ir.PipeSchedule.EAGER_1F1B):
         plan = build(schedule, num_stages, micro_batches, edges)
-        out[schedule] = (plan, predict(sim, plan.per_stage))
+        out[schedule] = (plan, predict(sim, plan.per_stage, nic=True))
     return out
 
 
@@ -217,7 +217,8 @@ def predicted_record(sim, prediction, rate: float, given: bool, runs: dict) -> d
         "exposed_communication": prediction.exposed_communication,
         "stages": [dict(f.to_json(), **c.to_json()) for f, c in zip(prediction.stages, sim.compute)],
         "schedules": {str(k): {"iteration": p.iteration, "exposed_communication": p.exposed_communication,
-                               "bubble": max(f.bubble for f in p.stages) if p.stages else 0.0}
+                               "bubble": max(f.bubble for f in p.stages) if p.stages else 0.0,
+                               "unordered_iteration": p.unordered_iteration, "nic_ordered": bool(p.nic_order)}
                       for k, (_, p) in runs.items()},
     }
 

@@ -83,6 +83,8 @@ class PipelinePlan:
     per_stage: tuple[tuple[Op, ...], ...]
     predicted_iteration: float | None = None
     predicted: dict | None = field(default=None, compare=False)   # the simulator's figures (docs/simulator.md)
+    # per host, its cross-host sends one at a time in this order: ((host, ((rank, transfer, direction, m), ...)), ...)
+    nic_order: tuple = ()
 
     def __post_init__(self):
         if self.micro_batches < 1:
@@ -109,6 +111,8 @@ class PipelinePlan:
             "per_stage": [[op_text(op) for op in ops] for ops in self.per_stage],
             "predicted_iteration": self.predicted_iteration,
             **({"predicted": self.predicted} if self.predicted is not None else {}),
+            **({"nic_order": [{"host": h, "sends": [list(k) for k in keys]} for h, keys in self.nic_order]}
+               if self.nic_order else {}),
         }
 
     @staticmethod
@@ -119,6 +123,8 @@ class PipelinePlan:
             per_stage=tuple(tuple(parse_op(t) for t in ops) for ops in data["per_stage"]),
             predicted_iteration=data.get("predicted_iteration"),
             predicted=data.get("predicted"),
+            nic_order=tuple((int(e["host"]), tuple((int(r), str(t), str(d), int(m)) for r, t, d, m in e["sends"]))
+                            for e in data.get("nic_order") or ()),
         )
 
 

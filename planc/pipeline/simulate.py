@@ -43,6 +43,7 @@ __all__ = [   # the simulator's input types live in planc.pipeline.siminput; the
 ]
 
 Op = tuple[str, int]
+NIC_ORDER_GAIN = 0.02   # the predicted gain below which the compiler keeps no host NIC order
 
 
 class DeadlockError(ValueError):
@@ -130,23 +131,54 @@ class Prediction:
     compute: tuple = ()           # (stage, device, kind, micro-batch, start, end) of every compute interval
     traffic: tuple = ()           # (link id, start, end, what) of every flow, what = (kind, name, micro-batch)
     transfers: tuple = ()         # (name, direction, micro-batch, start, end) of every transfer instance
+    # the host NIC order the iteration ran under: ((host, ((sender, transfer, direction, micro-batch), ...)), ...)
+    # (empty: sends share the links as they come); see :func:`predict`
+    nic_order: tuple = ()
+    unordered_iteration: float | None = None   # the same lists without the NIC order (None: not simulated)
+    ready: tuple = ()             # (start, send key) of every cross-host send, in the order its host became ready
 
     @property
     def exposed_communication(self) -> float:
         return max(0.0, self.iteration - self.free_iteration)
 
 
-def predict(sim: SimInput, per_stage, timeline: bool = False) -> Prediction:
+def predict(sim: SimInput, per_stage, timeline: bool = False, nic: bool = False) -> Prediction:
     """Simulate one iteration of ``per_stage`` (the schedule's lists, ``(kind, micro-batch)`` ops) on
     ``sim``; also with free communication, so the exposed communication is the difference.
-    ``timeline``: keep every compute interval and flow (for ``planc.pipeline.gantt``)."""
+    ``timeline``: keep every compute interval and flow (for ``planc.pipeline.gantt``).
+
+    ``nic``: also try a host NIC order (docs/simulator.md, "The host NIC order"): every host's
+    cross-host sends (one per sender, transfer, direction and micro-batch) one at a time, in the order
+    they became ready in the unordered simulation. Kept, as ``nic_order``, only when it simulates to
+    completion (the order cannot hang the lists under the runtime's rules) and predicts an iteration
+    at least :data:`NIC_ORDER_GAIN` shorter than sharing the links as the sends come (a smaller gain is
+    within what the model misses); ``unordered_iteration`` is the latter."""
     per_stage = [[(k, int(m)) for k, m in ops] for ops in per_stage]
     full = _simulate(sim, per_stage, free=False, keep=timeline)
     free = _simulate(sim, per_stage, free=True, keep=False)
+    if nic:
+        order = nic_order_from(full.ready, sim)
+        if order:
+            try:
+                ordered = _simulate(sim, per_stage, free=False, keep=timeline, nic_order=order)
+            except ValueError:   # the order would hang the lists: keep none
+                ordered = None
+            if ordered is not None and ordered.iteration <= full.iteration * (1 - NIC_ORDER_GAIN):
+                return dataclasses.replace(ordered, free_iteration=free.iteration, nic_order=order,
+                                           unordered_iteration=full.iteration)
+        full = dataclasses.replace(full, unordered_iteration=full.iteration)
     return dataclasses.replace(full, free_iteration=free.iteration)
 
 
-def _simulate(sim: SimInput, per_stage, free: bool, keep: bool) -> Prediction:
+def nic_order_from(ready, sim: SimInput) -> tuple:
+    """Per host, its cross-host send keys in the order they became ready (start time, then key)."""
+    by_host: dict[int, list] = {}
+    for t, key in sorted(ready):
+        by_host.setdefault(sim.cluster.host_of(key[0]), []).append(key)
+    return tuple((h, tuple(keys)) for h, keys in sorted(by_host.items()) if len(keys) > 1)
+
+
+def _simulate(sim: SimInput, per_stage, free: bool, keep: bool, nic_order: tuple = ()) -> Prediction:
     S = len(sim.stage_devices)
     if len(per_stage) != S or len(sim.compute) != S:
         raise ValueError(f"{len(per_stage)} lists and {len(sim.compute)} compute models for {S} stages")
@@ -212,6 +244,8 @@ def _simulate(sim: SimInput, per_stage, free: bool, keep: bool) -> Prediction:
     # the transfers: each unit task starts when its sender computed the data and its receivers posted
     sends: dict[int, list[int]] = {}
     marks = []
+    items: dict[tuple, list[int]] = {}   # cross-host send key (sender, transfer, direction, m) -> its nodes
+    host_of = sim.cluster.host_of
     for ti, tr in enumerate(sim.transfers):
         for direction, tasks, src in (("forward", tr.forward, tr.src_stage), ("backward", tr.backward, tr.dst_stage)):
             if not tasks:
@@ -259,6 +293,8 @@ def _simulate(sim: SimInput, per_stage, free: bool, keep: bool) -> Prediction:
                         done = {r: node for r in task.receivers}
                         send_nodes = [node]
                     sends.setdefault(task.sender, []).extend(send_nodes)
+                    if any(host_of(r) != host_of(task.sender) for r in task.receivers):
+                        items.setdefault((task.sender, tr.name, direction, m), []).extend(send_nodes)
                     for r, node in done.items():
                         job = recv_job.get((r, ti, direction, m))
                         if job is None:
@@ -300,15 +336,24 @@ def _simulate(sim: SimInput, per_stage, free: bool, keep: bool) -> Prediction:
                     for d in grp:
                         red_last[d] = node
                 held = held_after(coll, max(len(x) for x in groups), held)
+    # the host NIC order: a host's send k starts when its send k - 1 has finished (all its tasks)
+    for _, keys in nic_order:
+        for prev, key in zip(keys, keys[1:]):
+            if key not in items or prev not in items:
+                raise ValueError(f"NIC order: {key if key not in items else prev} is no cross-host send")
+            for node in items[key]:
+                g.nodes[node].deps.extend(items[prev])
     ends = {}
     for s, devs in enumerate(sim.stage_devices):
         for d in devs:
             last = comp_end[d, len(per_stage[s]) - 1] if per_stage[s] else None
             ends[d] = g.add([last, red_last.get(d)] + sends.get(d, []), tag=("end", s, d))
     trace = events.run(g, net)
+    ready = tuple(sorted((min(trace.start[n] for n in nodes), key) for key, nodes in items.items()))
     iteration = max((trace.finish[e] for e in ends.values()), default=0.0)
-    return _figures(sim, per_stage, g, trace, iteration, begin, comp_end, comp_nodes, begin_jobs, recv_sources,
-                    ends, marks, keep)
+    return dataclasses.replace(
+        _figures(sim, per_stage, g, trace, iteration, begin, comp_end, comp_nodes, begin_jobs, recv_sources,
+                 ends, marks, keep), ready=ready)
 
 
 def _figures(sim, per_stage, g, trace, iteration, begin, comp_end, comp_nodes, begin_jobs, recv_sources, ends,

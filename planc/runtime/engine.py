@@ -205,6 +205,7 @@ class PlanEngine(PipelineEngine):
         self.grads = GradientBuckets(self.module.parameters(), self.reduction, self.device, tracer=tracer) \
             if self.reduction is not None else None
         self.sends = SendReaper(tracer=tracer)
+        self.nic = None   # the host NIC order (nicorder.py), set by main when the plan has one for this host
         self.recvs = RecvAhead(self.executors, receive_jobs(self.ops, self.incoming, self.outgoing), tracer=tracer,
                                ops=self.ops)
         self.stats = {"stage": self.stage_id, "peak_live_micro_batches": 0, "peak_pending_sends": 0}
@@ -282,10 +283,21 @@ class PlanEngine(PipelineEngine):
             self.total_loss = loss.detach() if self.total_loss is None else self.total_loss + loss.detach()
         self._note()
 
+    def _send(self, transfer: str, direction: Direction, m: int, tensor) -> None:
+        """Start one transfer direction's sends of micro-batch ``m``: at once, or, when the host's NIC
+        order lists it, by the NIC thread at its turn (the compute thread never waits for either)."""
+        ex = self.executors[(transfer, direction)]
+        what = f"send {transfer} {direction} m{m}"
+        if self.nic is not None and self.nic.gated(transfer, str(direction), m):
+            nbytes = ex.wire_bytes(self.plan.cluster.host_of)
+            self.sends.add(m, [self.nic.submit(transfer, str(direction), m,
+                                               lambda: ex.send(tensor, micro_batch=m), nbytes)], what)
+        else:
+            self.sends.add(m, ex.send(tensor, micro_batch=m), what)
+
     def _exec_send_activations(self, buffer_id, transfer):
         out = self.held["outputs"][buffer_id][transfer]
-        works = self.executors[(transfer, Direction.FORWARD)].send(out.detach(), micro_batch=buffer_id)
-        self.sends.add(buffer_id, works, f"send {transfer} forward m{buffer_id}")
+        self._send(transfer, Direction.FORWARD, buffer_id, out.detach())
         self._note()
 
     def _exec_recv_grads(self, buffer_id, transfer):
@@ -326,8 +338,7 @@ class PlanEngine(PipelineEngine):
     def _exec_send_grads(self, buffer_id, transfer):
         t = self.held["inputs"][buffer_id][transfer]
         g = t.grad if t.grad is not None else torch.zeros_like(t)
-        works = self.executors[(transfer, Direction.BACKWARD)].send(g, micro_batch=buffer_id)
-        self.sends.add(buffer_id, works, f"send {transfer} backward m{buffer_id}")
+        self._send(transfer, Direction.BACKWARD, buffer_id, g)
         if transfer == self.incoming[-1]:
             self._drop(buffer_id, "inputs")
         self._note()
@@ -376,6 +387,8 @@ class PlanEngine(PipelineEngine):
         if self.grads is not None:
             self.grads.attach()
         self.recvs.start_step()
+        if self.nic is not None:
+            self.nic.begin_step()
         self._exec_schedule(self._train_schedule())
         if not self.counts_loss or self.total_loss is None:
             return 0.0

@@ -21,7 +21,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from . import checkpoint, planfile
+from . import checkpoint, nicorder, planfile
 from .checkpoint import CheckpointError, CountingIterator
 from .dist_util import GroupMissing, StartupError, collective_timeout, init_distributed, startup_checks
 from .engine import EngineError, PlanEngine, check_stage_shapes
@@ -306,9 +306,21 @@ def _main(argv=None, out_dir: str | None = None) -> int:
     _fail_together(problems)
 
     tracer = Tracer(rank, stage.index if stage is not None else None) if args.trace else None
+    # gloo only: NCCL keeps its own stream order per communicator, which sends from a second thread
+    # could break (docs/runtime.md, "The host NIC order")
+    use_nic = nicorder.enabled() and dist.get_backend() == "gloo"
+    counter = nicorder.open_counters(plan, rank) if use_nic else None   # collective
     if stage is not None:
         data = CountingIterator(batches(micro_batch, seed, **model_args))   # counted: the position a checkpoint keeps
         engine = PlanEngine.build(plan, groups, layers, loss_fn, data, ds_config, tracer=tracer)
+        host = plan.cluster.host_of(rank)
+        if counter is not None and any(k[0] == rank for k in plan.pipeline.nic_order_of(host)):
+            engine.nic = nicorder.NicOrder(rank, host, plan.pipeline.nic_order_of(host), counter,
+                                           collective_timeout(plan).total_seconds(), nicorder.host_bandwidth(plan),
+                                           tracer=tracer)
+    if rank == 0 and counter is not None:
+        print(f"host NIC order: {sum(len(k) for _, k in plan.pipeline.nic_order)} cross-host sends per step, "
+              f"one at a time per host in the plan's order", flush=True)
     first = 0
     if resume_from is not None:
         problems, state = [], None

@@ -120,6 +120,8 @@ class Plan:
                         if len(g) > 1 and g not in pool:
                             raise PlanFileError(f"plan.json: transfers[{i}]{where}.tasks[{k}]: group {list(g)} "
                                                 "is not listed in groups")
+        if self.pipeline is not None:
+            self._check_nic_order()
         if self.train is not None:
             if self.pipeline is None:
                 raise PlanFileError("plan.json: pipeline: missing (a plan with train settings has a pipeline)")
@@ -127,6 +129,24 @@ class Plan:
             for d in self.train.loss_devices:
                 if d not in last:
                     raise PlanFileError(f"plan.json: train.loss_devices: {d} is not a device of the last stage")
+
+    def _check_nic_order(self) -> None:
+        """Every listed send is one the plan makes: its rank on the host, sending that transfer's route."""
+        names = {t.name: t for t in self.transfers}
+        for i, (h, keys) in enumerate(self.pipeline.nic_order):
+            where = f"plan.json: pipeline.nic_order[{i}]"
+            if h >= len(self.cluster.hosts):
+                raise PlanFileError(f"{where}.host: no host {h} (the cluster has {len(self.cluster.hosts)})")
+            for j, (rank, name, direction, _) in enumerate(keys):
+                if rank not in self.cluster.hosts[h]:
+                    raise PlanFileError(f"{where}.sends[{j}]: rank {rank} is not on host {h}")
+                t = names.get(name)
+                if t is None:
+                    raise PlanFileError(f"{where}.sends[{j}]: no transfer {name!r}")
+                route = t.forward if direction == "forward" else t.backward
+                if route is None or not any(task.sender == rank for task in route.tasks):
+                    raise PlanFileError(f"{where}.sends[{j}]: rank {rank} sends nothing of transfer {name!r} "
+                                        f"({direction})")
 
     # ---- questions the runtime asks
     def stage_of(self, device: int) -> Stage | None:

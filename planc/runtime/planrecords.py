@@ -263,8 +263,11 @@ class Pipeline:
     micro_batches: int
     per_stage: tuple[tuple[str, ...], ...]
     extra: tuple = ()
+    # per host (index), its cross-host sends in the order its NIC runs them, one at a time:
+    # ((host, ((rank, transfer, direction, micro-batch), ...)), ...); empty: sends go as they come
+    nic_order: tuple = ()
 
-    KEYS = ("schedule", "micro_batches", "per_stage")
+    KEYS = ("schedule", "micro_batches", "per_stage", "nic_order")
 
     @staticmethod
     def read(at: At, stages: int) -> "Pipeline":
@@ -286,7 +289,28 @@ class Pipeline:
             lists.append(tuple(names))
         if len(lists) != stages:
             at.key("per_stage").fail(f"{len(lists)} lists for {stages} stages")
-        return Pipeline(at.key("schedule").enum(Schedule), m, tuple(lists), extra(at, Pipeline.KEYS))
+        nic, hosts = [], set()
+        for e in at.key("nic_order", []).items():
+            h = e.key("host").int(0)
+            if h in hosts:
+                e.key("host").fail(f"host {h} has two orders")
+            hosts.add(h)
+            seen, sends = set(), []
+            for item in e.key("sends").items():
+                parts = item.items()
+                if len(parts) != 4:
+                    item.fail("expected [rank, transfer, direction, micro-batch]")
+                key = (parts[0].int(0), parts[1].str(), parts[2].str(), parts[3].int(0))
+                if key[2] not in ("forward", "backward"):
+                    parts[2].fail(f"expected forward or backward, got {key[2]!r}")
+                if key[3] >= m:
+                    parts[3].fail(f"micro-batch {key[3]} of {m}")
+                if key in seen:
+                    item.fail(f"{list(key)} is listed twice")
+                seen.add(key)
+                sends.append(key)
+            nic.append((h, tuple(sends)))
+        return Pipeline(at.key("schedule").enum(Schedule), m, tuple(lists), extra(at, Pipeline.KEYS), tuple(nic))
 
     def in_flight_bound(self, stage: int) -> int:
         """Most micro-batches whose forward ran and backward did not, at any point of the stage's list."""
@@ -297,8 +321,15 @@ class Pipeline:
         return peak
 
     def to_json(self) -> dict:
-        return with_extra({"schedule": str(self.schedule), "micro_batches": self.micro_batches,
-                            "per_stage": [list(x) for x in self.per_stage]}, self.extra)
+        out = {"schedule": str(self.schedule), "micro_batches": self.micro_batches,
+               "per_stage": [list(x) for x in self.per_stage]}
+        if self.nic_order:
+            out["nic_order"] = [{"host": h, "sends": [list(k) for k in keys]} for h, keys in self.nic_order]
+        return with_extra(out, self.extra)
+
+    def nic_order_of(self, host: int) -> tuple:
+        """Host ``host``'s send order (empty when it has none)."""
+        return next((keys for h, keys in self.nic_order if h == host), ())
 
 
 @dataclass(frozen=True, slots=True)

@@ -160,6 +160,25 @@ class TransferExecutor:
         per = -(-n // k)
         return per, per * k
 
+    def wire_bytes(self, host_of) -> float:
+        """Bytes this rank sends to other hosts per micro-batch (``host_of``: rank -> host)."""
+        item = torch.tensor([], dtype=self.dtype).element_size()
+        me, total = host_of(self.rank), 0
+        for t in self.tasks:
+            if t.sender != self.rank:
+                continue
+            if self.signal:
+                total += item * sum(host_of(r) != me for r in t.receivers if r != self.rank)
+            elif t.strategy is Strategy.BROADCAST:
+                total += item * t.numel * (host_of(self._chain(t)[1]) != me)
+            elif t.strategy is Strategy.SEND_RECV:
+                total += item * t.numel * sum(host_of(r) != me for r in t.receivers)
+            else:
+                for part in t.parts:
+                    per = t.numel if len(part) == 1 else self._part_bounds(t.numel, len(part))[0]
+                    total += item * per * sum(host_of(r) != me for r in part)
+        return float(total)
+
     # -------------------------------------------------------------------- send
     def send(self, local_shard: torch.Tensor, micro_batch: int = 0) -> list:
         """Start every task this rank sends; returns the work handles to wait on."""

@@ -1,0 +1,136 @@
+"""`planc bench nic PLAN... --cluster CAL.yaml [--rates 25]`: the host NIC order, measured side by side.
+
+For each plan and rate the plan is compiled under the calibrated cluster at that rate (the host
+link's figures from the file, as `planc bench accuracy` does), once per schedule (1f1b,
+eager_1f1b), with the model probe, so the compiler decides on a host NIC order itself
+(docs/simulator.md). Every compiled output whose plan.json has an order is then launched on the
+testbed at that rate twice per repetition, interleaved: with the order (the default) and with
+``PLANC_NIC_ORDER=0`` (the same plan, sends as they come). Per launch the first ``WARMUP`` steps are
+discarded; the table gives the median step time of the rest over all repetitions, the ratio, the
+simulator's two predictions, and the link bound (the busiest host link's bytes ÷ the rate). The
+losses of the two runs are compared after the runs (outside every timed step): they must be equal.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import statistics
+import tempfile
+from pathlib import Path
+
+WARMUP, MEASURED, REPEATS = 2, 4, 2
+SCHEDULES = ("1f1b", "eager_1f1b")
+DEFAULT_PLANS = ("plans/gpt-bench-2x2.plan",)
+
+
+class NicBenchError(ValueError):
+    pass
+
+
+def _compile(plan_path: str, cal, rate: float, tmp: Path) -> dict:
+    from planc import ir
+    from planc.bench.accuracy import substitute
+    from planc.codegen import write_output
+    from planc.compile import compile_program
+    from planc.lang import load
+    from planc.probe import probe_model
+
+    program = load(plan_path)
+    program = dataclasses.replace(program, cluster=substitute(program.cluster, cal, rate))
+    probe = probe_model(program)
+    out = {}
+    for s in SCHEDULES:
+        p = dataclasses.replace(program, train=dataclasses.replace(program.train, schedule=ir.PipeSchedule(s)))
+        c = compile_program(p, probe)
+        folder = tmp / f"{Path(plan_path).stem}-{rate:g}-{s}"
+        write_output(c.plan_json, c.program, folder)
+        out[s] = {"out": folder, "plan": c.plan_json}
+    return out
+
+
+def measure(plans, cal_path: str, rates) -> list[dict]:
+    from planc.bench.accuracy import read_calibrated
+    from planc.bench.iteration import link_bytes
+    from planc.testbed import Testbed
+
+    cal = read_calibrated(cal_path)
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="planc-bench-nic-") as tmp:
+        for plan_path in plans:
+            for rate in rates:
+                variants = _compile(plan_path, cal, rate, Path(tmp))
+                first = next(iter(variants.values()))["plan"]
+                link = link_bytes(first)
+                bound = link["busiest_bytes"] / (rate * 1e6 / 8)
+                times: dict = {}
+                losses: dict = {}
+                with Testbed(len(first["cluster"]["hosts"]), rate) as tb:
+                    for _ in range(REPEATS):
+                        for s, v in variants.items():
+                            if not v["plan"]["pipeline"].get("nic_order"):
+                                continue
+                            for nic in ("1", "0"):
+                                r = tb.launch(v["out"], steps=WARMUP + MEASURED, timeout=900, comm_only=False,
+                                              env={"PLANC_NIC_ORDER": nic})
+                                if r.returncode != 0:
+                                    raise NicBenchError(f"{plan_path} {s} at {rate:g} Mbit/s (PLANC_NIC_ORDER="
+                                                        f"{nic}) failed:\n{r.failure}")
+                                times.setdefault((s, nic), []).extend(r.step_times[WARMUP:])
+                                losses.setdefault((s, nic), r.losses)
+                for s, v in variants.items():
+                    pred = v["plan"]["pipeline"]["predicted"]["schedules"][s]
+                    row = {"plan": plan_path, "name": first["name"], "rate": rate, "schedule": s,
+                           "nic_order": bool(v["plan"]["pipeline"].get("nic_order")),
+                           "predicted_ordered": pred["iteration"] if pred.get("nic_ordered") else None,
+                           "predicted_unordered": pred.get("unordered_iteration"), "link_bound": bound}
+                    if (s, "1") in times:
+                        row["ordered"] = statistics.median(times[(s, "1")])
+                        row["unordered"] = statistics.median(times[(s, "0")])
+                        row["ordered_steps"], row["unordered_steps"] = times[(s, "1")], times[(s, "0")]
+                        row["losses_equal"] = losses[(s, "1")] == losses[(s, "0")]
+                        if not row["losses_equal"]:
+                            raise NicBenchError(f"{plan_path} {s}: the losses differ with and without the NIC "
+                                                f"order: {losses[(s, '1')]} against {losses[(s, '0')]}")
+                    rows.append(row)
+    return rows
+
+
+def _f(x, fmt="{:.3f}") -> str:
+    return "—" if x is None else fmt.format(x)
+
+
+def markdown(rows: list[dict], command: str) -> str:
+    lines = ["### The host NIC order, measured side by side", "",
+             f"Command: `{command}` (docs/benchmarks.md; {REPEATS} launches of {WARMUP} + {MEASURED} steps per "
+             "variant, interleaved, the first steps of each discarded). Seconds per step, medians; predicted: "
+             "the compiler's simulator under the same cluster file.", "",
+             "| plan | Mbit/s | schedule | order kept | predicted ordered | predicted unordered | measured ordered "
+             "| measured unordered | ordered ÷ unordered | ordered ÷ link bound |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        ratio = r["ordered"] / r["unordered"] if r.get("ordered") else None
+        vs_bound = r["ordered"] / r["link_bound"] if r.get("ordered") and r["link_bound"] else None
+        lines.append(f"| {r['name']} | {r['rate']:g} | {r['schedule']} | {'yes' if r['nic_order'] else 'no'} | "
+                     f"{_f(r['predicted_ordered'])} | {_f(r['predicted_unordered'])} | {_f(r.get('ordered'))} | "
+                     f"{_f(r.get('unordered'))} | {_f(ratio)} | {_f(vs_bound)} |")
+    lines.append("")
+    lines.append("Losses with and without the order: identical in every run (checked after the runs).")
+    return "\n".join(lines)
+
+
+def run(plans=None, cluster: str | None = None, rates=None, json_path: str | None = None) -> str:
+    if not cluster:
+        return ("_Skipped: `planc bench nic` needs `--cluster CALIBRATED.yaml` (from `planc calibrate --on "
+                "testbed`): the order is decided on the calibrated link and compute figures._\n")
+    from planc.testbed.netns import available
+    why = available()
+    if why:
+        return f"_Skipped: the testbed cannot be built here: {why} (docs/testbed.md)._\n"
+    plans = list(plans or DEFAULT_PLANS)
+    rates = list(rates or [25.0])
+    rows = measure(plans, cluster, rates)
+    if json_path:
+        Path(json_path).write_text(json.dumps(rows, indent=1, default=str))
+    command = (f"planc bench nic {' '.join(plans)} --cluster {cluster} --rates {','.join(f'{r:g}' for r in rates)}")
+    return markdown(rows, command)
