@@ -130,7 +130,8 @@ def _cmd_bench(args) -> int:
             print(f"planc bench iteration: --rates {args.rates!r} is not a comma-separated list of Mbit/s",
                   file=sys.stderr)
             return EXIT_USER
-        options = dict(plans=args.plans or None, json_path=args.json_path, chart=args.chart, rates=rates)
+        options = dict(plans=args.plans or None, json_path=args.json_path, chart=args.chart, rates=rates,
+                       cluster=args.cluster)
     elif args.what == "accuracy":
         if not args.cluster or not args.plans:
             print("planc bench accuracy: needs --cluster CALIBRATED.yaml and the measured JSON files "
@@ -157,8 +158,8 @@ def _cmd_bench(args) -> int:
     elif args.plans or args.rates or args.json_path or args.chart:
         print(f"planc bench {args.what}: takes no PLAN, --rates, --json or --chart", file=sys.stderr)
         return EXIT_USER
-    if args.cluster and args.what not in ("accuracy", "nic"):
-        print(f"planc bench {args.what}: takes no --cluster (only accuracy and nic do)", file=sys.stderr)
+    if args.cluster and args.what not in ("accuracy", "nic", "iteration"):
+        print(f"planc bench {args.what}: takes no --cluster (only iteration, accuracy and nic do)", file=sys.stderr)
         return EXIT_USER
     if args.plot and Path(args.plot).suffix.lower() not in (".png", ".svg"):
         print(f"planc bench: --plot {args.plot}: the picture must be a .png or .svg file", file=sys.stderr)
@@ -517,7 +518,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="iteration: host link rates, Mbit/s, comma-separated (default 10,25,100,10000; 10000 ≈ unshaped)")
     c.add_argument("--json", dest="json_path", metavar="FILE", help="iteration: also write every measurement as JSON")
     c.add_argument("--chart", metavar="FILE", help="iteration: step time against link rate (needs matplotlib)")
-    c.add_argument("--cluster", metavar="YAML", help="accuracy, nic: the cluster file `planc calibrate` wrote "
+    c.add_argument("--cluster", metavar="YAML", help="iteration, accuracy, nic: the cluster file `planc calibrate` wrote "
                                                     "(accuracy's PLAN arguments: the measured JSON files)")
     c.add_argument("--write", metavar="FILE", help="also write the table into FILE (e.g. docs/benchmarks.md)")
     c.add_argument("--plot", metavar="FILE", help="draw the table (.png or .svg): ratios against the bound or the "

@@ -16,6 +16,8 @@ from planc.runtime import nicorder
 from planc.runtime.nicorder import NicOrder, NicOrderError
 from planc.runtime.planfile import Plan, PlanFileError
 
+from e2e_util import ROOT
+
 
 def counter():
     return memoryview(bytearray(8)).cast("q")
@@ -118,7 +120,6 @@ def plan_json(tmp_path_factory):
     """plans/gpt-bench-2x2.plan on a 25 Mbit/s host link, 1f1b (with the probe: the order needs the
     simulator's compute model)."""
     from planc.compile import compile_file
-    from e2e_util import ROOT
 
     text = (ROOT / "plans" / "gpt-bench-2x2.plan").read_text()
     start = text.index("  cluster {")
@@ -193,10 +194,14 @@ def test_bad_orders_are_refused_naming_the_entry(plan_json, mutate, message):
     (["bench", "nic", "--cluster", "c.yaml", "--rates", "25,x"], "not a comma-separated list of positive Mbit/s"),
     (["bench", "nic", "--cluster", "c.yaml", "--rates", "0"], "not a comma-separated list of positive Mbit/s"),
     (["bench", "nic", "--cluster", "/nonexistent/c.yaml"], "cluster file /nonexistent/c.yaml not found"),
+    (["bench", "iteration", "plans/gpt-bench-2x2.plan", "--rates", "25", "--cluster", "/nonexistent/c.yaml"],
+     "cluster file /nonexistent/c.yaml not found"),
 ])
 def test_bench_nic_bad_inputs_exit_2(argv, message, capsys, monkeypatch):
-    from planc import cli
+    from planc import cli, testbed
     from planc.testbed import netns
     monkeypatch.setattr(netns, "available", lambda: None)     # reach the cluster file check without root
+    monkeypatch.setattr(testbed, "available", lambda: None)
+    monkeypatch.chdir(ROOT)
     assert cli.main(argv) == 2
     assert message in capsys.readouterr().err

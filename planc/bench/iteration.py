@@ -63,8 +63,11 @@ DTYPE_BYTES = {"f32": 4, "f16": 2, "bf16": 2, "f64": 8, "i64": 8, "i32": 4, "i16
 
 # ---------------------------------------------------------------- what to run
 
-def compile_variants(plan_path: str | os.PathLike, tmp: Path) -> dict[str, dict]:
-    """The plan compiled once per pipeline schedule (probed once): schedule -> {"out", "plan"}."""
+def compile_variants(plan_path: str | os.PathLike, tmp: Path, cluster: str | None = None,
+                     rate: float | None = None) -> dict[str, dict]:
+    """The plan compiled once per pipeline schedule (probed once): schedule -> {"out", "plan"}.
+    ``cluster``: a `planc calibrate` file whose figures at ``rate`` replace the plan's (as `planc
+    bench accuracy` substitutes them), so the compiler decides on the testbed's links and compute."""
     import dataclasses
 
     from planc import ir
@@ -76,6 +79,9 @@ def compile_variants(plan_path: str | os.PathLike, tmp: Path) -> dict[str, dict]
     program = load(plan_path)
     if program.model is None or program.train is None:
         raise ValueError(f"{plan_path}: not a training plan (no model/train block)")
+    if cluster is not None:
+        from planc.bench.accuracy import read_calibrated, substitute
+        program = dataclasses.replace(program, cluster=substitute(program.cluster, read_calibrated(cluster), rate))
     probe = probe_model(program)
     variants = {}
     for sched in SCHEDULES:
@@ -258,7 +264,7 @@ def _over_rates(tb, out: Path, rates, *, measured: int, timeout: float, script=N
 
 
 def measure_plan(plan_path: str, rates, *, measured: int = MEASURED, timeout: float = 600,
-                 log=lambda *a: None) -> dict:
+                 log=lambda *a: None, cluster: str | None = None) -> dict:
     import tempfile
 
     from planc import ui
@@ -269,7 +275,7 @@ def measure_plan(plan_path: str, rates, *, measured: int = MEASURED, timeout: fl
         t0 = time.monotonic()
         with ui.status(f"planc bench iteration {Path(plan_path).name}") as say:   # on a terminal only
             say(f"compiling (the model probed once, {len(SCHEDULES)} schedules)")
-            variants = compile_variants(plan_path, Path(tmp))
+            variants = compile_variants(plan_path, Path(tmp), cluster, rates[0])
         plan = variants["eager_1f1b"]["plan"]
         hosts = plan["cluster"]["hosts"]
         result = {"plan": str(plan_path), "name": plan["name"], "hosts": [len(h) for h in hosts],
@@ -457,8 +463,9 @@ def _chart(results: list[dict], path: str) -> str:
 
 
 def run(plans=None, rates=None, *, json_path: str | None = None, chart: str | None = None,
-        measured: int = MEASURED, timeout: float = 600, verbose: bool = True) -> str:
-    """Measure ``plans`` (default: gpt-bench-2x2 and unet-skip) at ``rates`` (Mbit/s) and return markdown."""
+        measured: int = MEASURED, timeout: float = 600, verbose: bool = True, cluster: str | None = None) -> str:
+    """Measure ``plans`` (default: gpt-bench-2x2 and unet-skip) at ``rates`` (Mbit/s) and return markdown;
+    ``cluster``: compile under that calibrated cluster file at the first rate (``compile_variants``)."""
     from planc.testbed import available
 
     why = available()
@@ -470,7 +477,7 @@ def run(plans=None, rates=None, *, json_path: str | None = None, chart: str | No
 
     plans = [str(p) for p in (plans or DEFAULT_PLANS)]
     rates = [float(x) for x in (rates or DEFAULT_RATES)]
-    rates_arg = ",".join(f"{x:g}" for x in rates)
+    rates_arg = ",".join(f"{x:g}" for x in rates) + (f" --cluster {cluster}" if cluster else "")
     def log(*a):
         if verbose:
             print("planc bench iteration:", *a, file=sys.stderr, flush=True)
@@ -480,7 +487,7 @@ def run(plans=None, rates=None, *, json_path: str | None = None, chart: str | No
     results = []
     for p in plans:
         path = Path(p) if Path(p).exists() else ROOT / p
-        results.append(measure_plan(str(path), rates, measured=measured, timeout=timeout, log=log))
+        results.append(measure_plan(str(path), rates, measured=measured, timeout=timeout, log=log, cluster=cluster))
         results[-1]["plan"] = p
     took = time.monotonic() - t0
     load = (load0, os.getloadavg()[0])
@@ -527,9 +534,11 @@ def main(argv=None) -> int:
     p.add_argument("--chart", metavar="FILE", help="step time against link rate (needs matplotlib)")
     p.add_argument("--measured", type=int, default=MEASURED, help="measured steps per rate")
     p.add_argument("--write", metavar="FILE", help="also write the section into FILE (e.g. docs/benchmarks.md)")
+    p.add_argument("--cluster", metavar="YAML", help="compile under this `planc calibrate` file at the first rate")
     args = p.parse_args(argv)
     rates = [float(x) for x in args.rates.split(",") if x.strip()]
-    text = run(args.plans or None, rates, json_path=args.json_path, chart=args.chart, measured=args.measured)
+    text = run(args.plans or None, rates, json_path=args.json_path, chart=args.chart, measured=args.measured,
+               cluster=args.cluster)
     text = text.rstrip() + "\n"
     if args.write:
         from planc.bench import replace_section
