@@ -205,3 +205,25 @@ def test_bench_nic_bad_inputs_exit_2(argv, message, capsys, monkeypatch):
     monkeypatch.chdir(ROOT)
     assert cli.main(argv) == 2
     assert message in capsys.readouterr().err
+
+
+def test_the_deadlock_check_accepts_the_compiled_order_and_rejects_one_that_would_hang(plan_json):
+    """Under gloo's rules (a send completes when its receive is posted; a rank's receives of one
+    transfer are posted micro-batch after micro-batch), a host order that puts a rank's m1 before
+    its m0 hangs: the NIC thread holds m1 for a receive the peer posts only after m0 arrived."""
+    from planc.pipeline.deadlock import check_rendezvous
+
+    assert check_rendezvous(Plan.from_json(plan_json), backend="gloo") == []
+    doc = copy.deepcopy(plan_json)
+    sends = doc["pipeline"]["nic_order"][0]["sends"]
+    i = next(k for k, s in enumerate(sends) if s[2] == "forward" and s[3] == 0)
+    j = next(k for k, s in enumerate(sends) if s[:3] == sends[i][:3] and s[3] == 1)
+    sends[i], sends[j] = sends[j], sends[i]
+    rank = sends[i][0]
+    hangs = check_rendezvous(Plan.from_json(doc), backend="gloo")
+    assert hangs, "an order that sends m1 before m0 must hang"
+    text = "\n".join(str(h) for h in hangs)
+    assert f"from rank {rank} on communicator p2p/forward" in text and "(micro-batch 0)" in text, text
+    assert f"rank {rank} has not issued the matching send: its NIC thread holds that send for its turn" in text, text
+    # NCCL runs no NIC order (the runtime keeps it to gloo): the same plan is fine there
+    assert check_rendezvous(Plan.from_json(doc), backend="nccl") == []

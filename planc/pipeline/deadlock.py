@@ -24,6 +24,11 @@ The model, per rank:
   when earlier; ``advance``), each job being ``TransferExecutor.recv``: per task of the
   route in schedule order, the receive, broadcast or all_gather it posts and
   the waits in the order the code has them;
+- the **NIC thread** (``nicorder.NicOrder``; gloo, when plan.json has a host
+  NIC order for the rank's host): the rank's listed sends in the host's
+  order, each once the compute thread handed it over (it signals instead of
+  issuing) and the host's previous listed send was sent; the compute thread
+  waits for those turns with its other sends;
 - ``--comm-only`` (``main.comm_only``): one thread; a barrier, then per
   transfer the forward sends, the receives and a wait on the sends, then
   every reduction the rank is in, then a barrier.
@@ -143,6 +148,16 @@ class _Op(_Event):
         return f"{text} on communicator {self.comm.label}"
 
 
+class _Turn(_Event):
+    """A turn of a host NIC order (gloo): done when that rank's NIC thread has sent it."""
+
+    __slots__ = ("rank", "host", "text")
+
+    def __init__(self, rank, host, text):
+        super().__init__()
+        self.rank, self.host, self.text = rank, host, text
+
+
 class _Pair:
     """NCCL p2p: one two-rank communicator per peer pair and direction, FIFO on both ends."""
 
@@ -200,6 +215,11 @@ class _Builder:
         self._keep: list = []
         self._by_id: dict = {}
         self.ordered = {}
+        # the host NIC order (plan.json pipeline.nic_order), as the runtime runs it: on gloo only
+        self.nic = {h: keys for h, keys in (plan.pipeline.nic_order if plan.pipeline is not None else ())} \
+            if backend == "gloo" else {}
+        self.turns: dict = {}
+        self.index_of = {t.name: i for i, t in enumerate(plan.transfers)}
         for i, t in enumerate(plan.transfers):
             for d in Direction:
                 route = t.forward if d is Direction.FORWARD else t.backward
@@ -386,6 +406,32 @@ class _Builder:
                 self.emit_collective(prog, rank, self._plan_group(g), ("reduce", red.name, red.stage, i),
                                      f"{label} step {i} ({step.collective})", where)
 
+    def turn(self, rank, name, direction, m):
+        key = (rank, name, str(direction), m)
+        ev = self.turns.get(key)
+        if ev is None:
+            ev = self.turns[key] = _Turn(rank, self.plan.cluster.host_of(rank), f"send {name} {direction} m{m}")
+        return ev
+
+    def nic_thread(self, rank: int, submitted: dict) -> _Thread | None:
+        """``nicorder.NicOrder``'s thread: its rank's listed sends in the host's order, each after the
+        compute thread handed it over and the host's previous send was sent."""
+        host = self.plan.cluster.host_of(rank)
+        order = self.nic.get(host, ())
+        prog = []
+        for i, (r, name, direction, m) in enumerate(order):
+            if r != rank:
+                continue
+            where = f"host {host}'s NIC order, turn {i} (send {name} {direction} m{m})"
+            d = Direction(direction)
+            prog.append((_WAIT, submitted[(self.index_of[name], d, m)], where))
+            if i > 0:
+                prog.append((_WAIT, self.turn(*order[i - 1]), where))
+            for op in self.emit_send(prog, rank, self.index_of[name], d, m, where):
+                prog.append((_WAIT, op, where))
+            prog.append((_SIGNAL, self.turn(rank, name, direction, m), where))
+        return _Thread(rank, "nic", prog) if prog else None
+
     # ---- one rank, training step
     def train_threads(self, rank: int) -> list[_Thread]:
         plan = self.plan
@@ -416,6 +462,9 @@ class _Builder:
                 done[(ti, d, m)] = ev = _Event()
                 receive.append((_SIGNAL, ev, where))
         sends = []
+        host = plan.cluster.host_of(rank)
+        listed = {(self.index_of[n], Direction(d), m) for r, n, d, m in self.nic.get(host, ()) if r == rank}
+        submitted = {k: _Event() for k in listed}
         for j, text in enumerate(ops):
             where = f"stage {s} op {j} ({text})"
             compute.append((_SIGNAL, begun[j], where))
@@ -428,10 +477,15 @@ class _Builder:
                 self.emit_collective(compute, rank, tp_comm, ("tp", text), f"tensor-parallel all_reduce of {text}",
                                      where)
             for ti in (outgoing if forward else incoming):
-                sends += self.emit_send(compute, rank, ti, d, m, where)
+                if (ti, d, m) in submitted:      # handed to the NIC thread: the compute thread goes on
+                    compute.append((_SIGNAL, submitted[(ti, d, m)], where))
+                else:
+                    sends += self.emit_send(compute, rank, ti, d, m, where)
         where = f"stage {s}, waiting for its sends before the gradient reduction"
         for op in sends:
             compute.append((_WAIT, op, where))
+        for ti, d, m in sorted(submitted, key=lambda k: (k[2], k[0], str(k[1]))):
+            compute.append((_WAIT, self.turn(rank, plan.transfers[ti].name, d, m), where))
         red = plan.gradient_reduction(rank)
         where = f"stage {s} gradient reduction"
         if red is not None and red.mode is planfile.ReductionMode.ALLREDUCE:
@@ -443,7 +497,8 @@ class _Builder:
         elif red is not None:
             self.emit_steps(compute, rank, red, "gradient reduction", where)
         self.emit_collective(compute, rank, world, ("loss",), "loss all_reduce", f"stage {s}, after its step")
-        return [_Thread(rank, "compute", compute), _Thread(rank, "receive", receive)]
+        nic = self.nic_thread(rank, submitted)
+        return [_Thread(rank, "compute", compute), _Thread(rank, "receive", receive)] + ([nic] if nic else [])
 
     # ---- one rank, --comm-only step
     def comm_only_threads(self, rank: int) -> list[_Thread]:
@@ -570,12 +625,20 @@ def _head(op: _Op):
     return op
 
 
-def _why(op: _Op, finished: set) -> tuple[tuple[int, ...], str]:
-    """The ranks ``op`` (at the head of its rank's queue) waits for, and what they do instead."""
+def _why(op: _Op, finished: set, turns=None) -> tuple[tuple[int, ...], str]:
+    """The ranks ``op`` (at the head of its rank's queue) waits for, and what they do instead
+    (``turns``: the host NIC order's turns, to say when the missing send is one a NIC thread holds)."""
     c = op.comm
 
     def absent(p, what):
-        return f"rank {p} {'finished its step without issuing' if p in finished else 'has not issued'} {what}"
+        text = f"rank {p} {'finished its step without issuing' if p in finished else 'has not issued'} {what}"
+        w = op.what
+        if op.kind == _RECV and w[0] == "task" and turns:
+            turn = turns.get((p, w[3], str(w[2]), w[5]))
+            if turn is not None and not turn.done:
+                text += (f": its NIC thread holds that send for its turn in host {turn.host}'s NIC order "
+                         "(plan.json pipeline.nic_order)")
+        return text
 
     if type(c) is _Group:
         ranks, parts = [], []
@@ -603,26 +666,29 @@ def _why(op: _Op, finished: set) -> tuple[tuple[int, ...], str]:
     return (p,), absent(p, f"the matching {other}")
 
 
-def _explain(th: _Thread, finished: set) -> Wait | None:
+def _explain(th: _Thread, finished: set, turns=None) -> Wait | None:
     code, ev, where = th.prog[th.pc]
+    if isinstance(ev, _Turn) and ev.rank != th.rank:   # its turn on the host's NIC, after another rank's send
+        return Wait(th.rank, th.name, where, f"its turn on host {ev.host}'s NIC", (ev.rank,),
+                    f"rank {ev.rank} has not finished its {ev.text}, the send before it in the host's order")
     if not isinstance(ev, _Op):
         return None    # waits for its own other thread, which is blocked too and says why
     head = _head(ev)
     blocker = head if head is not None else ev
-    ranks, why = _why(blocker, finished)
+    ranks, why = _why(blocker, finished, turns)
     if blocker is not ev:
         why = f"it is queued behind its own {blocker.describe()}, for which {why}"
     return Wait(th.rank, th.name, where, ev.describe(), ranks, why)
 
 
-def _report(threads: list[_Thread], backend: str, mode: str, limit: int) -> list[Hang]:
+def _report(threads: list[_Thread], backend: str, mode: str, limit: int, turns=None) -> list[Hang]:
     ranks = sorted({t.rank for t in threads})
     unfinished = {t.rank for t in threads if not t.finished}
     finished = {r for r in ranks if r not in unfinished}
     waits: dict[int, list[Wait]] = {}
     for th in threads:
         if not th.finished:
-            w = _explain(th, finished)
+            w = _explain(th, finished, turns)
             if w is not None:
                 waits.setdefault(th.rank, []).append(w)
     if not waits:
@@ -719,5 +785,5 @@ def check_rendezvous(plan: planfile.Plan, ahead: int = DEFAULT_AHEAD, backend: s
             continue
         sim = _Sim(threads)
         sim.run()
-        out += _report(threads, backend, m, limit)
+        out += _report(threads, backend, m, limit, b.turns)
     return out
