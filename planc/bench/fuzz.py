@@ -319,7 +319,7 @@ TOKEN = re.compile(rb'"[^"\n]*"|\d+(?:\.\d+)?(?:[eE][+-]?\d+)?|[A-Za-z_]\w*|\.\.
 JUNK = [b"{", b"}", b"(", b")", b"[", b"]", b",", b";", b":", b"=", b"..", b"\n", b'"', b"@", b"\x00", b"\xff",
         "é".encode(), b"\t", b"#", b"\r", b"\xef\xbb\xbf", b"stage", b"layers", b"auto", b"auto(", b"on devices",
         b"as", b"S0", b"S(", b"R", b"GB/s", b"us", b"plan", b"cluster", b"level", b"x", b"stages = auto(2)",
-        b"flops", b"memory", b"TFLOP/s", b"GiB", b"-", b"timeout", b"save_every", b"using", b"over", b"transfer",
+        b"flops", b"memory", b"cores", b"per", b"TFLOP/s", b"GiB", b"-", b"timeout", b"save_every", b"using", b"over", b"transfer",
         b"1e999", b"99999999999999999999", b"0", b"-1", b"1f1b", b"&a", b"*a", b"!!python/object", b"- ", b": "]
 
 
