@@ -14,6 +14,12 @@ $(VENV)/.installed: pyproject.toml
 	# CPU build of torch where a local wheel exists; GPU users keep their own torch>=2.4
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q "torch==2.13.0"
 	$(PIP) install -q -e ".[dev]"
+	# DeepSpeed JIT-builds its CPU shared-memory op the first time a rank starts (~50 s): build it here,
+	# once, into the venv, where the tests keep it (tests/conftest.py); a machine without a C++
+	# compiler skips this and pays the build (or its error) at the first launch instead
+	DS_ACCELERATOR=cpu TORCH_EXTENSIONS_DIR="$(abspath $(VENV))/torch_extensions" $(PY) -c \
+	  "from deepspeed.accelerator import get_accelerator; get_accelerator().create_op_builder('ShareMemCommBuilder').load()" \
+	  >/dev/null 2>&1 || echo "note: DeepSpeed's CPU op was not prebuilt; the first launch builds it"
 	touch $@
 
 install: $(VENV)/.installed
