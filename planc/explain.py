@@ -139,9 +139,30 @@ def explain_data(plan: dict) -> dict:
     pipe = plan.get("pipeline")
     data["pipeline"] = None if not pipe else {
         "schedule": pipe["schedule"], "micro_batches": pipe["micro_batches"],
-        "predicted_iteration": pipe.get("predicted_iteration"), "per_stage": [list(ops) for ops in pipe["per_stage"]]}
+        "predicted_iteration": pipe.get("predicted_iteration"), "per_stage": [list(ops) for ops in pipe["per_stage"]],
+        "nic_order": _nic_data(pipe)}
     data["choices"] = dict(plan.get("choices") or {})       # what `auto` became, and why
     return data
+
+
+def _nic_data(pipe: dict) -> dict | None:
+    """The host NIC order's decision for the plan's schedule: kept or not, the two predictions, sends per host."""
+    sched = ((pipe.get("predicted") or {}).get("schedules") or {}).get(pipe["schedule"]) or {}
+    if sched.get("unordered_iteration") is None:
+        return None       # no simulation: nothing was decided
+    return {"kept": bool(pipe.get("nic_order")), "unordered": sched["unordered_iteration"],
+            "ordered": sched["iteration"] if sched.get("nic_ordered") else None,
+            "sends": {int(e["host"]): len(e["sends"]) for e in pipe.get("nic_order") or ()}}
+
+
+def _nic_line(nic: dict) -> str:
+    if nic["kept"]:
+        per = ", ".join(f"host {h}: {n}" for h, n in sorted(nic["sends"].items()))
+        return (f"host NIC order: kept; each host's cross-host sends one at a time in the plan's order ({per} per "
+                f"step), predicted {_t(nic['ordered'])} against {_t(nic['unordered'])} as they come "
+                "(docs/simulator.md)")
+    return (f"host NIC order: none; one at a time was not predicted at least 2 % faster than the sends as they come "
+            f"({_t(nic['unordered'])})")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -255,6 +276,8 @@ def explain_renderables(data: dict, tty: bool = False) -> list:
                     f"{_t(pipe['predicted_iteration'])}",
                 ui.table([Col("stage", "right"), Col("instructions (F = forward, B = backward of micro-batch i)", wrap=True)],
                          [[i, " ".join(ops)] for i, ops in enumerate(pipe["per_stage"])], tty=tty)]
+        if pipe.get("nic_order"):
+            out.append(_nic_line(pipe["nic_order"]))
     for what, why in data["choices"].items():
         out.append(f"{what} = auto: {why}")
     return out

@@ -227,3 +227,19 @@ def test_the_deadlock_check_accepts_the_compiled_order_and_rejects_one_that_woul
     assert f"rank {rank} has not issued the matching send: its NIC thread holds that send for its turn" in text, text
     # NCCL runs no NIC order (the runtime keeps it to gloo): the same plan is fine there
     assert check_rendezvous(Plan.from_json(doc), backend="nccl") == []
+
+
+def test_explain_says_whether_the_order_was_kept_and_why(plan_json):
+    from planc.explain import explain, explain_data
+    pipe = plan_json["pipeline"]
+    sched = pipe["predicted"]["schedules"]["1f1b"]
+    per = ", ".join(f"host {e['host']}: {len(e['sends'])}" for e in pipe["nic_order"])
+    text = " ".join(explain(plan_json).split())
+    assert f"host NIC order: kept; each host's cross-host sends one at a time in the plan's order ({per} per step)" \
+        in text, text[-600:]
+    data = explain_data(plan_json)["pipeline"]["nic_order"]
+    assert data["ordered"] == sched["iteration"] and data["unordered"] == sched["unordered_iteration"]
+    doc = copy.deepcopy(plan_json)
+    del doc["pipeline"]["nic_order"]
+    doc["pipeline"]["predicted"]["schedules"]["1f1b"]["nic_ordered"] = False
+    assert "host NIC order: none; one at a time was not predicted at least 2 % faster" in " ".join(explain(doc).split())
