@@ -108,7 +108,7 @@ class NicOrder:
         self.mine = [(i, key[1:]) for i, key in enumerate(self.order) if key[0] == rank]
         self.position = {key: i for i, key in self.mine}
         self._lock = threading.Condition()
-        self._submitted: dict[tuple, tuple] = {}     # (step, key) -> (issue, handle)
+        self._submitted: dict[tuple, tuple] = {}     # (step, key) -> (issue, handle, bytes to other hosts)
         self._step = -1                              # the step being submitted
         self._failed: BaseException | None = None    # the NIC thread's error: every send after it fails too
         self._thread = threading.Thread(target=self._run, name="planc-nic-order", daemon=True)
