@@ -123,9 +123,13 @@ def _cmd_bench(args) -> int:
                   file=sys.stderr)
             return EXIT_USER
     options = {}
+
+    def parsed_rates():   # --rates as Mbit/s (None: not given); ValueError for a word that is no number
+        return [float(x) for x in args.rates.split(",") if x.strip()] if args.rates else None
+
     if args.what == "iteration":
         try:
-            rates = [float(x) for x in args.rates.split(",") if x.strip()] if args.rates else None
+            rates = parsed_rates()
         except ValueError:
             print(f"planc bench iteration: --rates {args.rates!r} is not a comma-separated list of Mbit/s",
                   file=sys.stderr)
@@ -140,7 +144,7 @@ def _cmd_bench(args) -> int:
         options = dict(measured=args.plans, cluster=args.cluster, json_path=args.json_path)
     elif args.what == "nic":
         try:
-            rates = [float(x) for x in args.rates.split(",") if x.strip()] if args.rates else None
+            rates = parsed_rates()
         except ValueError:
             rates = [-1.0]
         if rates is not None and (not rates or any(not r > 0 for r in rates)):

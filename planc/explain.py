@@ -161,8 +161,9 @@ def _nic_line(nic: dict) -> str:
         return (f"host NIC order: kept; each host's cross-host sends one at a time in the plan's order ({per} per "
                 f"step), predicted {_t(nic['ordered'])} against {_t(nic['unordered'])} as they come "
                 "(docs/simulator.md)")
-    return (f"host NIC order: none; one at a time was not predicted at least 2 % faster than the sends as they come "
-            f"({_t(nic['unordered'])})")
+    from planc.pipeline.simulate import NIC_ORDER_GAIN
+    return (f"host NIC order: none; one at a time was not predicted at least {NIC_ORDER_GAIN * 100:g} % faster than "
+            f"the sends as they come ({_t(nic['unordered'])})")
 
 
 # ---------------------------------------------------------------------------------------------

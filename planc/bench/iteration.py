@@ -64,8 +64,8 @@ DTYPE_BYTES = {"f32": 4, "f16": 2, "bf16": 2, "f64": 8, "i64": 8, "i32": 4, "i16
 # ---------------------------------------------------------------- what to run
 
 def compile_variants(plan_path: str | os.PathLike, tmp: Path, cluster: str | None = None,
-                     rate: float | None = None) -> dict[str, dict]:
-    """The plan compiled once per pipeline schedule (probed once): schedule -> {"out", "plan"}.
+                     rate: float | None = None, schedules=SCHEDULES) -> dict[str, dict]:
+    """The plan compiled once per pipeline schedule of ``schedules`` (probed once): schedule -> {"out", "plan"}.
     ``cluster``: a `planc calibrate` file whose figures at ``rate`` replace the plan's (as `planc
     bench accuracy` substitutes them), so the compiler decides on the testbed's links and compute."""
     import dataclasses
@@ -84,7 +84,7 @@ def compile_variants(plan_path: str | os.PathLike, tmp: Path, cluster: str | Non
         program = dataclasses.replace(program, cluster=substitute(program.cluster, read_calibrated(cluster), rate))
     probe = probe_model(program)
     variants = {}
-    for sched in SCHEDULES:
+    for sched in schedules:
         p = dataclasses.replace(program, train=dataclasses.replace(program.train, schedule=ir.PipeSchedule(sched)))
         compiled = compile_program(p, probe)
         if compiled.untrainable:

@@ -13,7 +13,6 @@ losses of the two runs are compared after the runs (outside every timed step): t
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import statistics
 import tempfile
@@ -28,38 +27,19 @@ class NicBenchError(ValueError):
     pass
 
 
-def _compile(plan_path: str, cal, rate: float, tmp: Path) -> dict:
-    from planc import ir
-    from planc.bench.accuracy import substitute
-    from planc.codegen import write_output
-    from planc.compile import compile_program
-    from planc.lang import load
-    from planc.probe import probe_model
-
-    program = load(plan_path)
-    program = dataclasses.replace(program, cluster=substitute(program.cluster, cal, rate))
-    probe = probe_model(program)
-    out = {}
-    for s in SCHEDULES:
-        p = dataclasses.replace(program, train=dataclasses.replace(program.train, schedule=ir.PipeSchedule(s)))
-        c = compile_program(p, probe)
-        folder = tmp / f"{Path(plan_path).stem}-{rate:g}-{s}"
-        write_output(c.plan_json, c.program, folder)
-        out[s] = {"out": folder, "plan": c.plan_json}
-    return out
-
-
 def measure(plans, cal_path: str, rates) -> list[dict]:
     from planc.bench.accuracy import read_calibrated
-    from planc.bench.iteration import link_bytes
+    from planc.bench.iteration import compile_variants, link_bytes
     from planc.testbed import Testbed
 
-    cal = read_calibrated(cal_path)
+    read_calibrated(cal_path)   # a bad file fails before anything is compiled
     rows = []
     with tempfile.TemporaryDirectory(prefix="planc-bench-nic-") as tmp:
-        for plan_path in plans:
+        for k, plan_path in enumerate(plans):
             for rate in rates:
-                variants = _compile(plan_path, cal, rate, Path(tmp))
+                folder = Path(tmp) / f"{k}-{rate:g}"
+                folder.mkdir()
+                variants = compile_variants(plan_path, folder, cal_path, rate, schedules=SCHEDULES)
                 first = next(iter(variants.values()))["plan"]
                 link = link_bytes(first)
                 bound = link["busiest_bytes"] / (rate * 1e6 / 8)

@@ -205,7 +205,8 @@ class PlanEngine(PipelineEngine):
         self.grads = GradientBuckets(self.module.parameters(), self.reduction, self.device, tracer=tracer) \
             if self.reduction is not None else None
         self.sends = SendReaper(tracer=tracer)
-        self.nic = None   # the host NIC order (nicorder.py), set by main when the plan has one for this host
+        self.nic = None   # the host NIC order (nicorder.py): attach_nic, when the plan has one for this host
+        self.nic_bytes: dict = {}   # (transfer, direction) -> bytes this rank sends off its host per micro-batch
         self.recvs = RecvAhead(self.executors, receive_jobs(self.ops, self.incoming, self.outgoing), tracer=tracer,
                                ops=self.ops)
         self.stats = {"stage": self.stage_id, "peak_live_micro_batches": 0, "peak_pending_sends": 0}
@@ -283,15 +284,21 @@ class PlanEngine(PipelineEngine):
             self.total_loss = loss.detach() if self.total_loss is None else self.total_loss + loss.detach()
         self._note()
 
+    def attach_nic(self, nic) -> None:
+        """Run the sends the host's NIC order lists through ``nic`` (a ``nicorder.NicOrder``); what each
+        transfer direction puts on the host link per micro-batch is worked out once, here."""
+        self.nic = nic
+        self.nic_bytes = {key: ex.wire_bytes(self.plan.cluster.host_of) for key, ex in self.executors.items()
+                          if ex.is_sender}
+
     def _send(self, transfer: str, direction: Direction, m: int, tensor) -> None:
         """Start one transfer direction's sends of micro-batch ``m``: at once, or, when the host's NIC
         order lists it, by the NIC thread at its turn (the compute thread never waits for either)."""
         ex = self.executors[(transfer, direction)]
         what = f"send {transfer} {direction} m{m}"
         if self.nic is not None and self.nic.gated(transfer, str(direction), m):
-            nbytes = ex.wire_bytes(self.plan.cluster.host_of)
-            self.sends.add(m, [self.nic.submit(transfer, str(direction), m,
-                                               lambda: ex.send(tensor, micro_batch=m), nbytes)], what)
+            self.sends.add(m, [self.nic.submit(transfer, str(direction), m, lambda: ex.send(tensor, micro_batch=m),
+                                               self.nic_bytes[(transfer, direction)])], what)
         else:
             self.sends.add(m, ex.send(tensor, micro_batch=m), what)
 

@@ -314,10 +314,10 @@ def _main(argv=None, out_dir: str | None = None) -> int:
         data = CountingIterator(batches(micro_batch, seed, **model_args))   # counted: the position a checkpoint keeps
         engine = PlanEngine.build(plan, groups, layers, loss_fn, data, ds_config, tracer=tracer)
         host = plan.cluster.host_of(rank)
-        if counter is not None and any(k[0] == rank for k in plan.pipeline.nic_order_of(host)):
-            engine.nic = nicorder.NicOrder(rank, host, plan.pipeline.nic_order_of(host), counter,
-                                           collective_timeout(plan).total_seconds(), nicorder.host_bandwidth(plan),
-                                           tracer=tracer)
+        order = plan.pipeline.nic_order_of(host)
+        if counter is not None and any(k[0] == rank for k in order):
+            engine.attach_nic(nicorder.NicOrder(rank, host, order, counter, collective_timeout(plan).total_seconds(),
+                                                nicorder.host_bandwidth(plan), tracer=tracer))
     if rank == 0 and counter is not None:
         print(f"host NIC order: {sum(len(k) for _, k in plan.pipeline.nic_order)} cross-host sends per step, "
               f"one at a time per host in the plan's order", flush=True)

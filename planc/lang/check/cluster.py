@@ -98,18 +98,21 @@ def _cores(errs: Diagnostics, v: ast.Quantity | ast.Num | None, per: ast.Name | 
         return False
     n = int_of(errs, v, "cores")
     names = [l.name for l in levels]
-    if per is None:
-        level = host
-    elif per.value in names:
-        level = per.value
-    elif per.value == "cluster":
-        level = None
-    else:
+    level = host if per is None else _pool_level(per.value, names)
+    if level is False:
         errs.add(f"cores per '{per.value}': '{per.value}' is not a level of this cluster "
                  f"({', '.join(names)}) nor 'cluster' (one pool for all devices)", per.span,
                  did_you_mean(per.value, names + ["cluster"]))
         return False
     return (n, level) if n is not None else False
+
+
+def _pool_level(per: str, names: list[str]) -> str | None | bool:
+    """The ``cores_level`` that ``per`` names (plan text and cluster file alike): a level of ``names``
+    (a level named ``cluster`` wins over the word), None for ``cluster`` (one pool), False for neither."""
+    if per in names:
+        return per
+    return None if per == "cluster" else False
 
 
 # the per-device settings of a cluster: (unit table, kind in messages, example)
@@ -275,10 +278,9 @@ def _yaml_cores(errs: Diagnostics, doc: dict, file: str, names: list[str], host:
         errs.add(f"cluster file '{file}', cores_per: expected a level name or 'cluster', got {_short(per)}",
                  at("cores_per"))
         return False
-    if per in names:   # a level named `cluster` wins over the word
-        return cores, per
-    if per == "cluster":
-        return cores, None
+    level = _pool_level(per, names)
+    if level is not False:
+        return cores, level
     errs.add(f"cluster file '{file}', cores_per: '{per}' is not a level of this cluster ({', '.join(names)}) "
              "nor 'cluster'", at("cores_per"), did_you_mean(per, names + ["cluster"]))
     return False
