@@ -195,7 +195,10 @@ class PlanEngine(PipelineEngine):
             self.reduce_description = "DeepSpeed's data-parallel all-reduce"
         else:
             self.reduce_description = f"planc program {red.text}, bucketed, overlapped with the last backward"
-            self.reduction = ReductionExecutor(red.to_json(), reduce_groups(groups), rank)
+            self.reduction = ReductionExecutor(red.to_json(), reduce_groups(groups), rank,
+                                               host_of=plan.cluster.host_of)
+            if self.reduction.shm_groups:
+                self.reduce_description += "; in-host steps through shared memory"
         self.reduce_size = len(red.group_of(rank)) if red is not None else 1
         if red is not None and tuple(self.grid.get_data_parallel_group_ranks()) != red.group_of(rank):
             raise EngineError(f"rank {rank}: its gradient reduction group {list(red.group_of(rank))} is not its "

@@ -136,7 +136,7 @@ def comm_only(plan: Plan, groups: dict, rank: int, steps: int) -> None:
     tags = plan.tag_layout()
     transfers = [(t, TransferExecutor(t, Direction.FORWARD, rank, groups, tags, index=i))
                  for i, t in enumerate(plan.transfers)]
-    reductions = [(r, ReductionExecutor(r.to_json(), groups, rank), r.group_of(rank))
+    reductions = [(r, ReductionExecutor(r.to_json(), groups, rank, host_of=plan.cluster.host_of), r.group_of(rank))
                   for r in plan.reductions if r.group_of(rank) is not None]
     # patterns, expected regions and reduction inputs are made before the timed region, and checked after it
     sent = {i: pattern(t.shape, ex.my_src, ex.dtype) for i, (t, ex) in enumerate(transfers) if ex.is_sender}

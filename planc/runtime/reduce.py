@@ -9,7 +9,7 @@ a broadcast delivers to ranks that held nothing.
 
 Public API (stable; used by engine.py):
 
-    ReductionExecutor(reduction, groups, rank, bucket_bytes=None, impl=None)
+    ReductionExecutor(reduction, groups, rank, bucket_bytes=None, impl=None, backend=None, host_of=None)
         .run(flat: Tensor) -> Tensor
             every rank of a reduction group returns the full SUM over its group
             (in place in `flat` when possible; the returned tensor is the result);
@@ -29,6 +29,10 @@ reduce_scatter cut is whole. Collectives, per backend (`impl` overrides):
   all_gather      all_gather_into_tensor (exact, no arithmetic on the data)
   reduce          reduce SUM to the first member
   broadcast       broadcast from the first member
+On gloo, a step whose group lies on one host (``host_of``, the plan's placement, says so) runs
+through the host's shared memory instead (shmcoll.py; env PLANC_SHM_REDUCE=0 turns it off), and
+falls back to the above when the members share no /dev/shm. ``.shm_groups`` lists the groups that
+use it.
 """
 from __future__ import annotations
 
@@ -39,6 +43,7 @@ from fractions import Fraction
 import torch
 import torch.distributed as dist
 
+from . import shmcoll
 from .dist_util import all_gather_flat, lookup_group, reduce_scatter_flat
 
 __all__ = ["ReductionExecutor", "simulate", "ReductionError", "COLLECTIVES"]
@@ -129,7 +134,7 @@ def _bucket_bytes():
 
 class ReductionExecutor:
     def __init__(self, reduction: dict, groups: dict, rank: int, bucket_bytes: int | None = None,
-                 impl: dict | None = None, backend: str | None = None):
+                 impl: dict | None = None, backend: str | None = None, host_of=None):
         self.name = reduction.get("name", "?")
         self.rank = int(rank)
         self.red_groups = [tuple(g) for g in reduction["groups"]]
@@ -152,18 +157,24 @@ class ReductionExecutor:
         self.granule = den
         self.steps = []
         mine = self.rank in devices
+        self.backend = backend or (dist.get_backend() if dist.is_initialized() else "gloo")
+        use_shm = self.backend == "gloo" and host_of is not None and shmcoll.enabled()
+        self.segments: dict = {}      # in-host group -> shmcoll.HostSegment (None: its members share no memory)
         for si, step in enumerate(steps):
             grp = next((tuple(g) for g in step["groups"] if self.rank in g), None) if mine else None
             if grp is not None and len(grp) > 1:
                 pg = lookup_group(groups, grp)
+                # set up in step order on every member, so the collective set-ups cannot cross
+                if use_shm and grp not in self.segments and len({host_of(d) for d in grp}) == 1:
+                    self.segments[grp] = shmcoll.HostSegment.open(pg, grp, self.rank)
             else:
                 pg = None
             before = hist[self.rank][si] if mine else None
             after = hist[self.rank][si + 1] if mine else None
             self.steps.append((step["collective"], grp, pg, before, after))
+        self.shm_groups = sorted(g for g, seg in self.segments.items() if seg is not None)
         self.active = mine and any(g is not None for _, g, _, _, _ in self.steps)
         self.bucket_bytes = bucket_bytes or _bucket_bytes()
-        self.backend = backend or (dist.get_backend() if dist.is_initialized() else "gloo")
         default = {"reduce_scatter": "allreduce_slice" if self.backend == "gloo" else "native"}
         self.impl = {**default, **(impl or {})}
 
@@ -195,6 +206,11 @@ class ReductionExecutor:
             if grp is None or len(grp) == 1:
                 continue
             root = grp[0]
+            seg = self.segments.get(grp)
+            if seg is not None and self.impl.get("shm", True):
+                self._shm_step(seg, coll, buf, rng(before) if before is not None else None,
+                               rng(after) if after is not None else None)
+                continue
             if coll == "allreduce":
                 x, y = rng(before)
                 dist.all_reduce(buf[x:y], group=pg)
@@ -219,3 +235,16 @@ class ReductionExecutor:
                 dist.broadcast(buf[x:y], src=root, group=pg)
         if padded != n:
             flat[a:b] = buf[:n]
+
+    @staticmethod
+    def _shm_step(seg, coll, buf, before, after):
+        if coll == "allreduce":
+            seg.allreduce(buf, *before)
+        elif coll == "reduce_scatter":
+            seg.reduce_scatter(buf, *before, *after)
+        elif coll == "all_gather":
+            seg.all_gather(buf, *after, *before)
+        elif coll == "reduce":
+            seg.reduce(buf, *before)
+        else:   # broadcast: the root's region, which every member holds afterwards
+            seg.broadcast(buf, *after)

@@ -1,0 +1,227 @@
+"""In-host collectives through the host's shared memory (gloo only).
+
+On gloo, ranks of one host otherwise talk over TCP on the loopback: every byte of an in-host
+reduce_scatter or all_gather is copied through the kernel twice, by processes that compete with
+each other for the host's cores. A reduction program's in-host steps (``form=inside`` of DESIGN.md,
+the ``reduce_scatter`` and ``all_gather`` around a cross-host ``allreduce``) are instead run here,
+through one file of ``/dev/shm`` that the group's ranks map: each member copies its data in once,
+the members sum disjoint pieces, each copies the result out once. Only the synchronisation goes
+over the group's gloo communicator (a barrier per phase), so a dead sibling is still an error after
+the collective timeout, never a hang.
+
+    HostSegment.open(pg, members, rank, slot_bytes=None) -> HostSegment | None   # collective on pg
+        .allreduce(buf, x, y)               SUM of buf[x:y] over the members, on every member
+        .reduce_scatter(buf, x, y, p, q)    SUM of buf[x:y]; this member keeps its piece buf[p:q]
+        .reduce(buf, x, y)                  SUM of buf[x:y] on the first member
+        .all_gather(buf, x, y, p, q)        members' pieces buf[p:q] concatenated into buf[x:y]
+        .broadcast(buf, x, y)               the first member's buf[x:y] on every member
+    enabled() -> bool                       PLANC_SHM_REDUCE=0 turns it off (measure it against gloo)
+
+The sum of an element is always formed by one member, adding the members' values in member
+order, so every member ends with the same bits. Regions larger than a slot go window by window.
+
+Who may use it: only a group the plan places on one host (the caller checks that; on the
+emulated testbed every "host" shares this machine's /dev/shm, so the plan is the only judge).
+``open`` then checks that the members really share the file (the leader writes a random nonce,
+the others must read it back) and reserves the memory with ``posix_fallocate``, so a full or
+private /dev/shm means gloo as before, never a SIGBUS or a wrong sum. The file is unlinked as
+soon as every member has mapped it: nothing is left behind, even by a rank that is killed.
+"""
+from __future__ import annotations
+
+import mmap
+import os
+import struct
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["HostSegment", "enabled", "DEFAULT_SLOT_BYTES"]
+
+DEFAULT_SLOT_BYTES = 8 << 20     # per member; a region larger than this goes in windows
+HEADER = 64                      # bytes before the slots: the nonce, then padding (keeps slots aligned)
+
+
+def enabled() -> bool:
+    return os.environ.get("PLANC_SHM_REDUCE", "1") != "0"
+
+
+def _shm_dir() -> str:
+    return os.environ.get("PLANC_SHM_DIR", "/dev/shm")
+
+
+def _slot_bytes() -> int:
+    raw = os.environ.get("PLANC_SHM_SLOT_BYTES")
+    n = int(raw) if raw else DEFAULT_SLOT_BYTES
+    return max(64, -(-n // 64) * 64)
+
+
+class HostSegment:
+    def __init__(self, pg, members, rank, mm, slot_bytes):
+        self.pg = pg
+        self.members = tuple(members)
+        self.k = len(self.members)
+        self.me = self.members.index(rank)
+        self.slot_bytes = slot_bytes
+        self._mm = mm                                   # kept alive: the tensor below maps it
+        self._base = torch.frombuffer(mm, dtype=torch.uint8)
+
+    # ------------------------------------------------------------ set-up
+    @classmethod
+    def open(cls, pg, members, rank, slot_bytes=None):
+        """Map one segment for the group (collective over ``pg``); None if the members share no memory."""
+        members = tuple(members)
+        slot_bytes = slot_bytes or _slot_bytes()
+        size = HEADER + len(members) * slot_bytes
+        leader = members[0]
+        info = torch.zeros(3, dtype=torch.int64)        # [ok, token, nonce]
+        mm, path = None, None
+        if rank == leader:
+            token, nonce = (int.from_bytes(os.urandom(7), "little") for _ in range(2))
+            path = os.path.join(_shm_dir(), f"planc-red-{token:014x}")
+            try:
+                mm = _map(path, size, create=True)
+                mm[:8] = struct.pack("<q", nonce)
+                info = torch.tensor([1, token, nonce], dtype=torch.int64)
+            except OSError:
+                mm = None
+                _unlink(path)
+        dist.broadcast(info, src=leader, group=pg)
+        ok, token, nonce = (int(v) for v in info)
+        if ok and rank != leader:
+            path = os.path.join(_shm_dir(), f"planc-red-{token:014x}")
+            try:
+                mm = _map(path, size, create=False)
+                ok = int(struct.unpack("<q", mm[:8])[0] == nonce)
+            except (OSError, ValueError):
+                ok = 0
+        flag = torch.tensor([ok], dtype=torch.int64)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=pg)   # every member has mapped it, or failed
+        if rank == leader and path is not None:
+            _unlink(path)
+        if not int(flag[0]) or mm is None:
+            return None
+        return cls(pg, members, rank, mm, slot_bytes)
+
+    # ------------------------------------------------------------ helpers
+    def _slot(self, j, dtype, n):
+        es = torch.empty((), dtype=dtype).element_size()
+        a = HEADER + j * self.slot_bytes
+        return self._base[a:a + n * es].view(dtype)
+
+    def _window(self, buf) -> int:
+        return max(1, self.slot_bytes // buf.element_size())
+
+    def _sync(self):
+        dist.barrier(group=self.pg)
+
+    def _sum_into(self, out, w0, a, b, own):
+        """out[:] = sum over members, in member order, of their [a, b) (a window starting at w0):
+        the others' from their slots, this member's from ``own`` (``out`` may be ``own``)."""
+        if b <= a:
+            return
+        if self.me >= 2 and out.data_ptr() == own.data_ptr():
+            own = own.clone()              # the first add below would overwrite it before it is added
+        parts = [own if j == self.me else self._slot(j, out.dtype, b - w0)[a - w0:] for j in range(self.k)]
+        torch.add(parts[0], parts[1], out=out)
+        for part in parts[2:]:
+            out.add_(part)
+
+    def _publish(self, buf, w0, w1, a, b):
+        """Copy buf[w0:w1] into this member's slot, except [a, b) (which it keeps to itself)."""
+        mine = self._slot(self.me, buf.dtype, w1 - w0)
+        a, b = min(max(a, w0), w1), max(min(b, w1), w0)
+        if b <= a:
+            mine.copy_(buf[w0:w1])
+            return
+        mine[:a - w0].copy_(buf[w0:a])
+        mine[b - w0:].copy_(buf[b:w1])
+
+    # ------------------------------------------------------------ collectives
+    def allreduce(self, buf, x, y):
+        step = self._window(buf)
+        for w0 in range(x, y, step):
+            w1 = min(y, w0 + step)
+            n = w1 - w0
+            cut = [w0 + n * j // self.k for j in range(self.k + 1)]
+            a, b = cut[self.me], cut[self.me + 1]
+            # member r sums part r of the window; the others need only its other parts
+            self._publish(buf, w0, w1, a, b)
+            self._sync()
+            if b > a:
+                self._sum_into(buf[a:b], w0, a, b, buf[a:b])
+                self._slot(self.me, buf.dtype, b - w0)[a - w0:].copy_(buf[a:b])
+            self._sync()
+            for j in range(self.k):
+                if j != self.me and cut[j + 1] > cut[j]:
+                    buf[cut[j]:cut[j + 1]].copy_(self._slot(j, buf.dtype, cut[j + 1] - w0)[cut[j] - w0:])
+            self._sync()
+
+    def reduce_scatter(self, buf, x, y, p, q):
+        step = self._window(buf)
+        for w0 in range(x, y, step):
+            w1 = min(y, w0 + step)
+            a, b = max(p, w0), min(q, w1)
+            self._publish(buf, w0, w1, a, b)
+            self._sync()
+            self._sum_into(buf[a:b], w0, a, b, buf[a:b])
+            self._sync()
+
+    def reduce(self, buf, x, y):
+        step = self._window(buf)
+        for w0 in range(x, y, step):
+            w1 = min(y, w0 + step)
+            if self.me != 0:
+                self._slot(self.me, buf.dtype, w1 - w0).copy_(buf[w0:w1])
+            self._sync()
+            if self.me == 0:
+                self._sum_into(buf[w0:w1], w0, w0, w1, buf[w0:w1])
+            self._sync()
+
+    def all_gather(self, buf, x, y, p, q):
+        step = self._window(buf)
+        for w0 in range(x, y, step):
+            w1 = min(y, w0 + step)
+            shared = self._slot(0, buf.dtype, w1 - w0)
+            a, b = max(p, w0), min(q, w1)
+            if b > a:
+                shared[a - w0:b - w0].copy_(buf[a:b])
+            self._sync()
+            if a < b:                                   # the rest of the window: around this member's piece
+                buf[w0:a].copy_(shared[:a - w0])
+                buf[b:w1].copy_(shared[b - w0:])
+            else:
+                buf[w0:w1].copy_(shared)
+            self._sync()
+
+    def broadcast(self, buf, x, y):
+        step = self._window(buf)
+        for w0 in range(x, y, step):
+            w1 = min(y, w0 + step)
+            shared = self._slot(0, buf.dtype, w1 - w0)
+            if self.me == 0:
+                shared.copy_(buf[w0:w1])
+            self._sync()
+            if self.me != 0:
+                buf[w0:w1].copy_(shared)
+            self._sync()
+
+
+def _map(path, size, create):
+    flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
+    fd = os.open(path, flags, 0o600)
+    try:
+        if create:
+            os.posix_fallocate(fd, 0, size)   # reserve the pages now: a full /dev/shm fails here, not as SIGBUS
+        elif os.fstat(fd).st_size != size:
+            raise ValueError(f"{path}: {os.fstat(fd).st_size} bytes, expected {size}")
+        return mmap.mmap(fd, size)
+    finally:
+        os.close(fd)
+
+
+def _unlink(path):
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
