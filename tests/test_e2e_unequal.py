@@ -223,6 +223,9 @@ def test_unequal_stages_match_reference(tmp_path, name, schedule):
     assert plan["pipeline"]["schedule"] == schedule
     for s in sc.hierarchical:
         check_hierarchical(plan, s)
+    # rank 0's in-host gradient steps run through the host's shared memory (gloo), and only those
+    assert "gradients: " in r.stdout
+    assert ("in-host steps through shared memory" in r.stdout) == in_host_steps(plan, 0), r.stdout[-2000:]
     # a block has 6 sharded parameters (qkv weight and bias, proj weight, fc1 weight and bias, fc2
     # weight), each in 2 parts; embeddings, norms, head and the other stages' layers stay whole
     assert {int(k.split(".")[1]) for k in sharded} == set(sc.tensor_layers), sorted(sharded)
@@ -230,6 +233,15 @@ def test_unequal_stages_match_reference(tmp_path, name, schedule):
     if sc.tensor_layers:
         b = sc.tensor_layers[0]
         assert sharded[f"layers.{b}.qkv.weight"] == (0, 2, 3) and sharded[f"layers.{b}.mlp.2.weight"] == (1, 2, 1)
+
+
+def in_host_steps(plan: dict, rank: int) -> bool:
+    """Whether ``rank``'s gradient program (a synthesized one) has a step on a group inside one host."""
+    for red in plan["reductions"]:
+        if red.get("mode") != "allreduce" and any(rank in g for g in red["groups"]):
+            return any(rank in g and len(g) > 1 and len(hosts_of(plan, g)) == 1
+                       for step in red["program"]["steps"] for g in step["groups"])
+    return False
 
 
 def check_traces(plan: dict, directory, steps: int) -> None:
