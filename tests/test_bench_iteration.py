@@ -238,3 +238,21 @@ def test_progress_bar_counts_every_step_of_every_launch(tmp_path):
     # without a bar (piped): the same measurement
     assert iteration._over_rates(_Testbed(), tmp_path, rates, measured=2, timeout=1)["per_rate"] == \
         iteration._over_rates(_Testbed(), tmp_path, rates, measured=2, timeout=1, bar=_Bar())["per_rate"]
+
+
+def test_runs_launched_per_rate_merge_into_one_program_row():
+    """Under a calibrated cluster each rate's program is compiled and launched on its own; the
+    report reads them as one run: rates in order, every step, each rank's highest peak, the first error."""
+    def run(rate, times, rss, rc=0, error=None):
+        r = {"returncode": rc, "launch_s": 10.0, "step_times": times, "details": [], "losses": [5.0, 4.9],
+             "peak_rss_kb": rss, "per_rate": [{"rate": rate, "steps": times[1:], "median": times[-1]}]}
+        if error:
+            r["error"] = error
+        return r
+    merged = iteration._merge_runs([run(25.0, [2.0, 1.8], {0: 100, 1: 90}),
+                                    run(100.0, [1.0], {0: 120, 1: 80}, rc=1, error="exit 1: boom")])
+    assert [p["rate"] for p in merged["per_rate"]] == [25.0, 100.0]
+    assert merged["step_times"] == [2.0, 1.8, 1.0] and merged["launch_s"] == 20.0 and merged["launches"] == 2
+    assert merged["peak_rss_kb"] == {0: 120, 1: 90}
+    assert merged["returncode"] == 1 and merged["error"] == "exit 1: boom" and merged["losses"] == [5.0, 4.9]
+    assert "error" not in iteration._merge_runs([run(25.0, [2.0, 1.8], {0: 1})])

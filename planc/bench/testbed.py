@@ -1,6 +1,7 @@
 """`planc bench testbed`: strategies and reduction programs measured on an emulated cluster.
 
-Two network namespaces (hosts) of 4 gloo ranks each, host links shaped to
+Two network namespaces (hosts) of 4 gloo ranks each (three for the 1 -> (2,4)
+fan-out, on a testbed of its own after the others), host links shaped to
 400 Mbit/s (50 MB/s) by tc; inside a host ranks talk over the namespace's own
 stack (≈ 3 GB/s, DESIGN.md). The plans below declare exactly these bandwidths,
 so the cost model's predictions and the measured times are in the same units.
@@ -30,6 +31,7 @@ import time
 from pathlib import Path
 
 HOSTS, PER_HOST, LINK_MBIT = 2, 4, 400.0
+WIDE_HOSTS = 3             # the 1 -> (2,4) fan-out: one device on host 0, a mesh over hosts 1 and 2
 STEPS = 4                  # step 0 warms up; the median of steps 1..3 is reported
 STRATEGIES = ("send_recv", "local_allgather", "global_allgather", "broadcast")
 LINK_DOWN_ENV = "PLANC_BENCH_LINK_DOWN"        # SECONDS[@HOST]: a host link goes down during the first case
@@ -45,6 +47,7 @@ class BenchFailed(SystemExit):
 
     def __str__(self) -> str:
         return self.message
+
 
 CLUSTER = """
   cluster {
@@ -69,6 +72,19 @@ plan tb_n2m {{{CLUSTER}
   stage 0 on devices 0..4 as (2, 2)
   stage 1 on devices 4..8 as (2, 2)
   transfer x : f32[1024, 4096] from stage 0 as R S0 to stage 1 as S0 R
+  resharding {{ strategy = {STRATEGY}, chunks = 32, schedule = load_balance }}
+}}
+""",
+}
+
+# issue 9's "broadcast 1 -> (2, 4)": one device on host 0 to a (2,4) mesh spanning hosts 1 and 2,
+# replicated on all 8 receivers; its own testbed of 3 hosts (the other cases need 2)
+WIDE = {
+    "1 -> (2,4)  R R -> R R": """
+plan tb_fanout_wide {{{CLUSTER}
+  stage 0 on devices 0..1 as (1, 1)
+  stage 1 on devices 4..12 as (2, 4)
+  transfer x : f32[1024, 4096] from stage 0 as R R to stage 1 as R R
   resharding {{ strategy = {STRATEGY}, chunks = 32, schedule = load_balance }}
 }}
 """,
@@ -102,25 +118,32 @@ def _compile(text: str, out: Path) -> dict:
     return compiled.plan_json
 
 
-def _cases(tmp: Path) -> list[dict]:
+def _transfer_cases(tmp: Path, templates: dict, cluster: str, hosts: int, tag: str) -> list[dict]:
     cases = []
-    for i, (name, tmpl) in enumerate(TRANSFERS.items()):
+    for i, (name, tmpl) in enumerate(templates.items()):
         for strategy in STRATEGIES:
-            text = tmpl.format(CLUSTER=CLUSTER.rstrip(), STRATEGY=strategy)
-            out = tmp / f"t{i}_{strategy}"
+            text = tmpl.format(CLUSTER=cluster, STRATEGY=strategy)
+            out = tmp / f"{tag}{i}_{strategy}"
             plan = _compile(text, out)
             t = plan["transfers"][0]
             assert t["strategy"] == strategy, (t["strategy"], strategy)
-            cases.append({"kind": "transfer", "case": name, "what": strategy, "out": out,
+            cases.append({"kind": "transfer", "case": name, "what": strategy, "out": out, "hosts": hosts,
                           "predicted": float(t["makespan"]), "bound": float(t["lower_bound"])})
+    return cases
+
+
+def _cases(tmp: Path) -> list[dict]:
+    """Every case, the 2-host ones first (they share one testbed), then the 3-host fan-out."""
+    cases = _transfer_cases(tmp, TRANSFERS, CLUSTER.rstrip(), HOSTS, "t")
     for label, program in PROGRAMS.items():
         text = REDUCTION.format(CLUSTER=CLUSTER.rstrip(), PROGRAM=program)
         out = tmp / f"r_{label.split()[0]}"
         plan = _compile(text, out)
         r = plan["reductions"][0]
-        cases.append({"kind": "reduction", "case": "8 ranks, 16 MB f32", "what": label,
+        cases.append({"kind": "reduction", "case": "8 ranks, 16 MB f32", "what": label, "hosts": HOSTS,
                       "text": r["program"]["text"], "out": out, "predicted": float(r["program"]["predicted"])})
-    return cases
+    wide = CLUSTER.replace(f"level node x {HOSTS}", f"level node x {WIDE_HOSTS}").rstrip()
+    return cases + _transfer_cases(tmp, WIDE, wide, WIDE_HOSTS, "w")
 
 
 def _fmt(x: float | None, digits: int = 3) -> str:
@@ -156,14 +179,18 @@ def measure(steps: int = STEPS, timeout: float = 120, *, link_down: tuple[float,
     collective_timeout = collective_timeout or max(30.0, float(timeout))
     with tempfile.TemporaryDirectory(prefix="planc-bench-testbed-") as tmp:
         cases = _cases(Path(tmp))
-        with Testbed(HOSTS, LINK_MBIT) as tb:
-            items = ui.progress(cases, "bench testbed", describe=lambda c: f"{c['case']}: {c['what']}",
-                                piped="lines") if progress else iter(cases)
-            try:
-                _run_cases(tb, cases, items, steps, timeout, link_down, collective_timeout)
-            finally:
-                if hasattr(items, "close"):
-                    items.close()     # the bar ends before the error is printed
+        # one bar over every case; one testbed per host count (the 2-host cases first, in order)
+        items = ui.progress(cases, "bench testbed", describe=lambda c: f"{c['case']}: {c['what']}",
+                            piped="lines") if progress else iter(cases)
+        try:
+            for hosts in dict.fromkeys(c["hosts"] for c in cases):   # in the cases' order
+                mine = [c for c in cases if c["hosts"] == hosts]
+                with Testbed(hosts, LINK_MBIT) as tb:
+                    _run_cases(tb, cases, (next(items) for _ in mine), steps, timeout,
+                               link_down if hosts == HOSTS else None, collective_timeout)
+        finally:
+            if hasattr(items, "close"):
+                items.close()     # the bar ends before the error is printed
     return cases
 
 
@@ -243,7 +270,7 @@ def run() -> str:
         print(e.message, file=sys.stderr)
         raise
     took = time.monotonic() - t0
-    head = (f"Testbed: {HOSTS} hosts × {PER_HOST} gloo ranks, host links {LINK_MBIT:g} Mbit/s (tbf, each "
+    head = (f"Testbed: {HOSTS} hosts × {PER_HOST} gloo ranks ({WIDE_HOSTS} hosts for 1 -> (2,4)), host links {LINK_MBIT:g} Mbit/s (tbf, each "
             f"direction); measured = median of steps 1–{STEPS - 1} as `train.py --comm-only` prints them "
             f"(only the communication, between two barriers: patterns are made before and checked after); baseline = send_recv for transfers, "
             f"flat allreduce for reductions. Machine: {os.cpu_count()} CPU cores ({platform.machine()}), "
