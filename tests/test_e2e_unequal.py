@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import re
+import shutil
 from dataclasses import dataclass
 
 import pytest
@@ -217,15 +219,20 @@ SCHEDULE_OF = {name: SCHEDULES[i % len(SCHEDULES)] for i, name in enumerate(PLAN
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name,schedule", list(SCHEDULE_OF.items()))
-def test_unequal_stages_match_reference(tmp_path, name, schedule):
+def test_unequal_stages_match_reference(tmp_path, monkeypatch, name, schedule):
+    monkeypatch.delenv("PLANC_SHM_REDUCE", raising=False)
     sc = PLANS[name]
     plan, r, sharded = train_and_compare(tmp_path, variant(tmp_path, name, schedule), sc)
     assert plan["pipeline"]["schedule"] == schedule
     for s in sc.hierarchical:
         check_hierarchical(plan, s)
-    # rank 0's in-host gradient steps run through the host's shared memory (gloo), and only those
+    # rank 0's in-host gradient steps run through the host's shared memory (gloo), and only those;
+    # a /dev/shm too small for the segments (a container's 64 MB) keeps gloo and says why
     assert "gradients: " in r.stdout
-    assert ("in-host steps through shared memory" in r.stdout) == in_host_steps(plan, 0), r.stdout[-2000:]
+    shm, kept_gloo = "in-host steps through shared memory" in r.stdout, "in-host steps over gloo (" in r.stdout
+    roomy = os.path.isdir("/dev/shm") and shutil.disk_usage("/dev/shm").free > 1 << 30
+    assert (shm or kept_gloo) == in_host_steps(plan, 0) and not (shm and kept_gloo), r.stdout[-2000:]
+    assert not (roomy and kept_gloo), r.stdout[-2000:]
     # a block has 6 sharded parameters (qkv weight and bias, proj weight, fc1 weight and bias, fc2
     # weight), each in 2 parts; embeddings, norms, head and the other stages' layers stay whole
     assert {int(k.split(".")[1]) for k in sharded} == set(sc.tensor_layers), sorted(sharded)

@@ -22,41 +22,54 @@ def _contrib(d, n, dtype):
 
 
 def collectives_worker(rank, world, payload):
+    import torch.distributed as dist
+
+    os.environ["PLANC_SHM_DIR"] = payload["dir"]
+    checked = 0
+    every_rank = tuple(range(world))
+    pg_all = dist.new_group(ranks=list(every_rank))
+    pg_two = dist.new_group(ranks=[0, 1])               # collective on every rank; used by 0 and 1
+    for members, pg in ((every_rank, pg_all), ((0, 1), pg_two)):
+        if rank in members:
+            checked += _check_collectives(rank, members, pg, payload)
+    return checked
+
+
+def _check_collectives(rank, members, pg, payload):
     import torch
     import torch.distributed as dist
 
     from planc.runtime.shmcoll import HostSegment
-    os.environ["PLANC_SHM_DIR"] = payload["dir"]
-    members = tuple(range(world))
-    pg = dist.new_group(ranks=list(members))
-    seg = HostSegment.open(pg, members, rank, slot_bytes=payload["slot"])
-    assert seg is not None, "members on one machine must share the segment"
+    world = len(members)
+    seg, why = HostSegment.open(pg, members, rank, slot_bytes=payload["slot"])
+    assert seg is not None and why == "", f"members on one machine must share the segment: {why}"
     checked = 0
     for dtype in (torch.float32, torch.float64, torch.bfloat16):
         for n, x, y in payload["regions"]:
             inputs = [_contrib(d, n, dtype) for d in members]
+            me = members.index(rank)
             total = sum(v[x:y].double() for v in inputs).to(dtype)
             # allreduce
-            buf = inputs[rank].clone()
+            buf = inputs[me].clone()
             seg.allreduce(buf, x, y)
-            assert torch.equal(buf[x:y], total) and torch.equal(buf[:x], inputs[rank][:x]) \
-                and torch.equal(buf[y:], inputs[rank][y:]), f"allreduce {dtype} {n} [{x},{y})"
+            assert torch.equal(buf[x:y], total) and torch.equal(buf[:x], inputs[me][:x]) \
+                and torch.equal(buf[y:], inputs[me][y:]), f"allreduce {dtype} {n} [{x},{y}) on {members}"
             # reduce_scatter: member r keeps piece r
             cuts = [x + (y - x) * j // world for j in range(world + 1)]
-            p, q = cuts[rank], cuts[rank + 1]
-            buf = inputs[rank].clone()
+            p, q = cuts[me], cuts[me + 1]
+            buf = inputs[me].clone()
             seg.reduce_scatter(buf, x, y, p, q)
             assert torch.equal(buf[p:q], total[p - x:q - x]), f"reduce_scatter {dtype} {n}"
             # all_gather of the pieces just reduced
             seg.all_gather(buf, x, y, p, q)
             assert torch.equal(buf[x:y], total), f"all_gather {dtype} {n}"
             # reduce to the first member
-            buf = inputs[rank].clone()
+            buf = inputs[me].clone()
             seg.reduce(buf, x, y)
-            if rank == 0:
+            if me == 0:
                 assert torch.equal(buf[x:y], total), f"reduce {dtype} {n}"
             # broadcast from the first member
-            buf = inputs[rank].clone()
+            buf = inputs[me].clone()
             seg.broadcast(buf, x, y)
             assert torch.equal(buf[x:y], inputs[0][x:y]), f"broadcast {dtype} {n}"
             checked += 1
@@ -65,12 +78,12 @@ def collectives_worker(rank, world, payload):
     buf = torch.randn(1001, generator=g)
     seg.allreduce(buf, 0, 1001)
     every = [torch.empty_like(buf) for _ in members]
-    dist.all_gather(every, buf)
+    dist.all_gather(every, buf, group=pg)
     assert all(torch.equal(every[0], e) for e in every), "members disagree on an allreduce's bits"
     return checked
 
 
-def test_shm_collectives_three_ranks_many_windows(tmp_path):
+def test_shm_collectives_three_and_two_members_many_windows(tmp_path):
     # a 64-byte slot: 16 float32 / 8 float64 / 32 bf16 elements per window, so every region below
     # is cut into windows, some ending inside a member's piece
     regions = [(1, 0, 1), (7, 0, 7), (100, 0, 100), (203, 17, 190), (64, 5, 6)]
@@ -84,24 +97,26 @@ def executor_worker(rank, world, payload):
 
     from planc.runtime.reduce import ReductionExecutor
     per = payload["per"]
-    dirs = payload["dirs"]
-    os.environ["PLANC_SHM_DIR"] = dirs[rank % len(dirs)]
-    os.environ["PLANC_SHM_SLOT_BYTES"] = str(payload["slot"])
     results = []
-    for red, groups_list, n in payload["cases"]:
-        groups = {}
-        for g in groups_list:
-            pg = dist.new_group(ranks=list(g))
-            groups[tuple(g)] = pg if rank in g else None
-        ex = ReductionExecutor(red, groups, rank, host_of=lambda d: d // per)
-        flat = _contrib(rank, n, torch.float32)
-        grp = next(g for g in red["groups"] if rank in g)
-        want = sum(_contrib(d, n, torch.float64) for d in grp).float()
-        out = ex.run(flat)
-        if not torch.equal(out, want):
-            bad = (out != want).nonzero()[:5].flatten().tolist()
-            raise AssertionError(f"{red['name']} n={n}: rank {rank} differs at {bad}")
-        results.append((red["name"], [list(g) for g in ex.shm_groups]))
+    for run in payload["runs"]:            # each run: its own directories and switches per rank
+        dirs, off = run["dirs"], run.get("off", ())
+        os.environ["PLANC_SHM_DIR"] = dirs[rank % len(dirs)]
+        os.environ["PLANC_SHM_SLOT_BYTES"] = str(payload["slot"])
+        os.environ["PLANC_SHM_REDUCE"] = "0" if rank in off else "1"
+        for red, groups_list, n in payload["cases"]:
+            groups = {}
+            for g in groups_list:
+                pg = dist.new_group(ranks=list(g))
+                groups[tuple(g)] = pg if rank in g else None
+            ex = ReductionExecutor(red, groups, rank, host_of=lambda d: d // per)
+            flat = _contrib(rank, n, torch.float32)
+            grp = next(g for g in red["groups"] if rank in g)
+            want = sum(_contrib(d, n, torch.float64) for d in grp).float()
+            out = ex.run(flat)
+            if not torch.equal(out, want):
+                bad = (out != want).nonzero()[:5].flatten().tolist()
+                raise AssertionError(f"{red['name']} n={n}: rank {rank} differs at {bad}")
+            results.append((red["name"], [list(g) for g in ex.shm_groups], sorted(set(ex.shm_fallback.values()))))
     return results
 
 
@@ -114,29 +129,58 @@ def _cases(hosts, per, n):
     return out
 
 
-def _shm_groups(texts):
+def _outcomes(texts):
+    """rank -> [(program, groups on shared memory, reasons for gloo)], one entry per run and program."""
     import ast
-    return {r: dict(ast.literal_eval(t.strip().splitlines()[-1])) for r, t in texts.items()}
+    return {r: ast.literal_eval(t.strip().splitlines()[-1]) for r, t in texts.items()}
 
 
 def test_executor_puts_in_host_steps_on_shared_memory(tmp_path):
-    texts = H.run_ranks(executor_worker, 8, {"per": 4, "dirs": [str(tmp_path)], "slot": 256,
+    texts = H.run_ranks(executor_worker, 8, {"per": 4, "slot": 256, "runs": [{"dirs": [str(tmp_path)]}],
                                             "cases": _cases(2, 4, 1003)})
     inside, _, _ = hier(2, 4)
-    for rank, by_program in _shm_groups(texts).items():
+    for rank, outcomes in _outcomes(texts).items():
         host_group = inside[rank // 4]
-        for name, groups in by_program.items():
+        for name, groups, why in outcomes:
             uses_inside = name != "allreduce"       # every other program has an in-host step
-            assert groups == ([host_group] if uses_inside else []), (rank, name, groups)
+            assert groups == ([host_group] if uses_inside else []) and why == [], (rank, name, groups, why)
     assert list(tmp_path.iterdir()) == []
 
 
-def test_executor_falls_back_to_gloo_when_members_share_no_memory(tmp_path):
-    # each rank looks in its own directory: the leader's nonce is not found, every member agrees
-    # on gloo, and the sums are still exact
+def test_executor_falls_back_to_gloo_and_every_member_agrees(tmp_path):
+    """Three ways a one-host group keeps gloo, each with its reason on every member and exact sums:
+    each rank looks in its own directory (the leader's nonce is not found); the directory is a
+    file (the leader cannot create its segment); one member has PLANC_SHM_REDUCE=0 (the others
+    must not wait for it in the set-up)."""
     dirs = [str(tmp_path / f"r{i}") for i in range(4)]
     for d in dirs:
         os.makedirs(d)
-    texts = H.run_ranks(executor_worker, 4, {"per": 2, "dirs": dirs, "slot": 256, "cases": _cases(2, 2, 301)})
-    assert all(groups == [] for by in _shm_groups(texts).values() for groups in by.values())
+    not_a_dir = tmp_path / "file"
+    not_a_dir.write_text("")
+    runs = [{"dirs": dirs}, {"dirs": [str(not_a_dir)]}, {"dirs": [str(tmp_path)], "off": (1,)}]
+    cases = _cases(2, 2, 301)
+    texts = H.run_ranks(executor_worker, 4, {"per": 2, "slot": 256, "runs": runs, "cases": cases})
+    reasons = ["could not map the first member's file", "could not create and reserve", "turned off"]
+    for rank, outcomes in _outcomes(texts).items():
+        assert len(outcomes) == len(runs) * len(cases)
+        for i, (name, groups, why) in enumerate(outcomes):
+            if name == "allreduce":                 # no in-host step at all
+                assert groups == [] and why == [], (rank, name, groups, why)
+            elif i // len(cases) == 2 and rank in (2, 3):   # host 1's members all said yes
+                assert groups == [[2, 3]] and why == [], (rank, name, groups, why)
+            else:
+                assert groups == [] and len(why) == 1 and reasons[i // len(cases)] in why[0], (rank, name, why)
     assert all(os.listdir(d) == [] for d in dirs)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file"] + [f"r{i}" for i in range(4)]
+
+
+def test_slot_size_from_the_environment(monkeypatch):
+    import pytest
+
+    from planc.runtime import shmcoll
+    monkeypatch.setenv("PLANC_SHM_SLOT_BYTES", "100")
+    assert shmcoll._slot_bytes() == 128
+    for bad in ("lots", "0", "-64"):
+        monkeypatch.setenv("PLANC_SHM_SLOT_BYTES", bad)
+        with pytest.raises(ValueError, match="PLANC_SHM_SLOT_BYTES must be a positive whole number"):
+            shmcoll._slot_bytes()

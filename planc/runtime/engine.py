@@ -199,6 +199,9 @@ class PlanEngine(PipelineEngine):
                                                host_of=plan.cluster.host_of)
             if self.reduction.shm_groups:
                 self.reduce_description += "; in-host steps through shared memory"
+            elif self.reduction.shm_fallback:
+                self.reduce_description += ("; in-host steps over gloo ("
+                                            + next(iter(self.reduction.shm_fallback.values())) + ")")
         self.reduce_size = len(red.group_of(rank)) if red is not None else 1
         if red is not None and tuple(self.grid.get_data_parallel_group_ranks()) != red.group_of(rank):
             raise EngineError(f"rank {rank}: its gradient reduction group {list(red.group_of(rank))} is not its "

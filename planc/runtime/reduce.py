@@ -32,7 +32,7 @@ reduce_scatter cut is whole. Collectives, per backend (`impl` overrides):
 On gloo, a step whose group lies on one host (``host_of``, the plan's placement, says so) runs
 through the host's shared memory instead (shmcoll.py; env PLANC_SHM_REDUCE=0 turns it off), and
 falls back to the above when the members share no /dev/shm. ``.shm_groups`` lists the groups that
-use it.
+use it, ``.shm_fallback`` the one-host groups that keep gloo and why.
 """
 from __future__ import annotations
 
@@ -158,15 +158,19 @@ class ReductionExecutor:
         self.steps = []
         mine = self.rank in devices
         self.backend = backend or (dist.get_backend() if dist.is_initialized() else "gloo")
-        use_shm = self.backend == "gloo" and host_of is not None and shmcoll.enabled()
-        self.segments: dict = {}      # in-host group -> shmcoll.HostSegment (None: its members share no memory)
+        # every member of a one-host group sets up (and votes its own PLANC_SHM_REDUCE), so they agree
+        use_shm = self.backend == "gloo" and host_of is not None
+        self.segments: dict = {}      # in-host group -> shmcoll.HostSegment, or None: it keeps gloo ...
+        self.shm_fallback: dict = {}  # ... and why
         for si, step in enumerate(steps):
             grp = next((tuple(g) for g in step["groups"] if self.rank in g), None) if mine else None
             if grp is not None and len(grp) > 1:
                 pg = lookup_group(groups, grp)
                 # set up in step order on every member, so the collective set-ups cannot cross
                 if use_shm and grp not in self.segments and len({host_of(d) for d in grp}) == 1:
-                    self.segments[grp] = shmcoll.HostSegment.open(pg, grp, self.rank)
+                    self.segments[grp], why = shmcoll.HostSegment.open(pg, grp, self.rank, want=shmcoll.enabled())
+                    if why:
+                        self.shm_fallback[grp] = why
             else:
                 pg = None
             before = hist[self.rank][si] if mine else None

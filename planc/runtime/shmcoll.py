@@ -9,7 +9,8 @@ the members sum disjoint pieces, each copies the result out once. Only the synch
 over the group's gloo communicator (a barrier per phase), so a dead sibling is still an error after
 the collective timeout, never a hang.
 
-    HostSegment.open(pg, members, rank, slot_bytes=None) -> HostSegment | None   # collective on pg
+    HostSegment.open(pg, members, rank, slot_bytes=None, want=True) -> (HostSegment | None, why)
+                                            # collective on pg: every member of the group calls it
         .allreduce(buf, x, y)               SUM of buf[x:y] over the members, on every member
         .reduce_scatter(buf, x, y, p, q)    SUM of buf[x:y]; this member keeps its piece buf[p:q]
         .reduce(buf, x, y)                  SUM of buf[x:y] on the first member
@@ -24,8 +25,10 @@ Who may use it: only a group the plan places on one host (the caller checks that
 emulated testbed every "host" shares this machine's /dev/shm, so the plan is the only judge).
 ``open`` then checks that the members really share the file (the leader writes a random nonce,
 the others must read it back) and reserves the memory with ``posix_fallocate``, so a full or
-private /dev/shm means gloo as before, never a SIGBUS or a wrong sum. The file is unlinked as
-soon as every member has mapped it: nothing is left behind, even by a rank that is killed.
+private /dev/shm means gloo as before, never a SIGBUS or a wrong sum; so does one member with
+``PLANC_SHM_REDUCE=0`` (the members vote first). The file exists only between that vote and the
+moment every member has mapped it (unlinked also when the set-up fails); after that nothing is
+left to clean up, even by a rank that is killed.
 """
 from __future__ import annotations
 
@@ -52,8 +55,15 @@ def _shm_dir() -> str:
 
 def _slot_bytes() -> int:
     raw = os.environ.get("PLANC_SHM_SLOT_BYTES")
-    n = int(raw) if raw else DEFAULT_SLOT_BYTES
-    return max(64, -(-n // 64) * 64)
+    if not raw:
+        return DEFAULT_SLOT_BYTES
+    try:
+        n = int(raw)
+    except ValueError:
+        n = 0
+    if n <= 0:
+        raise ValueError(f"PLANC_SHM_SLOT_BYTES must be a positive whole number of bytes, not {raw!r}")
+    return -(-n // 64) * 64
 
 
 class HostSegment:
@@ -68,40 +78,52 @@ class HostSegment:
 
     # ------------------------------------------------------------ set-up
     @classmethod
-    def open(cls, pg, members, rank, slot_bytes=None):
-        """Map one segment for the group (collective over ``pg``); None if the members share no memory."""
+    def open(cls, pg, members, rank, slot_bytes=None, want=True):
+        """Map one segment for the group (collective over ``pg``, every member calls it).
+
+        Returns ``(segment, "")``, or ``(None, why)`` when the group keeps gloo: a member does not
+        ``want`` it (its ``enabled()``), the first member cannot create and reserve the file, or a
+        member cannot map it or read the nonce back. Every member returns the same answer."""
         members = tuple(members)
         slot_bytes = slot_bytes or _slot_bytes()
         size = HEADER + len(members) * slot_bytes
         leader = members[0]
+        # first a vote, which is also a barrier: the file exists only while every member is here
+        vote = torch.tensor([int(bool(want))], dtype=torch.int64)
+        dist.all_reduce(vote, op=dist.ReduceOp.MIN, group=pg)
+        if not int(vote[0]):
+            return None, "turned off (PLANC_SHM_REDUCE=0) on a member"
         info = torch.zeros(3, dtype=torch.int64)        # [ok, token, nonce]
-        mm, path = None, None
+        mm, created = None, None
         if rank == leader:
             token, nonce = (int.from_bytes(os.urandom(7), "little") for _ in range(2))
             path = os.path.join(_shm_dir(), f"planc-red-{token:014x}")
             try:
                 mm = _map(path, size, create=True)
+                created = path
                 mm[:8] = struct.pack("<q", nonce)
                 info = torch.tensor([1, token, nonce], dtype=torch.int64)
-            except OSError:
-                mm = None
-                _unlink(path)
-        dist.broadcast(info, src=leader, group=pg)
-        ok, token, nonce = (int(v) for v in info)
-        if ok and rank != leader:
-            path = os.path.join(_shm_dir(), f"planc-red-{token:014x}")
-            try:
-                mm = _map(path, size, create=False)
-                ok = int(struct.unpack("<q", mm[:8])[0] == nonce)
-            except (OSError, ValueError):
-                ok = 0
-        flag = torch.tensor([ok], dtype=torch.int64)
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=pg)   # every member has mapped it, or failed
-        if rank == leader and path is not None:
-            _unlink(path)
-        if not int(flag[0]) or mm is None:
-            return None
-        return cls(pg, members, rank, mm, slot_bytes)
+            except Exception:                           # noqa: BLE001 - any failure means gloo, never a crash
+                mm = None                               # _map removed what it had created
+        try:
+            dist.broadcast(info, src=leader, group=pg)
+            ok, token, nonce = (int(v) for v in info)
+            if not ok:
+                return None, f"the first member could not create and reserve {size} bytes in {_shm_dir()}"
+            if rank != leader:
+                try:
+                    mm = _map(os.path.join(_shm_dir(), f"planc-red-{token:014x}"), size, create=False)
+                    ok = int(struct.unpack("<q", mm[:8])[0] == nonce)
+                except Exception:                       # noqa: BLE001
+                    ok = 0
+            flag = torch.tensor([ok], dtype=torch.int64)
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=pg)   # every member has mapped it, or failed
+        finally:
+            if created is not None:
+                _unlink(created)
+        if not int(flag[0]):
+            return None, f"a member could not map the first member's file in {_shm_dir()} (no shared memory)"
+        return cls(pg, members, rank, mm, slot_bytes), ""
 
     # ------------------------------------------------------------ helpers
     def _slot(self, j, dtype, n):
@@ -208,14 +230,20 @@ class HostSegment:
 
 
 def _map(path, size, create):
+    """Map ``path`` (``create``: a new file of ``size`` bytes, its pages reserved now, so a full
+    /dev/shm fails here and not as a SIGBUS later; removed again if any of that fails)."""
     flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
     fd = os.open(path, flags, 0o600)
     try:
         if create:
-            os.posix_fallocate(fd, 0, size)   # reserve the pages now: a full /dev/shm fails here, not as SIGBUS
+            os.posix_fallocate(fd, 0, size)
         elif os.fstat(fd).st_size != size:
             raise ValueError(f"{path}: {os.fstat(fd).st_size} bytes, expected {size}")
         return mmap.mmap(fd, size)
+    except BaseException:
+        if create:
+            _unlink(path)
+        raise
     finally:
         os.close(fd)
 
