@@ -85,6 +85,10 @@ def test_testbed_transfer_against_the_closed_form(cal_file):
     # broadcast pipelines it once over the host link
     assert rows[1]["predicted"] == pytest.approx(nbytes / 48e6, rel=0.1)
     assert [r["rate_mbit"] for r in rows] == [400.0] * 3 and rows[2]["predicted"] > 0
+    # the 3-host fan-out 1 -> (2,4): send/recv sends the slice to each of 8 receivers over host 0's link
+    wide = accuracy.testbed_cases([{"kind": "transfer", "case": "1 -> (2,4)  R R -> R R", "what": "send_recv",
+                                    "measured": 3.0}], accuracy.read_calibrated(cal_file), "tb.json", 400)
+    assert wide[0]["predicted"] == pytest.approx(8 * nbytes / 48e6, rel=0.02)
     with pytest.raises(accuracy.AccuracyError, match="unknown transfer case"):
         accuracy.testbed_cases([{"kind": "transfer", "case": "nope", "what": "send_recv"}],
                                accuracy.read_calibrated(cal_file), "tb.json")

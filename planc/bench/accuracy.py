@@ -175,6 +175,8 @@ def testbed_cases(cases: list, cal: Calibrated, source: str, rate: float | None 
 
     rate = float(rate or tb.LINK_MBIT)
     text = _testbed_cluster_text(cal, rate, tb.HOSTS, tb.PER_HOST)
+    wide = _testbed_cluster_text(cal, rate, tb.WIDE_HOSTS, tb.PER_HOST)      # the 3-host fan-out's
+    templates = {**{k: (v, text) for k, v in tb.TRANSFERS.items()}, **{k: (v, wide) for k, v in tb.WIDE.items()}}
     rows = []
     with tempfile.TemporaryDirectory(prefix="planc-accuracy-") as tmp:
         for i, c in enumerate(cases):
@@ -182,10 +184,11 @@ def testbed_cases(cases: list, cal: Calibrated, source: str, rate: float | None 
                 raise AccuracyError(f"planc bench accuracy: {source}: case {i} is not a bench testbed case "
                                     f"(a mapping with kind 'transfer' or 'reduction')")
             if c["kind"] == "transfer":
-                if c.get("case") not in tb.TRANSFERS or c.get("what") not in tb.STRATEGIES:
+                if c.get("case") not in templates or c.get("what") not in tb.STRATEGIES:
                     raise AccuracyError(f"planc bench accuracy: {source}: case {i}: unknown transfer case "
                                         f"{c.get('case')!r} / strategy {c.get('what')!r}")
-                plan = tb.TRANSFERS[c["case"]].format(CLUSTER=text, STRATEGY=c["what"])
+                template, cluster = templates[c["case"]]
+                plan = template.format(CLUSTER=cluster, STRATEGY=c["what"])
             else:
                 if c.get("what") not in tb.PROGRAMS:
                     raise AccuracyError(f"planc bench accuracy: {source}: case {i}: unknown reduction program "
