@@ -117,6 +117,11 @@ def explain_data(plan: dict) -> dict:
         }
     data["stages"] = [{"index": s["index"], "layers": s.get("layers"), "mesh": s["mesh"], "mesh_axes": list(s["mesh_axes"])}
                       for s in plan["stages"]]
+    host_of = {d: h for h, devs in enumerate(c.get("hosts") or ()) for d in devs}
+
+    def in_host(groups) -> bool:
+        return bool(host_of) and all(len({host_of.get(d) for d in g}) == 1 for g in groups)
+
     data["reductions"] = []
     for r in plan["reductions"]:
         prog, flat = r["program"]["predicted"], r["allreduce_predicted"]
@@ -126,11 +131,10 @@ def explain_data(plan: dict) -> dict:
             "hierarchy": [{"name": h["name"], "factor": h["factor"]} for h in r.get("hierarchy") or ()],
             "program": r["program"]["text"], "predicted": prog, "allreduce_predicted": flat,
             "speedup": flat / prog if prog else None, "candidates": r["candidates"],
-            "steps": [{"collective": s["collective"], "groups": len(s["groups"]), "example": s["groups"][0]}
-                      for s in r["program"]["steps"]],
+            "steps": [{"collective": s["collective"], "groups": len(s["groups"]), "example": s["groups"][0],
+                       "in_host": in_host(s["groups"])} for s in r["program"]["steps"]],
             "alternatives": [{"predicted": a["predicted"], "text": a["text"]} for a in r["alternatives"]],
         })
-    host_of = {d: h for h, devs in enumerate(c.get("hosts") or ()) for d in devs}
     by_src: dict[int, list[str]] = {}
     for t in plan["transfers"]:
         by_src.setdefault(t["src"]["stage"], []).append(t["name"])
@@ -211,9 +215,13 @@ def _reduction(r: dict, tty: bool) -> list:
     out.append(f"  predicted {_t(r['predicted'])}; flat allreduce {_t(r['allreduce_predicted'])} ({speed}); "
                f"{r['candidates']} valid program(s) found")
     if r["steps"]:
-        out.append(ui.table([Col("step", "right"), Col("collective"), Col("groups", "right"), Col("e.g.", wrap=True)],
-                            [[i, s["collective"], s["groups"], str(s["example"])] for i, s in enumerate(r["steps"], 1)],
-                            tty=tty))
+        out.append(ui.table([Col("step", "right"), Col("collective"), Col("groups", "right"), Col("links"),
+                             Col("e.g.", wrap=True)],
+                            [[i, s["collective"], s["groups"], "in host" if s.get("in_host") else "across hosts",
+                              str(s["example"])] for i, s in enumerate(r["steps"], 1)], tty=tty))
+        if any(s.get("in_host") for s in r["steps"]):
+            out.append("  in-host steps: through the host's shared memory on gloo (docs/runtime.md), "
+                       "NCCL's own transport on GPUs")
     if r["alternatives"]:
         out.append("  alternatives (one instruction per line):")
         out.append(ui.table([Col("predicted", "right"), Col("program", wrap=True)],

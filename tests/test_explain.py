@@ -40,6 +40,11 @@ def test_explain_p2_plan_shows_matrix_reasons_and_programs():
         for alt in r["alternatives"]:                   # one instruction per line of the alternatives table
             for instruction in alt["text"].split(";"):
                 assert instruction.strip() in text
+    host_of = {d: h for h, devs in enumerate(plan["cluster"]["hosts"]) for d in devs}
+    for r, shown in zip(plan["reductions"], explain_data(plan)["reductions"]):   # in host or across hosts
+        assert [s["in_host"] for s in shown["steps"]] == [
+            all(len({host_of[d] for d in g}) == 1 for g in s["groups"]) for s in r["program"]["steps"]]
+    assert {s["in_host"] for r in explain_data(plan)["reductions"] for s in r["steps"]} == {True, False}
     for ranked in pl["ranked"]:                       # each costed matrix with its breakdown
         assert str(ranked["matrix"]) in text
         assert all(k in text for k in ranked["breakdown"])
