@@ -271,7 +271,7 @@ def test_a_link_going_down_during_planc_bench_testbed_ends_it(started):
     assert "Traceback" not in stderr and "internal error" not in stderr, stderr[-3000:]
     from planc.bench import testbed as bench_testbed
     cases = len(bench_testbed.STRATEGIES) * (len(bench_testbed.TRANSFERS) + len(bench_testbed.WIDE)) \
-        + len(bench_testbed.PROGRAMS)
+        + len(bench_testbed.PROGRAMS) + len(bench_testbed.GLOO_IN_HOST)
     assert re.search(r"^planc bench testbed: case '1 -> \(1,4\)  R R -> R R' \(send_recv\) failed \(exit \d+\) "
                      rf"after host 1's link went down \(collective timeout {TIMEOUT_S} s\); the other {cases - 1} "
                      r"case\(s\) were not run", stderr, re.M), stderr[-3000:]

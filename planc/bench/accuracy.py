@@ -190,6 +190,8 @@ def testbed_cases(cases: list, cal: Calibrated, source: str, rate: float | None 
                 template, cluster = templates[c["case"]]
                 plan = template.format(CLUSTER=cluster, STRATEGY=c["what"])
             else:
+                if c.get("what") in tb.GLOO_IN_HOST:
+                    continue     # an implementation's A/B, not an alternative the compiler chooses between
                 if c.get("what") not in tb.PROGRAMS:
                     raise AccuracyError(f"planc bench accuracy: {source}: case {i}: unknown reduction program "
                                         f"{c.get('what')!r}")
