@@ -40,6 +40,11 @@ def test_nic_ordered_training_matches_the_reference_and_runs_the_order(tmp_path)
                   "--trace", str(tmp_path / "trace"))
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
     assert "host NIC order:" in r.stdout
+    # the hold's rate is the compiled host link's, said at start-up (a faster link would be held back)
+    rate = min(lv["bandwidth"] for lv in plan["cluster"]["levels"][:1 + next(
+        i for i, lv in enumerate(plan["cluster"]["levels"]) if lv["name"] == plan["cluster"]["host_level"])]
+        if lv["fanout"] > 1)
+    assert f"each turn held for its bytes at {rate / 1e6:g} MB/s, the host link the plan was compiled for" in r.stdout
     losses = [float(x) for x in re.findall(r"step \d+ loss ([-0-9.e+]+)", r.stdout)]
     ref_losses, ref_state = independent_reference(plan, out, STEPS)
     assert losses == pytest.approx(ref_losses, rel=1e-4, abs=1e-6)

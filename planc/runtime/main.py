@@ -319,8 +319,11 @@ def _main(argv=None, out_dir: str | None = None) -> int:
             engine.attach_nic(nicorder.NicOrder(rank, host, order, counter, collective_timeout(plan).total_seconds(),
                                                 nicorder.host_bandwidth(plan), tracer=tracer))
     if rank == 0 and counter is not None:
+        rate = nicorder.host_bandwidth(plan)
+        held = (f"each turn held for its bytes at {rate / 1e6:g} MB/s, the host link the plan was compiled "
+                f"for (on faster links: recompile for them, or PLANC_NIC_ORDER=0)") if rate else "no hold"
         print(f"host NIC order: {sum(len(k) for _, k in plan.pipeline.nic_order)} cross-host sends per step, "
-              f"one at a time per host in the plan's order", flush=True)
+              f"one at a time per host in the plan's order; {held}", flush=True)
     first = 0
     if resume_from is not None:
         problems, state = [], None
