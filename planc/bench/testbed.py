@@ -56,16 +56,19 @@ CLUSTER = """
   }
 """
 
-TRANSFERS = {
-    # 16 MB from one device on host 0 to a (1,4) mesh on host 1, replicated on every receiver
-    "1 -> (1,4)  R R -> R R": """
-plan tb_fanout {{{CLUSTER}
+# 16 MB from one device on host 0 to a mesh on the other host(s), replicated on every receiver
+FANOUT = """
+plan NAME {{{CLUSTER}
   stage 0 on devices 0..1 as (1, 1)
-  stage 1 on devices 4..8 as (1, 4)
+  stage 1 on devices MESH
   transfer x : f32[1024, 4096] from stage 0 as R R to stage 1 as R R
   resharding {{ strategy = {STRATEGY}, chunks = 32, schedule = load_balance }}
 }}
-""",
+"""
+
+TRANSFERS = {
+    # to a (1,4) mesh on host 1
+    "1 -> (1,4)  R R -> R R": FANOUT.replace("NAME", "tb_fanout").replace("MESH", "4..8 as (1, 4)"),
     # n-to-m between two (2,2) meshes on different hosts, sharded along different dimensions
     "(2,2) -> (2,2)  R S0 -> S0 R": """
 plan tb_n2m {{{CLUSTER}
@@ -77,18 +80,9 @@ plan tb_n2m {{{CLUSTER}
 """,
 }
 
-# issue 9's "broadcast 1 -> (2, 4)": one device on host 0 to a (2,4) mesh spanning hosts 1 and 2,
-# replicated on all 8 receivers; its own testbed of 3 hosts (the other cases need 2)
-WIDE = {
-    "1 -> (2,4)  R R -> R R": """
-plan tb_fanout_wide {{{CLUSTER}
-  stage 0 on devices 0..1 as (1, 1)
-  stage 1 on devices 4..12 as (2, 4)
-  transfer x : f32[1024, 4096] from stage 0 as R R to stage 1 as R R
-  resharding {{ strategy = {STRATEGY}, chunks = 32, schedule = load_balance }}
-}}
-""",
-}
+# issue 9's "broadcast 1 -> (2, 4)": to a (2,4) mesh spanning hosts 1 and 2, all 8 receivers
+# replicated; its own testbed of 3 hosts (the other cases need 2)
+WIDE = {"1 -> (2,4)  R R -> R R": FANOUT.replace("NAME", "tb_fanout_wide").replace("MESH", "4..12 as (2, 4)")}
 
 HIERARCHICAL = ("reduce_scatter(slice=node, form=inside); allreduce(slice=node, form=parallel(root)); "
                 "all_gather(slice=node, form=inside)")

@@ -310,6 +310,7 @@ def _main(argv=None, out_dir: str | None = None) -> int:
     # could break (docs/runtime.md, "The host NIC order")
     use_nic = nicorder.enabled() and dist.get_backend() == "gloo"
     counter = nicorder.open_counters(plan, rank) if use_nic else None   # collective
+    hold_rate = nicorder.host_bandwidth(plan)     # bytes/s a NIC turn is held for: the compiled host link
     if stage is not None:
         data = CountingIterator(batches(micro_batch, seed, **model_args))   # counted: the position a checkpoint keeps
         engine = PlanEngine.build(plan, groups, layers, loss_fn, data, ds_config, tracer=tracer)
@@ -317,11 +318,10 @@ def _main(argv=None, out_dir: str | None = None) -> int:
         order = plan.pipeline.nic_order_of(host)
         if counter is not None and any(k[0] == rank for k in order):
             engine.attach_nic(nicorder.NicOrder(rank, host, order, counter, collective_timeout(plan).total_seconds(),
-                                                nicorder.host_bandwidth(plan), tracer=tracer))
+                                                hold_rate, tracer=tracer))
     if rank == 0 and counter is not None:
-        rate = nicorder.host_bandwidth(plan)
-        held = (f"each turn held for its bytes at {rate / 1e6:g} MB/s, the host link the plan was compiled "
-                f"for (on faster links: recompile for them, or PLANC_NIC_ORDER=0)") if rate else "no hold"
+        held = (f"each turn held for its bytes at {hold_rate / 1e6:g} MB/s, the host link the plan was compiled "
+                f"for (on faster links: recompile for them, or PLANC_NIC_ORDER=0)") if hold_rate else "no hold"
         print(f"host NIC order: {sum(len(k) for _, k in plan.pipeline.nic_order)} cross-host sends per step, "
               f"one at a time per host in the plan's order; {held}", flush=True)
     first = 0

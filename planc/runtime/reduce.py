@@ -176,11 +176,15 @@ class ReductionExecutor:
             before = hist[self.rank][si] if mine else None
             after = hist[self.rank][si + 1] if mine else None
             self.steps.append((step["collective"], grp, pg, before, after))
-        self.shm_groups = sorted(g for g, seg in self.segments.items() if seg is not None)
         self.active = mine and any(g is not None for _, g, _, _, _ in self.steps)
         self.bucket_bytes = bucket_bytes or _bucket_bytes()
         default = {"reduce_scatter": "allreduce_slice" if self.backend == "gloo" else "native"}
         self.impl = {**default, **(impl or {})}
+
+    @property
+    def shm_groups(self) -> list:
+        """The in-host groups whose steps go through shared memory."""
+        return sorted(g for g, seg in self.segments.items() if seg is not None)
 
     def run(self, flat: torch.Tensor) -> torch.Tensor:
         if not self.active:
@@ -211,7 +215,7 @@ class ReductionExecutor:
                 continue
             root = grp[0]
             seg = self.segments.get(grp)
-            if seg is not None and self.impl.get("shm", True):
+            if seg is not None:
                 self._shm_step(seg, coll, buf, rng(before) if before is not None else None,
                                rng(after) if after is not None else None)
                 continue
