@@ -256,3 +256,63 @@ def test_runs_launched_per_rate_merge_into_one_program_row():
     assert merged["peak_rss_kb"] == {0: 120, 1: 90}
     assert merged["returncode"] == 1 and merged["error"] == "exit 1: boom" and merged["losses"] == [5.0, 4.9]
     assert "error" not in iteration._merge_runs([run(25.0, [2.0, 1.8], {0: 1})])
+
+
+def test_rounds_launch_the_programs_round_robin_and_pool_their_steps(monkeypatch, tmp_path, gpt_plan):
+    """``--rounds 2``: gpipe, 1f1b, eager_1f1b, stock, gpipe, ... (a load drift falls on every program
+    alike); each program's median is over the steps of both rounds, each round's median kept, and the
+    report gives each round's eager ÷ 1f1b and best ÷ stock."""
+    order = []
+
+    class Recording(_Testbed):
+        def __init__(self, *_a, **_k):
+            super().__init__()
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def launch(self, out, steps, on_step, script=None, env=None, **kw):
+            what = ("compute" if script and "compute_only" in str(script) else
+                    "stock" if script else "signal " + out.name if env else out.name)
+            order.append(what)
+            # round k of program p: steps of (p + 1) * (k + 1) seconds, so the pooled median is checkable
+            k = sum(1 for w in order if w == what) - 1
+            base = {"gpipe": 3.0, "1f1b": 2.0, "eager_1f1b": 1.0, "stock": 4.0}.get(what, 0.5) * (k + 1)
+            for i in range(steps):
+                on_step(i, base)
+            from planc.testbed.result import LaunchResult
+            return LaunchResult(returncode=0, stdout="", step_times=[base] * steps)
+
+    def variants(plan_path, tmp, cluster, rate):
+        return {s: {"out": tmp_path / s, "plan": gpt_plan} for s in iteration.SCHEDULES}
+
+    monkeypatch.setattr("planc.testbed.Testbed", Recording)
+    monkeypatch.setattr(iteration, "compile_variants", variants)
+    res = iteration.measure_plan("plans/gpt-bench-2x2.plan", [100.0], measured=2, rounds=2)
+    programs = [w for w in order if w in ("gpipe", "1f1b", "eager_1f1b", "stock")]
+    assert programs == ["gpipe", "1f1b", "eager_1f1b", "stock"] * 2
+    assert order[0] == "compute" and order[-3:] == ["signal gpipe", "signal 1f1b", "signal eager_1f1b"]
+    eager = res["programs"]["planc eager_1f1b"]["per_rate"][0]
+    assert eager["round_medians"] == [1.0, 2.0] and eager["steps"] == [1.0, 1.0, 2.0, 2.0]
+    assert eager["median"] == 1.5 and res["rounds"] == 2
+    ratios = iteration.round_ratios(res)
+    assert [(r["round"], r["eager_vs_1f1b"], r["best_vs_stock"]) for r in ratios] == [(1, 0.5, 0.25), (2, 0.5, 0.25)]
+    text = iteration.markdown(res, "100 --rounds 2")
+    assert "- 100 Mbit/s: eager_1f1b ÷ 1f1b 0.50, 0.50; planc's best ÷ stock DeepSpeed 0.25, 0.25" in text
+    # one round: no per-round lines, and the steps are the launch's own
+    order.clear()
+    one = iteration.measure_plan("plans/gpt-bench-2x2.plan", [100.0], measured=2)
+    assert "round_medians" not in one["programs"]["planc 1f1b"]["per_rate"][0]
+    assert "Per round" not in iteration.markdown(one, "100")
+
+
+def test_rounds_must_be_positive(capsys):
+    from planc.cli import main
+
+    assert main(["bench", "iteration", "--rounds", "0"]) == 2
+    assert "--rounds 0: must be at least 1" in capsys.readouterr().err
+    assert main(["bench", "synthesis", "--rounds", "3"]) == 2
+    assert "takes no --rounds" in capsys.readouterr().err

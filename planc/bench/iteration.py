@@ -31,7 +31,13 @@ hosts, launched per host with DeepSpeed's own launcher (``deepspeed --no_ssh
   plan.json, plus the gradient reduction's cross-host bytes, ring estimate)
   ÷ the link rate.
 
-Each program runs once per plan over every rate: the link rate is changed
+``rounds`` (``--rounds K``, default 1): the programs (the schedules and stock
+DeepSpeed) are launched K times, round-robin (gpipe, 1f1b, eager_1f1b, stock,
+gpipe, ...), so a drift in the machine's load falls on every program alike;
+each program's steps of every round are pooled and the median taken over all
+of them, and each round's median is kept (``round_medians``) for the spread.
+
+Each program runs once per plan (per round) over every rate: the link rate is changed
 (``tc qdisc change``) while the program runs, after the step that ends each
 rate's segment; each segment's first step (it straddles the change; for the
 first segment, the program's first step) is discarded and the median of the
@@ -278,8 +284,28 @@ def _merge_runs(runs: list[dict]) -> dict:
     return res
 
 
+def _pool_rounds(runs: list[dict]) -> dict:
+    """One program's runs of every round as one run: per rate, the steps of every round pooled and their
+    median, each round's median in ``round_medians``; the rest as :func:`_merge_runs` merges launches."""
+    import statistics
+
+    if len(runs) == 1:
+        return runs[0]
+    res = _merge_runs(runs)
+    per_rate = []
+    for rate in dict.fromkeys(p["rate"] for p in runs[0]["per_rate"]):
+        parts = [p for r in runs for p in r["per_rate"] if p["rate"] == rate]
+        steps = [t for p in parts for t in p["steps"]]
+        medians = [p["median"] for p in parts]
+        per_rate.append({"rate": rate, "steps": steps, "round_medians": medians,
+                         "median": statistics.median(steps) if all(m is not None for m in medians) else None})
+    res["per_rate"] = per_rate
+    res["rounds"] = len(runs)
+    return res
+
+
 def measure_plan(plan_path: str, rates, *, measured: int = MEASURED, timeout: float = 600,
-                 log=lambda *a: None, cluster: str | None = None) -> dict:
+                 log=lambda *a: None, cluster: str | None = None, rounds: int = 1) -> dict:
     import tempfile
 
     from planc import ui
@@ -309,7 +335,7 @@ def measure_plan(plan_path: str, rates, *, measured: int = MEASURED, timeout: fl
         compute_runs = []
         # every step of every launch below: the progress bar's total (a terminal only; piped, the log lines)
         steps = (launch_steps([max(rates)], COMPUTE_MEASURED) * (1 + len(SCHEDULES))
-                 + launch_steps(rates, measured) * (len(SCHEDULES) + (reason is None)))
+                 + launch_steps(rates, measured) * (len(SCHEDULES) + (reason is None)) * rounds)
 
         def compute_only(tb, when, bar):
             log(f"{plan['name']}: compute-only ({when})")
@@ -322,23 +348,29 @@ def measure_plan(plan_path: str, rates, *, measured: int = MEASURED, timeout: fl
 
         with Testbed(len(hosts), rates[0]) as tb, ui.bar(f"{plan['name']} steps", steps) as bar:
             compute_only(tb, "before", bar)
-            for sched in SCHEDULES:
-                log(f"{plan['name']}: planc {sched}")
-                if len(by_rate) == 1:
-                    result["programs"][f"planc {sched}"] = _over_rates(
-                        tb, variants[sched]["out"], rates, measured=measured, timeout=timeout, bar=bar,
-                        what=f"planc {sched}")
-                else:
-                    result["programs"][f"planc {sched}"] = _merge_runs([_over_rates(
-                        tb, by_rate[rate][sched]["out"], [rate], measured=measured, timeout=timeout, bar=bar,
-                        what=f"planc {sched} (compiled for {rate:g} Mbit/s)") for rate in rates])
-            if reason is None:
-                log(f"{plan['name']}: stock DeepSpeed")
-                out = variants["eager_1f1b"]["out"]
-                result["programs"]["stock DeepSpeed"] = _over_rates(
-                    tb, out, rates, measured=measured, timeout=timeout, script=ROOT / "planc/bench/stock_deepspeed.py",
-                    extra_args=["--out", str(out), "--partition", result["stock"]["partition_method"]],
-                    bar=bar, what="stock DeepSpeed")
+            runs: dict[str, list[dict]] = {}
+            for k in range(rounds):
+                tag = f", round {k + 1} of {rounds}" if rounds > 1 else ""
+                for sched in SCHEDULES:
+                    log(f"{plan['name']}: planc {sched}{tag}")
+                    if len(by_rate) == 1:
+                        run = _over_rates(tb, variants[sched]["out"], rates, measured=measured, timeout=timeout,
+                                          bar=bar, what=f"planc {sched}{tag}")
+                    else:
+                        run = _merge_runs([_over_rates(
+                            tb, by_rate[rate][sched]["out"], [rate], measured=measured, timeout=timeout, bar=bar,
+                            what=f"planc {sched} (compiled for {rate:g} Mbit/s){tag}") for rate in rates])
+                    runs.setdefault(f"planc {sched}", []).append(run)
+                if reason is None:
+                    log(f"{plan['name']}: stock DeepSpeed{tag}")
+                    out = variants["eager_1f1b"]["out"]
+                    runs.setdefault("stock DeepSpeed", []).append(_over_rates(
+                        tb, out, rates, measured=measured, timeout=timeout,
+                        script=ROOT / "planc/bench/stock_deepspeed.py",
+                        extra_args=["--out", str(out), "--partition", result["stock"]["partition_method"]],
+                        bar=bar, what=f"stock DeepSpeed{tag}"))
+            result["rounds"] = rounds
+            result["programs"] = {name: _pool_rounds(rs) for name, rs in runs.items()}
             # AlpaComm's "signal send/recv" bound: each planc program again, every transfer cut to one
             # element (PLANC_SIGNAL_TRANSFERS=1: same schedule, instructions and reductions)
             result["signal"] = {}
@@ -406,6 +438,28 @@ def compute_parts(run: dict) -> tuple[float, float, int] | None:
             int(found[0].group(3)))
 
 
+def round_ratios(result: dict) -> list[dict]:
+    """Per rate and round (a result of ``rounds`` > 1): eager_1f1b ÷ 1f1b and planc's best ÷ stock DeepSpeed
+    from that round's medians (None where a program has no median in that round or does not run)."""
+    progs = result["programs"]
+    if result.get("rounds", 1) < 2 or "planc 1f1b" not in progs:
+        return []
+    out = []
+    for i, p in enumerate(progs["planc 1f1b"]["per_rate"]):
+        def med(name, k):
+            run = progs.get(name)
+            return run["per_rate"][i]["round_medians"][k] if run else None
+        for k in range(result["rounds"]):
+            eager, one = med("planc eager_1f1b", k), med("planc 1f1b", k)
+            plancs = [med(f"planc {s}", k) for s in SCHEDULES]
+            stock = med("stock DeepSpeed", k)
+            best = min(plancs) if all(x is not None for x in plancs) else None
+            out.append({"rate": p["rate"], "round": k + 1,
+                        "eager_vs_1f1b": eager / one if eager and one else None,
+                        "best_vs_stock": best / stock if best and stock else None})
+    return out
+
+
 def markdown(result: dict, rates_arg: str) -> str:
     lk = result["link"]
     parts = compute_parts(result.get("compute_only") or {})
@@ -441,6 +495,15 @@ def markdown(result: dict, rates_arg: str) -> str:
         losses = ", ".join(f"{x:.4f}" for x in run.get("losses", [])[:3]) \
             if "compute" not in name and "signal" not in name else "—"
         lines.append(f"| {name} | {mem} | {losses or '—'} | {run.get('launch_s', '—')} |")
+    per_round = round_ratios(result)
+    if per_round:
+        lines += ["", f"Per round ({result['rounds']} interleaved rounds; each ratio from that round's medians):"]
+        for rate in dict.fromkeys(r["rate"] for r in per_round):
+            rs = [r for r in per_round if r["rate"] == rate]
+            text = f"- {rate:g} Mbit/s: eager_1f1b ÷ 1f1b " + ", ".join(_f(r["eager_vs_1f1b"], 2) for r in rs)
+            if any(r["best_vs_stock"] is not None for r in rs):
+                text += "; planc's best ÷ stock DeepSpeed " + ", ".join(_f(r["best_vs_stock"], 2) for r in rs)
+            lines.append(text)
     return "\n".join(lines) + "\n"
 
 
@@ -489,7 +552,8 @@ def _chart(results: list[dict], path: str) -> str:
 
 
 def run(plans=None, rates=None, *, json_path: str | None = None, chart: str | None = None,
-        measured: int = MEASURED, timeout: float = 600, verbose: bool = True, cluster: str | None = None) -> str:
+        measured: int = MEASURED, timeout: float = 600, verbose: bool = True, cluster: str | None = None,
+        rounds: int = 1) -> str:
     """Measure ``plans`` (default: gpt-bench-2x2 and unet-skip) at ``rates`` (Mbit/s) and return markdown;
     ``cluster``: compile under that calibrated cluster file once per rate (``compile_variants``), each
     rate's programs launched on their own."""
@@ -504,7 +568,10 @@ def run(plans=None, rates=None, *, json_path: str | None = None, chart: str | No
 
     plans = [str(p) for p in (plans or DEFAULT_PLANS)]
     rates = [float(x) for x in (rates or DEFAULT_RATES)]
-    rates_arg = ",".join(f"{x:g}" for x in rates) + (f" --cluster {cluster}" if cluster else "")
+    if rounds < 1:
+        raise ValueError(f"rounds must be at least 1, got {rounds}")
+    rates_arg = (",".join(f"{x:g}" for x in rates) + (f" --cluster {cluster}" if cluster else "")
+                 + (f" --rounds {rounds}" if rounds > 1 else ""))
     def log(*a):
         if verbose:
             print("planc bench iteration:", *a, file=sys.stderr, flush=True)
@@ -514,7 +581,8 @@ def run(plans=None, rates=None, *, json_path: str | None = None, chart: str | No
     results = []
     for p in plans:
         path = Path(p) if Path(p).exists() else ROOT / p
-        results.append(measure_plan(str(path), rates, measured=measured, timeout=timeout, log=log, cluster=cluster))
+        results.append(measure_plan(str(path), rates, measured=measured, timeout=timeout, log=log, cluster=cluster,
+                                    rounds=rounds))
         results[-1]["plan"] = p
     took = time.monotonic() - t0
     load = (load0, os.getloadavg()[0])
@@ -522,6 +590,7 @@ def run(plans=None, rates=None, *, json_path: str | None = None, chart: str | No
     machine = (f"{os.cpu_count()} CPU cores ({platform.machine()}), Python {platform.python_version()}, "
                f"torch {torch.__version__}, DeepSpeed {deepspeed.__version__}")
     doc = {"machine": machine, "load_average": load, "rates_mbit": rates, "warmup": WARMUP, "measured": measured,
+           "rounds": rounds,
            "seconds": round(took, 1), "plans": results}
     notes = []
     if json_path:
@@ -533,7 +602,9 @@ def run(plans=None, rates=None, *, json_path: str | None = None, chart: str | No
     _rich_print(results)
     head = (f"Testbed, gloo over tbf-shaped host links, each plan's ranks launched per host by "
             f"`deepspeed --no_ssh --node_rank=h` in that host's namespace. Median of {measured} steps per rate "
-            f"after {WARMUP} discarded (the rate changes while a program runs; see planc/bench/iteration.py); "
+            + (f"in each of {rounds} rounds, pooled ({rounds * measured} steps; the programs launched round-robin) "
+               if rounds > 1 else "")
+            + f"after {WARMUP} discarded (the rate changes while a program runs; see planc/bench/iteration.py); "
             f"bound = max(signal send/recv, link); ratios > 1 are slower. Machine: {machine}; 1-minute load average "
             f"{load[0]:.1f} at the start, {load[1]:.1f} at the end (other jobs share the CPUs: compare within a "
             f"run, expect noise); the whole bench took {took:.0f} s. " + "; ".join(notes) + ".")
@@ -560,12 +631,15 @@ def main(argv=None) -> int:
     p.add_argument("--json", dest="json_path", metavar="FILE")
     p.add_argument("--chart", metavar="FILE", help="step time against link rate (needs matplotlib)")
     p.add_argument("--measured", type=int, default=MEASURED, help="measured steps per rate")
+    p.add_argument("--rounds", type=int, default=1, help="launch the programs this many times, round-robin")
     p.add_argument("--write", metavar="FILE", help="also write the section into FILE (e.g. docs/benchmarks.md)")
     p.add_argument("--cluster", metavar="YAML", help="compile under this `planc calibrate` file, once per rate (each rate's programs launched on their own)")
     args = p.parse_args(argv)
     rates = [float(x) for x in args.rates.split(",") if x.strip()]
+    if args.rounds < 1:
+        p.error(f"--rounds {args.rounds}: must be at least 1")
     text = run(args.plans or None, rates, json_path=args.json_path, chart=args.chart, measured=args.measured,
-               cluster=args.cluster)
+               cluster=args.cluster, rounds=args.rounds)
     text = text.rstrip() + "\n"
     if args.write:
         from planc.bench import replace_section
