@@ -134,11 +134,12 @@ def _cmd_bench(args) -> int:
             print(f"planc bench iteration: --rates {args.rates!r} is not a comma-separated list of Mbit/s",
                   file=sys.stderr)
             return EXIT_USER
-        if args.rounds < 1:
-            print(f"planc bench iteration: --rounds {args.rounds}: must be at least 1", file=sys.stderr)
-            return EXIT_USER
+        for flag, value in (("--rounds", args.rounds), ("--measured", args.measured)):
+            if value is not None and value < 1:
+                print(f"planc bench iteration: {flag} {value}: must be at least 1", file=sys.stderr)
+                return EXIT_USER
         options = dict(plans=args.plans or None, json_path=args.json_path, chart=args.chart, rates=rates,
-                       cluster=args.cluster, rounds=args.rounds)
+                       cluster=args.cluster, rounds=args.rounds, measured=args.measured)
     elif args.what == "accuracy":
         if not args.cluster or not args.plans:
             print("planc bench accuracy: needs --cluster CALIBRATED.yaml and the measured JSON files "
@@ -165,9 +166,10 @@ def _cmd_bench(args) -> int:
     elif args.plans or args.rates or args.json_path or args.chart:
         print(f"planc bench {args.what}: takes no PLAN, --rates, --json or --chart", file=sys.stderr)
         return EXIT_USER
-    if args.rounds != 1 and args.what != "iteration":
-        print(f"planc bench {args.what}: takes no --rounds (only iteration does)", file=sys.stderr)
-        return EXIT_USER
+    for flag, value in (("--rounds", args.rounds), ("--measured", args.measured)):
+        if value is not None and args.what != "iteration":
+            print(f"planc bench {args.what}: takes no {flag} (only iteration does)", file=sys.stderr)
+            return EXIT_USER
     if args.cluster and args.what not in ("accuracy", "nic", "iteration"):
         print(f"planc bench {args.what}: takes no --cluster (only iteration, accuracy and nic do)", file=sys.stderr)
         return EXIT_USER
@@ -530,8 +532,10 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--chart", metavar="FILE", help="iteration: step time against link rate (needs matplotlib)")
     c.add_argument("--cluster", metavar="YAML", help="iteration, accuracy, nic: the cluster file `planc calibrate` wrote "
                                                     "(accuracy's PLAN arguments: the measured JSON files)")
-    c.add_argument("--rounds", type=int, default=1, metavar="K",
+    c.add_argument("--rounds", type=int, default=None, metavar="K",
                    help="iteration: launch every program K times, round-robin, and pool their steps (default 1)")
+    c.add_argument("--measured", type=int, default=None, metavar="N",
+                   help="iteration: measured steps per rate and launch, after one discarded (default 5)")
     c.add_argument("--write", metavar="FILE", help="also write the table into FILE (e.g. docs/benchmarks.md)")
     c.add_argument("--plot", metavar="FILE", help="draw the table (.png or .svg): ratios against the bound or the "
                                                   "baseline as bars; iteration: step time against link rate")

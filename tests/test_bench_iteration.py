@@ -316,3 +316,5 @@ def test_rounds_must_be_positive(capsys):
     assert "--rounds 0: must be at least 1" in capsys.readouterr().err
     assert main(["bench", "synthesis", "--rounds", "3"]) == 2
     assert "takes no --rounds" in capsys.readouterr().err
+    assert main(["bench", "iteration", "--measured", "0"]) == 2
+    assert "--measured 0: must be at least 1" in capsys.readouterr().err
