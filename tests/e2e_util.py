@@ -36,13 +36,17 @@ def extensions_env() -> dict:
 
 
 def launch_env():
-    """CPU/gloo, one thread per rank, this venv's deepspeed and python first on PATH, the JIT-built
-    DeepSpeed op kept in this venv (``extensions_env``)."""
+    """CPU/gloo, this venv's deepspeed and python first on PATH, the JIT-built DeepSpeed op kept in
+    this venv (``extensions_env``). No ``OMP_NUM_THREADS``: each rank's threads are the runtime's own
+    choice (cores ÷ ranks on this machine, ``planc_runtime.dist_util.cpu_threads``), as for a user
+    who launches without setting it."""
     bin_dir = str(Path(PY).parent)
-    return dict(os.environ, DS_ACCELERATOR="cpu", PLANC_BACKEND="gloo", OMP_NUM_THREADS="1",
-                PLANC_COLLECTIVE_TIMEOUT_S="120", PYTHONPATH="", PYTHON=PY,
-                PATH=bin_dir + os.pathsep + os.environ.get("PATH", ""),
-                PLANC_MASTER_PORT=str(29500 + os.getpid() % 2000), **extensions_env())
+    env = dict(os.environ, DS_ACCELERATOR="cpu", PLANC_BACKEND="gloo",
+               PLANC_COLLECTIVE_TIMEOUT_S="120", PYTHONPATH="", PYTHON=PY,
+               PATH=bin_dir + os.pathsep + os.environ.get("PATH", ""),
+               PLANC_MASTER_PORT=str(29500 + os.getpid() % 2000), **extensions_env())
+    env.pop("OMP_NUM_THREADS", None)
+    return env
 
 
 def launch_sh(out: Path, *args, timeout=300):

@@ -4,6 +4,7 @@ the compiled output launched with its own launch.sh (the `deepspeed` launcher, C
 trained on the same data. 8 launches of 6-8 ranks, ~25-30 s each on 2 cores."""
 
 import json
+import os
 import re
 
 import pytest
@@ -71,6 +72,10 @@ def test_gpt_2x4_schedules_match_reference(tmp_path, schedule):
     # 4 blocks x (qkv.weight, qkv.bias, proj.weight, fc1.weight, fc1.bias, fc2.weight), each in 2 parts
     assert len(sharded) == 24 and all(parts == 2 for _, parts, _ in sharded.values())
     assert sharded["layers.1.qkv.weight"] == (0, 2, 3) and sharded["layers.4.mlp.2.weight"] == (1, 2, 1)
+    # launched without OMP_NUM_THREADS (launch_env): each rank takes its share of this machine's cores
+    threads = max(1, len(os.sched_getaffinity(0)) // 8)
+    assert (f"cpu threads: {threads} per rank ({len(os.sched_getaffinity(0))} core(s) ÷ 8 rank(s) on this "
+            f"machine (LOCAL_SIZE); OMP_NUM_THREADS overrides)") in stdout, stdout[-2000:]
 
 
 @pytest.mark.slow

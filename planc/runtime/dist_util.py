@@ -16,6 +16,11 @@ Public API (stable):
     check_digests(digests) -> list[str]     pure: problems when ranks disagree
     startup_checks(plan, digest=None)       collective: all of the above on every rank
     StartupError(RuntimeError)
+    cpu_threads(backend, env=os.environ, cores=None) -> (threads | None, why)
+        pure: the intra-op threads a CPU rank should use (cores ÷ ranks on this machine),
+        None where the backend is not gloo or OMP_NUM_THREADS is set
+    limit_cpu_threads(backend) -> str | None
+        applies cpu_threads with torch.set_num_threads; the start-up line saying so
     lookup_group(groups, members) / GroupMissing / direction_groups(groups, direction)
         (topology.create_groups makes the groups; these live here so that
         reduce/reshard need not import deepspeed)
@@ -34,7 +39,7 @@ from .planfile import digest as plan_digest
 
 __all__ = ["collective_timeout", "choose_backend", "init_distributed", "check_world",
            "check_hosts", "check_digests", "startup_checks", "StartupError", "DEFAULT_TIMEOUT_S",
-           "lookup_group", "GroupMissing", "direction_groups", "BACKWARD"]
+           "lookup_group", "GroupMissing", "direction_groups", "BACKWARD", "cpu_threads", "limit_cpu_threads"]
 
 DEFAULT_TIMEOUT_S = 300.0
 TIMEOUT_ENV = "PLANC_COLLECTIVE_TIMEOUT_S"
@@ -79,6 +84,51 @@ def init_distributed(backend: str | None = None, timeout: datetime.timedelta | N
         torch.cuda.set_device(local % max(1, torch.cuda.device_count()))
     dist.init_process_group(backend=backend, timeout=timeout)
     return backend
+
+
+def cpu_threads(backend: str, env=None, cores: int | None = None) -> tuple[int | None, str]:
+    """The intra-op threads one CPU rank should use, and why.
+
+    Torch's default is a thread per core in every rank, and its OpenMP workers spin for a while
+    after each parallel region. With more ranks than cores (an emulated cluster on one machine) the
+    spinning workers of ranks that wait in a collective take the cores from the ranks the collective
+    waits for: a tensor-parallel GPT of 8 gloo ranks on 2 cores ran 9.5 s per step, 0.9 s with one
+    thread per rank (docs/runtime.md). So on gloo a rank gets ``cores ÷ ranks on this machine``
+    threads, at least 1; the ranks on this machine are the launcher's ``LOCAL_WORLD_SIZE`` (torchrun)
+    or ``LOCAL_SIZE`` (DeepSpeed), else the world size. ``OMP_NUM_THREADS``, where set, is the
+    user's choice and is kept; NCCL ranks compute on their GPU and are left alone."""
+    env = os.environ if env is None else env
+    if backend != "gloo":
+        return None, f"backend {backend}: left to torch"
+    if env.get("OMP_NUM_THREADS", "").strip():
+        return None, f"OMP_NUM_THREADS={env['OMP_NUM_THREADS'].strip()} (set by the user)"
+    if cores is None:
+        try:
+            cores = len(os.sched_getaffinity(0))
+        except (AttributeError, OSError):
+            cores = os.cpu_count() or 1
+    local, source = None, "the world size"
+    for name in ("LOCAL_WORLD_SIZE", "LOCAL_SIZE", "WORLD_SIZE"):
+        try:
+            local = int(env.get(name, ""))
+        except ValueError:
+            continue
+        if local > 0:
+            source = name
+            break
+        local = None
+    local = local or 1
+    threads = max(1, cores // local)
+    return threads, f"{cores} core(s) ÷ {local} rank(s) on this machine ({source}); OMP_NUM_THREADS overrides"
+
+
+def limit_cpu_threads(backend: str) -> str | None:
+    """Set this rank's intra-op threads by :func:`cpu_threads`; the start-up line saying so (None: unchanged)."""
+    threads, why = cpu_threads(backend)
+    if threads is None:
+        return None
+    torch.set_num_threads(threads)
+    return f"cpu threads: {threads} per rank ({why})"
 
 
 def check_world(plan: Plan, world_size: int) -> None:

@@ -23,7 +23,8 @@ import torch.distributed as dist
 
 from . import checkpoint, nicorder, planfile
 from .checkpoint import CheckpointError, CountingIterator
-from .dist_util import GroupMissing, StartupError, collective_timeout, init_distributed, startup_checks
+from .dist_util import (GroupMissing, StartupError, collective_timeout, init_distributed, limit_cpu_threads,
+                        startup_checks)
 from .engine import EngineError, PlanEngine, check_stage_shapes
 from .failwatch import FailureWatch, report_failure
 from .planfile import Direction, Plan, PlanFileError
@@ -248,6 +249,7 @@ def _main(argv=None, out_dir: str | None = None) -> int:
         import faulthandler
         faulthandler.dump_traceback_later(float(os.environ["PLANC_DUMP_STACKS_AFTER_S"]), exit=False)
     init_distributed(timeout=collective_timeout(plan))
+    threads_line = limit_cpu_threads(dist.get_backend())   # before any compute (docs/runtime.md)
     global _WATCH
     _WATCH = FailureWatch(dist.get_rank())
     startup_checks(plan, digest)
@@ -337,6 +339,8 @@ def _main(argv=None, out_dir: str | None = None) -> int:
         if rank == 0:
             print(f"resumed from {resume_from} at step {first} (plan digest {digest[:16]}…)", flush=True)
     if rank == 0:
+        if threads_line:
+            print(threads_line, flush=True)
         print(f"gradients: {engine.reduce_description if engine else 'rank 0 is idle'}", flush=True)
     device = engine.device if engine is not None else (
         torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu"))
