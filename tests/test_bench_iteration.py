@@ -278,9 +278,9 @@ def test_rounds_launch_the_programs_round_robin_and_pool_their_steps(monkeypatch
             what = ("compute" if script and "compute_only" in str(script) else
                     "stock" if script else "signal " + out.name if env else out.name)
             order.append(what)
-            # round k of program p: steps of (p + 1) * (k + 1) seconds, so the pooled median is checkable
+            # round k: eager_1f1b's steps take (k + 1) s, the others' stay: the rounds' ratios differ
             k = sum(1 for w in order if w == what) - 1
-            base = {"gpipe": 3.0, "1f1b": 2.0, "eager_1f1b": 1.0, "stock": 4.0}.get(what, 0.5) * (k + 1)
+            base = {"gpipe": 3.0, "1f1b": 2.0, "eager_1f1b": 1.0 + k, "stock": 4.0}.get(what, 0.5)
             for i in range(steps):
                 on_step(i, base)
             from planc.testbed.result import LaunchResult
@@ -299,14 +299,37 @@ def test_rounds_launch_the_programs_round_robin_and_pool_their_steps(monkeypatch
     assert eager["round_medians"] == [1.0, 2.0] and eager["steps"] == [1.0, 1.0, 2.0, 2.0]
     assert eager["median"] == 1.5 and res["rounds"] == 2
     ratios = iteration.round_ratios(res)
-    assert [(r["round"], r["eager_vs_1f1b"], r["best_vs_stock"]) for r in ratios] == [(1, 0.5, 0.25), (2, 0.5, 0.25)]
+    # each round from its own medians (round 2: eager 2.0 ties 1f1b), not from the pooled 1.5
+    assert [(r["round"], r["eager_vs_1f1b"], r["best_vs_stock"]) for r in ratios] == [(1, 0.5, 0.25), (2, 1.0, 0.5)]
     text = iteration.markdown(res, "100 --rounds 2")
-    assert "- 100 Mbit/s: eager_1f1b ÷ 1f1b 0.50, 0.50; planc's best ÷ stock DeepSpeed 0.25, 0.25" in text
+    assert "- 100 Mbit/s: eager_1f1b ÷ 1f1b 0.50, 1.00; planc's best ÷ stock DeepSpeed 0.25, 0.50" in text
     # one round: no per-round lines, and the steps are the launch's own
     order.clear()
     one = iteration.measure_plan("plans/gpt-bench-2x2.plan", [100.0], measured=2)
     assert "round_medians" not in one["programs"]["planc 1f1b"]["per_rate"][0]
     assert "Per round" not in iteration.markdown(one, "100")
+
+
+def test_rounds_of_repeated_rates_pool_by_position():
+    def run(medians):
+        return {"returncode": 0, "launch_s": 1.0, "step_times": [], "details": [], "losses": [],
+                "peak_rss_kb": {}, "per_rate": [{"rate": 100.0, "steps": [m, m], "median": m} for m in medians]}
+    pooled = iteration._pool_rounds([run([1.0, 2.0]), run([3.0, 4.0])])
+    assert [p["round_medians"] for p in pooled["per_rate"]] == [[1.0, 3.0], [2.0, 4.0]]
+    failed = iteration._pool_rounds([run([1.0, 2.0]), run([None, 4.0])])
+    assert [p["median"] for p in failed["per_rate"]] == [None, 3.0]   # a failed round: no pooled median
+
+
+def test_rounds_and_measured_reach_the_bench(monkeypatch, capsys):
+    from planc import bench
+    from planc.cli import main
+
+    seen = {}
+    monkeypatch.setattr(bench, "run_bench", lambda name, write=None, **options: seen.update(options) or "ok\n")
+    assert main(["bench", "iteration", "--rounds", "3", "--measured", "4"]) == 0
+    assert seen["rounds"] == 3 and seen["measured"] == 4
+    with pytest.raises(ValueError, match="at least 1"):
+        iteration.run(["plans/gpt-bench-2x2.plan"], [100.0], measured=0)
 
 
 def test_rounds_must_be_positive(capsys):

@@ -35,7 +35,8 @@ hosts, launched per host with DeepSpeed's own launcher (``deepspeed --no_ssh
 DeepSpeed) are launched K times, round-robin (gpipe, 1f1b, eager_1f1b, stock,
 gpipe, ...), so a drift in the machine's load falls on every program alike;
 each program's steps of every round are pooled and the median taken over all
-of them, and each round's median is kept (``round_medians``) for the spread.
+of them, and each round's median is kept (``round_medians``) for the spread (a
+round that failed at a rate leaves that rate without a pooled median).
 
 Each program runs once per plan (per round) over every rate: the link rate is changed
 (``tc qdisc change``) while the program runs, after the step that ends each
@@ -285,19 +286,21 @@ def _merge_runs(runs: list[dict]) -> dict:
 
 
 def _pool_rounds(runs: list[dict]) -> dict:
-    """One program's runs of every round as one run: per rate, the steps of every round pooled and their
-    median, each round's median in ``round_medians``; the rest as :func:`_merge_runs` merges launches."""
+    """One program's runs of every round as one run: per rate (by position: every round runs the same
+    rates in the same order), the steps of every round pooled and their median, each round's median in
+    ``round_medians``; the rest as :func:`_merge_runs` merges launches. A round whose launch failed at
+    a rate (its median is None) leaves that rate without a pooled median: the row reports the failure
+    rather than a median of the rounds that happened to finish."""
     import statistics
 
     if len(runs) == 1:
         return runs[0]
     res = _merge_runs(runs)
     per_rate = []
-    for rate in dict.fromkeys(p["rate"] for p in runs[0]["per_rate"]):
-        parts = [p for r in runs for p in r["per_rate"] if p["rate"] == rate]
+    for parts in zip(*(r["per_rate"] for r in runs)):
         steps = [t for p in parts for t in p["steps"]]
         medians = [p["median"] for p in parts]
-        per_rate.append({"rate": rate, "steps": steps, "round_medians": medians,
+        per_rate.append({"rate": parts[0]["rate"], "steps": steps, "round_medians": medians,
                          "median": statistics.median(steps) if all(m is not None for m in medians) else None})
     res["per_rate"] = per_rate
     res["rounds"] = len(runs)
@@ -559,6 +562,8 @@ def run(plans=None, rates=None, *, json_path: str | None = None, chart: str | No
     rate's programs launched on their own."""
     from planc.testbed import available
 
+    if rounds < 1 or measured < 1:
+        raise ValueError(f"rounds and measured must be at least 1, got {rounds} and {measured}")
     why = available()
     if why:
         return f"_Skipped: {why}. The testbed needs root and iproute2 (`ip`, `tc`); see docs/testbed.md._\n"
@@ -568,10 +573,10 @@ def run(plans=None, rates=None, *, json_path: str | None = None, chart: str | No
 
     plans = [str(p) for p in (plans or DEFAULT_PLANS)]
     rates = [float(x) for x in (rates or DEFAULT_RATES)]
-    if rounds < 1:
-        raise ValueError(f"rounds must be at least 1, got {rounds}")
     rates_arg = (",".join(f"{x:g}" for x in rates) + (f" --cluster {cluster}" if cluster else "")
-                 + (f" --rounds {rounds}" if rounds > 1 else ""))
+                 + (f" --rounds {rounds}" if rounds > 1 else "")
+                 + (f" --measured {measured}" if measured != MEASURED else ""))
+
     def log(*a):
         if verbose:
             print("planc bench iteration:", *a, file=sys.stderr, flush=True)
@@ -636,8 +641,8 @@ def main(argv=None) -> int:
     p.add_argument("--cluster", metavar="YAML", help="compile under this `planc calibrate` file, once per rate (each rate's programs launched on their own)")
     args = p.parse_args(argv)
     rates = [float(x) for x in args.rates.split(",") if x.strip()]
-    if args.rounds < 1:
-        p.error(f"--rounds {args.rounds}: must be at least 1")
+    if args.rounds < 1 or args.measured < 1:
+        p.error(f"--rounds {args.rounds} --measured {args.measured}: each must be at least 1")
     text = run(args.plans or None, rates, json_path=args.json_path, chart=args.chart, measured=args.measured,
                cluster=args.cluster, rounds=args.rounds)
     text = text.rstrip() + "\n"
