@@ -44,6 +44,23 @@ def test_a_predicted_tie_against_a_measured_order_disagrees():
     assert (s["pairs_agree"], s["pairs"]) == (0, 1)
 
 
+def test_a_predicted_tie_is_broken_as_the_compiler_breaks_it():
+    """Equal predictions: the predicted best is what ``schedule = auto`` would pick (eager_1f1b, then
+    1f1b, then gpipe), whatever the rows' order; other alternatives keep the rows' order."""
+    rows = [_row("T", "planc gpipe", 1.5, 1.9), _row("T", "planc 1f1b", 1.5, 1.8),
+            _row("T", "planc eager_1f1b", 1.5, 1.7)]
+    g = accuracy.summarize(rows)["groups"][0]
+    assert g["predicted_best"] == "planc eager_1f1b" and g["same"]
+    g = accuracy.summarize(rows[:2])["groups"][0]
+    assert g["predicted_best"] == "planc 1f1b"
+    # a shorter prediction still wins over the tie order
+    g = accuracy.summarize([_row("T", "planc eager_1f1b", 1.6, 1.7), _row("T", "planc gpipe", 1.5, 1.9)])["groups"][0]
+    assert g["predicted_best"] == "planc gpipe" and not g["same"]
+    strategies = [dict(_row("S", "broadcast", 1.0, 2.0), alternatives="strategies"),
+                  dict(_row("S", "send_recv", 1.0, 1.0), alternatives="strategies")]
+    assert accuracy.summarize(strategies)["groups"][0]["predicted_best"] == "broadcast"
+
+
 CAL = """\
 levels:
   - {name: host, fanout: 2, bandwidth: 12000000.0, latency: 0.0001}

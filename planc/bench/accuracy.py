@@ -233,6 +233,15 @@ def _sign(x: float) -> int:
     return (x > 0) - (x < 0)
 
 
+def _tie_rank(row: dict) -> int:
+    """Where ``schedule = auto`` puts this alternative among equal predictions (0 first; not a schedule: 0)."""
+    from planc.pipeline.choose import CANDIDATES
+
+    order = [f"planc {c.value}" for c in CANDIDATES]
+    return order.index(row["alternative"]) if row.get("alternatives") == "schedules" and \
+        row["alternative"] in order else 0
+
+
 def summarize(rows: list[dict]) -> dict:
     """Per-case errors, their median, pair ordering and best-vs-best over the groups of alternatives.
 
@@ -252,7 +261,9 @@ def summarize(rows: list[dict]) -> dict:
         ok = sum(_sign(a["predicted"] - b["predicted"]) == _sign(a["measured"] - b["measured"]) for a, b in pairs)
         agree, total = agree + ok, total + len(pairs)
         if len(rs) > 1:
-            bp = min(rs, key=lambda r: r["predicted"])["alternative"]
+            # the compiler's pick: the shortest prediction, equal ones in its tie order (schedule = auto:
+            # eager_1f1b, 1f1b, gpipe; planc.pipeline.choose.CANDIDATES), else in the rows' order
+            bp = min(enumerate(rs), key=lambda ir: (ir[1]["predicted"], _tie_rank(ir[1]), ir[0]))[1]["alternative"]
             bm = min(rs, key=lambda r: r["measured"])["alternative"]
             best.append({"source": source, "group": name, "alternatives": rs[0]["alternatives"],
                          "predicted_best": bp, "measured_best": bm, "same": bp == bm,
