@@ -127,6 +127,13 @@ def _cmd_bench(args) -> int:
     def parsed_rates():   # --rates as Mbit/s (None: not given); ValueError for a word that is no number
         return [float(x) for x in args.rates.split(",") if x.strip()] if args.rates else None
 
+    for flag, value in (("--rounds", args.rounds), ("--measured", args.measured)):
+        if value is not None and args.what != "iteration":
+            print(f"planc bench {args.what}: takes no {flag} (only iteration does)", file=sys.stderr)
+            return EXIT_USER
+        if value is not None and value < 1:
+            print(f"planc bench iteration: {flag} {value}: must be at least 1", file=sys.stderr)
+            return EXIT_USER
     if args.what == "iteration":
         try:
             rates = parsed_rates()
@@ -134,10 +141,6 @@ def _cmd_bench(args) -> int:
             print(f"planc bench iteration: --rates {args.rates!r} is not a comma-separated list of Mbit/s",
                   file=sys.stderr)
             return EXIT_USER
-        for flag, value in (("--rounds", args.rounds), ("--measured", args.measured)):
-            if value is not None and value < 1:
-                print(f"planc bench iteration: {flag} {value}: must be at least 1", file=sys.stderr)
-                return EXIT_USER
         options = dict(plans=args.plans or None, json_path=args.json_path, chart=args.chart, rates=rates,
                        cluster=args.cluster, rounds=args.rounds, measured=args.measured)
     elif args.what == "accuracy":
@@ -166,10 +169,6 @@ def _cmd_bench(args) -> int:
     elif args.plans or args.rates or args.json_path or args.chart:
         print(f"planc bench {args.what}: takes no PLAN, --rates, --json or --chart", file=sys.stderr)
         return EXIT_USER
-    for flag, value in (("--rounds", args.rounds), ("--measured", args.measured)):
-        if value is not None and args.what != "iteration":
-            print(f"planc bench {args.what}: takes no {flag} (only iteration does)", file=sys.stderr)
-            return EXIT_USER
     if args.cluster and args.what not in ("accuracy", "nic", "iteration"):
         print(f"planc bench {args.what}: takes no --cluster (only iteration, accuracy and nic do)", file=sys.stderr)
         return EXIT_USER

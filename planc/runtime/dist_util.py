@@ -104,17 +104,12 @@ def cpu_threads(backend: str, env=None, cores: int | None = None) -> tuple[int |
         return None, f"OMP_NUM_THREADS={env['OMP_NUM_THREADS'].strip()} (set by the user)"
     if cores is None:
         cores = machine_cores()
-    local, source = None, "the world size"
+    local, source = 1, "the world size"
     for name in ("LOCAL_WORLD_SIZE", "LOCAL_SIZE", "WORLD_SIZE"):
-        try:
-            local = int(env.get(name, ""))
-        except ValueError:
-            continue
-        if local > 0:
-            source = name
+        value = env.get(name, "").strip()
+        if value.isdigit() and int(value) > 0:
+            local, source = int(value), name
             break
-        local = None
-    local = local or 1
     threads = max(1, cores // local)
     return threads, f"{cores} core(s) ÷ {local} rank(s) on this machine ({source}); OMP_NUM_THREADS overrides"
 

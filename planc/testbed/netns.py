@@ -28,8 +28,8 @@ from typing import Callable
 from planc.testbed.faults import FaultsMixin, check_loss
 from planc.testbed.result import LaunchResult, TestbedError
 from planc.testbed.watch import (_RANK_FAILED_RE, STEP_RE, TRAIN_STEP_RE, RankTracker, StepBar,  # noqa: F401
-                                 _rank_failed, _StepWatch, codes_from_launchers, deepspeed_command,
-                                 describe_failure, remove_shm, sample_hwm, shm_buffers, uts_wrapper)
+                                 _rank_failed, _StepWatch, deepspeed_command, describe_failure, remove_shm,
+                                 sample_hwm, shm_buffers, uts_wrapper)
 
 IFNAME = "tb0"                  # the veth inside every host namespace
 BRIDGE = "br0"                  # the bridge inside the bridge namespace
@@ -479,7 +479,7 @@ class Testbed(FaultsMixin):
                 found = sorted(logdir.glob(f"host*/*_rank{r}.log"))
                 logs[r] = found[-1].read_text(errors="replace") if found else ""
             host_logs = {h: (logdir / f"host{h}.log").read_text(errors="replace") for h in range(len(hosts))}
-            codes_from_launchers(tracker, hosts, host_logs)
+            tracker.codes_from_launchers(hosts, host_logs)
         else:
             logs = {int(k[4:]): (logdir / f"{k}.log").read_text(errors="replace") for k in procs}
             host_logs = {}

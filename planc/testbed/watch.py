@@ -132,20 +132,6 @@ def _rank_failed(logdir: Path) -> bool:
     return False
 
 
-def codes_from_launchers(tracker: "RankTracker", hosts: list[list[int]], host_logs: dict[int, str]) -> None:
-    """A rank whose exit status the tracker missed (its launcher reaped it first, on a loaded machine)
-    gets its host launcher's: the DeepSpeed launcher logs ``... exits with return code = C`` with
-    the code of the child that failed, which on a host with one rank is that rank's. On a host of
-    several ranks the code is not attributable and stays unknown."""
-    for h, ranks in enumerate(hosts):
-        m = _RANK_FAILED_RE.search(host_logs.get(h, ""))
-        if m is None or len(ranks) != 1:
-            continue
-        r = ranks[0]
-        if r in tracker.ended and tracker.ended[r][1] is None:
-            tracker.ended[r] = (tracker.ended[r][0], int(m.group(1)))
-
-
 def deepspeed_command(python: str) -> list[str]:
     """The ``deepspeed`` launcher next to ``python`` (a virtual environment's), else DeepSpeed's runner module."""
     exe = Path(python).parent / "deepspeed"
@@ -213,6 +199,19 @@ class RankTracker:
                 if code is None:
                     code = (reaped or {}).get(pid, self.sigkilled.get(pid))
                 self.ended[rank] = (now - self.t0, code)
+
+    def codes_from_launchers(self, hosts: list[list[int]], host_logs: dict[int, str]) -> None:
+        """After the launch: a rank whose exit status ``poll`` missed (its launcher reaped it first, on a
+        loaded machine) gets its host launcher's: the DeepSpeed launcher logs ``... exits with return
+        code = C`` with the code of the child that failed, which on a host with one rank is that rank's.
+        On a host of several ranks the code is not attributable and stays unknown."""
+        for h, ranks in enumerate(hosts):
+            m = _RANK_FAILED_RE.search(host_logs.get(h, ""))
+            if m is None or len(ranks) != 1:
+                continue
+            r = ranks[0]
+            if r in self.ended and self.ended[r][1] is None:
+                self.ended[r] = (self.ended[r][0], int(m.group(1)))
 
     def alive(self) -> list[int]:
         return sorted(r for r in self.pids if r not in self.ended)
