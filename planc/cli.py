@@ -281,6 +281,8 @@ def _cmd_trace(args) -> int:
     from planc import ui
     from planc.runtime.trace import summarise
 
+    if args.stalls is not None:
+        return _trace_stalls(args)
     try:
         rows = summarise(args.directory, skip_steps=args.skip)
     except OSError as e:
@@ -321,6 +323,47 @@ def _cmd_trace(args) -> int:
                     f"{'no prediction' if iteration is None else f'{iteration:.4f} s per step'}"
                     + ("; compute busy per stage: " + ", ".join(f"stage {k} {pct(v)}" for k, v in sorted(busy.items()))
                        if busy else "")]
+    ui.emit(out)
+    return 0
+
+
+def _trace_stalls(args) -> int:
+    """planc trace DIR --stalls [F]: the steps slower than F x the median, and what held them up."""
+    import json
+    from planc import ui
+    from planc.runtime.trace import stalls
+
+    try:
+        found = stalls(args.directory, skip_steps=args.skip, factor=args.stalls)
+    except OSError as e:
+        print(f"planc trace: {args.directory}: {e.strerror or e}", file=sys.stderr)
+        return EXIT_USER
+    except ValueError as e:
+        print(f"planc trace: {e}", file=sys.stderr)
+        return EXIT_USER
+    if not found["steps"]:
+        print(f"planc trace: {args.directory}: the traces hold no training step after the first {args.skip}",
+              file=sys.stderr)
+        return EXIT_USER
+    if args.json:
+        print(json.dumps(found, indent=1, sort_keys=True))
+        return 0
+    median, f = found["median_step_s"], found["factor"]
+    head = (f"{args.directory}: {len(found['slow'])} of {found['steps']} step(s) took more than {f:g} x the "
+            f"median {median:.4f} s (first {args.skip} step(s) left out)")
+    if not found["slow"]:
+        ui.emit([head])
+        return 0
+    out = [head + "; what held each up (the longest compute-thread instructions of any rank that were not "
+                  "its own computation):"]
+    for s in found["slow"]:
+        out.append(f"step {s['step']}: {s['step_s']:.4f} s ({s['step_s'] / median:.2f} x the median)")
+        for h in s["holdups"]:
+            stage = "idle" if h["stage"] is None else f"stage {h['stage']}"
+            what = " ".join(str(x) for x in (h["instruction"], None if h["micro_batch"] is None else
+                                             f"m{h['micro_batch']}", h["transfer"]) if x is not None)
+            out.append(f"  rank {h['rank']} ({stage}) {what}: {1000 * h['dur_s']:.0f} ms, "
+                       f"from {1000 * h['at_s']:.0f} ms into the step")
     ui.emit(out)
     return 0
 
@@ -550,7 +593,10 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("trace", help="summarise the timelines `train.py --trace DIR` recorded (docs/runtime.md)")
     c.add_argument("directory", help="the folder given to train.py --trace")
     c.add_argument("--skip", type=int, default=1, metavar="N", help="leave out the first N steps (default 1: warm-up)")
-    c.add_argument("--json", action="store_true", help="print the per-rank figures as JSON")
+    c.add_argument("--json", action="store_true", help="print the per-rank figures (or the stalls) as JSON")
+    c.add_argument("--stalls", type=float, nargs="?", const=1.25, default=None, metavar="F",
+                   help="list the steps slower than F x the median step (default 1.25) and the compute-thread "
+                        "waits that held each up")
     c.add_argument("--plan", metavar="OUT", help="a compiled output (or its plan.json): show its predicted "
                                                  "iteration and stage busy fractions beside the measured ones")
     c.set_defaults(func=_cmd_trace)

@@ -119,3 +119,71 @@ def test_cli_shows_the_plans_prediction_beside_the_measurement(tmp_path):
         r = _planc(tmp_path / "t", "--plan", bad)
         assert r.returncode == 2 and "not a compiled output or plan.json" in r.stderr, r.stderr
         assert "Traceback" not in r.stderr
+
+
+def _stalled(tmp_path):
+    """Two ranks, five steps of 1 s, except step 3: 2 s on rank 0, whose send was held 0.9 s, and 1.6 s
+    on rank 1, waiting 0.8 s for a gradient and computing a 1.2 s forward (its own work, no hold-up)."""
+    t0 = 1e15
+    r0, r1 = Tracer(rank=0, stage=0), Tracer(rank=1, stage=1)
+    at = t0
+    for k in range(5):
+        d0 = 2_000_000 if k == 3 else 1_000_000
+        d1 = 1_600_000 if k == 3 else 1_000_000
+        r0.complete(f"step {k}", at, at + d0, "main", step=k)
+        r1.complete(f"step {k}", at, at + d1, "main", step=k)
+        r0.complete("ForwardPass", at, at + 100_000, "compute", micro_batch=0)
+        r0.complete("SendActivation", at + 100_000, at + (1_000_000 if k == 3 else 120_000), "compute",
+                    micro_batch=0, transfer="h")
+        r0.complete("ReduceGrads", at + 800_000, at + 850_000, "compute")
+        r1.complete("RecvGrad", at + 200_000, at + (1_000_000 if k == 3 else 210_000), "compute",
+                    micro_batch=1, transfer="h")
+        r1.complete("ForwardPass", at, at + (1_200_000 if k == 3 else 100_000), "compute", micro_batch=1)
+        r0.complete("send h forward m0", at, at + 1_500_000, "send", micro_batch=0)   # not the compute thread
+        at += d0
+    r0.dump(str(tmp_path))
+    r1.dump(str(tmp_path))
+    Tracer(rank=2).dump(str(tmp_path))          # an idle rank: no step
+    return tmp_path
+
+
+def test_stalls_name_the_slow_steps_and_their_longest_waits(tmp_path):
+    from planc.runtime.trace import stalls
+    d = str(_stalled(tmp_path))
+    found = stalls(d, skip_steps=1)
+    assert found["steps"] == 4 and found["median_step_s"] == pytest.approx(1.0) and found["factor"] == 1.25
+    (slow,) = found["slow"]
+    assert slow["step"] == 3 and slow["step_s"] == pytest.approx(2.0)     # the longest rank's step
+    got = [(h["rank"], h["instruction"], h["micro_batch"], h["transfer"]) for h in slow["holdups"]]
+    assert got == [(0, "SendActivation", 0, "h"), (1, "RecvGrad", 1, "h"), (0, "ReduceGrads", None, None)]
+    first = slow["holdups"][0]
+    assert first["stage"] == 0 and first["dur_s"] == pytest.approx(0.9) and first["at_s"] == pytest.approx(0.1)
+    assert slow["holdups"][1]["dur_s"] == pytest.approx(0.8) and slow["holdups"][1]["at_s"] == pytest.approx(0.2)
+    assert slow["holdups"][2]["at_s"] == pytest.approx(0.8) and slow["holdups"][2]["dur_s"] == pytest.approx(0.05)
+    assert len(stalls(d, top=1)["slow"][0]["holdups"]) == 1
+    assert stalls(d, factor=2.5)["slow"] == []                 # 2.0 s is not above 2.5 x 1 s
+    assert stalls(d, skip_steps=5)["steps"] == 0
+    with pytest.raises(ValueError, match="above 1"):
+        stalls(d, factor=1.0)
+
+
+def test_cli_stalls(tmp_path):
+    d = _stalled(tmp_path / "t")
+    r = _planc(d, "--stalls")
+    assert r.returncode == 0, r.stderr
+    out = " ".join(r.stdout.split())       # the head line wraps at 80 columns when piped
+    assert "1 of 4 step(s) took more than 1.25 x the median 1.0000 s" in out
+    assert "step 3: 2.0000 s (2.00 x the median)" in out
+    assert "rank 0 (stage 0) SendActivation m0 h: 900 ms, from 100 ms into the step" in out
+    assert "rank 0 (stage 0) ReduceGrads: 50 ms, from 800 ms into the step" in out
+    assert "ForwardPass" not in out
+    r = _planc(d, "--stalls", "3")
+    assert r.returncode == 0 and "0 of 4 step(s)" in r.stdout and "step 3:" not in r.stdout
+    r = _planc(d, "--stalls", "--json", "--skip", "0")
+    assert r.returncode == 0 and json.loads(r.stdout)["steps"] == 5
+    r = _planc(d, "--stalls", "0.5")
+    assert r.returncode == 2 and "must be above 1" in r.stderr and "Traceback" not in r.stderr
+    r = _planc(d, "--stalls", "--skip", "9")
+    assert r.returncode == 2 and "no training step after the first 9" in r.stderr
+    r = _planc(tmp_path / "nowhere", "--stalls")
+    assert r.returncode == 2 and "planc trace: " in r.stderr and "Traceback" not in r.stderr

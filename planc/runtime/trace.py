@@ -14,7 +14,9 @@ share an origin; across real hosts they are as close as the hosts' clocks.
 ``planc trace DIR`` summarises the files (``planc.runtime.trace.summarise``):
 per rank, the step's time split into compute, waiting for receives, sending
 and the rest — the measured counterpart of ``planc simulate``'s busy, bubble
-and exposed-communication figures (docs/runtime.md, "Tracing").
+and exposed-communication figures (docs/runtime.md, "Tracing"). ``planc trace
+DIR --stalls`` (``stalls``) names, for every step much slower than the median,
+the compute-thread instructions that held it up the longest.
 
 Recording is off unless ``--trace`` is given; when on it costs two clock reads
 and a list append per event, on the thread that runs the event.
@@ -27,7 +29,7 @@ import threading
 import time
 from contextlib import contextmanager
 
-__all__ = ["Tracer", "summarise", "WAITS", "COMPUTE"]
+__all__ = ["Tracer", "summarise", "stalls", "WAITS", "COMPUTE"]
 
 # instruction names whose duration is the compute thread waiting for a peer's data
 WAITS = ("RecvActivation", "RecvGrad")
@@ -143,3 +145,56 @@ def summarise(directory: str, skip_steps: int = 1) -> list[dict]:
         row["other"] = max(0.0, 1.0 - row["compute"] - row["wait"] - row["send"] - row["reduce"])
         rows.append(row)
     return rows
+
+
+# compute-thread instructions that are the stage's work rather than a hold-up
+_WORK = COMPUTE + ("LoadMicroBatch",)
+
+
+def stalls(directory: str, skip_steps: int = 1, factor: float = 1.25, top: int = 3) -> dict:
+    """The steps slower than ``factor`` x the median step, and what held each up.
+
+    A step's time is the longest any rank recorded for it (``step N`` of the ``main`` thread; the
+    ranks' steps end together at the step's last collective). For each slow step, the ``top``
+    longest compute-thread instructions of any rank that are not the stage's own work (waits for
+    receives, issuing sends, the reduction's tail, ...), with where in the step they began.
+    Returns ``{"median_step_s", "factor", "steps": N, "slow": [{"step", "step_s", "holdups": [...]}]}``;
+    each hold-up is ``{"rank", "stage", "instruction", "micro_batch", "transfer", "at_s", "dur_s"}``.
+    """
+    if factor <= 1.0:
+        raise ValueError(f"--stalls factor must be above 1 (got {factor:g})")
+    per_rank = {}
+    for rank, data in sorted(load(directory).items()):
+        events = [e for e in data["traceEvents"] if e.get("ph") == "X"]
+        steps = {}
+        for e in events:
+            if e["tid"] == "main" and e["name"].startswith("step ") and e["name"][5:].isdigit():
+                steps[int(e["name"][5:])] = e
+        per_rank[rank] = (data.get("otherData", {}).get("stage"), steps,
+                          [e for e in events if e["tid"] == "compute" and e["name"] not in _WORK])
+    numbers = sorted({n for _, steps, _ in per_rank.values() for n in steps})[skip_steps:]
+    if not numbers:
+        return {"median_step_s": None, "factor": factor, "steps": 0, "slow": []}
+    length = {n: max(steps[n]["dur"] for _, steps, _ in per_rank.values() if n in steps) for n in numbers}
+    ordered = sorted(length.values())
+    mid = len(ordered) // 2
+    median = ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+    slow = []
+    for n in numbers:
+        if length[n] <= factor * median:
+            continue
+        holdups = []
+        for rank, (stage, steps, others) in per_rank.items():
+            s = steps.get(n)
+            if s is None:
+                continue
+            a, b = s["ts"], s["ts"] + s["dur"]
+            for e in others:
+                if a <= e["ts"] < b:
+                    args = e.get("args", {})
+                    holdups.append({"rank": rank, "stage": stage, "instruction": e["name"],
+                                    "micro_batch": args.get("micro_batch"), "transfer": args.get("transfer"),
+                                    "at_s": (e["ts"] - a) / 1e6, "dur_s": min(e["dur"], b - e["ts"]) / 1e6})
+        holdups.sort(key=lambda h: (-h["dur_s"], h["rank"], h["at_s"]))
+        slow.append({"step": n, "step_s": length[n] / 1e6, "holdups": holdups[:top]})
+    return {"median_step_s": median / 1e6, "factor": factor, "steps": len(numbers), "slow": slow}
