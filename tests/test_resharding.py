@@ -243,6 +243,18 @@ def small_resharding_jobs(draw):
     return None
 
 
+def test_greedy_leaves_room_when_equally_early_options_tie():
+    """Found by the property below (CI, 2026-12-02): both jobs can send over NICs {0, 1}; job 0 also
+    over {1, 3} and job 1 over {0, 2}. Every option finishes equally early on idle NICs, and taking the
+    first on a tie put both on {0, 1}, one after the other: twice the optimum in every trial."""
+    d = 2.0312825e-05
+    jobs = (Job((Option(0, 1, (0, 1), d), Option(3, 6, (1, 3), d))),
+            Job((Option(1, 2, (0, 1), d), Option(2, 4, (0, 2), d))))
+    assert exhaustive(jobs) == pytest.approx(d)
+    for seed in range(4):
+        assert makespan(jobs, randomized_greedy(jobs, trials=16, seed=seed)) == pytest.approx(d)
+
+
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much,
                                                             HealthCheck.large_base_example])
 @given(small_resharding_jobs())

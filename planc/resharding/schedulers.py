@@ -98,7 +98,9 @@ def randomized_greedy(jobs: Sequence[Job], trials: int, seed: int) -> Schedule:
     round is what keeps the number of rounds near the busiest NIC's load.
     Within a round a job takes, among the sender hosts whose NICs are still
     unused in that round, the one that would finish first given the load so
-    far; sets covering more NICs win, then shorter ones. Rounds, concatenated
+    far, among equally early ones the one on the NICs the fewest remaining jobs
+    could use (then, in odd trials, at random); sets covering more NICs win,
+    then shorter ones. Rounds, concatenated
     (each longest first), give the list order; a round that uses every NIC
     still wanted ends the trials early. Rounds over many jobs run fewer trials
     (:data:`GREEDY_WORK`), so the run time stays bounded. The result is the better of that
@@ -122,6 +124,13 @@ def randomized_greedy(jobs: Sequence[Job], trials: int, seed: int) -> Schedule:
             for o in jobs[j].options:
                 wanted.update(o.nics)
         prio = {j: sum(pending[h] for h in mandatory[j]) for j in remaining}
+        # how many remaining jobs could use each NIC: among equally early options, the one on the NICs
+        # fewest others want leaves the most room in the round (two jobs that can both take NICs {0, 1},
+        # or one {1, 3} and the other {0, 2}, fit together only if the first does not take {0, 1})
+        demand: dict[int, int] = {}
+        for j in remaining:
+            for h in set().union(*(o.nics for o in jobs[j].options)):
+                demand[h] = demand.get(h, 0) + 1
         best: tuple[tuple[int, float], list[tuple[int, int]]] | None = None
         # once every wanted NIC is used, only a job with a NIC-free option could still fit
         local = any(not o.nics for j in remaining for o in jobs[j].options)
@@ -140,7 +149,8 @@ def randomized_greedy(jobs: Sequence[Job], trials: int, seed: int) -> Schedule:
                 fits = [i for i, o in enumerate(opts) if not used.intersection(o.nics)]
                 if not fits:
                     continue
-                k = min(fits, key=lambda i: (_finish(load, opts[i]), i))
+                ties = {i: rng.random() if trial % 2 else i for i in fits}   # odd trials: ties at random
+                k = min(fits, key=lambda i: (_finish(load, opts[i]), sum(demand[h] for h in opts[i].nics), ties[i]))
                 used.update(opts[k].nics)
                 picked.append((j, k))
             score = (len(used), -sum(jobs[j].options[k].duration for j, k in picked))
