@@ -282,6 +282,10 @@ def _cmd_trace(args) -> int:
     from planc.runtime.trace import summarise
 
     if args.stalls is not None:
+        if args.plan:
+            print("planc trace: --stalls and --plan do not combine (the prediction is of a mean step; "
+                  "--stalls lists single slow steps): give one", file=sys.stderr)
+            return EXIT_USER
         return _trace_stalls(args)
     try:
         rows = summarise(args.directory, skip_steps=args.skip)

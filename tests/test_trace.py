@@ -181,6 +181,8 @@ def test_cli_stalls(tmp_path):
     assert r.returncode == 0 and "0 of 4 step(s)" in r.stdout and "step 3:" not in r.stdout
     r = _planc(d, "--stalls", "--json", "--skip", "0")
     assert r.returncode == 0 and json.loads(r.stdout)["steps"] == 5
+    r = _planc(d, "--stalls", "--plan", d)
+    assert r.returncode == 2 and "do not combine" in r.stderr
     r = _planc(d, "--stalls", "0.5")
     assert r.returncode == 2 and "must be above 1" in r.stderr and "Traceback" not in r.stderr
     r = _planc(d, "--stalls", "--skip", "9")
