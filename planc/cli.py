@@ -276,6 +276,18 @@ def _trace_predicted(path: str) -> tuple[float | None, dict[int, float]]:
     return pipe.get("predicted_iteration"), {int(st["stage"]): float(st["busy"]) for st in stages}
 
 
+def _trace_read(directory: str, read):
+    """``read()`` of a trace folder; an unreadable folder or file, or a bad option, is printed as
+    ``planc trace: ...`` and gives None (the caller exits 2)."""
+    try:
+        return read()
+    except OSError as e:
+        print(f"planc trace: {directory}: {e.strerror or e}", file=sys.stderr)
+    except ValueError as e:
+        print(f"planc trace: {e}", file=sys.stderr)
+    return None
+
+
 def _cmd_trace(args) -> int:
     import json
     from planc import ui
@@ -287,13 +299,8 @@ def _cmd_trace(args) -> int:
                   "--stalls lists single slow steps): give one", file=sys.stderr)
             return EXIT_USER
         return _trace_stalls(args)
-    try:
-        rows = summarise(args.directory, skip_steps=args.skip)
-    except OSError as e:
-        print(f"planc trace: {args.directory}: {e.strerror or e}", file=sys.stderr)
-        return EXIT_USER
-    except ValueError as e:
-        print(f"planc trace: {e}", file=sys.stderr)
+    rows = _trace_read(args.directory, lambda: summarise(args.directory, skip_steps=args.skip))
+    if rows is None:
         return EXIT_USER
     if not rows:
         print(f"planc trace: {args.directory}: the traces hold no training step", file=sys.stderr)
@@ -337,13 +344,8 @@ def _trace_stalls(args) -> int:
     from planc import ui
     from planc.runtime.trace import stalls
 
-    try:
-        found = stalls(args.directory, skip_steps=args.skip, factor=args.stalls)
-    except OSError as e:
-        print(f"planc trace: {args.directory}: {e.strerror or e}", file=sys.stderr)
-        return EXIT_USER
-    except ValueError as e:
-        print(f"planc trace: {e}", file=sys.stderr)
+    found = _trace_read(args.directory, lambda: stalls(args.directory, skip_steps=args.skip, factor=args.stalls))
+    if found is None:
         return EXIT_USER
     if not found["steps"]:
         print(f"planc trace: {args.directory}: the traces hold no training step after the first {args.skip}",

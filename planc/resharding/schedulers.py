@@ -117,20 +117,17 @@ def randomized_greedy(jobs: Sequence[Job], trials: int, seed: int) -> Schedule:
     trials = max(1, trials)
     while remaining:
         pending: dict[int, float] = {}
-        wanted: set[int] = set()
-        for j in remaining:
-            for h in mandatory[j]:
-                pending[h] = pending.get(h, 0.0) + min_dur[j]
-            for o in jobs[j].options:
-                wanted.update(o.nics)
-        prio = {j: sum(pending[h] for h in mandatory[j]) for j in remaining}
         # how many remaining jobs could use each NIC: among equally early options, the one on the NICs
         # fewest others want leaves the most room in the round (two jobs that can both take NICs {0, 1},
         # or one {1, 3} and the other {0, 2}, fit together only if the first does not take {0, 1})
         demand: dict[int, int] = {}
         for j in remaining:
+            for h in mandatory[j]:
+                pending[h] = pending.get(h, 0.0) + min_dur[j]
             for h in set().union(*(o.nics for o in jobs[j].options)):
                 demand[h] = demand.get(h, 0) + 1
+        wanted = set(demand)
+        prio = {j: sum(pending[h] for h in mandatory[j]) for j in remaining}
         best: tuple[tuple[int, float], list[tuple[int, int]]] | None = None
         # once every wanted NIC is used, only a job with a NIC-free option could still fit
         local = any(not o.nics for j in remaining for o in jobs[j].options)

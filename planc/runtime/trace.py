@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import threading
 import time
 from contextlib import contextmanager
@@ -113,6 +114,12 @@ def _union(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
+def _steps(events: list[dict]) -> dict[int, dict]:
+    """``{N: the main thread's "step N" event}`` of one rank's complete events."""
+    return {int(e["name"][5:]): e for e in events
+            if e["tid"] == "main" and e["name"].startswith("step ") and e["name"][5:].isdigit()}
+
+
 def summarise(directory: str, skip_steps: int = 1) -> list[dict]:
     """Per rank, the mean over the traced steps (the first ``skip_steps`` left out, warm-up):
     step seconds, and the fractions of it the compute thread spent computing, waiting for
@@ -120,8 +127,7 @@ def summarise(directory: str, skip_steps: int = 1) -> list[dict]:
     rows = []
     for rank, data in sorted(load(directory).items()):
         events = [e for e in data["traceEvents"] if e.get("ph") == "X"]
-        steps = sorted((e for e in events if e["tid"] == "main" and e["name"].startswith("step ")),
-                       key=lambda e: e["ts"])
+        steps = sorted(_steps(events).values(), key=lambda e: e["ts"])
         use = steps[skip_steps:] if len(steps) > skip_steps else steps
         if not use:
             continue
@@ -166,19 +172,13 @@ def stalls(directory: str, skip_steps: int = 1, factor: float = 1.25, top: int =
     per_rank = {}
     for rank, data in sorted(load(directory).items()):
         events = [e for e in data["traceEvents"] if e.get("ph") == "X"]
-        steps = {}
-        for e in events:
-            if e["tid"] == "main" and e["name"].startswith("step ") and e["name"][5:].isdigit():
-                steps[int(e["name"][5:])] = e
-        per_rank[rank] = (data.get("otherData", {}).get("stage"), steps,
+        per_rank[rank] = (data.get("otherData", {}).get("stage"), _steps(events),
                           [e for e in events if e["tid"] == "compute" and e["name"] not in _WORK])
     numbers = sorted({n for _, steps, _ in per_rank.values() for n in steps})[skip_steps:]
     if not numbers:
         return {"median_step_s": None, "factor": factor, "steps": 0, "slow": []}
     length = {n: max(steps[n]["dur"] for _, steps, _ in per_rank.values() if n in steps) for n in numbers}
-    ordered = sorted(length.values())
-    mid = len(ordered) // 2
-    median = ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+    median = statistics.median(length.values())
     slow = []
     for n in numbers:
         if length[n] <= factor * median:
