@@ -61,6 +61,39 @@ def test_a_predicted_tie_is_broken_as_the_compiler_breaks_it():
     assert accuracy.summarize(strategies)["groups"][0]["predicted_best"] == "broadcast"
 
 
+def test_pairs_the_measurement_orders():
+    """A pair counts among the resolved ones only when every sample of one is below every sample of the
+    other; the predicted order is judged on those apart from the rest."""
+    def row(alt, p, m, samples):
+        return dict(_row("R", alt, p, m), samples=samples)
+    a = row("a", 1.0, 1.00, [0.98, 1.00, 1.02])
+    b = row("b", 2.0, 1.50, [1.45, 1.50, 1.55])      # apart from a: resolved, predicted in order
+    c = row("c", 0.5, 1.01, [0.99, 1.01, 1.60])      # overlaps a (and b): not resolved
+    assert accuracy.resolved(a, b) and accuracy.resolved(b, a)
+    assert not accuracy.resolved(a, c) and not accuracy.resolved(b, c)
+    assert not accuracy.resolved(a, dict(b, samples=[1.5]))          # one sample: no spread to judge
+    assert not accuracy.resolved(a, dict(b, samples=None))
+    s = accuracy.summarize([a, b, c])
+    # all pairs: (a,b) agree, (a,c) p c<a m a<c disagree, (b,c) p c<b m c<b agree -> 2/3
+    assert (s["pairs_agree"], s["pairs"]) == (2, 3)
+    assert (s["pairs_resolved_agree"], s["pairs_resolved"]) == (1, 1)
+    g = s["groups"][0]
+    assert (g["predicted_best"], g["measured_best"], g["best_resolved"]) == ("c", "a", False)
+    assert (s["best_resolved_same"], s["best_resolved"]) == (0, 0)
+    # the predictor wrong on a resolved pair counts as wrong there too
+    s = accuracy.summarize([a, dict(b, predicted=0.5)])
+    assert (s["pairs_resolved_agree"], s["pairs_resolved"]) == (0, 1)
+    assert s["groups"][0]["best_resolved"] and (s["best_resolved_same"], s["best_resolved"]) == (0, 1)
+    md = accuracy.markdown(dict(s, cluster="c.yaml"))
+    assert "the pairs the measurement itself orders" in md and "0/1 ordered as measured" in md
+
+
+def test_samples_are_round_medians_from_three_rounds_else_steps():
+    assert accuracy._samples({"steps": [1, 2, 3, 4], "round_medians": [1.5, 2.5, 3.5]}) == [1.5, 2.5, 3.5]
+    assert accuracy._samples({"steps": [1, 2, 3, 4], "round_medians": [1.5, 2.5]}) == [1, 2, 3, 4]
+    assert accuracy._samples({"measured": 1.0}) is None
+
+
 CAL = """\
 levels:
   - {name: host, fanout: 2, bandwidth: 12000000.0, latency: 0.0001}

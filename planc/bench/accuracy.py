@@ -156,7 +156,7 @@ def iteration_cases(doc: dict, cal: Calibrated, source: str) -> list[dict]:
                 rows.append({"source": source, "group": f"{res.get('name', path.stem)} at {rate:g} Mbit/s",
                              "alternatives": "schedules", "alternative": name, "rate_mbit": rate,
                              "predicted": p, "measured": r.get("median"), "note": note,
-                             "host_link": cal.host(rate)[2]})
+                             "host_link": cal.host(rate)[2], "samples": _samples(r)})
     return rows
 
 
@@ -204,7 +204,8 @@ def testbed_cases(cases: list, cal: Calibrated, source: str, rate: float | None 
             rows.append({"source": source, "group": f"{c['case']} ({c['kind']})",
                          "alternatives": "strategies" if c["kind"] == "transfer" else "programs",
                          "alternative": c["what"], "rate_mbit": rate, "predicted": p,
-                         "measured": c.get("measured"), "note": c.get("error"), "host_link": cal.host(rate)[2]})
+                         "measured": c.get("measured"), "note": c.get("error"), "host_link": cal.host(rate)[2],
+                         "samples": _samples(c)})
     return rows
 
 
@@ -228,6 +229,29 @@ def read_measured(path: str | Path) -> tuple[str, object]:
 
 
 # ---------------------------------------------------------------- the figures
+
+MIN_ROUNDS = 3   # per-round medians stand for a program's spread from this many rounds on
+
+
+def _samples(r: dict) -> list[float] | None:
+    """What a measurement's spread is judged on: each round's median when the program ran in at least
+    MIN_ROUNDS interleaved rounds (steps of one launch are not independent of each other: a drift of the
+    machine moves them together), else the measured steps themselves; None when neither was kept."""
+    rounds = [x for x in (r.get("round_medians") or ()) if x is not None]
+    if len(rounds) >= MIN_ROUNDS:
+        return [float(x) for x in rounds]
+    steps = [float(x) for x in (r.get("steps") or ()) if x is not None]
+    return steps or None
+
+
+def resolved(a: dict, b: dict) -> bool:
+    """Whether the measurements order ``a`` and ``b`` beyond their own spread: each has at least two
+    samples and every sample of one is below every sample of the other. With three samples each, that
+    happens by chance with probability 2/20 when the two are the same program (an exact rank test)."""
+    sa, sb = a.get("samples"), b.get("samples")
+    if not sa or not sb or len(sa) < 2 or len(sb) < 2:
+        return False
+    return max(sa) < min(sb) or max(sb) < min(sa)
 
 def _sign(x: float) -> int:
     return (x > 0) - (x < 0)
@@ -254,24 +278,35 @@ def summarize(rows: list[dict]) -> dict:
     groups = {}
     for r in done:
         groups.setdefault((r["source"], r["group"]), []).append(r)
-    agree = total = 0
+    agree = total = r_agree = r_total = 0
     best = []
     for (source, name), rs in groups.items():
         pairs = list(itertools.combinations(rs, 2))
-        ok = sum(_sign(a["predicted"] - b["predicted"]) == _sign(a["measured"] - b["measured"]) for a, b in pairs)
+        same = [_sign(a["predicted"] - b["predicted"]) == _sign(a["measured"] - b["measured"]) for a, b in pairs]
+        ok = sum(same)
         agree, total = agree + ok, total + len(pairs)
+        sure = [s for s, (a, b) in zip(same, pairs) if resolved(a, b)]
+        r_agree, r_total = r_agree + sum(sure), r_total + len(sure)
         if len(rs) > 1:
             # the compiler's pick: the shortest prediction, equal ones in its tie order (schedule = auto:
             # eager_1f1b, 1f1b, gpipe; planc.pipeline.choose.CANDIDATES), else in the rows' order
             bp = min(enumerate(rs), key=lambda ir: (ir[1]["predicted"], _tie_rank(ir[1]), ir[0]))[1]["alternative"]
-            bm = min(rs, key=lambda r: r["measured"])["alternative"]
+            top = min(rs, key=lambda r: r["measured"])
+            bm = top["alternative"]
             best.append({"source": source, "group": name, "alternatives": rs[0]["alternatives"],
                          "predicted_best": bp, "measured_best": bm, "same": bp == bm,
-                         "pairs": len(pairs), "pairs_agree": ok})
+                         # the measured best beyond the spread: faster than every other in every sample
+                         "best_resolved": all(resolved(top, r) for r in rs if r is not top),
+                         "pairs": len(pairs), "pairs_agree": ok,
+                         "pairs_resolved": len(sure), "pairs_resolved_agree": sum(sure)})
     errors = [r["error"] for r in done]
+    sure_best = [g for g in best if g["best_resolved"]]
     return {"cases": rows, "median_error": statistics.median(errors) if errors else None,
             "pairs_agree": agree, "pairs": total, "pair_fraction": agree / total if total else None,
-            "groups": best, "best_all_same": all(g["same"] for g in best) if best else None}
+            "pairs_resolved_agree": r_agree, "pairs_resolved": r_total,
+            "resolved_pair_fraction": r_agree / r_total if r_total else None,
+            "groups": best, "best_all_same": all(g["same"] for g in best) if best else None,
+            "best_resolved_same": sum(g["same"] for g in sure_best), "best_resolved": len(sure_best)}
 
 
 def evaluate(cluster: str, measured: list[str]) -> dict:
@@ -303,10 +338,17 @@ def markdown(res: dict) -> str:
                      f"{_f(r['measured'])} | {_f(r['error'], '{:.1%}')} | {r.get('note') or ''} |")
     lines += ["", f"Median |p−m|/m: {_f(res['median_error'], '{:.1%}')}; pairs of alternatives ordered as "
               f"measured: {res['pairs_agree']}/{res['pairs']} ({_f(res['pair_fraction'], '{:.0%}')}); predicted "
-              f"best = measured best in {sum(g['same'] for g in res['groups'])}/{len(res['groups'])} groups.", ""]
+              f"best = measured best in {sum(g['same'] for g in res['groups'])}/{len(res['groups'])} groups.", "",
+              f"Of these, the pairs the measurement itself orders (every sample of one below every sample of "
+              f"the other; samples: per-round medians from {MIN_ROUNDS} rounds, else steps): "
+              f"{res['pairs_resolved_agree']}/{res['pairs_resolved']} ordered as measured "
+              f"({_f(res['resolved_pair_fraction'], '{:.0%}')}); groups whose measured best is beyond the spread: "
+              f"{res['best_resolved_same']}/{res['best_resolved']} predicted.", ""]
     for g in res["groups"]:
         lines.append(f"- {g['group']} ({g['alternatives']}): predicted best {g['predicted_best']}, measured best "
-                     f"{g['measured_best']}{'' if g['same'] else ' (differ)'}; pairs {g['pairs_agree']}/{g['pairs']}")
+                     f"{g['measured_best']}{'' if g['same'] else ' (differ)'}"
+                     f"{'' if g['best_resolved'] else ' (within the spread)'}; pairs {g['pairs_agree']}/{g['pairs']}"
+                     f" ({g['pairs_resolved_agree']}/{g['pairs_resolved']} of those the measurement orders)")
     return "\n".join(lines) + "\n"
 
 

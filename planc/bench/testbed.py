@@ -225,6 +225,7 @@ def _run_cases(tb, cases: list[dict], items, steps: int, timeout: float, link_do
                     f"{r.failure or r.stdout[-2000:]}")
         else:
             c["measured"] = statistics.median(times)
+            c["steps"] = list(times)     # the spread `planc bench accuracy` judges orderings against
         c["launch_s"] = r.seconds
         c.pop("out")
 
