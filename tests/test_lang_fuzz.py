@@ -192,3 +192,21 @@ def test_planc_bench_fuzz_exits_1_when_an_input_fails(monkeypatch, capsys, tmp_p
     assert "planc bench fuzz: 3 input(s) failed" in err
     monkeypatch.setattr(fuzz, "run_input", lambda *a, **k: fuzz.Outcome("accepted", 0.0))
     assert cli.main(["bench", "fuzz"]) == 0
+
+
+def test_yaml_misspelt_keys_are_errors_with_a_hint(folder):
+    """A key the file format does not know is an error at it, not a value silently left at its default
+    (a misspelt `latency` read as 0, `host` as the default level, `memory` as no limit)."""
+    yml = ("levels:\n  - {name: node, fanout: 2, bandwidth: 12.5 GB/s, latncy: 20 us}\n"
+           "  - {name: gpu, fanout: 4, bandwidth: 150 GB/s}\nhots: gpu\nmemmory: 1 GB\n"
+           "calibration: {anything: 1}\n")
+    (folder / fuzz.YAML_NAME).write_text(yml)
+    (folder / fuzz.PLAN_NAME).write_text(fuzz.YAML_PLAN)
+    from planc.lang import load
+    from planc.lang.errors import PlanError
+    with pytest.raises(PlanError) as ei:
+        load(folder / fuzz.PLAN_NAME)
+    got = {(d.span.line, d.message.split("unknown key ")[1].split(" ")[0]) for d in ei.value.diagnostics}
+    assert got == {(2, "'latncy'"), (4, "'hots'"), (5, "'memmory'")}   # calibration: planc's own record, allowed
+    text = ei.value.render()
+    assert "did you mean 'latency'?" in text and "did you mean 'host'?" in text and "did you mean 'memory'?" in text

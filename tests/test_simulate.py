@@ -192,6 +192,27 @@ def _need(compiled, probe):
     return max(a + s["peak_activation_bytes"] for a, s in zip(static, pipe))
 
 
+def test_pipeline_stages_of_the_contract(unet):
+    """PLAN_FORMAT.md's ``pipeline.stages``: per stage busy, bubble and peak activation bytes, the
+    simulated figures of ``pipeline.predicted.stages``; present with null figures when nothing was
+    simulated (no probe), so a checker finds the key in every plan with a model."""
+    from planc.compile import compile_program
+    program, probe = unet
+    pipe = compile_program(program, probe).plan_json["pipeline"]
+    assert [s["stage"] for s in pipe["stages"]] == [0, 1, 2]
+    for st, sim in zip(pipe["stages"], pipe["predicted"]["stages"]):
+        assert set(st) == {"stage", "busy", "bubble", "peak_activation_bytes"}
+        assert (st["busy"], st["bubble"], st["peak_activation_bytes"]) == \
+            (sim["busy"], sim["bubble"], sim["peak_activation_bytes"])
+        assert st["busy"] + st["bubble"] == pytest.approx(1.0) and st["peak_activation_bytes"] > 0
+    from planc.lang import load
+    from e2e_util import spelled
+    bare = compile_program(load(spelled("unet-skip.plan")), None).plan_json["pipeline"]
+    assert bare["predicted_iteration"] is None and "predicted" not in bare
+    assert bare["stages"] == [{"stage": i, "busy": None, "bubble": None, "peak_activation_bytes": None}
+                              for i in range(3)]
+
+
 def test_gantt_chart_has_a_bar_per_interval(tmp_path, unet):
     pytest.importorskip("matplotlib")
     from planc.compile import compile_program

@@ -110,10 +110,19 @@ class PipelinePlan:
             "micro_batches": self.micro_batches,
             "per_stage": [[op_text(op) for op in ops] for ops in self.per_stage],
             "predicted_iteration": self.predicted_iteration,
+            "stages": self._stage_figures(),
             **({"predicted": self.predicted} if self.predicted is not None else {}),
             **({"nic_order": [{"host": h, "sends": [list(k) for k in keys]} for h, keys in self.nic_order]}
                if self.nic_order else {}),
         }
+
+    def _stage_figures(self) -> list[dict]:
+        """PLAN_FORMAT.md's ``pipeline.stages``: per stage the simulated ``busy``, ``bubble`` and
+        ``peak_activation_bytes`` (one device, the stage's worst), from ``predicted``; ``null`` figures
+        where nothing was simulated (no probe, or a plan the runtime cannot train)."""
+        sim = {int(st["stage"]): st for st in (self.predicted or {}).get("stages") or ()}
+        return [{"stage": i, **{k: sim.get(i, {}).get(k) for k in ("busy", "bubble", "peak_activation_bytes")}}
+                for i in range(self.num_stages)]
 
     @staticmethod
     def from_json(data: dict) -> "PipelinePlan":

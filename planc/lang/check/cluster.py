@@ -166,6 +166,20 @@ def _host_level(errs: Diagnostics, levels: list[ir.Level], host: str | None, spa
     return levels[0].name if levels else None
 
 
+FILE_KEYS = ("levels", "host", "flops", "memory", "cores", "cores_per", "calibration")   # calibration: a record, not read
+LEVEL_KEYS = ("name", "fanout", "x", "bandwidth", "latency")
+
+
+def _unknown_keys(errs: Diagnostics, mapping: dict, known, where: str, at) -> bool:
+    """Report every key of ``mapping`` that is not one of ``known`` (a misspelt key would otherwise be
+    read as absent: a default latency or host level, no memory limit); True when there was one."""
+    bad = [k for k in mapping if k not in known]
+    for k in bad:
+        errs.add(f"{where}: unknown key {_short(k)} (known: {', '.join(known)})", at(k),
+                 did_you_mean(str(k), known))
+    return bool(bad)
+
+
 def _from_file(errs: Diagnostics, file: ast.Str, contents: ClusterFile | None) -> ir.Cluster | None:
     """The cluster of a YAML cluster file; each error points at the YAML node that holds the bad value
     (``contents.marks``), or at the plan's ``cluster "FILE"`` when the file has no such node."""
@@ -187,6 +201,7 @@ def _from_file(errs: Diagnostics, file: ast.Str, contents: ClusterFile | None) -
                  "(each: name, fanout, bandwidth, latency) and optionally 'host'",
                  at("levels") if isinstance(doc, dict) else at())
         return None
+    unknown = _unknown_keys(errs, doc, FILE_KEYS, f"cluster file '{file.value}'", at)   # and read on: more errors
     limit = int(budget.limit("levels"))
     if len(doc["levels"]) > limit:   # before reading each one: the budget's 'levels' bound
         errs.items.append(budget.exceeded("levels", len(doc["levels"]), f"cluster file '{file.value}' has",
@@ -197,6 +212,8 @@ def _from_file(errs: Diagnostics, file: ast.Str, contents: ClusterFile | None) -
         where = f"cluster file '{file.value}', levels[{i}]"
         if not isinstance(entry, dict) or not isinstance(entry.get("name"), str):
             errs.add(f"{where}: expected a mapping with 'name' and 'fanout'", at("levels", i))
+            return None
+        if _unknown_keys(errs, entry, LEVEL_KEYS, where, lambda *k, i=i: at("levels", i, *k)):
             return None
         key = "fanout" if "fanout" in entry else "x"
         fanout = entry.get(key)
@@ -247,7 +264,7 @@ def _from_file(errs: Diagnostics, file: ast.Str, contents: ClusterFile | None) -
                      at(key))
             return None
         device[key] = v
-    if not host:
+    if not host or unknown:
         return None
     cores = _yaml_cores(errs, doc, file.value, [l.name for l in levels], host, at)
     if cores is False:
