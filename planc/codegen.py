@@ -102,30 +102,23 @@ def ds_config(plan: dict, program: ir.Program) -> dict:
                                f"{str(e).splitlines()[0]}", program.source_path) from None
         if not isinstance(extra, dict):
             raise CodegenError(f"{path}: DeepSpeed overrides must be a mapping of config keys")
-        cfg = _merge(cfg, extra)
-        stage = int(cfg.get("zero_optimization", {}).get("stage", 0))
-        if stage > 1:
-            raise CodegenError(f"{path}: ZeRO stage {stage} cannot run with pipeline parallelism")
-        if stage == 1:
-            raise CodegenError(f"{path}: ZeRO stage 1 is not supported by the planc engine (stage 0 only: "
-                               f"gradients are reduced by the plan's program, not by ZeRO)")
-        for key in ("pipe_partitioned", "grad_partitioned"):
-            if (cfg.get("pipeline") or {}).get(key):
-                raise CodegenError(f"{path}: pipeline.{key} must stay false (the plan's transfers carry "
-                                   f"whole data-parallel slices)")
+        cfg = _merge(cfg, extra)   # its keys were checked with the plan (planc.lang.check.settings)
     return cfg
 
 
 def _code_files(program: ir.Program) -> dict[str, Path]:
     """Output name -> source path of every Python file the plan's code references."""
     files: dict[str, Path] = {}
-    for ref in (program.model, program.loss, program.data):
+    for what, ref in (("model", program.model), ("loss", program.loss), ("data", program.data)):
         if ref is None:
             continue
         src = (Path(program.source_dir) / ref.path).resolve()
+        if not src.is_file():
+            raise PlanError([Diagnostic(f"{what} file '{ref.path}' not found (looked for {src})", ref.span)])
         name = src.name
-        if name in files and files[name] != src:
-            raise CodegenError(f"two code files share the name {name!r}: {files[name]} and {src}")
+        if name in files and files[name] != src:   # OUT/ holds the code files side by side, by name
+            raise PlanError([Diagnostic(f"two code files share the name {name!r}: {files[name]} and {src} "
+                                        "(the output folder holds them side by side; rename one)", ref.span)])
         files[name] = src
     return files
 
@@ -159,7 +152,7 @@ def write_output(plan: dict, program: ir.Program, out_dir) -> Path:
 
 
 def _write_output(plan: dict, program: ir.Program, out: Path) -> Path:
-    out.mkdir(parents=True, exist_ok=True)
+    # everything is read and rendered before the folder is made: a compile that fails leaves no output
     plan = {k: v for k, v in plan.items() if not k.startswith("_")}
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(templates_dir())),
                              undefined=jinja2.StrictUndefined, keep_trailing_newline=True,
@@ -192,6 +185,7 @@ def _write_output(plan: dict, program: ir.Program, out: Path) -> Path:
         "launch.sh": env.get_template("launch.sh.j2").render(ctx),
         "README.md": env.get_template("README.md.j2").render(ctx),
     }
+    out.mkdir(parents=True, exist_ok=True)
     for name, text in sorted(files.items()):
         (out / name).write_text(text)
     os.chmod(out / "launch.sh", 0o755)
@@ -202,7 +196,5 @@ def _write_output(plan: dict, program: ir.Program, out: Path) -> Path:
     for src in sorted(resources.runtime_dir().glob("*.py")):
         shutil.copyfile(src, rt / src.name)
     for name, src in sorted(code.items()):
-        if not src.is_file():
-            raise CodegenError(f"model code {src} not found")
         shutil.copyfile(src, out / name)
     return out

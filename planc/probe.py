@@ -155,6 +155,10 @@ def probe_model(program: ir.Program, flops: bool | None = None) -> ModelProbe:
     path = Path(program.source_dir) / model.path
     if not path.is_file():
         raise PlanError(Diagnostic(f"model file '{model.path}' not found (looked for {path})", model.span))
+    for what, ref in (("data", program.data), ("loss", program.loss)):
+        if ref is not None and not (Path(program.source_dir) / ref.path).is_file():
+            raise PlanError(Diagnostic(f"{what} file '{ref.path}' not found (looked for "
+                                       f"{Path(program.source_dir) / ref.path})", ref.span))
     stage_tensor = _stage_tensor(program)
     stages = sorted(program.stages, key=lambda s: s.index)
     chain = program.auto_stages
@@ -162,6 +166,8 @@ def probe_model(program: ir.Program, flops: bool | None = None) -> ModelProbe:
         "model_file": str(path), "function": model.function, "args": dict(model.args),
         "data_file": str(Path(program.source_dir) / program.data.path) if program.data else None,
         "data_function": program.data.function if program.data else None,
+        "loss_file": str(Path(program.source_dir) / program.loss.path) if program.loss else None,
+        "loss_function": program.loss.function if program.loss else None,
         "micro_batch": program.train.micro_batch, "seed": program.train.seed,
         "stages": ([None] if chain else
                    [list(s.layers) if s.layers is not None else None for s in stages] or [None]),
@@ -181,7 +187,15 @@ def probe_model(program: ir.Program, flops: bool | None = None) -> ModelProbe:
                                    "(use --no-probe to skip sizing it)", model.span)) from None
     if proc.returncode != 0:
         last = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
-        raise PlanError(Diagnostic(f"could not build the model with {model.path}:{model.function}: {last}", model.span))
+        part, _, why = last.partition("]: ") if last.startswith("probe[") else ("probe[model", "", last)
+        part = part[len("probe["):]
+        if part == "data" and program.data is not None:
+            raise PlanError(Diagnostic(f"could not get a batch from {program.data.path}:{program.data.function}: "
+                                       f"{why}", program.data.span))
+        if part == "loss" and program.loss is not None:
+            raise PlanError(Diagnostic(f"could not load the loss {program.loss.path}:{program.loss.function}: "
+                                       f"{why}", program.loss.span))
+        raise PlanError(Diagnostic(f"could not build the model with {model.path}:{model.function}: {why}", model.span))
     try:
         doc = json.loads(proc.stdout.strip().splitlines()[-1])
     except (ValueError, IndexError):

@@ -381,17 +381,25 @@ def test_compile_cli_writes_the_output(tmp_path):
     assert plan["stage_mode"] == "explicit" and "placement" not in plan and "pipeline" not in plan
 
 
-@pytest.mark.parametrize("content,needle", [(None, "cannot read DeepSpeed overrides 'ds.yaml'"),
-                                            ("a: [1,\n", "are not valid YAML"),
-                                            ("zero_optimization: {stage: 3}\n", "ZeRO stage 3 cannot run")])
-def test_bad_deepspeed_overrides_are_user_errors(tmp_path, content, needle):
+@pytest.mark.parametrize("content,needle,where", [
+    (None, "DeepSpeed overrides file 'ds.yaml' not found", "plan"),
+    ("a: [1,\n", "cannot read DeepSpeed overrides file 'ds.yaml'", "ds.yaml:2:1"),
+    ("- a\n- b\n", "must be a mapping of DeepSpeed config keys, got list", "ds.yaml:1:1"),
+    ("zero_optimization: {stage: 3}\n", "ZeRO stage 3 cannot run", "ds.yaml:1:28"),
+    ("zero_optimization:\n  stage: 1\n", "ZeRO stage 1 is not supported", "ds.yaml:2:10"),
+    ("steps_per_print: 1\npipeline:\n  grad_partitioned: true\n", "grad_partitioned must stay false", "ds.yaml:3:21")])
+def test_bad_deepspeed_overrides_are_user_errors(tmp_path, content, needle, where):
+    """Refused by `planc check` as by the compile, at the YAML node (or the plan line when unreadable)."""
     p = _variant(tmp_path, "  synthesis  { max_size = 5 }", '  synthesis  { max_size = 5 }\n  deepspeed "ds.yaml"')
     if content is not None:
         (tmp_path / "ds.yaml").write_text(content)
-    r = subprocess.run([sys.executable, "-m", "planc", "compile", str(p), "--no-probe", "-o", str(tmp_path / "o")],
-                       capture_output=True, text=True)
-    assert r.returncode == 2, r.stderr
-    assert needle in r.stderr and "Traceback" not in r.stderr
+    for cmd in (["compile", str(p), "--no-probe", "-o", str(tmp_path / "o")], ["check", str(p)]):
+        r = subprocess.run([sys.executable, "-m", "planc", *cmd], capture_output=True, text=True)
+        assert r.returncode == 2, r.stderr
+        assert needle in r.stderr and "Traceback" not in r.stderr
+        first = r.stderr.splitlines()[0]
+        assert first.startswith(f"{p}:" if where == "plan" else str(tmp_path / where) + ":"), first
+        assert not (tmp_path / "o").exists()
 
 
 HIER = "reduce_scatter(slice=node, form=inside); allreduce(slice=node, form=parallel(root)); all_gather(slice=node, form=inside)"
@@ -419,3 +427,22 @@ def test_half_precision_training_is_not_yet_supported(tmp_path):
     c = compile_file(p, probe=False)
     assert [d.message.split(";")[0] for d in c.untrainable] == ["training in bf16 is not yet supported by the planc runtime (fp32 only)"]
     assert c.plan_json["train"]["trainable"] is False
+
+
+@pytest.mark.parametrize("old,new,line_of,needle", [
+    ('gpt.py:loss"', 'gpt.py:losss"', "loss", "could not load the loss"),
+    ('gpt.py:batches"', 'gpt.py:batchez"', "data", "could not get a batch from"),
+    ('loss  "', 'loss  "nothere/', "loss", "loss file 'nothere/"),
+    ('data  "', 'data  "nothere/', "data", "data file 'nothere/"),
+])
+def test_loss_and_data_functions_are_checked_at_their_lines(tmp_path, old, new, line_of, needle):
+    """A misspelt loss or data function (or a missing file) is an error at that line of the plan at
+    compile time, not a traceback on every rank at launch, nor blamed on the model line."""
+    p = _variant(tmp_path, old, new)
+    with pytest.raises(PlanError) as e:
+        compile_file(p)
+    (d,) = e.value.diagnostics
+    line = next(i for i, l in enumerate(p.read_text().splitlines(), 1) if l.lstrip().startswith(line_of + "  \""))
+    assert d.span.line == line and needle in d.message, (d.span.line, d.message)
+    if "could not" in needle:
+        assert "is not defined in gpt.py" in d.message and "Traceback" not in d.message

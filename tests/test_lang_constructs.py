@@ -284,7 +284,9 @@ reduce v over tensor using reduce(slice=gpu, form=master(node)); broadcast(slice
 
 # ---------------------------------------------------------------- settings blocks
 
-def test_resharding_synthesis_train_deepspeed():
+def test_resharding_synthesis_train_deepspeed(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)   # plan text without a file: its paths are relative to the working directory
+    (tmp_path / "ds.yaml").write_text("steps_per_print: 10\n")
     p = ok(CLUSTER + "parallel { data = 8 }\n" + """
 resharding { strategy = send_recv, chunks = 8, schedule = dfs(budget = 250 ms) }
 synthesis { max_size = 4, collectives = [allreduce, reduce_scatter, all_gather] }

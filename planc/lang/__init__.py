@@ -57,30 +57,40 @@ def load(path: str | Path, budget=None) -> ir.Program:
 
 def read_inputs(tree: ast.PlanFile, path: str):
     """What the checker needs from outside the text (:class:`planc.lang.check.PlanInputs`): the plan's
-    folder (the working directory for text without a file) and the cluster file it names, if any."""
-    from planc.lang.check import ClusterFile, PlanInputs
+    folder (the working directory for text without a file), and the YAML files it names, if any: the
+    cluster file and the DeepSpeed overrides."""
+    from planc.lang.check import PlanInputs
 
     source_dir = str(Path(path).resolve().parent) if path and not path.startswith("<") else os.getcwd()
     block = next((s for s in tree.statements if isinstance(s, ast.ClusterBlock)), None)
-    if block is None or block.file is None:
-        return PlanInputs(source_dir)
-    name = block.file.value
+    ds = next((s for s in tree.statements if isinstance(s, ast.DeepspeedDecl)), None)
+    return PlanInputs(source_dir,
+                      _read_yaml_input(source_dir, path, block.file.value, "cluster file")
+                      if block is not None and block.file is not None else None,
+                      _read_yaml_input(source_dir, path, ds.path.value, "DeepSpeed overrides file")
+                      if ds is not None else None)
+
+
+def _read_yaml_input(source_dir: str, path: str, name: str, what: str):
+    """A YAML file the plan names (relative to its folder), read with each node's span, or the problem."""
+    from planc.lang.check import ClusterFile
+
     file = Path(source_dir) / name
     # the file as diagnostics name it: beside the plan, as the plan's own path is written
     shown = str(Path(path).parent / name) if path and not path.startswith("<") else name
+    text = None
     try:
         text = file.read_text()
         doc, marks = read_yaml(text, shown)
-        contents = ClusterFile(name, doc=doc, path=shown, text=text, marks=marks)
+        return ClusterFile(name, doc=doc, path=shown, text=text, marks=marks)
     except FileNotFoundError:
-        contents = ClusterFile(name, problem=f"cluster file '{name}' not found (looked in {file.parent})")
+        return ClusterFile(name, problem=f"{what} '{name}' not found (looked in {file.parent})")
     except UnicodeDecodeError as e:
-        contents = ClusterFile(name, problem=f"cluster file '{name}' is not UTF-8 text (byte {e.start})")
+        return ClusterFile(name, problem=f"{what} '{name}' is not UTF-8 text (byte {e.start})")
     except YamlProblem as e:
-        contents = ClusterFile(name, problem=f"cannot read cluster file '{name}': {e}", path=shown, text=text,
-                               problem_span=e.span)
+        return ClusterFile(name, problem=f"cannot read {what} '{name}': {e}", path=shown, text=text,
+                           problem_span=e.span)
     except OSError as e:
-        contents = ClusterFile(name, problem=f"cannot read cluster file '{name}': {e.strerror or e}")
+        return ClusterFile(name, problem=f"cannot read {what} '{name}': {e.strerror or e}")
     except ValueError as e:   # a name the file system cannot take (a NUL byte)
-        contents = ClusterFile(name, problem=f"cannot read cluster file {name!r}: {e}")
-    return PlanInputs(source_dir, contents)
+        return ClusterFile(name, problem=f"cannot read {what} {name!r}: {e}")

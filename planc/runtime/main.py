@@ -33,12 +33,16 @@ from .reshard import TransferExecutor
 from .tensor_parallel import context_from_plan, shard_info
 from .topology import create_groups
 from .trace import Tracer
-from .usercode import accepts_tensor_parallel, build_layers, load_callable  # noqa: F401 (re-exported)
+from .usercode import MissingFunction, accepts_tensor_parallel, build_layers, load_callable  # noqa: F401 (re-exported)
 
 
-def load_function(out_dir: str, ref: dict):
-    """A ``{"file", "function"}`` reference of run.json, from the output folder."""
-    return load_callable(os.path.join(out_dir, ref["file"]), ref["function"])
+def load_function(out_dir: str, ref: dict, what: str = "function"):
+    """A ``{"file", "function"}`` reference of run.json, from the output folder; a missing file or
+    function is an EngineError that names it (``what``: the plan's word for it, e.g. ``loss``)."""
+    try:
+        return load_callable(os.path.join(out_dir, ref["file"]), ref["function"])
+    except (FileNotFoundError, MissingFunction) as e:
+        raise EngineError(f"the plan's {what} {ref['file']}:{ref['function']}: {e}") from None
 
 
 def dump_params(engine, directory: str, rank: int) -> None:
@@ -279,32 +283,34 @@ def _main(argv=None, out_dir: str | None = None) -> int:
         model_args = dict(run["model"].get("args", {}))
         seed = int(train.get("seed", 0))
         micro_batch = int(train["micro_batch"])
-        builder = load_function(out_dir, run["model"])
-        tp = None
-        if accepts_tensor_parallel(builder):
+        try:   # every user function before anything is built: a typo in one is one message, all ranks stop
+            builder, loss_fn, batches = (load_function(out_dir, run[k], k) for k in ("model", "loss", "data"))
+        except EngineError as e:
+            problems = [str(e)]
+        if not problems:
+            tp = None
+            if accepts_tensor_parallel(builder):
+                try:
+                    tp = context_from_plan(plan, groups, rank)
+                except (ValueError, KeyError) as e:
+                    raise EngineError(f"rank {rank}: {e.args[0] if e.args else e}") from None
+            torch.manual_seed(seed)   # every rank builds all layers alike (then shards them), and keeps its stage's
             try:
-                tp = context_from_plan(plan, groups, rank)
-            except (ValueError, KeyError) as e:
-                raise EngineError(f"rank {rank}: {e.args[0] if e.args else e}") from None
-        torch.manual_seed(seed)   # every rank builds all layers alike (then shards them), and keeps its stage's
-        try:
-            layers = build_layers(builder, model_args, tp)
-        except ValueError as e:
-            if tp is None:
-                raise
-            raise EngineError(f"rank {rank}: the model cannot be split over its tensor group of {tp.size}: "
-                              f"{e}") from None
-        loss_fn = load_function(out_dir, run["loss"])
-        batches = load_function(out_dir, run["data"])
-        # what needs the real world is checked before DeepSpeed builds anything, and gathered so that
-        # all ranks stop together with one message
-        try:
-            lo, hi = stage.layers
-            x, _ = next(batches(micro_batch, seed, **model_args))
-            a, b = stage.rows_of(rank)
-            problems = check_stage_shapes(plan, rank, layers[lo:hi], x[a:b])
-        except (EngineError, ValueError, KeyError) as e:
-            problems = [f"rank {rank}: {e}"]
+                layers = build_layers(builder, model_args, tp)
+            except ValueError as e:
+                if tp is None:
+                    raise
+                raise EngineError(f"rank {rank}: the model cannot be split over its tensor group of {tp.size}: "
+                                  f"{e}") from None
+            # what needs the real world is checked before DeepSpeed builds anything, and gathered so that
+            # all ranks stop together with one message
+            try:
+                lo, hi = stage.layers
+                x, _ = next(batches(micro_batch, seed, **model_args))
+                a, b = stage.rows_of(rank)
+                problems = check_stage_shapes(plan, rank, layers[lo:hi], x[a:b])
+            except (EngineError, ValueError, KeyError) as e:
+                problems = [f"rank {rank}: {e}"]
     _fail_together(problems)
 
     tracer = Tracer(rank, stage.index if stage is not None else None) if args.trace else None

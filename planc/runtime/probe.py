@@ -67,13 +67,14 @@ Runs on CPU, no process group, no gradients.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 
 import torch
 
 from .tensor_parallel import TensorParallel
-from .usercode import accepts_tensor_parallel, load_callable
+from .usercode import MissingFunction, accepts_tensor_parallel, load_callable
 
 DTYPE_NAMES = {torch.float64: "f64", torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16",
                torch.int64: "i64", torch.int32: "i32", torch.int16: "i16", torch.int8: "i8",
@@ -325,15 +326,41 @@ def probe(model_file, function, args: dict, micro_batch: int, data=None, seed=0,
     return result
 
 
+class PartFailed(Exception):
+    """The plan's ``model``, ``data`` or ``loss`` failed: the compiler points at that line of the plan."""
+
+    def __init__(self, part: str, cause: BaseException):
+        plain = isinstance(cause, (MissingFunction, FileNotFoundError))   # their message says it all
+        super().__init__(str(cause) if plain else f"{type(cause).__name__}: {cause}")
+        self.part = part
+
+
+@contextlib.contextmanager
+def _part(name: str):
+    try:
+        yield
+    except PartFailed:
+        raise
+    except Exception as e:  # noqa: BLE001 - reported as the plan line's error
+        raise PartFailed(name, e) from e
+
+
 def _request(req: dict) -> dict:
     """planc.probe's form: one JSON request, the stage dataflow measured (see the module docstring)."""
     seed = int(req.get("seed", 0))
     args = dict(req.get("args", {}))
-    builder = _load(req["model_file"], req["function"])
+    with _part("model"):
+        builder = _load(req["model_file"], req["function"])
+    with _part("data"):
+        data_fn = _load(req.get("data_file") or req["model_file"], req.get("data_function") or "batches")
+    if req.get("loss_function"):   # loaded, not called: a typo in its name is found at compile time
+        with _part("loss"):
+            _load(req.get("loss_file") or req["model_file"], req["loss_function"])
     opts_in = accepts_tensor_parallel(builder)
-    layers = _build(builder, args, seed, None, opts_in)
-    data_file = req.get("data_file") or req["model_file"]
-    x, _ = next(_load(data_file, req.get("data_function") or "batches")(int(req["micro_batch"]), seed, **args))
+    with _part("model"):
+        layers = _build(builder, args, seed, None, opts_in)
+    with _part("data"):
+        x, _ = next(data_fn(int(req["micro_batch"]), seed, **args))
     transfers = [dict(t) for t in req.get("transfers", [])]
     stages = _resolve(req.get("stages") or [None], len(layers))
     inputs_of: dict[int, tuple] = {}
@@ -385,6 +412,9 @@ def main(argv=None) -> int:
     if len(argv) == 1 and argv[0].lstrip().startswith("{"):
         try:
             out = _request(json.loads(argv[0]))
+        except PartFailed as e:   # the compiler reads the part from the tag
+            print(f"probe[{e.part}]: {e}", file=sys.stderr)
+            return 2
         except Exception as e:  # noqa: BLE001
             print(f"probe: {type(e).__name__}: {e}", file=sys.stderr)
             return 2

@@ -12,18 +12,37 @@ import sys
 __all__ = ["load_callable", "accepts_tensor_parallel", "build_layers"]
 
 
+class MissingFunction(AttributeError):
+    """The user's file has no callable of that name (a typo in the plan's ``FILE:FUNCTION``), as opposed to
+    an AttributeError raised by the file's own code while it is imported."""
+
+
 def load_callable(path: str, function: str, prefix: str = "planc_user_"):
-    """``function`` from the Python file at ``path``, the module loaded once per process."""
+    """``function`` from the Python file at ``path``, the module loaded once per process. A file that does
+    not exist is a FileNotFoundError, a name it does not define (or that is not callable) a MissingFunction."""
     name = prefix + os.path.splitext(os.path.basename(path))[0]
     mod = sys.modules.get(name)
     if mod is None:
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"{path} not found")
         spec = importlib.util.spec_from_file_location(name, path)
         if spec is None:
-            raise FileNotFoundError(path)
+            raise FileNotFoundError(f"{path} is not a Python file")
         mod = importlib.util.module_from_spec(spec)
         sys.modules[name] = mod
-        spec.loader.exec_module(mod)
-    return getattr(mod, function)
+        try:
+            spec.loader.exec_module(mod)
+        except BaseException:
+            del sys.modules[name]   # a half-imported module must not be found by the next call
+            raise
+    fn = getattr(mod, function, None)
+    if fn is None or not callable(fn):
+        defined = sorted(k for k, v in vars(mod).items() if callable(v) and not k.startswith("_")
+                         and getattr(v, "__module__", None) == mod.__name__)
+        why = "is not defined" if fn is None else f"is a {type(fn).__name__}, not a function"
+        raise MissingFunction(f"'{function}' {why} in {os.path.basename(path)}"
+                              + (f" (it defines: {', '.join(defined[:12])})" if defined else ""))
+    return fn
 
 
 def accepts_tensor_parallel(builder) -> bool:

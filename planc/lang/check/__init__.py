@@ -51,6 +51,7 @@ class PlanInputs:
 
     source_dir: str
     cluster_file: ClusterFile | None = None
+    deepspeed_file: ClusterFile | None = None   # the `deepspeed "FILE"` overrides, read the same way
 
 
 def check(tree: ast.PlanFile, path: str, text: str, inputs: PlanInputs | None = None,
@@ -83,19 +84,21 @@ def check(tree: ast.PlanFile, path: str, text: str, inputs: PlanInputs | None = 
     resharding = check_resharding(errs, first("resharding"))
     synthesis = check_synthesis(errs, first("synthesis"))
     train = check_train(errs, first("train"), parallel, stages, model is not None)
-    deepspeed = check_deepspeed(first("deepspeed"))
+    deepspeed = check_deepspeed(errs, first("deepspeed"), inputs.deepspeed_file)
 
     if errs.found or cluster is None:
         if cluster is None and "cluster" not in by_kind:
             errs.add("a plan needs a 'cluster { ... }' block", tree.span if tree.span.line else Span(1, 1, 1, 2, path))
         sources = {path: text}
-        cf = inputs.cluster_file
         items = errs.items
-        if cf is not None and cf.path and cf.text is not None:   # errors in a YAML cluster file show its line
-            sources[cf.path] = cf.text
-            named = first("cluster").file.span   # and say which plan line named the file
-            note = f"in the cluster file named at {path}:{named.line}:{named.col}: cluster \"{cf.name}\""
-            items = [dataclasses.replace(d, hint=d.hint or note) if d.span.file == cf.path else d for d in items]
+        for yf, decl, kind in ((inputs.cluster_file, "cluster", "cluster file"),
+                               (inputs.deepspeed_file, "deepspeed", "DeepSpeed overrides file")):
+            if yf is not None and yf.path and yf.text is not None:   # errors in a YAML file show its line
+                sources[yf.path] = yf.text
+                b = first(decl)   # and say which plan line named the file
+                named = (b.file if decl == "cluster" else b.path).span
+                note = f"in the {kind} named at {path}:{named.line}:{named.col}: {decl} \"{yf.name}\""
+                items = [dataclasses.replace(d, hint=d.hint or note) if d.span.file == yf.path else d for d in items]
         raise PlanError(items, sources)
     return ir.Program(
         name=tree.name.value if tree.name else _name_from_path(path),

@@ -242,6 +242,36 @@ def _timeout(errs: Diagnostics, kv: ast.KeyValue | None) -> float | None:
     return q
 
 
-def check_deepspeed(block: ast.DeepspeedDecl | None) -> str | None:
-    """The DeepSpeed overrides file as written (read by codegen, relative to the plan's folder)."""
-    return block.path.value if block else None
+def check_deepspeed(errs: Diagnostics, block: ast.DeepspeedDecl | None, file=None) -> str | None:
+    """The DeepSpeed overrides file as written (merged by codegen, relative to the plan's folder), checked
+    here so that ``planc check`` finds what the compile would refuse: a file that cannot be read, YAML that
+    is not a mapping, ZeRO stages the planc engine cannot run, pipeline partitioning the transfers do not
+    carry. ``file``: the loader's reading of it (a ``ClusterFile``); errors point at its YAML nodes."""
+    if block is None:
+        return None
+    if file is None:
+        return block.path.value
+    if file.problem is not None:
+        errs.add(file.problem, file.problem_span or block.path.span)
+        return None
+    where = f"DeepSpeed overrides '{file.name}'"
+    doc = file.doc if file.doc is not None else {}
+    if not isinstance(doc, dict):
+        errs.add(f"{where} must be a mapping of DeepSpeed config keys, got {type(doc).__name__}",
+                 file.at(fallback=block.path.span))
+        return None
+    zero = doc.get("zero_optimization")
+    stage = zero.get("stage", 0) if isinstance(zero, dict) else 0
+    if stage not in (0, None, False):
+        at = file.at("zero_optimization", "stage", fallback=block.path.span)
+        if stage == 1:
+            errs.add(f"{where}: ZeRO stage 1 is not supported by the planc engine (stage 0 only: gradients are "
+                     "reduced by the plan's program, not by ZeRO)", at)
+        else:
+            errs.add(f"{where}: ZeRO stage {stage!r} cannot run with pipeline parallelism (stage 0 only)", at)
+    pipe = doc.get("pipeline")
+    for key in ("pipe_partitioned", "grad_partitioned"):
+        if isinstance(pipe, dict) and pipe.get(key):
+            errs.add(f"{where}: pipeline.{key} must stay false (the plan's transfers carry whole data-parallel "
+                     "slices)", file.at("pipeline", key, fallback=block.path.span))
+    return block.path.value
