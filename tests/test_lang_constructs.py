@@ -374,3 +374,21 @@ def test_settings_that_would_make_compile_run_forever_are_errors(setting, needle
         load_text(text, "big.plan")
     out = e.value.render()
     assert needle in out and "big.plan:3:" in out
+
+
+def test_a_broken_parallel_block_is_one_error_not_a_cascade():
+    """Stages, transfers and reductions that depend on a parallel block the check could not make are not
+    reported again as missing stages, missing axes or a missing parallel block."""
+    body = MODEL + """stage 0 : layers 0..2
+stage 1 : layers 2..4
+transfer h from stage 0 to stage 1
+reduce gradients over data
+"""
+    for parallel, want in [("parallel { pipe = 2, data = 3 }", "axis sizes multiply to 6"),
+                           ("parallel { pipe = 2, data = 4, place = [[2, 1], [2, 1]] }", "multiplies to 2, but the axis size is 4")]:
+        text = err(CLUSTER + parallel + "\n" + body)
+        assert want in text
+        for follow_on in ("there is no stage", "is not an axis", "add a 'parallel' block"):
+            assert follow_on not in text, text
+    # with no parallel block at all the stages still say what is missing
+    assert "add a 'parallel' block" in err(CLUSTER + body)

@@ -76,11 +76,18 @@ def check(tree: ast.PlanFile, path: str, text: str, inputs: PlanInputs | None = 
         for what, ref in (("loss", loss), ("data", data)):
             if ref is None:
                 errs.add(f"a plan with a model needs a '{what} \"file.py:function\"' line", first("model").span)
-    stage_mode, stages = check_stages(errs, by_kind.get("StageDecl", []), cluster, parallel, model is not None,
-                                      tree.span, first("stages"))
-    transfers = check_transfers(errs, by_kind.get("TransferDecl", []), stages, parallel,
-                                model is not None or "model" in by_kind, text)
-    reductions = check_reductions(errs, by_kind.get("ReduceDecl", []), cluster, parallel, stages, stage_mode)
+    if "parallel" in by_kind and parallel is None and not any(d.devices is not None for d in by_kind.get(
+            "StageDecl", [])):   # a broken parallel block, said already: its stages cannot be checked
+        stage_mode, stages = ir.StageMode.PIPE_AXIS, ()
+    else:
+        stage_mode, stages = check_stages(errs, by_kind.get("StageDecl", []), cluster, parallel, model is not None,
+                                          tree.span, first("stages"))
+    # stages that could not be made (an error said why): what refers to them is checked once they are
+    lost = errs.found and not stages and bool(by_kind.get("StageDecl") or first("stages"))
+    transfers = () if lost else check_transfers(errs, by_kind.get("TransferDecl", []), stages, parallel,
+                                                model is not None or "model" in by_kind, text)
+    reductions = () if lost else check_reductions(errs, by_kind.get("ReduceDecl", []), cluster, parallel, stages,
+                                                  stage_mode)
     resharding = check_resharding(errs, first("resharding"))
     synthesis = check_synthesis(errs, first("synthesis"))
     train = check_train(errs, first("train"), parallel, stages, model is not None)
