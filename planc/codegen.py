@@ -74,6 +74,8 @@ def ds_config(plan: dict, program: ir.Program) -> dict:
     trainable = program.model is not None and (plan.get("train") or {}).get("trainable", True)
     per_device = _rows_per_device(plan, train.micro_batch) if trainable else train.micro_batch
     opt_params = {"lr": train.optimizer.lr, **dict(train.optimizer.params)}
+    if "beta1" in opt_params or "beta2" in opt_params:   # the plan's beta1/beta2 are torch's (and DeepSpeed's) betas
+        opt_params["betas"] = [opt_params.pop("beta1", 0.9), opt_params.pop("beta2", 0.999)]
     cfg = {
         "train_batch_size": train.micro_batch * train.micro_batches,
         "train_micro_batch_size_per_gpu": per_device,
@@ -84,6 +86,9 @@ def ds_config(plan: dict, program: ir.Program) -> dict:
         "pipeline": {"pipe_partitioned": False, "grad_partitioned": False},
         "steps_per_print": 1,
         "seed": train.seed,
+        # DeepSpeed clips to norm 1.0 unless told otherwise, and its norm would be each stage's own: the
+        # plan has no clipping, so the generated program must not clip (a silent gradient change)
+        "gradient_clipping": 0.0,
     }
     if train.precision is ir.Precision.FP16:
         cfg["fp16"] = {"enabled": True}

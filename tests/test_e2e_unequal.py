@@ -316,3 +316,106 @@ def test_many_micro_batches_stay_within_schedule_bound(tmp_path, schedule):
             assert got["stage"] == st["index"], (rank, table)
             assert 1 <= got["peak_live_micro_batches"] <= bound + DEFAULT_AHEAD, f"rank {rank} holds too many: {table}"
             assert got["peak_pending_sends"] <= deepest + DEFAULT_AHEAD, f"rank {rank}: too many sends in flight: {table}"
+
+
+@pytest.mark.slow
+def test_large_gradients_are_not_clipped(tmp_path):
+    """A loss whose gradients have a norm far above 1 (DeepSpeed's default gradient_clipping is 1.0, and
+    its norm would be each stage's own): the run matches plain torch SGD, which clips nothing. Before the
+    generated ds_config.json said gradient_clipping 0.0, every parameter here was off after one step."""
+    (tmp_path / "big.py").write_text((ROOT / "examples" / "mlp.py").read_text().replace(
+        "    return nn.functional.mse_loss(output, target)", "    return 1000.0 * nn.functional.mse_loss(output, target)"))
+    plan = variant(tmp_path, MEMORY_PLAN, edits=[(r'"[^"]*/examples/mlp\.py:loss"', f'"{tmp_path}/big.py:loss"'),
+                                                 (r"lr = [0-9.e-]+", "lr = 1e-4")])
+    cfg_plan, r, _ = train_and_compare(tmp_path, plan, PLANS[MEMORY_PLAN])
+    assert json.loads((tmp_path / "out" / "ds_config.json").read_text())["gradient_clipping"] == 0.0
+
+
+SKIP_MODEL = '''import torch
+from torch import nn
+
+
+class Pass(nn.Module):
+    def forward(self, x):
+        return x
+
+
+class In(nn.Module):
+    def __init__(self, ids):
+        super().__init__()
+        self.ids = ids
+        self.l = nn.Embedding(10, 6) if ids else nn.Linear(4, 6)
+
+    def forward(self, x):
+        return self.l(x).mean(1) if self.ids else torch.tanh(self.l(x))
+
+
+class Comb(nn.Module):
+    def forward(self, raw, h):
+        return torch.cat([raw.float() / 3, h], dim=1)
+
+
+def build(ids=False):
+    return [Pass(), In(ids), nn.Linear(6, 6), Comb(), nn.Linear(11 if ids else 10, 2)]
+
+
+def loss(out, y):
+    return nn.functional.mse_loss(out, y)
+
+
+def batches(micro_batch, seed, ids=False, **_):
+    g = torch.Generator().manual_seed(seed)
+    while True:
+        x = torch.randint(0, 10, (micro_batch, 5), generator=g) if ids else torch.randn(micro_batch, 4, generator=g)
+        yield x, torch.stack([x.float().mean(1), x.float()[:, 0] * x.float()[:, 1]], dim=1)
+'''
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ids", [False, True])
+def test_a_skip_of_the_raw_input_trains(tmp_path, ids):
+    """Stage 0 sends its raw input (no gradient: float features, or i64 token ids) as a skip to stage 2:
+    its backward has nothing to differentiate for that transfer. It crashed the first backward; now the
+    run matches plain torch SGD step for step."""
+    import importlib.util
+
+    import torch
+    (tmp_path / "skipin.py").write_text(SKIP_MODEL)
+    (tmp_path / "skipin.plan").write_text(f"""plan skipin {{
+  cluster {{ level node x 1 : bandwidth 1 GB/s
+            level cpu x 5 : bandwidth 10 GB/s }}
+  model "skipin.py:build" {{ ids = {'true' if ids else 'false'} }}
+  loss  "skipin.py:loss"
+  data  "skipin.py:batches"
+  stage 0 : layers 0..2 on devices 0..2 as (data = 2)
+  stage 1 : layers 2..3 on devices 2..3 as (data = 1)
+  stage 2 : layers 3..5 on devices 3..5 as (data = 2)
+  transfer raw from stage 0 layer 0 to stage 2
+  transfer h from stage 0 to stage 1
+  transfer h2 from stage 1 to stage 2
+  reduce gradients over data
+  train {{ micro_batch = 4, micro_batches = 3, steps = 3, schedule = eager_1f1b, optimizer = sgd(lr = 0.1), seed = 21 }}
+}}
+""")
+    _, out = compile_to(tmp_path, tmp_path / "skipin.plan")
+    r = launch_sh(out, "--steps", "3")
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
+    spec = importlib.util.spec_from_file_location("skipin_ref", tmp_path / "skipin.py")
+    m = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(m)
+    torch.manual_seed(21)
+    layers = m.build(ids)
+    opt = torch.optim.SGD([p for l in layers for p in l.parameters()], lr=0.1)
+    data, want = m.batches(4, 21, ids), []
+    for _ in range(3):
+        total = 0.0
+        for _ in range(3):
+            x, y = next(data)
+            raw = layers[0](x)
+            loss = m.loss(layers[4](layers[3](raw, layers[2](layers[1](raw)))), y) / 3
+            loss.backward()
+            total += loss.item()
+        opt.step()
+        opt.zero_grad()
+        want.append(total)
+    assert losses_of(r.stdout) == pytest.approx(want, rel=1e-4, abs=1e-6), r.stdout[-2000:]

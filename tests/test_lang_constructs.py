@@ -392,3 +392,13 @@ reduce gradients over data
             assert follow_on not in text, text
     # with no parallel block at all the stages still say what is missing
     assert "add a 'parallel' block" in err(CLUSTER + body)
+
+
+def test_each_optimizer_takes_its_own_keys():
+    base = CLUSTER + "parallel { data = 8 }\ntrain { optimizer = OPT }\n"
+    assert ok(base.replace('OPT', "adam(lr = 0.1, beta1 = 0.8, beta2 = 0.9, eps = 1e-6, weight_decay = 0.01)")).train.optimizer
+    assert ok(base.replace('OPT', "sgd(lr = 0.1, momentum = 0.9, weight_decay = 0.01)")).train.optimizer
+    for opt, key in [("adam(lr = 0.1, momentum = 0.9)", "momentum"), ("sgd(lr = 0.1, beta1 = 0.5)", "beta1"),
+                     ("sgd(lr = 0.1, eps = 1e-8)", "eps")]:
+        text = err(base.replace('OPT', opt))
+        assert key in text and "error" in text, text

@@ -38,3 +38,75 @@ def test_the_runtime_names_the_plans_entry(tmp_path):
         load_function(str(tmp_path), {"file": "m3.py", "function": "losss"}, "loss")
     with pytest.raises(EngineError, match=r"the plan's data gone.py:batches: .*gone.py not found"):
         load_function(str(tmp_path), {"file": "gone.py", "function": "batches"}, "data")
+
+
+def test_gradient_buckets_split_where_the_dtype_changes():
+    """A stage whose parameters have several dtypes (an f64 layer after f32 ones) gets one bucket per run
+    of one dtype instead of refusing to start."""
+    import torch
+
+    from planc.runtime.grads import GradientBuckets
+
+    class Stub:
+        granule = 1
+
+    params = [torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(2, dtype=torch.float64)),
+              torch.nn.Parameter(torch.zeros(4, dtype=torch.float64)), torch.nn.Parameter(torch.zeros(5))]
+    gb = GradientBuckets(params, Stub(), torch.device("cpu"))
+    assert [(b.dtype, b.numel()) for b, _ in gb.buckets] == [(torch.float32, 5), (torch.float64, 6),
+                                                             (torch.float32, 3)]   # backward order
+    gb.attach()
+    assert all(p.grad.dtype == p.dtype and p.grad.shape == p.shape for p in params)
+
+
+def test_a_stage_without_parameters_gets_an_optimizer_that_changes_nothing():
+    import torch
+
+    from planc.runtime.dataflow import build_optimizer
+    opt = build_optimizer(torch.nn.GELU().parameters(), {"optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
+    opt.step()
+    opt.zero_grad()
+    assert [p.numel() for g in opt.param_groups for p in g["params"]] == [0]
+
+
+def test_the_start_up_shape_check_leaves_batchnorm_statistics_alone(tmp_path):
+    """The runtime's start-up check runs each stage's layers once in training mode; BatchNorm's running
+    statistics and batch count must come out as they went in (one extra update before step 0 otherwise)."""
+    import torch
+
+    from planc.compile import compile_file
+    from planc.runtime import planfile
+    from planc.runtime.dataflow import check_stage_shapes
+
+    (tmp_path / "bn.py").write_text(
+        "import torch\nfrom torch import nn\n\n"
+        "def build():\n    return [nn.Linear(4, 6), nn.BatchNorm1d(6), nn.Linear(6, 2)]\n\n"
+        "def loss(o, y):\n    return nn.functional.mse_loss(o, y)\n\n"
+        "def batches(micro_batch, seed, **_):\n    g = torch.Generator().manual_seed(seed)\n    while True:\n"
+        "        x = torch.randn(micro_batch, 4, generator=g)\n        yield x, x[:, :2]\n")
+    (tmp_path / "bn.plan").write_text("""plan bn {
+  cluster { level node x 1 : bandwidth 1 GB/s
+            level cpu x 2 : bandwidth 10 GB/s }
+  model "bn.py:build" { }
+  loss  "bn.py:loss"
+  data  "bn.py:batches"
+  stage 0 : layers 0..1 on devices 0..1 as (data = 1)
+  stage 1 : layers 1..3 on devices 1..2 as (data = 1)
+  transfer h from stage 0 to stage 1
+  train { micro_batch = 4, micro_batches = 2, steps = 1, optimizer = sgd(lr = 0.1) }
+}
+""")
+    c = compile_file(tmp_path / "bn.plan")
+    plan = planfile.Plan.from_json(c.plan_json)
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("bn_model", tmp_path / "bn.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    layers = mod.build()
+    bn = layers[1]
+    before = {k: v.clone() for k, v in bn.state_dict().items()}
+    x, _ = next(mod.batches(4, 0))
+    assert check_stage_shapes(plan, 1, layers[1:3], x) == []
+    after = bn.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before), {k: (before[k], after[k]) for k in before}
+    assert int(after["num_batches_tracked"]) == 0

@@ -70,6 +70,9 @@ def build_optimizer(params, ds_config: dict):
     table = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}
     if kind not in table:
         raise EngineError(f"optimizer {opt.get('type')!r} is not supported (Adam, AdamW, SGD)")
+    params = [q for q in params if q.requires_grad]
+    if not params:   # a stage without parameters (activations, reshapes) trains too: its steps change nothing
+        params = [torch.nn.Parameter(torch.zeros(0))]
     return table[kind](params, **kw)
 
 
@@ -119,12 +122,18 @@ def check_stage_shapes(plan: Plan, rank: int, layers, sample_x, device=None) -> 
             region = t.forward.region("dst", rank)
             inputs.append(torch.zeros([b - a for a, b in region], dtype=DTYPES[t.dtype], device=device))
     taps = {graph.src_layer(graph.by_name[n]) for n in outgoing}
+    # the check's forward must leave no trace: buffers a forward updates in training mode (BatchNorm's
+    # running statistics and batch count) are put back as they were
+    saved = [(b, b.detach().clone()) for layer in layers for b in layer.buffers()]
     with torch.no_grad():
         try:
             _, tapped = apply_layers(layers, first, inputs, taps)
         except Exception as e:  # noqa: BLE001 - reported with the stage
             return [f"stage {stage.index}: its layers fail on the planned inputs "
                     f"{[tuple(i.shape) for i in inputs]}: {e}"]
+        finally:
+            for b, v in saved:
+                b.copy_(v)
     problems = []
     for n in outgoing:
         t = graph.by_name[n]

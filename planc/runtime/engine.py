@@ -331,6 +331,8 @@ class PlanEngine(PipelineEngine):
             tensors, sums = [], []
             for n in self.outgoing:
                 out, g = outs[n], grads[n]
+                if not out.requires_grad:   # e.g. the stage's input sent on as a skip: nothing here to differentiate
+                    continue
                 for i, t in enumerate(tensors):
                     if t is out:
                         sums[i] = sums[i] + g
@@ -340,7 +342,8 @@ class PlanEngine(PipelineEngine):
                     sums.append(g)
             self._running_engine_backward = True
             try:
-                torch.autograd.backward(tensors, sums)
+                if tensors:
+                    torch.autograd.backward(tensors, sums)
             finally:
                 self._running_engine_backward = False
         self._drop(buffer_id, "outputs", "grads", "losses", "labels")

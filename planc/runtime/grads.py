@@ -38,7 +38,8 @@ class GradientBuckets:
         members: list[torch.nn.Parameter] = []
         size = 0
         for p in reversed(self.params):            # backward order
-            if members and (size + p.numel()) * p.element_size() > limit:
+            # a bucket is one flat buffer of one dtype: a parameter of another dtype starts the next bucket
+            if members and ((size + p.numel()) * p.element_size() > limit or p.dtype != members[0].dtype):
                 self._add(members, granule, device)
                 members, size = [], 0
             members.append(p)

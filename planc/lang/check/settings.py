@@ -180,8 +180,10 @@ def check_train(errs: Diagnostics, block: ast.SettingsBlock | None, parallel: ir
             errs.add("optimizer must be adam(lr = ...) or sgd(lr = ...)", v.span)
         else:
             name = v.name.value if isinstance(v, ast.Call) else v.value
-            allowed = {"lr": "float", "momentum": "float", "weight_decay": "float", "beta1": "float",
-                       "beta2": "float", "eps": "float"}
+            # each optimizer's own keys (torch's names, beta1/beta2 for Adam's betas): a key of the other
+            # optimizer is an error here, not a TypeError on every rank at launch
+            allowed = ({"lr": "float", "momentum": "float", "weight_decay": "float"} if name == "sgd" else
+                       {"lr": "float", "beta1": "float", "beta2": "float", "eps": "float", "weight_decay": "float"})
             args = _call_args(errs, v, allowed) if isinstance(v, ast.Call) else {}
             lr = float(args.pop("lr", 1e-3))
             opt = ir.Optimizer(name, lr, tuple(sorted((k, float(x)) for k, x in args.items())))
@@ -269,6 +271,11 @@ def check_deepspeed(errs: Diagnostics, block: ast.DeepspeedDecl | None, file=Non
                      "reduced by the plan's program, not by ZeRO)", at)
         else:
             errs.add(f"{where}: ZeRO stage {stage!r} cannot run with pipeline parallelism (stage 0 only)", at)
+    clip = doc.get("gradient_clipping")
+    if clip not in (None, 0, 0.0, False):
+        errs.add(f"{where}: gradient_clipping {clip!r} is not supported: DeepSpeed would clip each pipeline "
+                 "stage by its own gradients' norm, not the model's (leave it out or 0)",
+                 file.at("gradient_clipping", fallback=block.path.span))
     pipe = doc.get("pipeline")
     for key in ("pipe_partitioned", "grad_partitioned"):
         if isinstance(pipe, dict) and pipe.get(key):
