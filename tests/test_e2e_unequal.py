@@ -372,7 +372,7 @@ def batches(micro_batch, seed, ids=False, **_):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("ids", [False, True])
+@pytest.mark.parametrize("ids", [True])   # float features (False) take the same path; one launch keeps the suite short
 def test_a_skip_of_the_raw_input_trains(tmp_path, ids):
     """Stage 0 sends its raw input (no gradient: float features, or i64 token ids) as a skip to stage 2:
     its backward has nothing to differentiate for that transfer. It crashed the first backward; now the
