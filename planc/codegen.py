@@ -21,6 +21,7 @@ from pathlib import Path
 import jinja2
 
 from planc import ir, resources
+from planc.probe import code_file
 from planc.lang.errors import Diagnostic, PlanError, Span
 from planc.runtime import planfile
 
@@ -117,9 +118,7 @@ def _code_files(program: ir.Program) -> dict[str, Path]:
     for what, ref in (("model", program.model), ("loss", program.loss), ("data", program.data)):
         if ref is None:
             continue
-        src = (Path(program.source_dir) / ref.path).resolve()
-        if not src.is_file():
-            raise PlanError([Diagnostic(f"{what} file '{ref.path}' not found (looked for {src})", ref.span)])
+        src = code_file(program, what, ref).resolve()
         name = src.name
         if name in files and files[name] != src:   # OUT/ holds the code files side by side, by name
             raise PlanError([Diagnostic(f"two code files share the name {name!r}: {files[name]} and {src} "

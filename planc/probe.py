@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -140,6 +141,17 @@ def _tensor_stages(program: ir.Program, stage_tensor) -> list[dict]:
     return out
 
 
+def code_file(program: ir.Program, what: str, ref: ir.CodeRef | None) -> Path | None:
+    """The Python file of the plan's ``model``, ``loss`` or ``data`` line (``what``), beside the plan; a
+    missing one is an error at that line. None for a line the plan does not have."""
+    if ref is None:
+        return None
+    path = Path(program.source_dir) / ref.path
+    if not path.is_file():
+        raise PlanError(Diagnostic(f"{what} file '{ref.path}' not found (looked for {path})", ref.span))
+    return path
+
+
 def wants_flops(program: ir.Program) -> bool:
     """Whether compiling ``program`` needs the layers' FLOPs: stages to cut, or a compute model."""
     return program.auto_stages or program.cluster.flops is not None
@@ -152,13 +164,9 @@ def probe_model(program: ir.Program, flops: bool | None = None) -> ModelProbe:
     (``program.auto_stages``) runs its layers as a chain instead and measures no transfer; probe the
     cut program (``planc.pipeline.cut.apply_auto_stages``) again for those."""
     model = program.model
-    path = Path(program.source_dir) / model.path
-    if not path.is_file():
-        raise PlanError(Diagnostic(f"model file '{model.path}' not found (looked for {path})", model.span))
+    path = code_file(program, "model", model)
     for what, ref in (("data", program.data), ("loss", program.loss)):
-        if ref is not None and not (Path(program.source_dir) / ref.path).is_file():
-            raise PlanError(Diagnostic(f"{what} file '{ref.path}' not found (looked for "
-                                       f"{Path(program.source_dir) / ref.path})", ref.span))
+        code_file(program, what, ref)
     stage_tensor = _stage_tensor(program)
     stages = sorted(program.stages, key=lambda s: s.index)
     chain = program.auto_stages
@@ -187,15 +195,13 @@ def probe_model(program: ir.Program, flops: bool | None = None) -> ModelProbe:
                                    "(use --no-probe to skip sizing it)", model.span)) from None
     if proc.returncode != 0:
         last = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
-        part, _, why = last.partition("]: ") if last.startswith("probe[") else ("probe[model", "", last)
-        part = part[len("probe["):]
-        if part == "data" and program.data is not None:
-            raise PlanError(Diagnostic(f"could not get a batch from {program.data.path}:{program.data.function}: "
-                                       f"{why}", program.data.span))
-        if part == "loss" and program.loss is not None:
-            raise PlanError(Diagnostic(f"could not load the loss {program.loss.path}:{program.loss.function}: "
-                                       f"{why}", program.loss.span))
-        raise PlanError(Diagnostic(f"could not build the model with {model.path}:{model.function}: {why}", model.span))
+        tagged = re.match(r"probe\[(model|data|loss)\]: (.*)", last)   # the part that failed (runtime/probe.py)
+        part, why = tagged.groups() if tagged else ("model", last)
+        ref, doing = {"data": (program.data, "could not get a batch from"),
+                      "loss": (program.loss, "could not load the loss")}.get(part, (None, ""))
+        if ref is None:   # the model's part, or a plan without that line (the model file's defaults)
+            ref, doing = model, "could not build the model with"
+        raise PlanError(Diagnostic(f"{doing} {ref.path}:{ref.function}: {why}", ref.span))
     try:
         doc = json.loads(proc.stdout.strip().splitlines()[-1])
     except (ValueError, IndexError):

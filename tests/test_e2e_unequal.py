@@ -377,8 +377,6 @@ def test_a_skip_of_the_raw_input_trains(tmp_path, ids):
     """Stage 0 sends its raw input (no gradient: float features, or i64 token ids) as a skip to stage 2:
     its backward has nothing to differentiate for that transfer. It crashed the first backward; now the
     run matches plain torch SGD step for step."""
-    import importlib.util
-
     import torch
     (tmp_path / "skipin.py").write_text(SKIP_MODEL)
     (tmp_path / "skipin.plan").write_text(f"""plan skipin {{
@@ -400,19 +398,17 @@ def test_a_skip_of_the_raw_input_trains(tmp_path, ids):
     _, out = compile_to(tmp_path, tmp_path / "skipin.plan")
     r = launch_sh(out, "--steps", "3")
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
-    spec = importlib.util.spec_from_file_location("skipin_ref", tmp_path / "skipin.py")
-    m = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(m)
+    fn = {k: _load_callable(tmp_path, {"file": "skipin.py", "function": k}) for k in ("build", "loss", "batches")}
     torch.manual_seed(21)
-    layers = m.build(ids)
+    layers = fn["build"](ids)
     opt = torch.optim.SGD([p for l in layers for p in l.parameters()], lr=0.1)
-    data, want = m.batches(4, 21, ids), []
+    data, want = fn["batches"](4, 21, ids), []
     for _ in range(3):
         total = 0.0
         for _ in range(3):
             x, y = next(data)
             raw = layers[0](x)
-            loss = m.loss(layers[4](layers[3](raw, layers[2](layers[1](raw)))), y) / 3
+            loss = fn["loss"](layers[4](layers[3](raw, layers[2](layers[1](raw)))), y) / 3
             loss.backward()
             total += loss.item()
         opt.step()

@@ -98,14 +98,11 @@ def test_the_start_up_shape_check_leaves_batchnorm_statistics_alone(tmp_path):
 """)
     c = compile_file(tmp_path / "bn.plan")
     plan = planfile.Plan.from_json(c.plan_json)
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("bn_model", tmp_path / "bn.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    layers = mod.build()
+    from e2e_util import _load_callable
+    layers = _load_callable(tmp_path, {"file": "bn.py", "function": "build"})()
     bn = layers[1]
     before = {k: v.clone() for k, v in bn.state_dict().items()}
-    x, _ = next(mod.batches(4, 0))
+    x, _ = next(_load_callable(tmp_path, {"file": "bn.py", "function": "batches"})(4, 0))
     assert check_stage_shapes(plan, 1, layers[1:3], x) == []
     after = bn.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before), {k: (before[k], after[k]) for k in before}
