@@ -113,3 +113,18 @@ def test_huge_numbers_are_plan_errors():
                       ("cluster { level a x 2 : bandwidth 1e999 GB/s }", "1e999 GB/s is too large")]:
         with pytest.raises(PlanError, match=re.escape(msg)):
             load_text(text)
+
+
+def test_a_misspelt_unit_is_named_with_the_units_of_its_key():
+    """'1 GB/z' stops the lexer at '/': the error names the whole unit and what the key takes."""
+    plan = ("cluster {\n  level node x 2 : bandwidth 1 GB/z, latency 5 us\n  level gpu x 2 : bandwidth 9 GB/s\n"
+            "  memory = 80 Gigs\n}\nparallel { data = 4 }\nreduce g over data : f32[8]\n")
+    with pytest.raises(PlanError) as ei:
+        load_text(plan, "u.plan")
+    d = ei.value.diagnostics[0]
+    assert d.message == ("unknown unit 'GB/z'; did you mean 'GB/s'? a bandwidth takes "
+                         "B/s, KB/s, MB/s, GB/s, TB/s, Mb/s, Gb/s")
+    assert (d.span.line, d.span.col, d.span.end_col) == (2, 32, 36)
+    with pytest.raises(PlanError) as ei:
+        load_text(plan.replace("GB/z", "GB/s"), "u.plan")
+    assert ei.value.diagnostics[0].message.endswith("a size takes B, KB, MB, GB, TB, KiB, MiB, GiB, TiB")

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import re
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -35,8 +37,17 @@ stage 1 on devices 6..10 as (data = 4)
 SIZES = {0: 1 << 26, 1: 3 << 24}
 
 
+def _with_model(text: str) -> str:
+    """``reduce gradients`` needs a model (its parameters are what it reduces): each stage takes one layer,
+    and the model lines go last, so the lines of everything the tests point at stay where they are.
+    The reduction pass is handed its parameter bytes directly (``sizes``), so the model is never probed."""
+    text = re.sub(r"^stage (\d+) on", lambda m: f"stage {m[1]} : layers {m[1]}..{int(m[1]) + 1} on", text,
+                  flags=re.M)
+    return text + 'model "m.py:build"\nloss "m.py:loss"\ndata "m.py:batches"\n'
+
+
 def _plan(text: str, sizes=SIZES, path="stages.plan"):
-    program = load_text(text, path)
+    program = load_text(_with_model(text), path)
     placement = place(program, sizes)
     return program, placement.stages, plan_reductions(program, placement.coords, placement.stages,
                                                       placement.matrix, sizes)
@@ -145,7 +156,12 @@ def test_pinned_program_invalid_on_one_stage_is_a_located_error_naming_it():
 
 def test_compiled_plan_lists_one_gradients_entry_per_stage():
     from planc.compile import compile_program
-    plan = compile_program(load_text(CLUSTER + STAGES + "reduce gradients over data\n", "stages.plan")).plan_json
+    model = 'model "../examples/mlp.py:build" { layers = 2, hidden = 16, inputs = 8, outputs = 4 }\n'
+    text = CLUSTER + model + 'loss "../examples/mlp.py:loss"\ndata "../examples/mlp.py:batches"\n'
+    text += re.sub(r"^stage (\d+) on", lambda m: f"stage {m[1]} : layers {m[1]}..{int(m[1]) + 1} on", STAGES,
+                   flags=re.M) + "reduce gradients over data\n"
+    text += "train { micro_batch = 8, micro_batches = 2, steps = 1, schedule = 1f1b, optimizer = sgd(lr = 0.1) }\n"
+    plan = compile_program(load_text(text, str(Path(__file__).parent / "stages.plan"))).plan_json
     grads = [r for r in plan["reductions"] if r["name"] == "gradients"]
     assert [r["stage"] for r in grads] == [0, 1]
     assert [r["groups"] for r in grads] == [[[0, 2], [1, 3]], [[6, 7, 8, 9]]]

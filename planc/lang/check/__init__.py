@@ -87,7 +87,7 @@ def check(tree: ast.PlanFile, path: str, text: str, inputs: PlanInputs | None = 
     transfers = () if lost else check_transfers(errs, by_kind.get("TransferDecl", []), stages, parallel,
                                                 model is not None or "model" in by_kind, text)
     reductions = () if lost else check_reductions(errs, by_kind.get("ReduceDecl", []), cluster, parallel, stages,
-                                                  stage_mode)
+                                                  stage_mode, "model" in by_kind)
     resharding = check_resharding(errs, first("resharding"))
     synthesis = check_synthesis(errs, first("synthesis"))
     train = check_train(errs, first("train"), parallel, stages, model is not None)

@@ -12,8 +12,9 @@ __all__ = ["check_reductions", "check_program"]
 
 def check_reductions(errs: Diagnostics, decls: list[ast.ReduceDecl], cluster: ir.Cluster | None,
                      parallel: ir.Parallel | None, stages: tuple[ir.Stage, ...],
-                     mode: ir.StageMode) -> tuple[ir.Reduction, ...]:
-    """Reductions over known axes: the ``parallel`` axes but ``pipe``, or explicit stages' mesh axes."""
+                     mode: ir.StageMode, has_model: bool = True) -> tuple[ir.Reduction, ...]:
+    """Reductions over known axes: the ``parallel`` axes but ``pipe``, or explicit stages' mesh axes.
+    ``gradients`` are the model's parameter gradients: without a model there are none to size it by."""
     out, names = [], set()
     if mode is ir.StageMode.EXPLICIT:
         # explicit stages reduce over their own mesh dimensions (LANGUAGE.md); a `parallel`
@@ -43,7 +44,13 @@ def check_reductions(errs: Diagnostics, decls: list[ast.ReduceDecl], cluster: ir
             axes.append(a.value)
         dtype = shape = None
         if r.name.value == "gradients":
-            if r.type is not None:
+            if ok and not has_model and r.type is None:   # (after its axes: one mistake at a time)
+                errs.add("'reduce gradients' needs a model: it reduces the model's parameter gradients, and a "
+                         "plan without a 'model' line has none", r.name.span,
+                         f"add a model, or reduce a standalone tensor: "
+                         f"'reduce grads over {', '.join(a.value for a in r.axes) or ir.MeshAxis.DATA} : f32[1048576]'")
+                ok = False
+            elif r.type is not None:
                 errs.add("'gradients' are sized by the model's parameters; a shape is only for standalone "
                          "reductions (use another name)", r.type.span)
                 ok = False
