@@ -326,10 +326,19 @@ def large_gradient_edits(tmp_path) -> list[tuple[str, str]]:
     """Edits of the MLP plans that make a loss whose gradients have a norm far above 1 (DeepSpeed's default
     gradient_clipping is 1.0, and its norm would be each stage's own): a run then matches plain torch SGD,
     which clips nothing, only if the generated ds_config.json says gradient_clipping 0.0 (before it did,
-    every parameter was off after one step). One launch of the parametrized test below carries it."""
-    (tmp_path / "big.py").write_text((ROOT / "examples" / "mlp.py").read_text().replace(
-        "    return nn.functional.mse_loss(output, target)", "    return 1000.0 * nn.functional.mse_loss(output, target)"))
-    return [(r'"[^"]*/examples/mlp\.py:loss"', f'"{tmp_path}/big.py:loss"'), (r"lr = [0-9.e-]+", "lr = 1e-4")]
+    every parameter was off after one step). Each layer also holds a parameter its forward never uses,
+    and SGD has momentum and weight decay: torch leaves such a parameter alone (its ``.grad`` is None),
+    and so must the runtime, whose gradients are views into reduced buckets (before, they were zeroed
+    views, and weight decay moved them). One launch of the parametrized test below carries it."""
+    text = (ROOT / "examples" / "mlp.py").read_text()
+    for old, new in (("    return nn.functional.mse_loss(output, target)",
+                      "    return 1000.0 * nn.functional.mse_loss(output, target)"),
+                     ("        self.act = act\n", "        self.act = act\n        self.spare = nn.Parameter(torch.ones(n_out))\n")):
+        assert old in text, old
+        text = text.replace(old, new)
+    (tmp_path / "big.py").write_text(text)
+    return [(r'"[^"]*/examples/mlp\.py:', f'"{tmp_path}/big.py:'),
+            (r"sgd\(lr = [0-9.e-]+\)", "sgd(lr = 1e-4, momentum = 0.9, weight_decay = 1.0)")]
 
 
 SKIP_MODEL = '''import torch

@@ -53,10 +53,50 @@ def test_gradient_buckets_split_where_the_dtype_changes():
     params = [torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(2, dtype=torch.float64)),
               torch.nn.Parameter(torch.zeros(4, dtype=torch.float64)), torch.nn.Parameter(torch.zeros(5))]
     gb = GradientBuckets(params, Stub(), torch.device("cpu"))
-    assert [(b.dtype, b.numel()) for b, _ in gb.buckets] == [(torch.float32, 5), (torch.float64, 6),
-                                                             (torch.float32, 3)]   # backward order
+    # backward order; each bucket holds its gradients, then one flag per parameter
+    assert [(b.dtype, b.numel()) for b, _ in gb.buckets] == [(torch.float32, 5 + 1), (torch.float64, 6 + 2),
+                                                             (torch.float32, 3 + 1)]
     gb.attach()
     assert all(p.grad.dtype == p.dtype and p.grad.shape == p.shape for p in params)
+
+
+@pytest.mark.parametrize("elsewhere", [False, True])
+def test_a_parameter_no_rank_used_ends_the_step_without_a_gradient(elsewhere):
+    """As in plain torch, a parameter the step's forward never used has ``.grad`` None after the
+    reduction (so SGD's weight decay and momentum, and Adam, leave it alone), unless another rank of
+    the group produced a gradient for it: then it holds the reduced sum like every other one."""
+    import torch
+
+    from planc.runtime.grads import GradientBuckets
+
+    class OtherRank:
+        """The reduction of a group of two: adds what the other rank's buffer holds."""
+        granule = 4
+        other = None
+
+        def run(self, flat):
+            if self.other is not None:
+                flat += self.other
+            return flat
+
+    used, spare = torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(2))
+    ex = OtherRank()
+    gb = GradientBuckets([used, spare], ex, torch.device("cpu"))
+    (buf, placed), = gb.buckets
+    at = gb.flags_at[0]
+    if elsewhere:   # the other rank used both: its gradients are 1, its flags 1
+        ex.other = torch.zeros_like(buf)
+        ex.other[:at] = 1.0
+        ex.other[at:at + len(placed)] = 1.0
+    for _ in range(2):   # two steps: the flags start from zero in each
+        gb.attach()
+        gb.arm()
+        (used * 2.0).sum().backward()
+        gb.finish()
+        assert used.grad.tolist() == ([3.0] * 3 if elsewhere else [2.0] * 3)
+        assert (spare.grad is not None) == elsewhere
+        if elsewhere:
+            assert spare.grad.tolist() == [1.0, 1.0]
 
 
 def test_a_stage_without_parameters_gets_an_optimizer_that_changes_nothing():

@@ -10,6 +10,13 @@ in a thread of its own, on communicators used by nothing else, while autograd
 goes on with the earlier layers. ``finish()`` reduces what no hook released
 (parameters that got no gradient) and waits for every bucket.
 
+A parameter that got no gradient in the step, on any rank of its reduction
+group, ends the step with ``.grad`` None, as in plain torch (whose optimizers
+then leave it alone: no weight decay, no momentum, no Adam update). Each bucket
+carries one flag per parameter after its gradients, 1 where this rank's
+autograd produced that gradient; the flags are summed with the gradients by
+the same collectives, so a zero after the reduction means no rank did.
+
 Buckets are ``bucket_bytes`` (env ``PLANC_GRAD_BUCKET_BYTES``, default 8 MiB),
 each padded to a whole number of the program's cuts (``ReductionExecutor.granule``)
 so every collective runs on the buffer itself.
@@ -35,6 +42,7 @@ class GradientBuckets:
         limit = bucket_bytes or int(os.environ.get("PLANC_GRAD_BUCKET_BYTES", DEFAULT_BUCKET_BYTES))
         granule = executor.granule
         self.buckets: list[tuple[torch.Tensor, list[tuple[torch.nn.Parameter, int]]]] = []
+        self.flags_at: list[int] = []     # per bucket: where its parameters' flags start in its buffer
         members: list[torch.nn.Parameter] = []
         size = 0
         for p in reversed(self.params):            # backward order
@@ -47,6 +55,7 @@ class GradientBuckets:
         if members:
             self._add(members, granule, device)
         self.slot = {id(p): (b, off) for b, (_, ps) in enumerate(self.buckets) for p, off in ps}
+        self._used: set[int] = set()     # ids of the parameters autograd produced a gradient for this step
         self._left: list[int] = []
         self._armed = False
         self._queue: queue.Queue = queue.Queue()
@@ -58,7 +67,7 @@ class GradientBuckets:
 
     def _add(self, members, granule, device):
         n = sum(p.numel() for p in members)
-        padded = -(-n // granule) * granule
+        padded = -(-(n + len(members)) // granule) * granule    # the gradients, then one flag per parameter
         dtype = members[0].dtype
         if any(p.dtype != dtype for p in members):
             raise TypeError("a gradient bucket holds parameters of one dtype")
@@ -68,10 +77,12 @@ class GradientBuckets:
             placed.append((p, off))
             off += p.numel()
         self.buckets.append((buf, placed))
+        self.flags_at.append(n)
 
     def attach(self) -> None:
         """Zero the buffers and make every ``.grad`` a view into its bucket (at each step's start:
         the optimizer's ``zero_grad`` sets gradients to None)."""
+        self._used.clear()
         for buf, placed in self.buckets:
             buf.zero_()
             for p, off in placed:
@@ -84,6 +95,7 @@ class GradientBuckets:
         self._armed = True
 
     def _hook(self, p) -> None:
+        self._used.add(id(p))
         b, off = self.slot[id(p)]
         self._keep_view(p, b, off)
         if not self._armed:
@@ -105,6 +117,13 @@ class GradientBuckets:
     def _release(self, b: int) -> None:
         if not self._released[b]:
             self._released[b] = True
+            buf, placed = self.buckets[b]
+            at = self.flags_at[b]
+            used = [float(id(p) in self._used) for p, _ in placed]
+            if all(used):    # the usual case: a fill, no host-to-device copy (none on a CUDA stream either)
+                buf[at:at + len(placed)].fill_(1.0)
+            else:
+                buf[at:at + len(placed)].copy_(torch.tensor(used, dtype=buf.dtype))
             self._queue.put(b)
 
     def _run(self) -> None:
@@ -138,3 +157,16 @@ class GradientBuckets:
         if self._error is not None:
             e, self._error = self._error, None
             raise RuntimeError(f"gradient reduction failed: {e}") from e
+        self._drop_unused()
+
+    def _drop_unused(self) -> None:
+        """``.grad = None`` for the parameters no rank of the group produced a gradient for. A bucket
+        whose parameters all got a gradient here is not read (no device-to-host copy in the usual step):
+        its summed flags are at least this rank's ones."""
+        for b, (buf, placed) in enumerate(self.buckets):
+            if all(id(p) in self._used for p, _ in placed):
+                continue
+            at = self.flags_at[b]
+            for (p, _), flag in zip(placed, buf[at:at + len(placed)].tolist()):
+                if flag == 0:
+                    p.grad = None
