@@ -134,6 +134,13 @@ def _cmd_bench(args) -> int:
         if value is not None and value < 1:
             print(f"planc bench iteration: {flag} {value}: must be at least 1", file=sys.stderr)
             return EXIT_USER
+    clusters = args.cluster or []
+    if len(clusters) > 1 and args.what != "accuracy":
+        print(f"planc bench {args.what}: --cluster given {len(clusters)} times; it takes one cluster file "
+              "(only accuracy takes one per measured file)", file=sys.stderr)
+        return EXIT_USER
+    if args.what != "accuracy":
+        args.cluster = clusters[0] if clusters else None
     if args.what == "iteration":
         try:
             rates = parsed_rates()
@@ -148,7 +155,12 @@ def _cmd_bench(args) -> int:
             print("planc bench accuracy: needs --cluster CALIBRATED.yaml and the measured JSON files "
                   "(bench iteration --json, bench testbed cases)", file=sys.stderr)
             return EXIT_USER
-        options = dict(measured=args.plans, cluster=args.cluster, json_path=args.json_path)
+        if len(clusters) not in (1, len(args.plans)):
+            print(f"planc bench accuracy: --cluster given {len(clusters)} times for {len(args.plans)} measured "
+                  "file(s): give it once (every file) or once per file, in the files' order", file=sys.stderr)
+            return EXIT_USER
+        options = dict(measured=args.plans, cluster=clusters if len(clusters) > 1 else clusters[0],
+                       json_path=args.json_path)
     elif args.what == "nic":
         try:
             rates = parsed_rates()
@@ -578,8 +590,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="iteration: host link rates, Mbit/s, comma-separated (default 10,25,100,10000; 10000 ≈ unshaped)")
     c.add_argument("--json", dest="json_path", metavar="FILE", help="iteration: also write every measurement as JSON")
     c.add_argument("--chart", metavar="FILE", help="iteration: step time against link rate (needs matplotlib)")
-    c.add_argument("--cluster", metavar="YAML", help="iteration, accuracy, nic: the cluster file `planc calibrate` wrote "
-                                                    "(accuracy's PLAN arguments: the measured JSON files)")
+    c.add_argument("--cluster", metavar="YAML", action="append",
+                   help="iteration, accuracy, nic: the cluster file `planc calibrate` wrote (accuracy's PLAN "
+                        "arguments: the measured JSON files; give --cluster once for all of them or once per "
+                        "file, in order, e.g. the 2 x 4 calibration for the testbed cases)")
     c.add_argument("--rounds", type=int, default=None, metavar="K",
                    help="iteration: launch every program K times, round-robin, and pool their steps (default 1)")
     c.add_argument("--measured", type=int, default=None, metavar="N",

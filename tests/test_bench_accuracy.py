@@ -235,3 +235,29 @@ def test_bad_inputs_exit_2(tmp_path, cal_file, capsys):
     err = capsys.readouterr().err
     assert "needs a bandwidth" in err and "Traceback" not in err
     assert main(["bench", "synthesis", "--cluster", str(cal_file)]) == 2
+
+
+def test_one_cluster_per_measured_file(tmp_path, cal_file, capsys):
+    # the same testbed case in two files, the second predicted under a host link twice as fast: each file's
+    # rows are what that file alone gives under its own cluster, and the counts must match
+    case = [{"kind": "transfer", "case": "1 -> (1,4)  R R -> R R", "what": "send_recv", "measured": 1.5}]
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    a.write_text(json.dumps(case))
+    b.write_text(json.dumps(case))
+    fast = tmp_path / "fast.yaml"
+    fast.write_text(CAL.replace("bandwidth: 12000000.0", "bandwidth: 24000000.0"))
+    out = tmp_path / "acc.json"
+    assert main(["bench", "accuracy", str(a), str(b), "--cluster", str(cal_file), "--cluster", str(fast),
+                 "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["cases"]
+    alone_a = accuracy.evaluate(str(cal_file), [str(a)])["cases"]
+    alone_b = accuracy.evaluate(str(fast), [str(b)])["cases"]
+    assert [r["predicted"] for r in rows] == [alone_a[0]["predicted"], alone_b[0]["predicted"]]
+    assert rows[1]["predicted"] == pytest.approx(rows[0]["predicted"] / 2, rel=0.02)
+    assert f"{cal_file} ({a})" in json.loads(out.read_text())["cluster"]
+    capsys.readouterr()
+    assert main(["bench", "accuracy", str(a), str(b), str(a), "--cluster", str(cal_file),
+                 "--cluster", str(fast)]) == 2
+    assert "--cluster given 2 times for 3 measured file(s)" in capsys.readouterr().err
+    assert main(["bench", "nic", "--cluster", str(cal_file), "--cluster", str(fast)]) == 2
+    assert "takes one cluster file" in capsys.readouterr().err

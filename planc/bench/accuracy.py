@@ -309,17 +309,26 @@ def summarize(rows: list[dict]) -> dict:
             "best_resolved_same": sum(g["same"] for g in sure_best), "best_resolved": len(sure_best)}
 
 
-def evaluate(cluster: str, measured: list[str]) -> dict:
-    cal = read_calibrated(cluster)
+def evaluate(cluster: str | list[str], measured: list[str]) -> dict:
+    """Every measured file's cases predicted under ``cluster`` (one file for all, or one per measured
+    file, in order: e.g. the 2 x 2 calibration for the iteration cases, the 2 x 4 one for the testbed's)."""
+    clusters = [cluster] * len(measured) if isinstance(cluster, (str, Path)) else list(cluster)
+    if len(clusters) != len(measured):
+        raise ValueError(f"{len(clusters)} cluster files for {len(measured)} measured files")
+    cals = {}
     rows = []
-    for path in measured:
+    for path, cfile in zip(measured, clusters):
+        cal = cals.get(str(cfile))
+        if cal is None:
+            cal = cals[str(cfile)] = read_calibrated(cfile)
         kind, doc = read_measured(path)
         if kind == "iteration":
             rows += iteration_cases(doc, cal, str(path))
         else:
             rows += testbed_cases(doc["cases"], cal, str(path), doc.get("link_mbit"))
     out = summarize(rows)
-    out["cluster"] = str(cluster)
+    out["cluster"] = str(cluster) if isinstance(cluster, (str, Path)) else ", ".join(
+        f"{c} ({m})" for c, m in zip(clusters, measured))
     return out
 
 
@@ -365,7 +374,7 @@ def _rich(res: dict) -> None:
     Console(stderr=True).print(t)
 
 
-def run(measured=None, cluster: str | None = None, json_path: str | None = None, verbose: bool = True) -> str:
+def run(measured=None, cluster: str | list[str] | None = None, json_path: str | None = None, verbose: bool = True) -> str:
     """Markdown of :func:`evaluate` (``measured``: JSON files; ``cluster``: the calibrated YAML)."""
     if not cluster or not measured:
         return ("_Skipped: `planc bench accuracy` needs `--cluster CALIBRATED.yaml` and the measured JSON "
