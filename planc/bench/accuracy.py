@@ -312,7 +312,8 @@ def summarize(rows: list[dict]) -> dict:
 def evaluate(cluster: str | list[str], measured: list[str]) -> dict:
     """Every measured file's cases predicted under ``cluster`` (one file for all, or one per measured
     file, in order: e.g. the 2 x 2 calibration for the iteration cases, the 2 x 4 one for the testbed's)."""
-    clusters = [cluster] * len(measured) if isinstance(cluster, (str, Path)) else list(cluster)
+    single = isinstance(cluster, (str, Path))
+    clusters = [cluster] * len(measured) if single else list(cluster)
     if len(clusters) != len(measured):
         raise ValueError(f"{len(clusters)} cluster files for {len(measured)} measured files")
     cals = {}
@@ -327,8 +328,7 @@ def evaluate(cluster: str | list[str], measured: list[str]) -> dict:
         else:
             rows += testbed_cases(doc["cases"], cal, str(path), doc.get("link_mbit"))
     out = summarize(rows)
-    out["cluster"] = str(cluster) if isinstance(cluster, (str, Path)) else ", ".join(
-        f"{c} ({m})" for c, m in zip(clusters, measured))
+    out["cluster"] = str(cluster) if single else ", ".join(f"{c} ({m})" for c, m in zip(clusters, measured))
     return out
 
 
@@ -374,8 +374,10 @@ def _rich(res: dict) -> None:
     Console(stderr=True).print(t)
 
 
-def run(measured=None, cluster: str | list[str] | None = None, json_path: str | None = None, verbose: bool = True) -> str:
-    """Markdown of :func:`evaluate` (``measured``: JSON files; ``cluster``: the calibrated YAML)."""
+def run(measured=None, cluster: str | list[str] | None = None, json_path: str | None = None,
+        verbose: bool = True) -> str:
+    """Markdown of :func:`evaluate` (``measured``: JSON files; ``cluster``: the calibrated YAML, or one per
+    measured file)."""
     if not cluster or not measured:
         return ("_Skipped: `planc bench accuracy` needs `--cluster CALIBRATED.yaml` and the measured JSON "
                 "files (see docs/calibrate.md)._\n")
