@@ -117,6 +117,19 @@ def _by_kind(raw: dict, where: str) -> dict:
     return out
 
 
+def both_ways(raw: dict, one_way: float) -> float | None:
+    """Bytes/s per direction of the host link while it carries data both ways, fitted (as
+    :func:`fit_line`) to the ``exchange outer`` times (``1·α + S/B``: both directions move ``S`` at
+    once); None when the run has no such phase or its times give no bandwidth. At most ``one_way``:
+    a direction loaded both ways is never faster, and a fit above it is the measurement's noise."""
+    pts = [(1.0, float(s), statistics.median(ts)) for s, ts in (raw.get("exchange") or {}).get("outer") or () if ts]
+    try:
+        _, bw, _ = fit_line(pts)
+    except ValueError:
+        return None
+    return min(bw, one_way)
+
+
 def _fit_kind(raw: dict, kind: str, where: str):
     """``(latency, bandwidth, rms, points)`` of the ``inner`` or ``outer`` measurements; a fit that
     cannot be made is a failed run, worded with ``where``."""
@@ -145,6 +158,9 @@ def fit(raw: dict) -> dict:
         out["levels"]["host"] = {"bandwidth": bw, "latency": max(0.0, lat - inner_lat), "rms_relative": rms,
                                  "points": len(pts), "path_latency": lat, "apart": _by_kind(raw, "outer"),
                                  "limited_by_device_level": bw >= inner_bw}
+        both = both_ways(raw, bw)
+        if both is not None:
+            out["levels"]["host"]["both_ways"] = both
     def best(runs):   # per rank, the best rate over the sizes
         return [max(m["flop"] / m["seconds"] for m in per_rank if m["seconds"] > 0) for per_rank in runs]
 
@@ -172,6 +188,8 @@ def cluster_doc(fits: list[dict], on: str, rates: list[float | None], repeats: i
         if got:
             level["bandwidth"] = float(f"{got['bandwidth']:.6g}")
             level["latency"] = float(f"{got['latency']:.6g}")
+            if got.get("both_ways"):
+                level["both_ways"] = float(f"{got['both_ways']:.6g}")
         levels.append(level)
     flops = statistics.median(f["flops"] for f in fits)
     record = {"measured_on": on, "rate_mbit": rates[0], "repeats": repeats,
@@ -187,7 +205,9 @@ def cluster_doc(fits: list[dict], on: str, rates: list[float | None], repeats: i
     if first["hosts"] > 1:
         record["by_rate"] = [{"rate_mbit": r, "bandwidth": float(f"{f['levels']['host']['bandwidth']:.6g}"),
                               "latency": float(f"{f['levels']['host']['latency']:.6g}"),
-                              "rms_relative": float(f"{f['levels']['host']['rms_relative']:.4g}")}
+                              "rms_relative": float(f"{f['levels']['host']['rms_relative']:.4g}"),
+                              **({"both_ways": float(f"{f['levels']['host']['both_ways']:.6g}")}
+                                 if f["levels"]["host"].get("both_ways") else {})}
                              for r, f in zip(rates, fits)]
     doc = {"levels": levels, "host": "host", "flops": float(f"{flops:.6g}")}
     if on == "testbed":   # its hosts are namespaces of this machine: every rank computes on its cores
@@ -272,7 +292,7 @@ def _with_progress(work, total: int, label: str):
     return box["value"]
 
 
-PHASE_NAMES = ("matmul", "block", "p2p inner", "allreduce inner", "p2p outer", "allreduce outer")
+PHASE_NAMES = ("matmul", "block", "p2p inner", "allreduce inner", "p2p outer", "exchange outer", "allreduce outer")
 
 
 def _phase_list(hosts: int, per_host: int) -> list[str]:
@@ -423,7 +443,8 @@ def calibrate(on: str, out: str, *, hosts: int = 2, per_host: int = 2, rates: li
         raws = [run_cluster(ranks, backend=backend, repeats=repeats, timeout=timeout, matmul=matmul)]
     fits = [fit(r) for r in raws]
     doc = cluster_doc(fits, on, rates, repeats)
-    doc["calibration"]["samples"] = [{"rate_mbit": rate, "p2p": r["p2p"], "allreduce": r["allreduce"]}
+    doc["calibration"]["samples"] = [{"rate_mbit": rate, "p2p": r["p2p"], "allreduce": r["allreduce"],
+                                      **({"exchange": r["exchange"]} if r.get("exchange") else {})}
                                      for rate, r in zip(rates, raws)]
     write_yaml(doc, path, command)
     return doc
@@ -438,7 +459,8 @@ def summary(doc: dict) -> str:
         if f:
             lines.append(f"  {level['name']} x {level['fanout']}: bandwidth {f['bandwidth'] / 1e6:.4g} MB/s, "
                          f"latency {f['latency'] * 1e6:.4g} us (fit over {f['points']} sizes, "
-                         f"rms relative residual {f['rms_relative'] * 100:.1f}%)")
+                         f"rms relative residual {f['rms_relative'] * 100:.1f}%)"
+                         + (f"; both ways {f['both_ways'] / 1e6:.4g} MB/s per direction" if f.get("both_ways") else ""))
         else:
             lines.append(f"  {level['name']} x {level['fanout']}: one unit, nothing to measure")
     rec = doc.get("calibration") or {}

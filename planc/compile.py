@@ -282,7 +282,8 @@ def assemble(decisions, ctx: Context) -> planfile.Plan:
         "source": {"path": Path(program.source_path).name, "sha256": program.source_sha256},
         "compiler": {"version": __version__, "seconds": None},   # compile_file(timings=True) fills it
         "cluster": {
-            "levels": [{"name": lv.name, "fanout": lv.fanout, "bandwidth": lv.bandwidth, "latency": lv.latency}
+            "levels": [{"name": lv.name, "fanout": lv.fanout, "bandwidth": lv.bandwidth, "latency": lv.latency,
+                        **({"both_ways": lv.both_ways} if lv.both_ways is not None else {})}
                        for lv in c.levels],
             "host_level": c.host_level, "devices": c.devices,
             "hosts": [list(h) for h in c.hosts()],

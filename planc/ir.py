@@ -114,6 +114,16 @@ class Level:
     bandwidth: float | None  # bytes/s per direction of the link joining a unit to its siblings
     latency: float = 0.0     # seconds
     span: Span = field(default=_NOSPAN, compare=False, repr=False)
+    # bytes/s per direction while the link carries data both ways at once (None: as ``bandwidth``);
+    # measured by `planc calibrate` (TCP: each direction's acknowledgements queue behind the other's data)
+    both_ways: float | None = None
+
+    @property
+    def loaded_both_ways(self) -> float | None:
+        """The bandwidth of a direction while the other direction is busy too."""
+        if self.bandwidth is None or self.both_ways is None:
+            return self.bandwidth
+        return min(self.bandwidth, self.both_ways)
 
 
 @dataclass(frozen=True, slots=True)

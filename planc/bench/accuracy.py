@@ -51,7 +51,7 @@ class Calibrated:
     levels: tuple            # ir.Level of the file (host level first)
     host_index: int
     flops: float | None
-    by_rate: tuple           # ((rate_mbit, bandwidth, latency), ...) of the host level
+    by_rate: tuple           # ((rate_mbit, bandwidth, latency, both_ways or None), ...) of the host level
     cores: int | None = None          # the file's `cores` (testbed: the machine's, per cluster)
     cores_per_host: bool = False      # True: per unit of the host level; False: one pool for the cluster
 
@@ -61,11 +61,20 @@ class Calibrated:
         if rate is None:
             return lvl.bandwidth, lvl.latency, "as calibrated"
         if self.by_rate:
-            r0, bw, lat = min(self.by_rate, key=lambda e: abs(math.log(e[0] / rate)))
+            r0, bw, lat, _ = min(self.by_rate, key=lambda e: abs(math.log(e[0] / rate)))
             return bw * rate / r0, lat, f"calibrated at {r0:g} Mbit/s" + ("" if r0 == rate else ", scaled")
         if lvl.fanout > 1 and lvl.bandwidth:
             return lvl.bandwidth, lvl.latency, "as calibrated (unshaped)"
         return rate * 1e6 / 8, 0.0, "nominal rate (host link not calibrated)"
+
+    def both_ways(self, rate: float | None) -> float | None:
+        """The host link's bytes/s per direction while it carries data both ways, at ``rate`` (None: not
+        measured), from the same calibrated rate as :meth:`host`, scaled the same way."""
+        lvl = self.levels[self.host_index]
+        if rate is not None and self.by_rate:
+            r0, _, _, both = min(self.by_rate, key=lambda e: abs(math.log(e[0] / rate)))
+            return None if both is None else both * rate / r0
+        return lvl.both_ways if lvl.fanout > 1 and lvl.bandwidth else None
 
     def inner(self):
         below = self.levels[self.host_index + 1:]
@@ -85,7 +94,8 @@ def read_calibrated(path: str | Path) -> Calibrated:
     c = program.cluster
     doc = yaml.safe_load(p.read_text()) or {}
     rec = (doc.get("cluster", doc) if isinstance(doc, dict) else {}).get("calibration") or {}
-    by_rate = tuple((float(e["rate_mbit"]), float(e["bandwidth"]), float(e["latency"]))
+    by_rate = tuple((float(e["rate_mbit"]), float(e["bandwidth"]), float(e["latency"]),
+                     float(e["both_ways"]) if e.get("both_ways") else None)
                     for e in rec.get("by_rate") or () if e.get("rate_mbit"))
     cores_level = getattr(c, "cores_level", None)
     if c.cores is not None and cores_level not in (None, c.host_level):
@@ -101,13 +111,15 @@ def substitute(cluster, cal: Calibrated, rate: float | None):
     from planc import ir
 
     bw, lat, _ = cal.host(rate)
+    both = cal.both_ways(rate)
+    both = min(both, bw) if both and bw else None
     inner = cal.inner()
     levels = []
     for i, l in enumerate(cluster.levels):
         if l.fanout == 1:
             levels.append(l)
         elif i <= cluster.host_index and bw:
-            levels.append(dataclasses.replace(l, bandwidth=bw, latency=lat))
+            levels.append(dataclasses.replace(l, bandwidth=bw, latency=lat, both_ways=both))
         elif i > cluster.host_index and inner is not None:
             levels.append(dataclasses.replace(l, bandwidth=inner.bandwidth, latency=inner.latency))
         else:
@@ -162,6 +174,8 @@ def iteration_cases(doc: dict, cal: Calibrated, source: str) -> list[dict]:
 
 def _testbed_cluster_text(cal: Calibrated, rate: float, hosts: int, per_host: int) -> str:
     bw, lat, _ = cal.host(rate)
+    both = cal.both_ways(rate)
+    both = min(both, bw) if both and bw else None
     inner = cal.inner()
     ib, il = (inner.bandwidth, inner.latency) if inner else (3e9, 20e-6)
     return (f"\n  cluster {{\n    level node x {hosts} : bandwidth {bw / 1e6:.6f} MB/s, latency {lat * 1e6:.4f} us\n"

@@ -27,7 +27,8 @@ fixes the rate of its flows, which are then taken off every other link); a
 flow's rate changes only when a flow starts or ends, so the simulation jumps
 from one such event to the next. A set of equal flows through one bottleneck
 link therefore finishes at ``bytes on the link / capacity``, the cost model's
-bandwidth term. Flows between the same two devices go one after another, in
+bandwidth term. While both directions of a link carry flows, each direction's
+capacity is the level's ``both_ways`` figure (``Network.link_capacity``). Flows between the same two devices go one after another, in
 the order they were issued (one connection per pair: gloo's TCP pair, NCCL's
 per-peer stream); flows between a device and itself are free.
 
@@ -101,7 +102,8 @@ def _rates(active: dict, net: Network) -> None:
     for f, rec in active.items():
         for link in rec[2]:
             users.setdefault(link, []).append(f)
-    cap = {link: net.link_capacity(link) for link in users}
+    # a direction whose opposite (same level and unit) also carries flows has the level's both-ways capacity
+    cap = {link: net.link_capacity(link, (link[0], link[1], 1 - link[2]) in users) for link in users}
     unfixed = {link: len(fs) for link, fs in users.items()}
     fixed: set[int] = set()
     while len(fixed) < len(active):

@@ -13,6 +13,12 @@ siblings at that level; a transfer crossing levels ``j..n`` pays the sum of
 ``latency_l`` over the crossed levels ``l = j..n`` (counted once per level, not
 once per side), so a ring step between GPUs of one node costs ``latency_gpu``.
 
+A level may also give ``both_ways``: a direction's capacity while the opposite direction of the
+same unit's link carries data too (over TCP each direction's acknowledgements queue behind the
+other's data; `planc calibrate` measures it). :meth:`Network.link_capacity` takes whether the
+opposite direction is busy; the event simulation (``planc.cost.events``) asks it at every instant.
+The closed forms below use the one-way ``bandwidth``.
+
 Contention (:meth:`Network.flows_time`): concurrent flows are treated as fluid
 and share every link's capacity; the time of a set of concurrent flows is the
 bottleneck link's ``bytes on link / capacity`` plus the largest latency of any
@@ -45,6 +51,7 @@ class Network:
     _strides: tuple[int, ...] = field(init=False, repr=False, compare=False)
     _linked: tuple[int, ...] = field(init=False, repr=False, compare=False)
     _bw: tuple[float, ...] = field(init=False, repr=False, compare=False)
+    _both: tuple[float, ...] = field(init=False, repr=False, compare=False)
     _lat_from: tuple[float, ...] = field(init=False, repr=False, compare=False)
     _inner_first: tuple[tuple[int, int], ...] = field(init=False, repr=False, compare=False)
 
@@ -65,6 +72,8 @@ class Network:
         object.__setattr__(self, "_strides", strides)
         object.__setattr__(self, "_linked", linked)
         object.__setattr__(self, "_bw", bws)
+        object.__setattr__(self, "_both", tuple(float(l.loaded_both_ways) if l.bandwidth else math.inf
+                                                for l in levels))
         object.__setattr__(self, "_lat_from", tuple(lat))
         # (level, stride) of the linked levels, innermost first: a transfer that
         # stays inside a unit of level l stays inside every unit above it too.
@@ -107,8 +116,9 @@ class Network:
     def level_bandwidth(self, level: int) -> float:
         return self._bw[level]
 
-    def link_capacity(self, link: LinkId) -> float:
-        return self._bw[link[0]]
+    def link_capacity(self, link: LinkId, both_ways: bool = False) -> float:
+        """Bytes/s of ``link``; ``both_ways``: while the opposite direction of the same link is busy."""
+        return self._both[link[0]] if both_ways else self._bw[link[0]]
 
     def latency(self, a: int, b: int) -> float:
         """One-way latency a → b: sum of the crossed levels' latencies (0 for a == b)."""

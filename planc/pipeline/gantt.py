@@ -21,7 +21,8 @@ __all__ = ["plan_input", "draw", "table"]
 
 def cluster_of(plan: dict) -> ir.Cluster:
     c = plan["cluster"]
-    levels = tuple(ir.Level(lv["name"], lv["fanout"], lv["bandwidth"], lv.get("latency", 0.0)) for lv in c["levels"])
+    levels = tuple(ir.Level(lv["name"], lv["fanout"], lv["bandwidth"], lv.get("latency", 0.0),
+                            both_ways=lv.get("both_ways")) for lv in c["levels"])
     return ir.Cluster(levels, c["host_level"], c.get("flops"), c.get("memory"), c.get("cores"), c.get("cores_level"))
 
 

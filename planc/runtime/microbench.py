@@ -27,6 +27,11 @@ whole result printed by rank 0 as one line ``PLANC_MICROBENCH {json}``:
   simulator models that sharing itself (``cluster { cores = ... }``).
 * ``p2p inner`` / ``p2p outer``: ping-pong between rank 0 and rank 1 (same host)
   and between rank 0 and the first rank of host 1; one-way time = round trip / 2;
+* ``exchange outer``: rank 0 and the first rank of host 1 send to each other at once (one
+  message each way, both posted before either is waited on); seconds until both arrived. A
+  direction of a link that carries data both ways can move less than one that carries it one
+  way (over TCP, each direction's acknowledgements queue behind the other's data), and a
+  pipeline's traffic goes both ways;
 * ``allreduce inner`` / ``allreduce outer``: ``all_reduce`` (SUM) over host 0's
   ranks and over the first rank of every host.
 
@@ -48,6 +53,7 @@ import torch
 import torch.distributed as dist
 
 MARK = "PLANC_MICROBENCH "
+STREAM = 8                             # messages each way per exchange: a pipeline's traffic is a stream
 BLOCK = [[256, 64, 8], [512, 64, 4]]   # [hidden, seq, batch] of the training-throughput block
 
 
@@ -137,6 +143,39 @@ def _pingpong(me: int, a: int, b: int, sizes, repeats: int, device) -> list[list
     return samples
 
 
+def _exchange(me: int, a: int, b: int, sizes, repeats: int, device) -> list[list]:
+    """[[bytes, [seconds per repeat]]] measured by ``a``: ``a`` and ``b`` send ``bytes`` to each other at
+    once; the time from a barrier until both messages arrived (empty on the other ranks)."""
+    samples = []
+    for nbytes in sizes:
+        n = max(1, nbytes // 4)
+        times = []
+        for rep in range(repeats + 1):                       # the first exchange warms the connection
+            if me in (a, b):
+                peer = b if me == a else a
+                out = torch.full((STREAM, n), float(me + 1 + rep), device=device)
+                got = torch.empty(STREAM, n, device=device)
+            dist.barrier()
+            if me not in (a, b):
+                continue
+            _sync(device)
+            t0 = time.perf_counter()
+            works = []
+            for k in range(STREAM):
+                works += [dist.isend(out[k], peer), dist.irecv(got[k], peer)]
+            for w in works:
+                w.wait()
+            _sync(device)
+            dt = time.perf_counter() - t0
+            if not bool((got == float(peer + 1 + rep)).all()):
+                raise RuntimeError(f"exchange {a}<->{b}: {nbytes} B arrived altered")
+            if rep:
+                times.append(dt)
+        if me == a:
+            samples.append([STREAM * n * 4, times])
+    return samples
+
+
 def _allreduce(me: int, members: list[int], group, sizes, repeats: int, device) -> list[list]:
     """[[bytes, [seconds per repeat]]] measured by ``members[0]`` (empty elsewhere)."""
     samples = []
@@ -214,6 +253,9 @@ def run(spec: dict) -> dict | None:
         t0 = time.perf_counter()
         result["p2p"]["outer"] = _pingpong(rank, 0, per_host, spec["sizes_outer"], repeats, device)
         done("p2p outer", t0)
+        t0 = time.perf_counter()
+        result["exchange"] = {"outer": _exchange(rank, 0, per_host, spec["sizes_outer"], repeats, device)}
+        done("exchange outer", t0)
         t0 = time.perf_counter()
         result["allreduce"]["outer"] = {"k": hosts, "samples": _allreduce(
             rank, leaders, outer_group, spec["sizes_outer"], repeats, device)}

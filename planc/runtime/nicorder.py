@@ -29,6 +29,7 @@ import time
 __all__ = ["NicOrder", "NicOrderError", "open_counters", "enabled"]
 
 POLL_S = 0.0002          # how often a waiting NIC thread reads the counter
+SIOCOUTQNSD = 0x894B     # linux/sockios.h: bytes of a TCP socket's send queue not yet sent
 
 
 class NicOrderError(RuntimeError):
@@ -41,7 +42,9 @@ def enabled() -> bool:
 
 
 def host_bandwidth(plan) -> float | None:
-    """Bytes/s of the link a cross-host send leaves by: the slowest level at or above the host level."""
+    """Bytes/s of the link a cross-host send leaves by: the slowest level at or above the host level
+    (one way: the least a turn is held; the wait for the rank's send queues to empty adds what the
+    link loses to traffic both ways, as it happens: :class:`CrossHostSockets`)."""
     levels = plan.cluster.levels
     k = next((i for i, lv in enumerate(levels) if lv.name == plan.cluster.host_level), None)
     rates = [lv.bandwidth for lv in levels[:k + 1] if lv.fanout > 1 and lv.bandwidth] if k is not None else []
@@ -79,6 +82,68 @@ def open_counters(plan, rank: int):
     return view
 
 
+def drain_enabled() -> bool:
+    """``PLANC_NIC_DRAIN=0``: pass the turn without waiting for the rank's TCP send queues to empty."""
+    return os.environ.get("PLANC_NIC_DRAIN", "1") != "0"
+
+
+class CrossHostSockets:
+    """This process's established TCP connections to other hosts, and the bytes they have not sent yet.
+
+    gloo's send completes when the kernel has taken the bytes, not when they left: a turn handed on
+    then lets the next sender's bytes into the host's queue beside ours, and the two connections
+    share the link in whatever order TCP gives (over a shaped link whose other direction is busy,
+    ACKs queue behind the other way's data, so the bytes can sit there for long). Waiting until the
+    rank's connections to other hosts have sent everything (``SIOCOUTQNSD``; the queue in front of the
+    link is first in, first out) keeps the wire in the planned order. Found from ``/proc/self/fd``
+    and ``/proc/self/net/tcp{,6}`` (a connection to another host: its remote address is not its
+    local one); where those are missing (not Linux) there are none and nothing is waited for."""
+
+    def __init__(self):
+        self.fds: tuple[int, ...] = ()
+
+    def refresh(self) -> None:
+        inodes: dict[str, int] = {}
+        try:
+            names = os.listdir("/proc/self/fd")
+        except OSError:
+            names = []
+        for name in names:
+            try:
+                link = os.readlink(f"/proc/self/fd/{name}")
+            except OSError:
+                continue
+            if link.startswith("socket:["):
+                inodes[link[8:-1]] = int(name)
+        fds = []
+        for table in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
+            try:
+                with open(table) as f:
+                    rows = f.read().splitlines()[1:]
+            except OSError:
+                continue
+            for row in rows:
+                col = row.split()
+                if len(col) < 10 or col[3] != "01":          # 01: ESTABLISHED
+                    continue
+                local, remote = col[1].rsplit(":", 1)[0], col[2].rsplit(":", 1)[0]
+                if local != remote and col[9] in inodes:
+                    fds.append(inodes[col[9]])
+        self.fds = tuple(sorted(fds))
+
+    def unsent(self) -> int:
+        import fcntl
+        import struct
+
+        total = 0
+        for fd in self.fds:
+            try:
+                total += struct.unpack("i", fcntl.ioctl(fd, SIOCOUTQNSD, b"\0\0\0\0"))[0]
+            except OSError:      # closed since (or not a TCP socket any more): nothing of ours queued
+                pass
+        return total
+
+
 class _Sent:
     """What ``submit`` returns: ``wait()`` returns when the send completed, or raises its error."""
 
@@ -111,6 +176,7 @@ class NicOrder:
         self._submitted: dict[tuple, tuple] = {}     # (step, key) -> (issue, handle, bytes to other hosts)
         self._step = -1                              # the step being submitted
         self._failed: BaseException | None = None    # the NIC thread's error: every send after it fails too
+        self.sockets = CrossHostSockets() if drain_enabled() else None
         self._thread = threading.Thread(target=self._run, name="planc-nic-order", daemon=True)
         if self.mine:
             self._thread.start()
@@ -126,8 +192,9 @@ class NicOrder:
         key = (transfer, direction, m)
         what = (f"rank {self.rank}: send {transfer} {direction} m{m} (position {self.position[key]} of host "
                 f"{self.host}'s NIC order)")
-        # its turn may come after every earlier send of the host: allow it a timeout per send before it
-        handle = _Sent(self.timeout * (self.position[key] + 1), what)
+        # its turn may come after every earlier send of the host: allow it a timeout per send before it,
+        # one for its own send and one for its bytes to leave (the drain)
+        handle = _Sent(self.timeout * (self.position[key] + 2), what)
         with self._lock:
             if self._failed is not None:
                 handle.error = self._failed
@@ -158,6 +225,10 @@ class NicOrder:
                         left = t0 + nbytes / self.bandwidth - time.monotonic()
                         if left > 0:
                             time.sleep(left)
+                    if self.sockets is not None:             # and until the bytes have left this rank
+                        if i == self.mine[0][0]:
+                            self.sockets.refresh()           # once a step (gloo connects at group creation)
+                        self._drain(t0, key)
                     if self.tracer is not None:          # the turn, from issue to handing it on
                         now = self.tracer.now()
                         self.tracer.complete(f"nic {key[0]} {key[1]} m{key[2]}", now - (time.monotonic() - t0) * 1e6,
@@ -174,6 +245,14 @@ class NicOrder:
                 del issue
                 handle.done.set()
             step += 1
+
+    def _drain(self, t0: float, key) -> None:
+        """Wait until this rank's connections to other hosts have sent every byte (at most ``timeout``)."""
+        while self.sockets.unsent() > 0:
+            if time.monotonic() - t0 > self.timeout:
+                raise NicOrderError(f"rank {self.rank}: send {key[0]} {key[1]} m{key[2]}: its bytes have not "
+                                    f"left this rank's TCP send queues within {self.timeout:g} s")
+            time.sleep(POLL_S)
 
     def _wait_turn(self, turn: int, key) -> None:
         last, since = int(self.counter[0]), time.monotonic()

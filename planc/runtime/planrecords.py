@@ -61,14 +61,16 @@ class Level:
     fanout: int
     bandwidth: float | None
     latency: float
+    both_ways: float | None = None     # a direction's bytes/s while the link carries data both ways
 
     @staticmethod
     def read(at: At) -> "Level":
         return Level(at.key("name").str(), at.key("fanout").int(1), at.key("bandwidth").opt_num(),
-                     at.key("latency", 0.0).num())
+                     at.key("latency", 0.0).num(), at.key("both_ways", None).opt_num())
 
     def to_json(self) -> dict:
-        return {"name": self.name, "fanout": self.fanout, "bandwidth": self.bandwidth, "latency": self.latency}
+        return {"name": self.name, "fanout": self.fanout, "bandwidth": self.bandwidth, "latency": self.latency,
+                **({"both_ways": self.both_ways} if self.both_ways is not None else {})}
 
 
 @dataclass(frozen=True, slots=True)

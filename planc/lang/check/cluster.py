@@ -167,7 +167,7 @@ def _host_level(errs: Diagnostics, levels: list[ir.Level], host: str | None, spa
 
 
 FILE_KEYS = ("levels", "host", "flops", "memory", "cores", "cores_per", "calibration")   # calibration: a record, not read
-LEVEL_KEYS = ("name", "fanout", "x", "bandwidth", "latency")
+LEVEL_KEYS = ("name", "fanout", "x", "bandwidth", "latency", "both_ways")
 
 
 def _unknown_keys(errs: Diagnostics, mapping: dict, known, where: str, at) -> bool:
@@ -222,7 +222,7 @@ def _from_file(errs: Diagnostics, file: ast.Str, contents: ClusterFile | None) -
                      at("levels", i, key))
             return None
         values = {}
-        for k, kind in (("bandwidth", "bandwidth"), ("latency", "time")):
+        for k, kind in (("bandwidth", "bandwidth"), ("latency", "time"), ("both_ways", "bandwidth")):
             try:
                 values[k] = _yaml_quantity(entry.get(k), kind)
             except ValueError as e:
@@ -240,7 +240,13 @@ def _from_file(errs: Diagnostics, file: ast.Str, contents: ClusterFile | None) -
         if fanout > 1 and bw is None:
             errs.add(f"{where}: level '{entry['name']}' has {fanout} units and needs a bandwidth", at("levels", i))
             return None
-        levels.append(ir.Level(entry["name"], fanout, bw, lat, at("levels", i)))
+        both = values["both_ways"]
+        if both is not None and (bw is None or not 0 < both <= bw):
+            errs.add(f"{where}: both_ways (a direction's bandwidth while the link carries data both ways) must be "
+                     f"positive and at most the level's bandwidth {_short(entry.get('bandwidth'))}, got "
+                     f"{_short(entry.get('both_ways'))}", at("levels", i, "both_ways"))
+            return None
+        levels.append(ir.Level(entry["name"], fanout, bw, lat, at("levels", i), both))
     names = [l.name for l in levels]
     if len(set(names)) != len(names):
         twice = next(i for i, n in enumerate(names) if n in names[:i])
