@@ -216,6 +216,9 @@ def test_calibrate_on_the_testbed_then_predict(tmp_path, capsys):
     doc = yaml.safe_load(out.read_text())
     host = doc["levels"][0]
     assert host["bandwidth"] <= 1.2 * 100e6 / 8      # tbf holds the link to its rate (plus its burst)
+    # the streamed exchange both ways: measured, never above one way, and not absurdly low
+    assert 0.5 * host["bandwidth"] <= host["both_ways"] <= host["bandwidth"]
+    assert doc["calibration"]["samples"][0]["exchange"]["outer"]
     # the file drives the cost model: the bench testbed's cases predicted at 400 Mbit/s
     cases = [{"kind": "transfer", "case": name, "what": "send_recv", "measured": 1.0} for name in testbed.TRANSFERS]
     rows = accuracy.testbed_cases(cases, accuracy.read_calibrated(out), "x", 400)

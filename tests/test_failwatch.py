@@ -73,3 +73,25 @@ def test_a_stopped_watch_ends_nothing():
     report_failure(0, "too late to matter", store=server)
     del server
     assert not ended.event.wait(0.6)
+
+
+def test_a_failing_rank_0_keeps_its_store_until_every_rank_has_seen_the_failure():
+    """The store lives in rank 0's process: rank 0 reporting its own failure waits (at most
+    ``linger``) until the watching rank has read the key, so its exit cannot take the key away first."""
+    server, client = _stores()
+    ended = _Exit()
+    watch = FailureWatch(1, interval=0.5, store=client, exit=ended)
+    t0 = time.monotonic()
+    report_failure(0, "rank 0 (stage 0) failed in RecvGrad with ranks [1]", store=server, world=2, linger=10)
+    took = time.monotonic() - t0
+    assert ended.event.is_set() and ended.codes == [2]        # the watch saw it before rank 0 returned
+    assert took < 5                                           # and rank 0 did not wait out its linger
+    assert server.add("planc/failed-seen", 0) == 2
+    watch.stop()
+
+
+def test_a_failing_rank_0_with_no_one_watching_lingers_no_longer_than_its_bound():
+    server, _client = _stores()
+    t0 = time.monotonic()
+    report_failure(0, "alone", store=server, world=2, linger=0.5)
+    assert 0.4 <= time.monotonic() - t0 < 3

@@ -10,6 +10,11 @@ or the store itself is gone (host 0's rank 0 died, or its link), the rank prints
 and exits 2 at once — whatever its main thread is doing. The rank's own launcher then ends the
 rest of its host, as it does for any rank that exits non-zero.
 
+The store lives in rank 0's process, so a failing rank 0 that exited at once could take the key
+with it before a watcher's next poll (the watcher would then end only after ``grace``, for the
+wrong reason). Every rank that learns of the failure — by failing itself or by its watch — adds
+one to ``SEEN_KEY``; a failing rank 0 lingers until every rank has, or ``linger`` seconds.
+
 The watch stops before the run's last collective (``stop()``), so a rank 0 that finishes and
 takes the store with it never ends a rank that is finishing too; a store that stops answering
 is believed gone only after ``grace`` seconds of errors.
@@ -23,9 +28,10 @@ import time
 
 import torch.distributed as dist
 
-__all__ = ["FailureWatch", "FAILED_KEY", "report_failure"]
+__all__ = ["FailureWatch", "FAILED_KEY", "SEEN_KEY", "report_failure"]
 
 FAILED_KEY = "planc/failed"
+SEEN_KEY = "planc/failed-seen"     # how many ranks know of the failure (report_failure, FailureWatch)
 
 
 def _store():
@@ -36,27 +42,40 @@ def _store():
         return None
 
 
-def report_failure(rank: int, message: str, store=None, wait: float = 2.0) -> None:
+def report_failure(rank: int, message: str, store=None, wait: float = 2.0, world: int | None = None,
+                   linger: float | None = None) -> None:
     """Tell every other rank (their ``FailureWatch``) that this one failed, in one line.
 
-    Waits at most ``wait`` seconds: a store behind a dead link would block until its own timeout,
-    and a failing rank must exit now (the others then see the store gone, or time out themselves)."""
+    Waits at most ``wait`` seconds for the write: a store behind a dead link would block until its
+    own timeout, and a failing rank must exit now (the others then see the store gone, or time out
+    themselves). The rank that hosts the store (rank 0) then lingers, at most ``linger`` seconds
+    (default: 3 s when it is rank 0 of a job of more than one rank, else none), until all ``world``
+    ranks have counted themselves in ``SEEN_KEY``, so that its exit does not take the key with it."""
     if store is None:
         store = _store() if dist.is_initialized() else None
     if store is None:
         return
+    if world is None:
+        world = dist.get_world_size() if dist.is_initialized() else 1
+    if linger is None:
+        linger = 3.0 if rank == 0 and world > 1 else 0.0
     line = f"rank {rank}: {message.splitlines()[0] if message else 'failed'}"
 
     def write():
         try:
             if not store.check([FAILED_KEY]):      # the first failure is the one named
                 store.set(FAILED_KEY, line)
+            seen = store.add(SEEN_KEY, 1)
+            deadline = time.monotonic() + linger
+            while seen < world and time.monotonic() < deadline:
+                time.sleep(0.05)
+                seen = store.add(SEEN_KEY, 0)
         except (RuntimeError, ValueError):         # the store is gone too: the others see that
             pass
 
     writer = threading.Thread(target=write, name="planc-report-failure", daemon=True)
     writer.start()
-    writer.join(wait)
+    writer.join(wait + linger)
 
 
 class FailureWatch:
@@ -88,7 +107,12 @@ class FailureWatch:
         while not self._stop.wait(self.interval):
             try:
                 if self.store.check([FAILED_KEY]):
-                    self._end(f"{self.store.get(FAILED_KEY).decode(errors='replace')} (seen in the rendezvous store)")
+                    line = self.store.get(FAILED_KEY).decode(errors='replace')
+                    try:
+                        self.store.add(SEEN_KEY, 1)    # a failing rank 0 may exit now (report_failure)
+                    except (RuntimeError, ValueError):
+                        pass
+                    self._end(f"{line} (seen in the rendezvous store)")
                 failing_since = None
             except (RuntimeError, ValueError) as e:   # DistStoreError is a RuntimeError
                 now = time.monotonic()
