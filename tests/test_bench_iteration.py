@@ -342,3 +342,18 @@ def test_rounds_must_be_positive(capsys):
     assert "takes no --rounds" in capsys.readouterr().err
     assert main(["bench", "iteration", "--measured", "0"]) == 2
     assert "--measured 0: must be at least 1" in capsys.readouterr().err
+
+
+def test_the_both_ways_link_time_is_reported_where_the_cluster_file_measured_it():
+    """A calibrated cluster's ``both_ways`` (bytes/s a direction keeps while the other is busy) gives a
+    second link time and ratio; without it (no --cluster, or a file without the figure) there is none."""
+    res = _fake_result(stock=True)
+    assert all(r["link_both_ways"] is None and r["vs_bound_both_ways"] is None for r in iteration.rows(res))
+    assert "Both ways" not in iteration.markdown(res, "10,100")
+    res["both_ways"] = {"10": 1.0e6, "100": None}
+    at = {(r["rate"], r["program"]): r for r in iteration.rows(res)}
+    assert at[(10.0, "planc 1f1b")]["link_both_ways"] == pytest.approx(2.5)        # 2.5 MB / 1 MB/s
+    assert at[(10.0, "planc 1f1b")]["vs_bound_both_ways"] == pytest.approx(4.0 / 2.5)
+    assert at[(100.0, "planc 1f1b")]["link_both_ways"] is None
+    text = iteration.markdown(res, "10,100")
+    assert "the same bytes take 10 Mbit/s 2.500 s; planc's best ÷ max(signal, that): 10 Mbit/s 1.60 (gpipe)." in text

@@ -332,6 +332,10 @@ def measure_plan(plan_path: str, rates, *, measured: int = MEASURED, timeout: fl
                   "stages": [len(s["devices"]) for s in plan["stages"]],
                   "micro_batch": plan["train"]["micro_batch"], "micro_batches": plan["train"]["micro_batches"],
                   "link": link_bytes(plan), "compile_s": round(time.monotonic() - t0, 1), "programs": {}}
+        if cluster is not None:   # the calibrated rate a direction keeps while the other is busy
+            from planc.bench.accuracy import read_calibrated
+            cal = read_calibrated(cluster)
+            result["both_ways"] = {f"{r:g}": cal.both_ways(r) for r in rates}
         reason = stock_reason(plan)
         result["stock"] = {"expressible": reason is None, "reason": reason,
                            "partition_method": stock_partition(plan) if reason is None else None}
@@ -405,6 +409,9 @@ def rows(result: dict) -> list[dict]:
     for i, rate in enumerate(r["rate"] for r in next(iter(result["programs"].values()))["per_rate"]):
         link = link_seconds(result["link"]["busiest_bytes"], rate)
         bound = max(compute, link) if compute is not None else None
+        both = (result.get("both_ways") or {}).get(f"{rate:g}")
+        link_both = result["link"]["busiest_bytes"] / both if both else None
+        bound_both = max(compute, link_both) if compute is not None and link_both is not None else None
         stock = result["programs"].get("stock DeepSpeed")
         stock_t = stock["per_rate"][i]["median"] if stock else None
         for name in programs + ([] if stock else ["stock DeepSpeed"]):
@@ -415,6 +422,8 @@ def rows(result: dict) -> list[dict]:
                         "vs_stock": t / stock_t if t and stock_t else None,
                         "vs_bound": t / bound if t and bound else None,
                         "compute_only": compute, "link": link, "bound": bound,
+                        "link_both_ways": link_both, "bound_both_ways": bound_both,
+                        "vs_bound_both_ways": t / bound_both if t and bound_both else None,
                         "note": None if run else f"n/a: {result['stock']['reason']}",
                         "error": run.get("error") if run else None})
     return out
@@ -490,6 +499,20 @@ def markdown(result: dict, rates_arg: str) -> str:
         t = r["note"] or (f"failed ({r['error'][:60]})" if r["error"] and r["median"] is None else _f(r["median"]))
         lines.append(f"| {r['rate']:g} | {r['program']} | {t} | {_f(r['vs_stock'], 2)} | {_f(r['vs_bound'], 2)} | "
                      f"{_f(r['bound'])} ({_f(r['compute_only'])}, {_f(r['link'])}) |")
+    both = [r for r in rows(result) if r["link_both_ways"] is not None and r["program"].startswith("planc ")
+            and r["median"] is not None]
+    if both:
+        best = {}
+        for r in both:
+            if r["rate"] not in best or r["median"] < best[r["rate"]]["median"]:
+                best[r["rate"]] = r
+        lines += ["", "Both ways (the cluster file's `both_ways`: the rate a direction of the host link keeps "
+                  "while the other direction carries data too, as a 1F1B step's activations and gradients do): "
+                  "the same bytes take "
+                  + ", ".join(f"{rate:g} Mbit/s {r['link_both_ways']:.3f} s" for rate, r in best.items())
+                  + "; planc's best ÷ max(signal, that): "
+                  + ", ".join(f"{rate:g} Mbit/s {r['vs_bound_both_ways']:.2f} ({r['program'][6:]})"
+                              for rate, r in best.items()) + "."]
     lines += ["", "| program | peak RSS per rank, MB (VmHWM) | loss, first steps | run s |", "|---|---|---|---|"]
     for name, run in list(result["programs"].items()) + [
             (f"planc {s}, signal transfers", r) for s, r in (result.get("signal") or {}).items()] + [
