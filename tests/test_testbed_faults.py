@@ -210,7 +210,7 @@ def test_interrupting_planc_testbed_run_removes_everything(out1):
     before = _machine_state()
     p = subprocess.Popen([sys.executable, "-m", "planc", "testbed", "run", str(out1), "--train", "--loss", "0.05",
                           "--steps", str(10 ** 6), "--link-mbit", "100"], stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True, cwd=ROOT)
+                         stderr=subprocess.PIPE, text=True, cwd=ROOT, env=dict(os.environ, PYTHONFAULTHANDLER="1"))
     try:
         head = ""
         while p.poll() is None and not head.startswith("testbed:"):
@@ -227,7 +227,15 @@ def test_interrupting_planc_testbed_run_removes_everything(out1):
             pids = _rank_pids(namespaces)
         assert all(pids.values()), pids
         p.send_signal(signal.SIGINT)
-        stdout, stderr = p.communicate(timeout=60)
+        try:
+            # the clean-up is bounded (each launcher waited for 10 s, each `ip` call 30 s); on a loaded
+            # 2-core machine it once took longer than 60 s: allow 150 s, and if it still runs, fail with
+            # where it is (faulthandler prints every thread's stack on SIGABRT)
+            stdout, stderr = p.communicate(timeout=150)
+        except subprocess.TimeoutExpired:
+            p.send_signal(signal.SIGABRT)
+            _, stacks = p.communicate(timeout=30)
+            pytest.fail(f"planc testbed run still ran 150 s after Ctrl-C; its threads:\n{stacks[-6000:]}")
     finally:
         if p.poll() is None:
             p.kill()
