@@ -495,17 +495,17 @@ def markdown(result: dict, rates_arg: str) -> str:
                 if result["stock"]["expressible"] else f"n/a: {result['stock']['reason']}."), "",
              "| link Mbit/s | program | median s/step | ÷ stock DeepSpeed | ÷ bound | bound s (signal, link) |",
              "|---|---|---|---|---|---|"]
-    for r in rows(result):
+    table = rows(result)
+    for r in table:
         t = r["note"] or (f"failed ({r['error'][:60]})" if r["error"] and r["median"] is None else _f(r["median"]))
         lines.append(f"| {r['rate']:g} | {r['program']} | {t} | {_f(r['vs_stock'], 2)} | {_f(r['vs_bound'], 2)} | "
                      f"{_f(r['bound'])} ({_f(r['compute_only'])}, {_f(r['link'])}) |")
-    both = [r for r in rows(result) if r["link_both_ways"] is not None and r["program"].startswith("planc ")
-            and r["median"] is not None]
-    if both:
-        best = {}
-        for r in both:
+    best = {}   # per rate, planc's fastest program where the both-ways link time is known
+    for r in table:
+        if r["link_both_ways"] is not None and r["program"].startswith("planc ") and r["median"] is not None:
             if r["rate"] not in best or r["median"] < best[r["rate"]]["median"]:
                 best[r["rate"]] = r
+    if best:
         lines += ["", "Both ways (the cluster file's `both_ways`: the rate a direction of the host link keeps "
                   "while the other direction carries data too, as a 1F1B step's activations and gradients do): "
                   "the same bytes take "
