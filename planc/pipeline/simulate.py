@@ -178,6 +178,25 @@ def nic_order_from(ready, sim: SimInput) -> tuple:
     return tuple((h, tuple(keys)) for h, keys in sorted(by_host.items()) if len(keys) > 1)
 
 
+def ingress_order_from(ready, sim: SimInput) -> tuple:
+    """Per *receiving* host, the cross-host send keys that enter it, in the order they became ready:
+    the chains of an order on each host's incoming link (an experiment, docs/benchmarks.md, "An order
+    on the receiving host's link, simulated"; the compiler keeps none). Chains of this shape can be
+    given to :func:`_simulate` as ``nic_order``, alone or after the sending hosts' ones."""
+    host_of = sim.cluster.host_of
+    enters: dict[tuple, set] = {}
+    for t in sim.transfers:
+        for direction, tasks in (("forward", t.forward), ("backward", t.backward)):
+            for task in tasks or ():
+                enters.setdefault((task.sender, t.name, direction), set()).update(
+                    host_of(r) for r in task.receivers if host_of(r) != host_of(task.sender))
+    by_host: dict[int, list] = {}
+    for _, key in sorted(ready):
+        for h in sorted(enters.get(key[:3], ())):
+            by_host.setdefault(h, []).append(key)
+    return tuple((h, tuple(keys)) for h, keys in sorted(by_host.items()) if len(keys) > 1)
+
+
 def _simulate(sim: SimInput, per_stage, free: bool, keep: bool, nic_order: tuple = ()) -> Prediction:
     S = len(sim.stage_devices)
     if len(per_stage) != S or len(sim.compute) != S:
