@@ -248,6 +248,7 @@ def sample_hwm(tracker: RankTracker, hwm: dict[int, int]) -> None:
 # -- the account of a failed launch -----------------------------------------------------------
 
 _SAID_RE = re.compile(r"^planc: rank \d+: .*$", re.M)
+_FAULT_RANK_RE = re.compile(r"^rank (\d+) \(host \d+\) ")   # a fault event on a rank: "rank 3 (host 1) sent ..."
 
 
 def _how(code: int | None) -> str:
@@ -279,8 +280,11 @@ def describe_failure(*, world: int, host_of: dict[int, int], tracker: RankTracke
     if events:
         lines.append("faults: " + "; ".join(f"{t:.1f} s: {what}" for t, what in events))
     ended = tracker.ended if tracker is not None else {}
+    # ranks the tracker saw end in the same poll share a time: a rank a fault hit (the testbed killed
+    # it) is then the cause and goes first (its launcher stops its siblings within the same poll)
+    hit = {int(m.group(1)) for _, what in events for m in [_FAULT_RANK_RE.match(what)] if m}
     failed = sorted(((t, r) for r, (t, code) in ended.items() if code != 0
-                     and (killed_at is None or t < killed_at)), key=lambda x: x[0])
+                     and (killed_at is None or t < killed_at)), key=lambda x: (x[0], x[1] not in hit, x[1]))
     if failed:
         t, r = failed[0]
         said = last_words(logs.get(r, ""))
