@@ -45,14 +45,17 @@ def test_a_missed_status_stays_unknown_where_the_launcher_code_is_not_its_own():
 def test_a_rank_the_testbed_killed_fails_first_among_ranks_seen_ending_in_the_same_poll():
     # rank 3 was killed by the testbed; its launcher stopped rank 2 before the next poll saw either
     t = _tracker({0: (13.7, None), 1: (13.4, 2), 2: (13.4, -15), 3: (13.4, -9)})
+    t.signalled.add(3)                  # as Testbed.kill_rank records it
     events = [(13.4, "rank 3 (host 1) sent SIGKILL by the testbed")]
     text = describe_failure(world=4, host_of={0: 0, 1: 0, 2: 1, 3: 1}, tracker=t, logs={}, events=events,
                             timed_out=False, killed_at=None, timeout=240, collective_timeout=15)
     assert text.splitlines()[1] == "first to fail: rank 3 (host 1) killed by SIGKILL at 13.4 s"
     # without a fault on a rank, equal times go by rank; an earlier time always goes first
+    t.signalled.clear()
     text = describe_failure(world=4, host_of={0: 0, 1: 0, 2: 1, 3: 1}, tracker=t, logs={}, events=[],
                             timed_out=False, killed_at=None, timeout=240, collective_timeout=15)
     assert text.splitlines()[0] == "first to fail: rank 1 (host 0) exited 2 at 13.4 s"
+    t.signalled.add(3)
     t.ended[0] = (13.0, 2)
     text = describe_failure(world=4, host_of={0: 0, 1: 0, 2: 1, 3: 1}, tracker=t, logs={}, events=events,
                             timed_out=False, killed_at=None, timeout=240, collective_timeout=15)

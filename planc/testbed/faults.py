@@ -252,6 +252,7 @@ class FaultsMixin:
         if pid is None or rank in tracker.ended:
             raise TestbedError(f"rank {rank} is not running (running: {tracker.alive()})")
         os.kill(pid, sig)
+        tracker.signalled.add(rank)
         if sig == signal.SIGKILL:
             tracker.sigkilled[pid] = -signal.SIGKILL
         host = self._host_of.get(rank, "?")

@@ -182,6 +182,7 @@ class RankTracker:
         # pid -> returncode of a rank the testbed sent SIGKILL: it cannot be caught, so when the
         # launcher reaps the rank before ``poll`` sees its zombie (a loaded machine), that is its status
         self.sigkilled: dict[int, int] = {}
+        self.signalled: set[int] = set()                          # ranks the testbed sent a signal (a fault)
 
     def scan(self, launched) -> None:
         """Find rank processes below ``launched`` (Popen objects) not yet known."""
@@ -248,7 +249,6 @@ def sample_hwm(tracker: RankTracker, hwm: dict[int, int]) -> None:
 # -- the account of a failed launch -----------------------------------------------------------
 
 _SAID_RE = re.compile(r"^planc: rank \d+: .*$", re.M)
-_FAULT_RANK_RE = re.compile(r"^rank (\d+) \(host \d+\) ")   # a fault event on a rank: "rank 3 (host 1) sent ..."
 
 
 def _how(code: int | None) -> str:
@@ -280,9 +280,9 @@ def describe_failure(*, world: int, host_of: dict[int, int], tracker: RankTracke
     if events:
         lines.append("faults: " + "; ".join(f"{t:.1f} s: {what}" for t, what in events))
     ended = tracker.ended if tracker is not None else {}
-    # ranks the tracker saw end in the same poll share a time: a rank a fault hit (the testbed killed
-    # it) is then the cause and goes first (its launcher stops its siblings within the same poll)
-    hit = {int(m.group(1)) for _, what in events for m in [_FAULT_RANK_RE.match(what)] if m}
+    # ranks the tracker saw end in the same poll share a time: a rank a fault hit (the testbed sent it
+    # a signal) is then the cause and goes first (its launcher stops its siblings within the same poll)
+    hit = tracker.signalled if tracker is not None else set()
     failed = sorted(((t, r) for r, (t, code) in ended.items() if code != 0
                      and (killed_at is None or t < killed_at)), key=lambda x: (x[0], x[1] not in hit, x[1]))
     if failed:
