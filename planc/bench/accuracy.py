@@ -138,11 +138,21 @@ def _plan_path(p: str) -> Path:
     return path if path.exists() else ROOT / p
 
 
+def compiled_at_rates(program, cal: Calibrated, rates):
+    """``(rate, plan.json)`` of ``program`` compiled under ``cal`` at each link rate, the model probed
+    once (under the first rate's cluster: the probe does not depend on the links)."""
+    from planc.compile import compile_program
+    from planc.probe import probe_model
+
+    probe = probe_model(dataclasses.replace(program, cluster=substitute(program.cluster, cal, rates[0])))
+    for rate in rates:
+        yield rate, compile_program(dataclasses.replace(program, cluster=substitute(program.cluster, cal, rate)),
+                                    probe).plan_json
+
+
 def iteration_cases(doc: dict, cal: Calibrated, source: str) -> list[dict]:
     """One row per (plan, program, rate) of a ``bench iteration`` JSON, each with its prediction."""
-    from planc.compile import compile_program
     from planc.lang import load
-    from planc.probe import probe_model
 
     rows = []
     for res in doc.get("plans") or ():
@@ -151,12 +161,9 @@ def iteration_cases(doc: dict, cal: Calibrated, source: str) -> list[dict]:
             raise AccuracyError(f"planc bench accuracy: {source}: plan {res['plan']} not found")
         program = load(path)
         rates = sorted({float(r["rate"]) for run in res["programs"].values() for r in run["per_rate"]})
-        probe = probe_model(dataclasses.replace(program, cluster=substitute(program.cluster, cal, rates[0])))
         predicted = {}
-        for rate in rates:
-            compiled = compile_program(dataclasses.replace(program, cluster=substitute(program.cluster, cal, rate)),
-                                       probe)
-            pred = (compiled.plan_json.get("pipeline") or {}).get("predicted") or {}
+        for rate, plan_json in compiled_at_rates(program, cal, rates):
+            pred = (plan_json.get("pipeline") or {}).get("predicted") or {}
             predicted[rate] = {s: v.get("iteration") for s, v in (pred.get("schedules") or {}).items()}
         for name, run in res["programs"].items():
             for r in run["per_rate"]:

@@ -11,7 +11,6 @@ both. A column whose chains would hang the lists says so. Nothing is launched.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 
 SCHEDULES = ("1f1b", "eager_1f1b")
@@ -19,22 +18,14 @@ COLUMNS = ("shared", "sending hosts", "receiving hosts", "both")
 
 
 def rows(plan_path: str, cal_path: str, rates) -> list[dict]:
-    from planc.bench.accuracy import read_calibrated, substitute
-    from planc.compile import compile_program
+    from planc.bench.accuracy import compiled_at_rates, read_calibrated
     from planc.lang import load
     from planc.pipeline.gantt import plan_input
     from planc.pipeline.schedules import build
     from planc.pipeline.simulate import _simulate, ingress_order_from, nic_order_from
-    from planc.probe import probe_model
 
-    cal = read_calibrated(cal_path)
-    program = load(plan_path)
-    probe = probe_model(dataclasses.replace(program, cluster=substitute(program.cluster, cal, rates[0])))
     out = []
-    for rate in rates:
-        compiled = compile_program(dataclasses.replace(program, cluster=substitute(program.cluster, cal, rate)),
-                                   probe)
-        pj = compiled.plan_json
+    for rate, pj in compiled_at_rates(load(plan_path), read_calibrated(cal_path), rates):
         sim = plan_input(pj)
         for name in SCHEDULES:
             lists = [[(k, int(m)) for k, m in ops]
