@@ -134,6 +134,9 @@ def _cmd_bench(args) -> int:
         if value is not None and value < 1:
             print(f"planc bench iteration: {flag} {value}: must be at least 1", file=sys.stderr)
             return EXIT_USER
+    if args.from_json and args.what != "iteration":
+        print(f"planc bench {args.what}: takes no --from-json (only iteration does)", file=sys.stderr)
+        return EXIT_USER
     clusters = args.cluster or []
     if len(clusters) > 1 and args.what != "accuracy":
         print(f"planc bench {args.what}: --cluster given {len(clusters)} times; it takes one cluster file "
@@ -150,6 +153,15 @@ def _cmd_bench(args) -> int:
             return EXIT_USER
         options = dict(plans=args.plans or None, json_path=args.json_path, chart=args.chart, rates=rates,
                        cluster=args.cluster, rounds=args.rounds, measured=args.measured)
+        if args.from_json:
+            if args.plans or args.rates or args.json_path or args.chart or args.rounds or args.measured:
+                print("planc bench iteration: --from-json reports a stored run again: it takes only --cluster "
+                      "and --write", file=sys.stderr)
+                return EXIT_USER
+            if not Path(args.from_json).is_file():
+                print(f"planc bench iteration: --from-json {args.from_json}: no such file", file=sys.stderr)
+                return EXIT_USER
+            options = dict(from_json=args.from_json, cluster=args.cluster)
     elif args.what == "accuracy":
         if not args.cluster or not args.plans:
             print("planc bench accuracy: needs --cluster CALIBRATED.yaml and the measured JSON files "
@@ -195,10 +207,11 @@ def _cmd_bench(args) -> int:
         if args.what == "iteration":
             options["chart"] = options.get("chart") or args.plot   # step time against link rate
     from planc.bench.accuracy import AccuracyError
+    from planc.bench.iteration import ReportError
     from planc.bench.nic import NicBenchError
     try:
         text = run_bench(args.what, write=args.write, **options)
-    except (AccuracyError, NicBenchError) as e:
+    except (AccuracyError, NicBenchError, ReportError) as e:
         print(e, file=sys.stderr)
         return EXIT_USER
     print(text)
@@ -594,6 +607,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="iteration, accuracy, nic: the cluster file `planc calibrate` wrote (accuracy's PLAN "
                         "arguments: the measured JSON files; give --cluster once for all of them or once per "
                         "file, in order, e.g. the 2 x 4 calibration for the testbed cases)")
+    c.add_argument("--from-json", metavar="FILE",
+                   help="iteration: report a stored run (--json) again, with today's bounds; launches nothing")
     c.add_argument("--rounds", type=int, default=None, metavar="K",
                    help="iteration: launch every program K times, round-robin, and pool their steps (default 1)")
     c.add_argument("--measured", type=int, default=None, metavar="N",

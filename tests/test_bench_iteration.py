@@ -79,6 +79,64 @@ def test_link_bytes_ring_estimate_for_a_reduction_across_hosts(gpt_plan):
     assert lk["out"] == [1000, 1000] and lk["in"] == [1000, 1000]
 
 
+def test_the_fill_and_drain_bound_of_a_two_stage_pipeline_is_its_closed_form(gpt_plan):
+    """Host 0 sends one micro-batch's activations and receives its gradients; the first activations
+    and the last gradients cross alone at the one-way rate, the other 7 + 7 both ways at once."""
+    lk = iteration.link_bytes(gpt_plan)
+    n = 8 * 64 * 256 * 4
+    assert lk["classes"]["forward"]["out"] == [n, 0] and lk["classes"]["backward"]["in"] == [n, 0]
+    assert lk["micro_batches"] == 8
+    r1, r2 = 3.18e6, 2.73e6
+    t, host = iteration.pipeline_link_bound(lk, r1, r2)
+    assert math.isclose(t, 2 * n / r1 + 14 * n / (2 * r2))
+    # directions independent (no both-ways figure): the link-bound 1F1B closed form, (B + 1) N / R
+    t, _ = iteration.pipeline_link_bound(lk, r1)
+    assert math.isclose(t, 9 * n / r1)
+    # a both-ways figure above the one-way rate is capped there; older JSON (no classes): no bound
+    assert math.isclose(iteration.pipeline_link_bound(lk, r1, 2 * r1)[0], 9 * n / r1)
+    assert iteration.pipeline_link_bound({k: v for k, v in lk.items() if k != "classes"}, r1) is None
+
+
+def test_the_fill_and_drain_bound_is_below_a_schedule_that_achieves_it():
+    """Random two-direction links: the bound is at least each plain bound and at most the time of the
+    schedule that sends the first forward alone, then everything else at the link's limits."""
+    import random
+
+    rng = random.Random(7)
+    for _ in range(500):
+        mb = rng.randint(1, 16)
+        fo, bi = rng.uniform(1, 100), rng.uniform(1, 100)
+        fi, bo = rng.choice([0.0, rng.uniform(0, 50)]), rng.choice([0.0, rng.uniform(0, 50)])
+        ro, ri = rng.choice([0.0, rng.uniform(0, 500)]), rng.choice([0.0, rng.uniform(0, 500)])
+        r1 = rng.uniform(1, 10)
+        r2 = rng.uniform(r1 / 2, r1)
+        x, y = mb * (fo + bo) + ro, mb * (fi + bi) + ri
+        lk = {"out": [x], "in": [y], "micro_batches": mb,
+              "classes": {"forward": {"out": [fo], "in": [fi]}, "backward": {"out": [bo], "in": [bi]},
+                          "reduction": {"out": [ro], "in": [ri]}}}
+        t, _ = iteration.pipeline_link_bound(lk, r1, r2)
+        carry = iteration._carry_time
+        assert t >= carry(x, y, r1, r2) - 1e-9
+        # a feasible schedule: micro-batch 0's forward alone, every other byte at the link's limits, the
+        # last backward alone
+        feasible = carry(fo, fi, r1, r2) + carry(x - fo - bo, y - fi - bi, r1, r2) + carry(bo, bi, r1, r2)
+        assert t <= feasible + 1e-9
+
+
+def test_a_stored_run_is_reported_again_with_the_fill_and_drain_bound(tmp_path, gpt_plan, monkeypatch):
+    res = _fake_result(stock=True)
+    doc = {"machine": "m", "rates_mbit": [10.0, 100.0], "rounds": 1, "seconds": 1.0, "plans": [res]}
+    f = tmp_path / "run.json"
+    f.write_text(json.dumps(doc))
+    monkeypatch.setattr(iteration, "compile_variants",
+                        lambda *a, **k: {"1f1b": {"plan": gpt_plan, "out": None}})
+    text = iteration.report(str(f))
+    assert "Fill and drain" in text and "`planc bench iteration --from-json run.json`" in text
+    n = 8 * 64 * 256 * 4
+    t10 = 9 * n / 1.25e6                       # no calibration: directions independent, nominal rate
+    assert f"10 Mbit/s {t10:.3f} s" in text
+
+
 def _fake_result(stock: bool) -> dict:
     def prog(ts):
         return {"per_rate": [{"rate": r, "steps": [t], "median": t} for r, t in zip((10.0, 100.0), ts)],
@@ -357,3 +415,19 @@ def test_the_both_ways_link_time_is_reported_where_the_cluster_file_measured_it(
     assert at[(100.0, "planc 1f1b")]["link_both_ways"] is None
     text = iteration.markdown(res, "10,100")
     assert "the same bytes take 10 Mbit/s 2.500 s; planc's best ÷ max(signal, that): 10 Mbit/s 1.60 (gpipe)." in text
+
+
+def test_from_json_bad_inputs_are_named_without_a_traceback(tmp_path, capsys):
+    from planc.cli import main
+
+    missing = tmp_path / "nope.json"
+    assert main(["bench", "iteration", "--from-json", str(missing)]) == 2
+    assert f"--from-json {missing}: no such file" in capsys.readouterr().err
+    f = tmp_path / "run.json"
+    f.write_text("{}")
+    assert main(["bench", "iteration", "--from-json", str(f), "--rates", "10"]) == 2
+    assert "it takes only --cluster and --write" in capsys.readouterr().err
+    assert main(["bench", "synthesis", "--from-json", str(f)]) == 2
+    assert "takes no --from-json (only iteration does)" in capsys.readouterr().err
+    assert main(["bench", "iteration", "--from-json", str(f)]) == 2
+    assert "not a stored run of `planc bench iteration --json` (KeyError" in capsys.readouterr().err

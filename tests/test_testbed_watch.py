@@ -3,7 +3,7 @@ whose exit status was missed gets its host launcher's only where that is exactly
 
 from __future__ import annotations
 
-from planc.testbed.watch import RankTracker, describe_failure
+from planc.testbed.watch import RankTracker, describe_failure, last_words
 
 LAUNCHER_FAILED = "[ERROR] [launch.py:259:sigkill_handler] ['python', 'train.py'] exits with return code = 2\n"
 
@@ -60,3 +60,23 @@ def test_a_rank_the_testbed_killed_fails_first_among_ranks_seen_ending_in_the_sa
     text = describe_failure(world=4, host_of={0: 0, 1: 0, 2: 1, 3: 1}, tracker=t, logs={}, events=events,
                             timed_out=False, killed_at=None, timeout=240, collective_timeout=15)
     assert text.splitlines()[1] == "first to fail: rank 0 (host 0) exited 2 at 13.0 s"
+
+
+def test_a_rank_killed_by_a_signal_is_quoted_by_what_it_wrote_dying():
+    """SIGABRT from std::terminate on a gloo thread says nothing in planc's words: the account quotes the
+    terminate lines (else the rank's last line); a rank that exited says only its error lines."""
+    aborted = ("step 0 loss 0.0\nterminate called after throwing an instance of 'gloo::IoException'\n"
+               "  what():  [gloo/transport/tcp/pair.cc:598] Connection closed by peer [10.0.0.2]:41234\n")
+    t = _tracker({0: (9.6, None), 1: (9.2, -6), 2: (9.2, -6), 3: (9.7, 0)})
+    text = describe_failure(world=4, host_of={0: 0, 1: 0, 2: 1, 3: 1}, tracker=t,
+                            logs={1: aborted, 2: "compute-only step 0\nsomething odd\n", 3: "fine\n"}, events=[],
+                            timed_out=False, killed_at=None, timeout=240, collective_timeout=15)
+    first = text.splitlines()[0]
+    assert first.startswith("first to fail: rank 1 (host 0) killed by SIGABRT at 9.2 s: terminate called")
+    assert "Connection closed by peer" in first
+    assert "rank 2 (host 1): killed by SIGABRT at 9.2 s: something odd" in text
+    assert "rank 3 (host 1): exited 0 at 9.7 s\n" in text + "\n"     # an exit with no error line says nothing
+    # planc's own words still come first, and an exit status quotes only error lines
+    assert last_words("planc: rank 1: bad shape\nterminate called\n", signalled=True) == "planc: rank 1: bad shape"
+    assert last_words("just a line\n") == ""
+    assert last_words("ValueError: x\nlast\n", signalled=False) == "ValueError: x"

@@ -29,7 +29,11 @@ hosts, launched per host with DeepSpeed's own launcher (``deepspeed --no_ssh
 - **link** (a bound): bytes per iteration through the busiest host link
   direction (forward and backward transfer tasks × micro-batches from
   plan.json, plus the gradient reduction's cross-host bytes, ring estimate)
-  ÷ the link rate.
+  ÷ the link rate;
+- **fill and drain** (a tighter lower bound, :func:`pipeline_link_bound`): the same
+  bytes, knowing that the first micro-batch's forward and the last one's backward cross a host
+  link with nothing coming the other way and that a direction keeps only the calibration's
+  ``both_ways`` rate while the other carries data too.
 
 ``rounds`` (``--rounds K``, default 1): the programs (the schedules and stock
 DeepSpeed) are launched K times, round-robin (gpipe, 1f1b, eager_1f1b, stock,
@@ -169,17 +173,22 @@ def link_bytes(plan: dict) -> dict:
     hosts, as a ring over the group in rank order: every ring edge between two hosts carries
     2(n-1)/n·S (allreduce), (n-1)/n·S (reduce_scatter), (n-1)·S (all_gather of S per rank) or S
     (reduce, broadcast), S the bytes each member holds at that step.
+
+    Besides the totals (``out``, ``in``, the busiest), ``classes`` keeps them apart for
+    :func:`pipeline_link_bound`: one micro-batch's ``forward`` and ``backward`` bytes and the
+    iteration's ``reduction`` bytes, each ``{"out": [per host], "in": [per host]}``.
     """
     hosts = plan["cluster"]["hosts"]
     host_of = {int(r): h for h, rs in enumerate(hosts) for r in rs}
-    out, inn = [0.0] * len(hosts), [0.0] * len(hosts)
+    classes = {k: {"out": [0.0] * len(hosts), "in": [0.0] * len(hosts)} for k in ("forward", "backward", "reduction")}
     train = plan.get("train")
     mb = int(train["micro_batches"]) if train else 1
     for t in plan["transfers"]:
         size = DTYPE_BYTES.get(t["dtype"], 4)
-        for route in (t, t.get("backward")):
+        for kind, route in (("forward", t), ("backward", t.get("backward"))):
             if not route:
                 continue
+            c = classes[kind]
             for task in route["tasks"]:
                 n = size
                 for a, b in task["slice"]:
@@ -187,9 +196,10 @@ def link_bytes(plan: dict) -> dict:
                 hs = host_of[int(task["sender"])]
                 others = {host_of[int(r)] for r in task["receivers"]} - {hs}
                 for h in others:
-                    inn[h] += n * mb
-                out[hs] += n * mb * (len(others) if len(task["receivers"]) == 1 else min(1, len(others)))
+                    c["in"][h] += n
+                c["out"][hs] += n * (len(others) if len(task["receivers"]) == 1 else min(1, len(others)))
     stage_of = {int(d): s["index"] for s in plan["stages"] for d in s["devices"]}
+    red = classes["reduction"]
     for r in plan["reductions"]:
         if train and r["name"] != "gradients":
             continue   # declared for placement only; a training run reduces its gradients
@@ -210,14 +220,83 @@ def link_bytes(plan: dict) -> dict:
                     for i in range(k):
                         a, b = host_of[g[i]], host_of[g[(i + 1) % k]]
                         if a != b:
-                            out[a] += per_edge
-                            inn[b] += per_edge
+                            red["out"][a] += per_edge
+                            red["in"][b] += per_edge
                 for d in g:
                     cur[d] = s / k if kind == "reduce_scatter" else s * k if kind == "all_gather" else s
+    out = [mb * (classes["forward"]["out"][h] + classes["backward"]["out"][h]) + red["out"][h] for h in range(len(hosts))]
+    inn = [mb * (classes["forward"]["in"][h] + classes["backward"]["in"][h]) + red["in"][h] for h in range(len(hosts))]
     busiest = max(range(len(hosts)), key=lambda h: max(out[h], inn[h]))
     direction = "out" if out[busiest] >= inn[busiest] else "in"
     return {"out": out, "in": inn, "busiest_host": busiest, "busiest_direction": direction,
-            "busiest_bytes": max(out[busiest], inn[busiest])}
+            "busiest_bytes": max(out[busiest], inn[busiest]), "micro_batches": mb, "classes": classes}
+
+
+def _carry_time(o: float, i: float, one_way: float, both_ways: float) -> float:
+    """The least time a host link carries ``o`` bytes out and ``i`` in: each direction at most
+    ``one_way`` bytes/s, the two together at most ``2 * both_ways`` (the rate a direction keeps while
+    the other is busy)."""
+    return max(o / one_way, i / one_way, (o + i) / (2 * both_ways))
+
+
+def _window_carry(w: float, avail_o: float, avail_i: float, one_way: float, both_ways: float) -> float:
+    """The most bytes (both directions together) a host link carries in ``w`` seconds when only
+    ``avail_o`` out and ``avail_i`` in may cross it then."""
+    return min(2 * both_ways * w, min(one_way * w, avail_o) + min(one_way * w, avail_i))
+
+
+def pipeline_link_bound(link: dict, one_way: float, both_ways: float | None = None) -> tuple[float, int] | None:
+    """A lower bound on the iteration from the host links alone, knowing what a pipeline must do
+    first and last: ``(seconds, host)`` for the host whose link gives the largest, None for a
+    ``link`` without ``classes`` (an older bench JSON) or a plan without micro-batches.
+
+    Per host link, with ``X`` bytes out and ``Y`` in per iteration, one micro-batch's forward bytes
+    ``(fo, fi)`` and backward bytes ``(bo, bi)`` on it:
+
+    * **fill**: no backward byte of any micro-batch can cross the link before some micro-batch's
+      whole forward has run (its loss needs every forward transfer of it, every backward transfer
+      of it needs its loss), so the first ``a = carry(fo, fi)`` seconds carry forward (and
+      reduction) bytes only;
+    * **drain**: symmetrically, after the last forward byte crosses, that micro-batch's whole
+      backward still must: the last ``c = carry(bo, bi)`` seconds carry backward (and reduction)
+      bytes only;
+    * in between, both directions at once, the link carries at most ``2 * both_ways`` bytes/s.
+
+    So ``T >= a + c + (X + Y - W_a - W_c) / (2 * both_ways)``, ``W`` the most the fill and drain
+    windows can carry of the bytes allowed in them (:func:`_window_carry`) — unless every forward
+    byte crossed before the first backward byte (then the two windows may meet), where ``T >=
+    carry(all forward) + carry(all backward)``: the bound is the smaller of the two, and at least
+    ``carry(X, Y)``.
+    On a two-stage pipeline whose link carries activations one way and gradients the other this
+    is ``(fo + bi) / one_way + (X + Y - fo - bi) / (2 * both_ways)``: the first micro-batch's
+    activations and the last one's gradients cross alone, at the one-way rate. ``both_ways`` None
+    (not calibrated): the directions are independent (``both_ways = one_way``). Reduction bytes are
+    allowed anywhere (weaker, so still a bound); a multi-receiver task counts as :func:`link_bytes`
+    counts it (a lower bound)."""
+    classes = link.get("classes")
+    mb = int(link.get("micro_batches") or 0)
+    if not classes or mb < 1:
+        return None
+    r1 = float(one_way)
+    r2 = min(float(both_ways), r1) if both_ways else r1
+    best = None
+    for h in range(len(link["out"])):
+        fo, fi = classes["forward"]["out"][h], classes["forward"]["in"][h]
+        bo, bi = classes["backward"]["out"][h], classes["backward"]["in"][h]
+        ro, ri = classes["reduction"]["out"][h], classes["reduction"]["in"][h]
+        x, y = link["out"][h], link["in"][h]
+        if x + y <= 0:
+            continue
+        a, c = _carry_time(fo, fi, r1, r2), _carry_time(bo, bi, r1, r2)
+        wa = _window_carry(a, mb * fo + ro, mb * fi + ri, r1, r2)
+        wc = _window_carry(c, mb * bo + ro, mb * bi + ri, r1, r2)
+        overlapped = a + c + max(0.0, x + y - wa - wc) / (2 * r2)
+        # or every forward byte crossed before the first backward byte (the windows may then meet)
+        apart = _carry_time(mb * fo, mb * fi, r1, r2) + _carry_time(mb * bo, mb * bi, r1, r2)
+        t = max(min(overlapped, apart), _carry_time(x, y, r1, r2))
+        if best is None or t > best[0]:
+            best = (t, h)
+    return best
 
 
 def link_seconds(nbytes: float, mbit: float) -> float:
@@ -336,6 +415,7 @@ def measure_plan(plan_path: str, rates, *, measured: int = MEASURED, timeout: fl
             from planc.bench.accuracy import read_calibrated
             cal = read_calibrated(cluster)
             result["both_ways"] = {f"{r:g}": cal.both_ways(r) for r in rates}
+            result["one_way"] = {f"{r:g}": cal.host(r)[0] for r in rates}
         reason = stock_reason(plan)
         result["stock"] = {"expressible": reason is None, "reason": reason,
                            "partition_method": stock_partition(plan) if reason is None else None}
@@ -412,6 +492,12 @@ def rows(result: dict) -> list[dict]:
         both = (result.get("both_ways") or {}).get(f"{rate:g}")
         link_both = result["link"]["busiest_bytes"] / both if both else None
         bound_both = max(compute, link_both) if compute is not None and link_both is not None else None
+        # the link bound of a pipeline's fill and drain (pipeline_link_bound), at the faster of the
+        # nominal and the calibrated one-way rate (so it stays a lower bound)
+        one_way = max(rate * 1e6 / 8, float((result.get("one_way") or {}).get(f"{rate:g}") or 0))
+        pipe = pipeline_link_bound(result["link"], one_way, both)
+        pipe_link = pipe[0] if pipe else None
+        bound_pipe = max(compute, pipe_link) if compute is not None and pipe_link is not None else None
         stock = result["programs"].get("stock DeepSpeed")
         stock_t = stock["per_rate"][i]["median"] if stock else None
         for name in programs + ([] if stock else ["stock DeepSpeed"]):
@@ -424,6 +510,8 @@ def rows(result: dict) -> list[dict]:
                         "compute_only": compute, "link": link, "bound": bound,
                         "link_both_ways": link_both, "bound_both_ways": bound_both,
                         "vs_bound_both_ways": t / bound_both if t and bound_both else None,
+                        "pipeline_link": pipe_link, "bound_pipeline": bound_pipe,
+                        "vs_bound_pipeline": t / bound_pipe if t and bound_pipe else None,
                         "note": None if run else f"n/a: {result['stock']['reason']}",
                         "error": run.get("error") if run else None})
     return out
@@ -513,6 +601,19 @@ def markdown(result: dict, rates_arg: str) -> str:
                   + "; planc's best ÷ max(signal, that): "
                   + ", ".join(f"{rate:g} Mbit/s {r['vs_bound_both_ways']:.2f} ({r['program'][6:]})"
                               for rate, r in best.items()) + "."]
+    best = {}   # the same, where the pipeline's fill-and-drain link bound is known
+    for r in table:
+        if r["bound_pipeline"] is not None and r["program"].startswith("planc ") and r["median"] is not None:
+            if r["rate"] not in best or r["median"] < best[r["rate"]]["median"]:
+                best[r["rate"]] = r
+    if best:
+        lines += ["", "Fill and drain (`pipeline_link_bound`: the first micro-batch's forward and the last "
+                  "one's backward cross a host link with nothing coming the other way, the rest at most "
+                  "both ways): the link needs at least "
+                  + ", ".join(f"{rate:g} Mbit/s {r['pipeline_link']:.3f} s" for rate, r in best.items())
+                  + "; planc's best ÷ max(signal, that): "
+                  + ", ".join(f"{rate:g} Mbit/s {r['vs_bound_pipeline']:.2f} ({r['program'][6:]})"
+                              for rate, r in best.items()) + "."]
     lines += ["", "| program | peak RSS per rank, MB (VmHWM) | loss, first steps | run s |", "|---|---|---|---|"]
     for name, run in list(result["programs"].items()) + [
             (f"planc {s}, signal transfers", r) for s, r in (result.get("signal") or {}).items()] + [
@@ -577,14 +678,55 @@ def _chart(results: list[dict], path: str) -> str:
     return f"chart: {path}"
 
 
+class ReportError(ValueError):
+    """A stored run that cannot be reported (not a ``--json`` file of this bench)."""
+
+
+def report(json_path: str, cluster: str | None = None) -> str:
+    """The markdown of a stored run (``--json``), launching nothing: each plan's link bytes are derived
+    again from the plan compiled as the run compiled it (under ``cluster`` at the run's first rate)
+    where the stored run predates their per-micro-batch split, and ``cluster`` gives the calibrated
+    one-way rate the fill-and-drain bound uses."""
+    import tempfile
+
+    try:
+        doc = json.loads(Path(json_path).read_text())
+        rates = [float(x) for x in doc["rates_mbit"]]
+        if not isinstance(doc["plans"], list) or not all("link" in r and "plan" in r for r in doc["plans"]):
+            raise KeyError("plans")
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ReportError(f"planc bench iteration --from-json {json_path}: not a stored run of `planc bench "
+                          f"iteration --json` ({type(e).__name__}: {e})") from None
+    texts = []
+    for result in doc["plans"]:
+        path = Path(result["plan"]) if Path(result["plan"]).exists() else ROOT / result["plan"]
+        if "classes" not in result["link"]:
+            with tempfile.TemporaryDirectory(prefix="planc-report-") as tmp:
+                plan = compile_variants(path, Path(tmp), cluster, rates[0], schedules=("1f1b",))["1f1b"]["plan"]
+            result["link"] = link_bytes(plan)
+        if cluster is not None and "one_way" not in result:
+            from planc.bench.accuracy import read_calibrated
+            cal = read_calibrated(cluster)
+            result["one_way"] = {f"{r:g}": cal.host(r)[0] for r in rates}
+            result.setdefault("both_ways", {f"{r:g}": cal.both_ways(r) for r in rates})
+        rates_arg = (",".join(f"{x:g}" for x in rates) + (f" --cluster {cluster}" if cluster else "")
+                     + (f" --rounds {doc['rounds']}" if doc.get("rounds", 1) > 1 else ""))
+        texts.append(markdown(result, rates_arg))
+    return (f"Reported again from `{Path(json_path).name}` (`planc bench iteration --from-json "
+            f"{Path(json_path).name}" + (f" --cluster {cluster}" if cluster else "") + "`; measured "
+            f"{doc.get('seconds', '?')} s on {doc.get('machine', '?')}).\n\n" + "\n".join(texts))
+
+
 def run(plans=None, rates=None, *, json_path: str | None = None, chart: str | None = None,
         measured: int = MEASURED, timeout: float = 600, verbose: bool = True, cluster: str | None = None,
-        rounds: int = 1) -> str:
+        rounds: int = 1, from_json: str | None = None) -> str:
     """Measure ``plans`` (default: gpt-bench-2x2 and unet-skip) at ``rates`` (Mbit/s) and return markdown;
     ``cluster``: compile under that calibrated cluster file once per rate (``compile_variants``), each
-    rate's programs launched on their own."""
+    rate's programs launched on their own. ``from_json``: report that stored run instead (:func:`report`)."""
     from planc.testbed import available
 
+    if from_json is not None:
+        return report(from_json, cluster)
     if rounds < 1 or measured < 1:
         raise ValueError(f"rounds and measured must be at least 1, got {rounds} and {measured}")
     why = available()
@@ -662,7 +804,13 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=1, help="launch the programs this many times, round-robin")
     p.add_argument("--write", metavar="FILE", help="also write the section into FILE (e.g. docs/benchmarks.md)")
     p.add_argument("--cluster", metavar="YAML", help="compile under this `planc calibrate` file, once per rate (each rate's programs launched on their own)")
+    p.add_argument("--from-json", metavar="FILE", help="report a stored run (--json) again; launches nothing")
     args = p.parse_args(argv)
+    if args.from_json:
+        if args.plans:
+            p.error("--from-json reports the plans of the stored run: give no PLAN")
+        print(report(args.from_json, args.cluster).rstrip())
+        return 0
     rates = [float(x) for x in args.rates.split(",") if x.strip()]
     if args.rounds < 1 or args.measured < 1:
         p.error(f"--rounds {args.rounds} --measured {args.measured}: each must be at least 1")

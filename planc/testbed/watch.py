@@ -263,13 +263,30 @@ def _how(code: int | None) -> str:
     return f"exited {code}"
 
 
-def last_words(log: str) -> str:
-    """What a rank said when it failed: its last ``planc: rank R: ...`` line, else its last error line."""
+# what a process killed by a signal leaves on stderr: C++'s std::terminate (a gloo::IoException thrown
+# on a communication thread), CPython's fault handler, glibc's own abort messages
+_DYING_RE = re.compile(r"terminate called|what\(\):|Fatal Python error|Segmentation fault|"
+                       r"double free|corrupted|Aborted|core dumped")
+
+
+def last_words(log: str, *, signalled: bool = False) -> str:
+    """What a rank said when it failed: its last ``planc: rank R: ...`` line, else its last error line.
+
+    A rank killed by a signal (``signalled``) seldom says either: its last lines that name how a process
+    dies (``terminate called ...``, ``what(): ...``, ``Fatal Python error``) are quoted instead, else its
+    last line, so the account keeps the one message that explains the signal."""
     said = _SAID_RE.findall(log)
     if said:
         return said[-1].strip()
-    errors = [line.strip() for line in log.splitlines() if re.search(r"\w*(Error|Exception)\b", line)]
-    return errors[-1] if errors else ""
+    lines = [line.strip() for line in log.splitlines() if line.strip()]
+    if signalled:
+        dying = [line for line in lines if _DYING_RE.search(line)]
+        if dying:
+            return " | ".join(dying[-2:])[:400]
+    errors = [line for line in lines if re.search(r"\w*(Error|Exception)\b", line)]
+    if errors:
+        return errors[-1]
+    return lines[-1][:400] if signalled and lines else ""
 
 
 def describe_failure(*, world: int, host_of: dict[int, int], tracker: RankTracker | None,
@@ -287,7 +304,7 @@ def describe_failure(*, world: int, host_of: dict[int, int], tracker: RankTracke
                      and (killed_at is None or t < killed_at)), key=lambda x: (x[0], x[1] not in hit, x[1]))
     if failed:
         t, r = failed[0]
-        said = last_words(logs.get(r, ""))
+        said = last_words(logs.get(r, ""), signalled=ended[r][1] is not None and ended[r][1] < 0)
         lines.append(f"first to fail: rank {r} (host {host_of.get(r, '?')}) {_how(ended[r][1])} at {t:.1f} s"
                      + (f": {said}" if said else ""))
     if timed_out:
@@ -304,6 +321,8 @@ def describe_failure(*, world: int, host_of: dict[int, int], tracker: RankTracke
             how = "killed by the testbed"
         else:
             how = "not seen running"
-        said = last_words(logs.get(r, ""))
+        code = ended.get(r, (None, None))[1]
+        said = last_words(logs.get(r, ""), signalled=code is not None and code < 0
+                          and (killed_at is None or ended[r][0] < killed_at))
         lines.append(f"  rank {r} (host {host}): {how}" + (f": {said}" if said else ""))
     return "\n".join(lines)
