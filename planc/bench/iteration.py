@@ -31,9 +31,9 @@ hosts, launched per host with DeepSpeed's own launcher (``deepspeed --no_ssh
   plan.json, plus the gradient reduction's cross-host bytes, ring estimate)
   ÷ the link rate;
 - **fill and drain** (a tighter lower bound, :func:`pipeline_link_bound`): the same
-  bytes, knowing that the first micro-batch's forward and the last one's backward cross a host
-  link with nothing coming the other way and that a direction keeps only the calibration's
-  ``both_ways`` rate while the other carries data too.
+  bytes, knowing that a device's first inputs and another's last gradients cross a host link
+  with nothing coming the other way (no gradient exists before some device has its inputs) and
+  that a direction keeps only the calibration's ``both_ways`` rate while the other carries data.
 
 ``rounds`` (``--rounds K``, default 1): the programs (the schedules and stock
 DeepSpeed) are launched K times, round-robin (gpipe, 1f1b, eager_1f1b, stock,
@@ -176,13 +176,18 @@ def link_bytes(plan: dict) -> dict:
 
     Besides the totals (``out``, ``in``, the busiest), ``classes`` keeps them apart for
     :func:`pipeline_link_bound`: one micro-batch's ``forward`` and ``backward`` bytes and the
-    iteration's ``reduction`` bytes, each ``{"out": [per host], "in": [per host]}``.
+    iteration's ``reduction`` bytes, each ``{"out": [per host], "in": [per host]}``, and per host
+    the ``fill`` and ``drain`` candidates (see there), each a list of ``(out, in)`` byte pairs.
     """
     hosts = plan["cluster"]["hosts"]
     host_of = {int(r): h for h, rs in enumerate(hosts) for r in rs}
     classes = {k: {"out": [0.0] * len(hosts), "in": [0.0] * len(hosts)} for k in ("forward", "backward", "reduction")}
     train = plan.get("train")
     mb = int(train["micro_batches"]) if train else 1
+    # per device and host link, one micro-batch's bytes crossing that link: forward into the device,
+    # backward sent by it ({device: {host: [out, in]}}), for the fill and drain of pipeline_link_bound
+    into: dict[int, dict[int, list[float]]] = {}
+    sent_back: dict[int, dict[int, list[float]]] = {}
     for t in plan["transfers"]:
         size = DTYPE_BYTES.get(t["dtype"], 4)
         for kind, route in (("forward", t), ("backward", t.get("backward"))):
@@ -198,6 +203,23 @@ def link_bytes(plan: dict) -> dict:
                 for h in others:
                     c["in"][h] += n
                 c["out"][hs] += n * (len(others) if len(task["receivers"]) == 1 else min(1, len(others)))
+                for r in task["receivers"]:
+                    hr = host_of[int(r)]
+                    if hr == hs:
+                        continue
+                    if kind == "forward":
+                        per = into.setdefault(int(r), {})
+                    else:
+                        per = sent_back.setdefault(int(task["sender"]), {})
+                    per.setdefault(hs, [0.0, 0.0])[0] += n
+                    per.setdefault(hr, [0.0, 0.0])[1] += n
+    # the first backward byte on host h's link is sent by a device whose backward crosses it, after
+    # every forward byte into that device arrived; the last forward byte on it is received by a device
+    # whose backward bytes all follow: each candidate's bytes on the link, distinct, in order
+    classes["fill"] = [sorted({tuple(into.get(u, {}).get(h, (0.0, 0.0))) for u, per in sent_back.items() if h in per})
+                       for h in range(len(hosts))]
+    classes["drain"] = [sorted({tuple(sent_back.get(v, {}).get(h, (0.0, 0.0))) for v, per in into.items() if h in per})
+                        for h in range(len(hosts))]
     stage_of = {int(d): s["index"] for s in plan["stages"] for d in s["devices"]}
     red = classes["reduction"]
     for r in plan["reductions"]:
@@ -250,32 +272,33 @@ def pipeline_link_bound(link: dict, one_way: float, both_ways: float | None = No
     first and last: ``(seconds, host)`` for the host whose link gives the largest, None for a
     ``link`` without ``classes`` (an older bench JSON) or a plan without micro-batches.
 
-    Per host link, with ``X`` bytes out and ``Y`` in per iteration, one micro-batch's forward bytes
-    ``(fo, fi)`` and backward bytes ``(bo, bi)`` on it:
+    Per host link, with ``X`` bytes out and ``Y`` in per iteration:
 
-    * **fill**: no backward byte of any micro-batch can cross the link before some micro-batch's
-      whole forward has run (its loss needs every forward transfer of it, every backward transfer
-      of it needs its loss), so the first ``a = carry(fo, fi)`` seconds carry forward (and
+    * **fill**: the first backward byte to cross the link is sent by a device ``u`` whose backward
+      crosses it, once ``u`` has run the micro-batch's forward, so after every forward byte into
+      ``u`` that crosses the link has (``link_bytes``'s ``fill`` candidates, one per such ``u``: its
+      bytes out and in); the first ``a = min over u of carry(u's bytes)`` seconds carry forward (and
       reduction) bytes only;
-    * **drain**: symmetrically, after the last forward byte crosses, that micro-batch's whole
-      backward still must: the last ``c = carry(bo, bi)`` seconds carry backward (and reduction)
-      bytes only;
-    * in between, both directions at once, the link carries at most ``2 * both_ways`` bytes/s.
+    * **drain**: symmetrically, the last forward byte to cross is received by a device ``v`` whose
+      backward bytes on the link (the ``drain`` candidates) all follow it: the last ``c = min over v
+      of carry(v's bytes)`` seconds carry backward (and reduction) bytes only;
+    * in between, both directions at once, the link carries at most ``2 * both_ways`` bytes/s, each
+      direction at most ``one_way``.
 
     So ``T >= a + c + (X + Y - W_a - W_c) / (2 * both_ways)``, ``W`` the most the fill and drain
     windows can carry of the bytes allowed in them (:func:`_window_carry`) — unless every forward
     byte crossed before the first backward byte (then the two windows may meet), where ``T >=
     carry(all forward) + carry(all backward)``: the bound is the smaller of the two, and at least
-    ``carry(X, Y)``.
-    On a two-stage pipeline whose link carries activations one way and gradients the other this
-    is ``(fo + bi) / one_way + (X + Y - fo - bi) / (2 * both_ways)``: the first micro-batch's
-    activations and the last one's gradients cross alone, at the one-way rate. ``both_ways`` None
-    (not calibrated): the directions are independent (``both_ways = one_way``). Reduction bytes are
-    allowed anywhere (weaker, so still a bound); a multi-receiver task counts as :func:`link_bytes`
-    counts it (a lower bound)."""
+    ``carry(X, Y)``. On a two-stage pipeline with data degree ``d`` whose link carries activations
+    one way and gradients the other, ``u`` and ``v`` are one data rank's devices: ``(f + g) / (d *
+    one_way) + (X + Y - (f + g) / d) / (2 * both_ways)`` for one micro-batch's activations ``f``
+    and gradients ``g`` — one data rank's first activations and last gradients cross alone.
+    ``both_ways`` None (not calibrated): the directions are independent (``both_ways =
+    one_way``). Reduction bytes are allowed anywhere (weaker, so still a bound); a multi-receiver
+    task counts as :func:`link_bytes` counts it (a lower bound)."""
     classes = link.get("classes")
     mb = int(link.get("micro_batches") or 0)
-    if not classes or mb < 1:
+    if not classes or "fill" not in classes or mb < 1:
         return None
     r1 = float(one_way)
     r2 = min(float(both_ways), r1) if both_ways else r1
@@ -287,7 +310,8 @@ def pipeline_link_bound(link: dict, one_way: float, both_ways: float | None = No
         x, y = link["out"][h], link["in"][h]
         if x + y <= 0:
             continue
-        a, c = _carry_time(fo, fi, r1, r2), _carry_time(bo, bi, r1, r2)
+        a = min((_carry_time(o, i, r1, r2) for o, i in classes["fill"][h]), default=0.0)
+        c = min((_carry_time(o, i, r1, r2) for o, i in classes["drain"][h]), default=0.0)
         wa = _window_carry(a, mb * fo + ro, mb * fi + ri, r1, r2)
         wc = _window_carry(c, mb * bo + ro, mb * bi + ri, r1, r2)
         overlapped = a + c + max(0.0, x + y - wa - wc) / (2 * r2)
@@ -607,8 +631,8 @@ def markdown(result: dict, rates_arg: str) -> str:
             if r["rate"] not in best or r["median"] < best[r["rate"]]["median"]:
                 best[r["rate"]] = r
     if best:
-        lines += ["", "Fill and drain (`pipeline_link_bound`: the first micro-batch's forward and the last "
-                  "one's backward cross a host link with nothing coming the other way, the rest at most "
+        lines += ["", "Fill and drain (`pipeline_link_bound`: a device's first inputs and another's last "
+                  "gradients cross a host link with nothing coming the other way, the rest at most "
                   "both ways): the link needs at least "
                   + ", ".join(f"{rate:g} Mbit/s {r['pipeline_link']:.3f} s" for rate, r in best.items())
                   + "; planc's best ÷ max(signal, that): "
