@@ -724,7 +724,7 @@ def report(json_path: str, cluster: str | None = None) -> str:
     texts = []
     for result in doc["plans"]:
         path = Path(result["plan"]) if Path(result["plan"]).exists() else ROOT / result["plan"]
-        if "classes" not in result["link"]:
+        if "fill" not in (result["link"].get("classes") or {}):
             with tempfile.TemporaryDirectory(prefix="planc-report-") as tmp:
                 plan = compile_variants(path, Path(tmp), cluster, rates[0], schedules=("1f1b",))["1f1b"]["plan"]
             result["link"] = link_bytes(plan)
