@@ -159,17 +159,41 @@ def compile_program(program: ir.Program, probe: ModelProbe | None = None, verify
     routes = _run("transfers", transfers_pass, program, ctx)
     if progress is not None:
         progress(PASS_TEXT["simulate"])
-    runs = _simulated(program, ctx, reductions, routes)   # every schedule's predicted iteration
-    if ctx.training and program.train.schedule is ir.PipeSchedule.AUTO:   # the best that fits the memory
-        if runs is not None:
-            schedule, why = choose_by_prediction(program, placement.stages, ctx.probe, runs[0])
-        else:
-            schedule, why = choose_schedule(program, placement.stages, ctx.probe)
-        program = dataclasses.replace(program, train=dataclasses.replace(program.train, schedule=schedule))
-        ctx = dataclasses.replace(ctx, program=program, choices=choices + (("schedule", why),))
-    pipeline = _run("pipeline", pipeline_pass, (program, runs), ctx)
-    plan = _run("assemble", assemble, (reductions, routes, pipeline), ctx)
+    written = program
+
+    def schedule_and_assemble(program, ctx, nic: bool):
+        runs = _simulated(program, ctx, reductions, routes, nic)   # every schedule's predicted iteration
+        if ctx.training and program.train.schedule is ir.PipeSchedule.AUTO:   # the best that fits the memory
+            if runs is not None:
+                schedule, why = choose_by_prediction(program, placement.stages, ctx.probe, runs[0])
+            else:
+                schedule, why = choose_schedule(program, placement.stages, ctx.probe)
+            program = dataclasses.replace(program, train=dataclasses.replace(program.train, schedule=schedule))
+            ctx = dataclasses.replace(ctx, program=program, choices=ctx.choices + (("schedule", why),))
+        pipeline = _run("pipeline", pipeline_pass, (program, runs), ctx)
+        return program, ctx, pipeline, _run("assemble", assemble, (reductions, routes, pipeline), ctx)
+
+    try:
+        program, ctx, pipeline, plan = schedule_and_assemble(program, ctx, nic=True)
+    except RendezvousHang as e:
+        if not e.nic_ordered:
+            raise
+        # the host NIC order is an optimisation the simulation kept; the rendezvous check (every rank's
+        # issue order, the receive threads' queues) finds it could hang: the lists run without it
+        why = ("none: the host NIC order the simulation kept could hang the lists under rendezvous "
+               f"semantics ({e.hangs[0]}); the plan runs without one")
+        ctx = dataclasses.replace(ctx, program=written, choices=choices + (("nic_order", why),))
+        program, ctx, pipeline, plan = schedule_and_assemble(written, ctx, nic=False)
     return CompiledPlan(program, plan.to_json(), ctx.untrainable, plan)
+
+
+class RendezvousHang(PlanError):
+    """``assemble``'s finding that the launched plan could hang; ``nic_ordered``: the plan had a host NIC
+    order (then the compiler tries again without one)."""
+
+    def __init__(self, diagnostic: Diagnostic, hangs: list, nic_ordered: bool):
+        super().__init__(diagnostic)
+        self.hangs, self.nic_ordered = hangs, nic_ordered
 
 
 PASS_TEXT = {"probe": "probing the model", "infer": "inferring transfers", "place": "ranking placements",
@@ -215,14 +239,14 @@ def transfers_pass(program: ir.Program, ctx: Context):
     return plan_routes(program, ctx.placement.stages, backward=ctx.training)
 
 
-def _simulated(program: ir.Program, ctx: Context, reductions, routes):
+def _simulated(program: ir.Program, ctx: Context, reductions, routes, nic: bool = True):
     """``(runs, sim, flops)``: each schedule's lists and predicted iteration (planc.pipeline.simulate), or
     None when there is nothing to predict (no training, no probe, or a plan the runtime cannot train)."""
     if not ctx.training or ctx.untrainable or ctx.probe is None:
         return None
     sim, rate = compiled_input(program, ctx.placement.stages, ctx.probe, reductions, routes)
     edges = tuple((t.src_stage, t.dst_stage) for t in program.transfers)
-    runs = simulate_schedules(sim, len(ctx.placement.stages), program.train.micro_batches, edges)
+    runs = simulate_schedules(sim, len(ctx.placement.stages), program.train.micro_batches, edges, nic=nic)
     return (runs, sim, rate) if runs is not None else None
 
 
@@ -324,12 +348,24 @@ def assemble(decisions, ctx: Context) -> planfile.Plan:
             f"the plan needs {tags.total}-bit message tags ({len(program.transfers)} transfers, "
             f"{program.train.micro_batches if training else 1} micro-batches, up to {2 ** tags.task_bits} unit tasks "
             f"per transfer) but point-to-point tags have {planfile.TagLayout.MAX_BITS} bits; use fewer micro-batches "
-            "or coarser shardings", program.transfers[0].span if program.transfers else program.span))
+            "or coarser shardings", program.transfers[0].span if program.transfers else _plan_span(program)))
     hangs = check_rendezvous(out) + check_rendezvous(out, backend="gloo")
     if hangs:   # every rank's issue order simulated under rendezvous semantics (planc.pipeline.deadlock)
-        raise PlanError(Diagnostic("the plan could hang when launched:\n  " + "\n  ".join(map(str, hangs)),
-                                   program.span))
+        raise RendezvousHang(Diagnostic("the plan could hang when launched:\n  " + "\n  ".join(map(str, hangs)),
+                                        _plan_span(program)), hangs, bool(pipeline is not None and pipeline.nic_order))
     return out
+
+
+def _plan_span(program: ir.Program):
+    """Where a finding about the whole launched plan points: the schedule as written (its lists are what
+    runs), else the first stage, else the file."""
+    from planc.span import Span
+
+    if program.train is not None and program.train.schedule_span.line > 0:
+        return program.train.schedule_span
+    if program.stages and program.stages[0].span.line > 0:
+        return program.stages[0].span
+    return Span.unknown(program.source_path)
 
 
 def _reduction_of(program: ir.Program, name: str) -> ir.Reduction:

@@ -121,6 +121,30 @@ def test_host_link_scales_with_the_rate(cal_file):
     assert cal.inner().bandwidth == pytest.approx(2e9)
 
 
+def test_an_unshaped_calibration_is_a_ceiling_not_a_rate_to_scale(tmp_path):
+    """`--rate ...,10000` on a veth that moves 3.8 Gbit/s measures the machine, not a 10 Gbit/s
+    shaper: a rate between 400 and 10000 scales from 400 (once it scaled 475 MB/s down from 10000,
+    so 2500 Mbit/s came out slower than 1500), and nothing scales past the ceiling."""
+    p = tmp_path / "cal.yaml"
+    p.write_text(CAL.replace("by_rate: [{rate_mbit: 100.0, bandwidth: 12000000.0, latency: 0.0001}]",
+                             "by_rate: [{rate_mbit: 100.0, bandwidth: 12000000.0, latency: 0.0001, "
+                             "both_ways: 11000000.0}, {rate_mbit: 400.0, bandwidth: 48000000.0, latency: 0.0, "
+                             "both_ways: 43000000.0}, {rate_mbit: 10000.0, bandwidth: 475000000.0, "
+                             "latency: 0.001, both_ways: 475000000.0}]"))
+    cal = accuracy.read_calibrated(p)
+    assert cal.host(10000) == (pytest.approx(475e6), pytest.approx(1e-3), "calibrated at 10000 Mbit/s")
+    bw, lat, how = cal.host(2500)
+    assert bw == pytest.approx(48e6 * 2500 / 400) and lat == 0.0 and how == "calibrated at 400 Mbit/s, scaled"
+    assert cal.host(50000)[0] == pytest.approx(475e6)
+    assert cal.host(50000)[2].endswith("at the unshaped ceiling")
+    rates = [100, 400, 1000, 1500, 2500, 3500, 5000, 10000, 20000]
+    one = [cal.host(r)[0] for r in rates]
+    both = [cal.both_ways(r) for r in rates]
+    assert one == sorted(one) and both == sorted(both)
+    assert all(b <= o for b, o in zip(both, one))
+    assert cal.both_ways(2500) == pytest.approx(43e6 * 2500 / 400)
+
+
 def test_testbed_transfer_against_the_closed_form(cal_file):
     from planc.bench import testbed
 

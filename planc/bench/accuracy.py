@@ -39,6 +39,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 
+SATURATED = 0.8   # a calibrated rate whose link moved less than this share of it was not shaper-limited
+
+
 class AccuracyError(ValueError):
     """A bad input: a file that is missing or not what it should be."""
 
@@ -55,25 +58,42 @@ class Calibrated:
     cores: int | None = None          # the file's `cores` (testbed: the machine's, per cluster)
     cores_per_host: bool = False      # True: per unit of the host level; False: one pool for the cluster
 
+    def _entry(self, rate: float) -> tuple[tuple, float]:
+        """The ``by_rate`` entry a request at ``rate`` Mbit/s scales from, and the bytes/s no scaling may
+        pass. An entry measured well below its nominal rate (under ``SATURATED`` of it: the shaper was
+        not what limited it, e.g. ``10000`` on a veth that moves 3.8 Gbit/s) is the machine's ceiling,
+        not a rate to scale: a request at its exact rate gets it as measured; any other request scales
+        from the nearest (in log) entry the shaper did limit, capped at the lowest ceiling."""
+        shaped = [e for e in self.by_rate if e[1] >= SATURATED * e[0] * 1e6 / 8]
+        ceilings = [e for e in self.by_rate if e not in shaped]
+        exact = [e for e in ceilings if e[0] == rate]
+        if exact or not shaped:
+            e = exact[0] if exact else min(self.by_rate, key=lambda e: abs(math.log(e[0] / rate)))
+            return e, math.inf
+        return min(shaped, key=lambda e: abs(math.log(e[0] / rate))), min((e[1] for e in ceilings), default=math.inf)
+
     def host(self, rate: float | None) -> tuple[float | None, float, str]:
         """(bandwidth, latency, how) of the host link at ``rate`` Mbit/s."""
         lvl = self.levels[self.host_index]
         if rate is None:
             return lvl.bandwidth, lvl.latency, "as calibrated"
         if self.by_rate:
-            r0, bw, lat, _ = min(self.by_rate, key=lambda e: abs(math.log(e[0] / rate)))
-            return bw * rate / r0, lat, f"calibrated at {r0:g} Mbit/s" + ("" if r0 == rate else ", scaled")
+            (r0, bw, lat, _), cap = self._entry(rate)
+            scaled = min(bw * rate / r0, cap)
+            how = f"calibrated at {r0:g} Mbit/s" + ("" if r0 == rate else ", scaled")
+            return scaled, lat, how + (", at the unshaped ceiling" if scaled == cap else "")
         if lvl.fanout > 1 and lvl.bandwidth:
             return lvl.bandwidth, lvl.latency, "as calibrated (unshaped)"
         return rate * 1e6 / 8, 0.0, "nominal rate (host link not calibrated)"
 
     def both_ways(self, rate: float | None) -> float | None:
         """The host link's bytes/s per direction while it carries data both ways, at ``rate`` (None: not
-        measured), from the same calibrated rate as :meth:`host`, scaled the same way."""
+        measured), from the same calibrated rate as :meth:`host`, scaled the same way (and never above
+        what :meth:`host` gives one way)."""
         lvl = self.levels[self.host_index]
         if rate is not None and self.by_rate:
-            r0, _, _, both = min(self.by_rate, key=lambda e: abs(math.log(e[0] / rate)))
-            return None if both is None else both * rate / r0
+            (r0, _, _, both), _ = self._entry(rate)
+            return None if both is None else min(both * rate / r0, self.host(rate)[0])
         return lvl.both_ways if lvl.fanout > 1 and lvl.bandwidth else None
 
     def inner(self):

@@ -194,9 +194,10 @@ def sim_size(sim, micro_batches: int) -> int:
     return ops + 2 * micro_batches * sum(len(t.forward) + len(t.backward) for t in sim.transfers)
 
 
-def simulate_schedules(sim, num_stages: int, micro_batches: int, edges=None) -> dict | None:
+def simulate_schedules(sim, num_stages: int, micro_batches: int, edges=None, nic: bool = True) -> dict | None:
     """Per concrete schedule: ``(PipelinePlan, Prediction)`` of its lists on ``sim``; None when the
-    simulation would be larger than :data:`MAX_EVENTS` (it would slow the compiler by seconds)."""
+    simulation would be larger than :data:`MAX_EVENTS` (it would slow the compiler by seconds).
+    ``nic`` False: no host NIC order is tried (the compiler's retry when one could hang the lists)."""
     from planc.pipeline.schedules import build
     from planc.pipeline.simulate import predict
 
@@ -205,7 +206,7 @@ def simulate_schedules(sim, num_stages: int, micro_batches: int, edges=None) -> 
     out = {}
     for schedule in (ir.PipeSchedule.GPIPE, ir.PipeSchedule.ONE_F_ONE_B, ir.PipeSchedule.EAGER_1F1B):
         plan = build(schedule, num_stages, micro_batches, edges)
-        out[schedule] = (plan, predict(sim, plan.per_stage, nic=True))
+        out[schedule] = (plan, predict(sim, plan.per_stage, nic=nic))
     return out
 
 
