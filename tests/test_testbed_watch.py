@@ -80,3 +80,16 @@ def test_a_rank_killed_by_a_signal_is_quoted_by_what_it_wrote_dying():
     assert last_words("planc: rank 1: bad shape\nterminate called\n", signalled=True) == "planc: rank 1: bad shape"
     assert last_words("just a line\n") == ""
     assert last_words("ValueError: x\nlast\n", signalled=False) == "ValueError: x"
+
+
+def test_a_rank_killed_from_outside_is_not_quoted_by_its_last_line():
+    """SIGKILL by the testbed, SIGTERM by a launcher: the rank's last line ("... built successfully")
+    says nothing about it; only planc's words or an error line are quoted."""
+    t = _tracker({2: (11.6, -15), 3: (11.5, -9)})
+    t.signalled.add(3)
+    logs = {3: "DeepSpeed deepspeed.ops.comm.deepspeed_shm_comm_op built successfully\n",
+            2: "step 0\nplanc: rank 2: rank 2 (stage 1) failed in ReduceGrads\n"}
+    text = describe_failure(world=4, host_of={0: 0, 1: 0, 2: 1, 3: 1}, tracker=t, logs=logs, events=[],
+                            timed_out=False, killed_at=None, timeout=240, collective_timeout=15)
+    assert "first to fail: rank 3 (host 1) killed by SIGKILL at 11.5 s\n" in text
+    assert "rank 2 (host 1): killed by SIGTERM at 11.6 s: planc: rank 2: rank 2 (stage 1) failed" in text

@@ -269,12 +269,22 @@ _DYING_RE = re.compile(r"terminate called|what\(\):|Fatal Python error|Segmentat
                        r"double free|corrupted|Aborted|core dumped")
 
 
+# signals a process raises on itself (abort, a fault): its own stderr says why; SIGKILL and SIGTERM
+# come from outside (the testbed, a launcher) and the rank's last line says nothing about them
+_SELF_INFLICTED = {signal.SIGABRT, signal.SIGSEGV, signal.SIGBUS, signal.SIGFPE, signal.SIGILL, signal.SIGTRAP}
+
+
+def _self_inflicted(code: int | None) -> bool:
+    return code is not None and code < 0 and -code in {int(s) for s in _SELF_INFLICTED}
+
+
 def last_words(log: str, *, signalled: bool = False) -> str:
     """What a rank said when it failed: its last ``planc: rank R: ...`` line, else its last error line.
 
-    A rank killed by a signal (``signalled``) seldom says either: its last lines that name how a process
-    dies (``terminate called ...``, ``what(): ...``, ``Fatal Python error``) are quoted instead, else its
-    last line, so the account keeps the one message that explains the signal."""
+    A rank that died of a signal it raised itself (``signalled``: SIGABRT, SIGSEGV, ...) seldom says
+    either: its last lines that name how a process dies (``terminate called ...``, ``what(): ...``,
+    ``Fatal Python error``) are quoted instead, else its last line, so the account keeps the one message
+    that explains the signal."""
     said = _SAID_RE.findall(log)
     if said:
         return said[-1].strip()
@@ -304,7 +314,7 @@ def describe_failure(*, world: int, host_of: dict[int, int], tracker: RankTracke
                      and (killed_at is None or t < killed_at)), key=lambda x: (x[0], x[1] not in hit, x[1]))
     if failed:
         t, r = failed[0]
-        said = last_words(logs.get(r, ""), signalled=ended[r][1] is not None and ended[r][1] < 0)
+        said = last_words(logs.get(r, ""), signalled=_self_inflicted(ended[r][1]))
         lines.append(f"first to fail: rank {r} (host {host_of.get(r, '?')}) {_how(ended[r][1])} at {t:.1f} s"
                      + (f": {said}" if said else ""))
     if timed_out:
@@ -322,7 +332,7 @@ def describe_failure(*, world: int, host_of: dict[int, int], tracker: RankTracke
         else:
             how = "not seen running"
         code = ended.get(r, (None, None))[1]
-        said = last_words(logs.get(r, ""), signalled=code is not None and code < 0
+        said = last_words(logs.get(r, ""), signalled=_self_inflicted(code)
                           and (killed_at is None or ended[r][0] < killed_at))
         lines.append(f"  rank {r} (host {host}): {how}" + (f": {said}" if said else ""))
     return "\n".join(lines)
