@@ -216,6 +216,14 @@ def cluster_doc(fits: list[dict], on: str, rates: list[float | None], repeats: i
     return doc
 
 
+def _with_overhead(doc: dict, op: float, step: float) -> dict:
+    """``doc`` with ``op_overhead`` and ``step_overhead`` placed before its ``calibration`` record."""
+    out = {k: v for k, v in doc.items() if k != "calibration"}
+    out.update(op_overhead=float(f"{op:.6g}"), step_overhead=float(f"{step:.6g}"))
+    out["calibration"] = doc["calibration"]
+    return out
+
+
 def cores_available() -> int:
     """The CPU cores this process may run on (its affinity mask; the machine's count where there is none)."""
     try:
@@ -229,7 +237,9 @@ def write_yaml(doc: dict, path: Path, command: str) -> None:
 
     head = (f"# planc cluster file, written by `{command}` (docs/calibrate.md)\n"
             "# bandwidth: bytes/s per direction; latency: seconds; flops: one device's FLOP/s\n"
-            + ("# cores: the CPU cores the devices of each 'cores_per' unit share\n" if "cores" in doc else ""))
+            + ("# cores: the CPU cores the devices of each 'cores_per' unit share\n" if "cores" in doc else "")
+            + ("# op_overhead, step_overhead: seconds of a device the training runtime spends on each instruction "
+               "and each step\n" if "op_overhead" in doc else ""))
     path.write_text(head + yaml.safe_dump(doc, sort_keys=False, default_flow_style=None, width=110))
 
 
@@ -300,8 +310,10 @@ def _phase_list(hosts: int, per_host: int) -> list[str]:
 
 
 def run_testbed(hosts: int, per_host: int, rates: list[float], *, repeats: int = 3,
-                timeout: float = DEFAULT_TIMEOUT, matmul=MATMUL) -> list[dict]:
-    """One testbed of ``hosts`` x ``per_host`` ranks; the microbenchmarks once per rate (Mbit/s)."""
+                timeout: float = DEFAULT_TIMEOUT, matmul=MATMUL, engine: bool = True) -> tuple[list[dict], dict | None]:
+    """One testbed of ``hosts`` x ``per_host`` ranks; the microbenchmarks once per rate (Mbit/s), then
+    (``engine``, two hosts or more) the training runtime's own time at the first rate (:func:`run_engine`):
+    ``(raws, engine)``."""
     from planc.codegen import write_output
     from planc.compile import compile_file
     from planc.testbed import Testbed, TestbedError, available
@@ -341,9 +353,182 @@ def run_testbed(hosts: int, per_host: int, rates: list[float], *, repeats: int =
                                              f" ({'timed out' if r.timed_out else f'exit {r.returncode}'}):\n"
                                              f"{(r.failure or r.stdout)[-1500:]}", 1)
                     results.append(_result(r.stdout))
+                measured = None
+                if engine and hosts > 1:
+                    tb.set_link_mbit(rates[0])
+                    measured = run_engine(tb, Path(tmp), hosts, per_host, rates[0], timeout)
         except TestbedError as e:
             raise CalibrateError(f"planc calibrate --on testbed: {e}", 1) from None
-    return results
+    return results, measured
+
+
+# ---------------------------------------------------------------- the runtime's own time
+
+ENGINE_MICRO_BATCHES = (4, 16)   # two step lengths: per instruction and per step apart
+ENGINE_STEPS = 6                 # per launch; the first ENGINE_WARMUP discarded
+ENGINE_WARMUP = 2
+ENGINE_MODEL = '''"""planc calibrate's engine model: small dense layers, so a step is the runtime's own time."""
+import torch
+from torch import nn
+
+
+class Dense(nn.Module):
+    def __init__(self, width):
+        super().__init__()
+        self.linear = nn.Linear(width, width)
+
+    def forward(self, x):
+        return torch.tanh(self.linear(x))
+
+
+def build(layers=2, width=32):
+    return [Dense(width) for _ in range(layers)]
+
+
+def loss(output, target):
+    return nn.functional.mse_loss(output, target)
+
+
+def batches(micro_batch, seed, width=32, **_):
+    g = torch.Generator().manual_seed(seed)
+    while True:
+        x = torch.randn(micro_batch, width, generator=g)
+        yield x, torch.tanh(x)
+'''
+
+
+def engine_plan(hosts: int, per_host: int, micro_batches: int, rate: float) -> str:
+    """The calibration's training plan: one stage per host, ``data = per_host`` inside it, a dense layer
+    of 32 per stage, 1F1B over ``micro_batches``; its figures are only for the compiler's checks."""
+    stages = "\n".join(f"  stage {i} : layers {i}..{i + 1}" for i in range(hosts))
+    transfers = "\n".join(f"  transfer t{i} from stage {i} to stage {i + 1}" for i in range(hosts - 1))
+    inner = ": bandwidth 3 GB/s, latency 20 us" if per_host > 1 else ""
+    return (f"plan calibrate_engine {{\n  cluster {{\n    level node x {hosts} : bandwidth {rate / 8:g} MB/s, "
+            f"latency 100 us\n    level gpu x {per_host} {inner}\n    host = node\n  }}\n"
+            f"  parallel {{ pipe = {hosts}, data = {per_host}, place = [[{hosts}, 1], [1, {per_host}]] }}\n"
+            f'  model "engine_model.py:build" {{ layers = {hosts}, width = 32 }}\n'
+            f'  loss  "engine_model.py:loss"\n  data  "engine_model.py:batches"\n{stages}\n{transfers}\n'
+            f"  reduce gradients over data\n"
+            f"  train {{ micro_batch = {2 * per_host}, micro_batches = {micro_batches}, steps = {ENGINE_STEPS}, "
+            f"schedule = 1f1b, optimizer = sgd(lr = 0.01), seed = 0 }}\n}}\n")
+
+
+def run_engine(tb, tmp: Path, hosts: int, per_host: int, rate: float, timeout: float) -> dict:
+    """The training runtime on :func:`engine_plan` with every transfer cut to one element
+    (``PLANC_SIGNAL_TRANSFERS=1``, as the iteration bench's signal bound), once per
+    :data:`ENGINE_MICRO_BATCHES`: ``{"micro_batches": [...], "step_s": [median of the steps after the
+    warm-up, ...], "plans": [plan.json, ...]}``."""
+    from planc.codegen import write_output
+    from planc.compile import compile_file
+
+    folder = tmp / "engine"
+    folder.mkdir(exist_ok=True)
+    (folder / "engine_model.py").write_text(ENGINE_MODEL)
+    out = {"micro_batches": list(ENGINE_MICRO_BATCHES), "step_s": [], "plans": []}
+    for b in ENGINE_MICRO_BATCHES:
+        src = folder / f"engine{b}.plan"
+        src.write_text(engine_plan(hosts, per_host, b, rate))
+        compiled = compile_file(src, probe=True, verify=False)
+        dest = folder / f"out{b}"
+        write_output(compiled.plan_json, compiled.program, dest)
+
+        def work(on_phase, dest=dest, b=b):
+            return tb.launch(dest, steps=ENGINE_STEPS, timeout=timeout, comm_only=False, memory=False,
+                             env={"PLANC_SIGNAL_TRANSFERS": "1"},
+                             on_step=lambda i, _s: on_phase(f"engine, {b} micro-batches, step {i + 1}"))
+
+        r = _with_progress(work, ENGINE_STEPS, f"calibrate the runtime's own time ({b} micro-batches)")
+        steps = r.step_times[ENGINE_WARMUP:]
+        if r.returncode != 0 or not steps:
+            raise CalibrateError(f"planc calibrate: the runtime's own time could not be measured ({b} "
+                                 f"micro-batches, {'timed out' if r.timed_out else f'exit {r.returncode}'}):\n"
+                                 f"{(r.failure or r.stdout)[-1500:]}", 1)
+        out["step_s"].append(statistics.median(steps))
+        out["plans"].append(compiled.plan_json)
+    return out
+
+
+def _signal_input(plan: dict, cluster):
+    """The simulator's input of a compiled engine plan under ``cluster`` with every transfer task moving
+    one element (as ``PLANC_SIGNAL_TRANSFERS=1`` runs it)."""
+    import dataclasses
+
+    from planc.pipeline.gantt import plan_input
+
+    sim = plan_input(plan)
+    one = lambda ts: tuple(dataclasses.replace(t, nbytes=4.0) for t in ts)  # noqa: E731
+    return dataclasses.replace(sim, cluster=cluster, transfers=tuple(
+        dataclasses.replace(t, forward=one(t.forward), backward=one(t.backward)) for t in sim.transfers))
+
+
+def fit_overhead(sims: list, lists: list, measured: list[float]) -> dict:
+    """``op_overhead`` and ``step_overhead`` (seconds, >= 0) that make the simulated iterations of
+    ``sims`` (their 1F1B ``lists``) equal the ``measured`` step times: Newton's method on the two
+    unknowns (the iteration is piecewise linear in them), least squares with more than two plans,
+    each clamped at 0 (the other then fitted alone). Returns the figures, the iterations simulated
+    with them and without them."""
+    import dataclasses
+
+    from planc.pipeline.simulate import predict
+
+    def sim_at(o, k):
+        return [predict(dataclasses.replace(s, op_overhead=o, step_overhead=k), ls).iteration
+                for s, ls in zip(sims, lists)]
+
+    def solve(cols, rhs):
+        """Least squares over the given columns (1 or 2)."""
+        if len(cols) == 1:
+            a = cols[0]
+            den = sum(x * x for x in a)
+            return [sum(x * y for x, y in zip(a, rhs)) / den if den > 0 else 0.0]
+        a, b = cols
+        aa, ab, bb = sum(x * x for x in a), sum(x * y for x, y in zip(a, b)), sum(y * y for y in b)
+        ar, br = sum(x * r for x, r in zip(a, rhs)), sum(y * r for y, r in zip(b, rhs))
+        det = aa * bb - ab * ab
+        if abs(det) < 1e-18 * max(aa * bb, 1e-300):
+            return None
+        return [(ar * bb - br * ab) / det, (br * aa - ar * ab) / det]
+
+    base = sim_at(0.0, 0.0)
+    o = k = 0.0
+    for _ in range(6):
+        now = sim_at(o, k)
+        h = max(1e-4, 0.01 * (o + k))
+        do = [(x - y) / h for x, y in zip(sim_at(o + h, k), now)]
+        dk = [(x - y) / h for x, y in zip(sim_at(o, k + h), now)]
+        rhs = [m - x + do_i * o + dk_i * k for m, x, do_i, dk_i in zip(measured, now, do, dk)]
+        step = solve([do, dk], rhs)
+        if step is None or step[0] < 0 or step[1] < 0:
+            alone = [(solve([do], rhs) or [0.0])[0], 0.0], [0.0, (solve([dk], rhs) or [0.0])[0]]
+            alone = [[max(0.0, a), max(0.0, b)] for a, b in alone]
+            step = min(alone, key=lambda ok: sum((m - x) ** 2 for m, x in zip(measured, sim_at(*ok))))
+        if abs(step[0] - o) < 1e-7 and abs(step[1] - k) < 1e-7:
+            o, k = step
+            break
+        o, k = step
+    return {"op_overhead": o, "step_overhead": k, "simulated": sim_at(o, k), "simulated_without": base}
+
+
+def engine_fit(measured: dict, doc: dict) -> dict:
+    """Fit the runtime's own time from :func:`run_engine`'s measurements under the calibrated
+    ``doc`` (the links and flops just fitted), at the rate the engine ran at."""
+    import yaml
+
+    from planc.bench.accuracy import read_calibrated, substitute
+    from planc.pipeline.gantt import cluster_of
+    from planc.pipeline.schedules import build
+
+    with tempfile.TemporaryDirectory(prefix="planc-calibrate-fit-") as tmp:
+        path = Path(tmp) / "cal.yaml"
+        path.write_text(yaml.safe_dump(doc, sort_keys=False))
+        cal = read_calibrated(path)
+    rate = doc.get("calibration", {}).get("rate_mbit")
+    sims = [_signal_input(plan, substitute(cluster_of(plan), cal, rate)) for plan in measured["plans"]]
+    lists = [build("1f1b", len(plan["stages"]), plan["pipeline"]["micro_batches"]).per_stage
+             for plan in measured["plans"]]
+    got = fit_overhead(sims, lists, measured["step_s"])
+    return {k: (float(f"{v:.6g}") if isinstance(v, float) else [float(f"{x:.6g}") for x in v])
+            for k, v in got.items()}
 
 
 def _free_port() -> int:
@@ -433,8 +618,9 @@ def calibrate(on: str, out: str, *, hosts: int = 2, per_host: int = 2, rates: li
         if not (1 <= hosts <= 250) or per_host < 1 or hosts * per_host < 2:
             raise CalibrateError(f"planc calibrate: --hosts {hosts} x --ranks-per-host {per_host}: need 1..250 "
                                  f"hosts, at least 1 rank each and 2 ranks in all")
-        raws = run_testbed(hosts, per_host, rates, repeats=repeats, timeout=timeout, matmul=matmul)
+        raws, engine = run_testbed(hosts, per_host, rates, repeats=repeats, timeout=timeout, matmul=matmul)
     else:
+        engine = None
         if ranks < 1:
             raise CalibrateError(f"planc calibrate: --ranks {ranks}: need at least 1")
         if backend not in ("auto", "gloo", "nccl"):
@@ -443,6 +629,13 @@ def calibrate(on: str, out: str, *, hosts: int = 2, per_host: int = 2, rates: li
         raws = [run_cluster(ranks, backend=backend, repeats=repeats, timeout=timeout, matmul=matmul)]
     fits = [fit(r) for r in raws]
     doc = cluster_doc(fits, on, rates, repeats)
+    if engine is not None:   # the runtime's own time, fitted under the links and flops just measured
+        got = engine_fit(engine, doc)
+        doc = _with_overhead(doc, got["op_overhead"], got["step_overhead"])
+        doc["calibration"]["engine"] = {"micro_batches": engine["micro_batches"],
+                                        "measured_s": [float(f"{x:.6g}") for x in engine["step_s"]],
+                                        "simulated_s": got["simulated"], "simulated_without_s": got["simulated_without"],
+                                        "schedule": "1f1b", "transfers": "one element (PLANC_SIGNAL_TRANSFERS=1)"}
     doc["calibration"]["samples"] = [{"rate_mbit": rate, "p2p": r["p2p"], "allreduce": r["allreduce"],
                                       **({"exchange": r["exchange"]} if r.get("exchange") else {})}
                                      for rate, r in zip(rates, raws)]
@@ -472,4 +665,9 @@ def summary(doc: dict) -> str:
         per = doc.get("cores_per", "host")
         lines.append(f"  cores: {doc['cores']} per {per} (the devices of each {per} compute on "
                      f"{doc['cores']} shared CPU core(s))")
+    if doc.get("op_overhead") is not None:
+        eng = rec.get("engine") or {}
+        lines.append(f"  runtime: {doc['op_overhead'] * 1e3:.3g} ms per instruction, {doc['step_overhead'] * 1e3:.3g} ms "
+                     f"per step (1F1B with one-element transfers at {eng.get('micro_batches')} micro-batches: "
+                     f"measured {eng.get('measured_s')} s, simulated without it {eng.get('simulated_without_s')} s)")
     return "\n".join(lines)

@@ -313,7 +313,7 @@ def assemble(decisions, ctx: Context) -> planfile.Plan:
             "hosts": [list(h) for h in c.hosts()],
         },
     }
-    for key in ("flops", "memory"):   # cluster { flops = ..., memory = ... }, when given
+    for key in ("flops", "memory", "op_overhead", "step_overhead"):   # when given (the last two: cluster files)
         if getattr(c, key, None) is not None:
             plan["cluster"][key] = getattr(c, key)
     if getattr(c, "cores", None) is not None:   # cluster { cores = N per LEVEL|cluster }: cores_level None = cluster

@@ -135,7 +135,12 @@ class Cluster:
     an emulated cluster on one machine; ``cores = 8 per host``: CPU hosts whose ranks share the
     host's cores). ``cores_level`` names the level each of whose units holds one pool; None with
     ``cores`` given: one pool for the whole cluster. ``cores`` None: every device computes on its
-    own (GPUs), the default."""
+    own (GPUs), the default.
+
+    ``op_overhead`` / ``step_overhead``: seconds of a device's time the training runtime spends on
+    each pipeline instruction (F or B) beyond its layers, and on each step beyond its list (the
+    optimizer, the step's own bookkeeping); measured by ``planc calibrate`` (cluster files only),
+    None: not modelled (0)."""
 
     levels: tuple[Level, ...]
     host_level: str
@@ -143,6 +148,8 @@ class Cluster:
     memory: float | None = None
     cores: int | None = None
     cores_level: str | None = None
+    op_overhead: float | None = None
+    step_overhead: float | None = None
 
     @property
     def fanouts(self) -> tuple[int, ...]:

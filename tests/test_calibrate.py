@@ -219,6 +219,12 @@ def test_calibrate_on_the_testbed_then_predict(tmp_path, capsys):
     # the streamed exchange both ways: measured, never above one way, and not absurdly low
     assert 0.5 * host["bandwidth"] <= host["both_ways"] <= host["bandwidth"]
     assert doc["calibration"]["samples"][0]["exchange"]["outer"]
+    # the runtime's own time: fitted to the engine's two step times, which the simulation then gives
+    eng = doc["calibration"]["engine"]
+    assert doc["op_overhead"] >= 0 and doc["step_overhead"] >= 0 and doc["op_overhead"] + doc["step_overhead"] > 0
+    assert eng["micro_batches"] == [4, 16] and eng["measured_s"][1] > eng["measured_s"][0] > 0
+    assert eng["simulated_s"] == pytest.approx(eng["measured_s"], rel=0.02)
+    assert "runtime: " in capsys.readouterr().out
     # the file drives the cost model: the bench testbed's cases predicted at 400 Mbit/s
     cases = [{"kind": "transfer", "case": name, "what": "send_recv", "measured": 1.0} for name in testbed.TRANSFERS]
     rows = accuracy.testbed_cases(cases, accuracy.read_calibrated(out), "x", 400)

@@ -57,6 +57,8 @@ class Calibrated:
     by_rate: tuple           # ((rate_mbit, bandwidth, latency, both_ways or None), ...) of the host level
     cores: int | None = None          # the file's `cores` (testbed: the machine's, per cluster)
     cores_per_host: bool = False      # True: per unit of the host level; False: one pool for the cluster
+    op_overhead: float | None = None      # the runtime's own seconds per instruction and per step
+    step_overhead: float | None = None
 
     def _entry(self, rate: float) -> tuple[tuple, float]:
         """The ``by_rate`` entry a request at ``rate`` Mbit/s scales from, and the bytes/s no scaling may
@@ -122,7 +124,7 @@ def read_calibrated(path: str | Path) -> Calibrated:
         raise AccuracyError(f"planc bench accuracy: cluster file {path}: cores per level '{cores_level}' cannot "
                             f"be carried over to other plans (use 'cores_per: cluster' or the host level)")
     return Calibrated(str(path), c.levels, c.host_index, c.flops, by_rate, c.cores,
-                      c.cores is not None and cores_level is not None)
+                      c.cores is not None and cores_level is not None, c.op_overhead, c.step_overhead)
 
 
 def substitute(cluster, cal: Calibrated, rate: float | None):
@@ -148,7 +150,9 @@ def substitute(cluster, cal: Calibrated, rate: float | None):
     if cal.cores is not None:   # the calibrated machine's cores replace the plan's
         cores, cores_level = cal.cores, (cluster.host_level if cal.cores_per_host else None)
     return ir.Cluster(tuple(levels), cluster.host_level, cal.flops or cluster.flops, cluster.memory,
-                      cores, cores_level)
+                      cores, cores_level,
+                      cal.op_overhead if cal.op_overhead is not None else cluster.op_overhead,
+                      cal.step_overhead if cal.step_overhead is not None else cluster.step_overhead)
 
 
 # ---------------------------------------------------------------- predicting the cases

@@ -23,7 +23,8 @@ def cluster_of(plan: dict) -> ir.Cluster:
     c = plan["cluster"]
     levels = tuple(ir.Level(lv["name"], lv["fanout"], lv["bandwidth"], lv.get("latency", 0.0),
                             both_ways=lv.get("both_ways")) for lv in c["levels"])
-    return ir.Cluster(levels, c["host_level"], c.get("flops"), c.get("memory"), c.get("cores"), c.get("cores_level"))
+    return ir.Cluster(levels, c["host_level"], c.get("flops"), c.get("memory"), c.get("cores"), c.get("cores_level"),
+                      c.get("op_overhead"), c.get("step_overhead"))
 
 
 def plan_input(plan: dict) -> SimInput:

@@ -147,6 +147,8 @@ class SimInput:
     reductions: tuple[SimReduction, ...] = ()
     bucket_bytes: float = BUCKET_BYTES
     ahead: int = RECV_AHEAD
+    op_overhead: float = 0.0      # device seconds the runtime spends on each F and B beyond the layers
+    step_overhead: float = 0.0    # device seconds each device spends on a step beyond its list (optimizer)
 
 
 def _tasks(route: dict | None, itemsize: int, cluster: ir.Cluster) -> tuple[SimTask, ...]:
@@ -196,4 +198,5 @@ def sim_input(cluster: ir.Cluster, stages: list[dict], transfers: list[dict], re
             steps = tuple((c, gs) for c, gs in steps if any(len(g) > 1 for g in gs))
             if steps:
                 reds.append(SimReduction(k, steps, overlapped))
-    return SimInput(cluster, devices, tuple(compute), tuple(trs), tuple(reds))
+    return SimInput(cluster, devices, tuple(compute), tuple(trs), tuple(reds),
+                    op_overhead=float(cluster.op_overhead or 0.0), step_overhead=float(cluster.step_overhead or 0.0))

@@ -219,6 +219,7 @@ def _simulate(sim: SimInput, per_stage, free: bool, keep: bool, nic_order: tuple
         pool_of.update((d, p) for d in devs)
     begin, comp_end, layer_end = {}, {}, {}
     comp_nodes = []            # (node, stage, device, kind, m)
+    op_cost = sim.op_overhead   # the runtime's own time per instruction (cluster op_overhead), on the compute stream
     for s, devs in enumerate(sim.stage_devices):
         c = sim.compute[s]
         last_b = max(i for i, op in enumerate(per_stage[s]) if op[0] == "B") if per_stage[s] else -1
@@ -229,16 +230,19 @@ def _simulate(sim: SimInput, per_stage, free: bool, keep: bool, nic_order: tuple
                 b = g.add([prev], tag=("begin", s, d, i))
                 begin[d, i] = b
                 if kind == "F":
-                    prev = g.add([b], duration=sum(c.forward), tag=("F", s, d, m), pool=pool)
+                    prev = g.add([b], duration=sum(c.forward) + op_cost, tag=("F", s, d, m), pool=pool)
                     comp_nodes.append((prev, s, d, "F", m))
                 elif i == last_b:   # per layer, last layer first: gradient buckets are released as they fill
                     prev = b
+                    if op_cost > 0:   # the instruction's own time, before its first layer
+                        prev = g.add([prev], duration=op_cost, tag=("B", s, d, m, "op"), pool=pool)
+                        comp_nodes.append((prev, s, d, "B", m))
                     for j in range(len(c.backward) - 1, -1, -1):
                         prev = layer_end[d, j] = g.add([prev], duration=c.backward[j], tag=("B", s, d, m, j),
                                                        pool=pool)
                         comp_nodes.append((prev, s, d, "B", m))
                 else:
-                    prev = g.add([b], duration=sum(c.backward), tag=("B", s, d, m), pool=pool)
+                    prev = g.add([b], duration=sum(c.backward) + op_cost, tag=("B", s, d, m), pool=pool)
                     comp_nodes.append((prev, s, d, "B", m))
                 comp_end[d, i] = prev
     # the receive thread of every device: its receives in list order, posted at planc.runtime.comm.post_gates
@@ -367,6 +371,8 @@ def _simulate(sim: SimInput, per_stage, free: bool, keep: bool, nic_order: tuple
         for d in devs:
             last = comp_end[d, len(per_stage[s]) - 1] if per_stage[s] else None
             ends[d] = g.add([last, red_last.get(d)] + sends.get(d, []), tag=("end", s, d))
+            if sim.step_overhead > 0:   # the optimizer and the step's own time, after the reductions
+                ends[d] = g.add([ends[d]], duration=sim.step_overhead, tag=("step", s, d), pool=pool_of.get(d))
     trace = events.run(g, net)
     ready = tuple(sorted((min(trace.start[n] for n in nodes), key) for key, nodes in items.items()))
     iteration = max((trace.finish[e] for e in ends.values()), default=0.0)

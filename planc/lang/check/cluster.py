@@ -166,7 +166,8 @@ def _host_level(errs: Diagnostics, levels: list[ir.Level], host: str | None, spa
     return levels[0].name if levels else None
 
 
-FILE_KEYS = ("levels", "host", "flops", "memory", "cores", "cores_per", "calibration")   # calibration: a record, not read
+FILE_KEYS = ("levels", "host", "flops", "memory", "cores", "cores_per", "op_overhead", "step_overhead",
+             "calibration")   # calibration: a record, not read
 LEVEL_KEYS = ("name", "fanout", "x", "bandwidth", "latency", "both_ways")
 
 
@@ -270,13 +271,24 @@ def _from_file(errs: Diagnostics, file: ast.Str, contents: ClusterFile | None) -
                      at(key))
             return None
         device[key] = v
+    for key in ("op_overhead", "step_overhead"):   # the runtime's own time (planc calibrate): seconds >= 0
+        try:
+            v = _yaml_quantity(doc.get(key), "time")
+        except ValueError as e:
+            errs.add(f"cluster file '{file.value}', {key}: {e}", at(key))
+            return None
+        if v is not None and v < 0:
+            errs.add(f"cluster file '{file.value}', {key}: must be a time of at least 0 (seconds of a device "
+                     f"per {'instruction' if key == 'op_overhead' else 'step'}), got {_short(doc.get(key))}", at(key))
+            return None
+        device[key] = v
     if not host or unknown:
         return None
     cores = _yaml_cores(errs, doc, file.value, [l.name for l in levels], host, at)
     if cores is False:
         return None
-    return _sized(errs, ir.Cluster(tuple(levels), host, device["flops"], device["memory"], *(cores or (None, None))),
-                  at("levels"))
+    return _sized(errs, ir.Cluster(tuple(levels), host, device["flops"], device["memory"], *(cores or (None, None)),
+                                   device["op_overhead"], device["step_overhead"]), at("levels"))
 
 
 def _yaml_cores(errs: Diagnostics, doc: dict, file: str, names: list[str], host: str, at):
