@@ -154,7 +154,7 @@ def _cmd_bench(args) -> int:
         options = dict(plans=args.plans or None, json_path=args.json_path, chart=args.chart, rates=rates,
                        cluster=args.cluster, rounds=args.rounds, measured=args.measured)
         if args.from_json:
-            if args.plans or args.rates or args.json_path or args.chart or args.rounds or args.measured:
+            if args.plans or args.rates or args.json_path or args.chart or args.rounds or args.measured or args.plot:
                 print("planc bench iteration: --from-json reports a stored run again: it takes only --cluster "
                       "and --write", file=sys.stderr)
                 return EXIT_USER

@@ -145,6 +145,26 @@ def test_an_unshaped_calibration_is_a_ceiling_not_a_rate_to_scale(tmp_path):
     assert cal.both_ways(2500) == pytest.approx(43e6 * 2500 / 400)
 
 
+def test_a_low_rate_under_its_nominal_is_the_shaper_not_a_ceiling(tmp_path):
+    """10 Mbit/s measured at 7.5 (protocol overhead) is below 80 % of nominal but still the shaper's
+    rate: it must not cap 100 Mbit/s; only a rate above every shaper-limited one can be a ceiling,
+    and a file with only a ceiling gives the nominal rate up to it."""
+    p = tmp_path / "cal.yaml"
+    p.write_text(CAL.replace("by_rate: [{rate_mbit: 100.0, bandwidth: 12000000.0, latency: 0.0001}]",
+                             "by_rate: [{rate_mbit: 10.0, bandwidth: 937500.0, latency: 0.0}, {rate_mbit: 100.0, "
+                             "bandwidth: 12000000.0, latency: 0.0001}, {rate_mbit: 10000.0, bandwidth: 475000000.0, "
+                             "latency: 0.001}]"))
+    cal = accuracy.read_calibrated(p)
+    assert cal.host(100)[0] == pytest.approx(12e6)
+    assert cal.host(25)[0] == pytest.approx(937500.0 * 2.5)
+    assert cal.host(2500)[0] == pytest.approx(12e6 * 25)
+    only = tmp_path / "only.yaml"
+    only.write_text(CAL.replace("by_rate: [{rate_mbit: 100.0, bandwidth: 12000000.0, latency: 0.0001}]",
+                                "by_rate: [{rate_mbit: 10000.0, bandwidth: 475000000.0, latency: 0.001}]"))
+    c2 = accuracy.read_calibrated(only)
+    assert c2.host(100)[0] == pytest.approx(12.5e6) and c2.host(50000)[0] == pytest.approx(475e6)
+
+
 def test_testbed_transfer_against_the_closed_form(cal_file):
     from planc.bench import testbed
 

@@ -132,6 +132,8 @@ def test_the_fill_and_drain_bound_is_below_a_schedule_that_achieves_it():
 
 def test_a_stored_run_is_reported_again_with_the_fill_and_drain_bound(tmp_path, gpt_plan, monkeypatch):
     res = _fake_result(stock=True)
+    lk = iteration.link_bytes(gpt_plan)
+    res["link"] = {k: lk[k] for k in ("out", "in", "busiest_host", "busiest_direction", "busiest_bytes")}
     doc = {"machine": "m", "rates_mbit": [10.0, 100.0], "rounds": 1, "seconds": 1.0, "plans": [res]}
     f = tmp_path / "run.json"
     f.write_text(json.dumps(doc))
@@ -142,6 +144,12 @@ def test_a_stored_run_is_reported_again_with_the_fill_and_drain_bound(tmp_path, 
     n = 8 * 64 * 256 * 4
     t10 = 8.5 * n / 1.25e6                     # no calibration: directions independent, nominal rate
     assert f"10 Mbit/s {t10:.3f} s" in text
+    # a plan that compiles now to other bytes than the run measured is refused, not reported
+    res["link"]["out"] = [1.0, 2.0]
+    f.write_text(json.dumps(doc))
+    with pytest.raises(iteration.ReportError, match="compiles now to other link bytes than the run measured"):
+        iteration.report(str(f))
+    assert iteration.main(["--from-json", str(f)]) == 2
 
 
 def _fake_result(stock: bool) -> dict:

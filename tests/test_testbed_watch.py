@@ -93,3 +93,11 @@ def test_a_rank_killed_from_outside_is_not_quoted_by_its_last_line():
                             timed_out=False, killed_at=None, timeout=240, collective_timeout=15)
     assert "first to fail: rank 3 (host 1) killed by SIGKILL at 11.5 s\n" in text
     assert "rank 2 (host 1): killed by SIGTERM at 11.6 s: planc: rank 2: rank 2 (stage 1) failed" in text
+
+
+def test_an_abort_the_testbed_sent_is_not_the_ranks_own():
+    t = _tracker({1: (5.0, -6)})
+    t.signalled.add(1)
+    text = describe_failure(world=2, host_of={0: 0, 1: 0}, tracker=t, logs={1: "step 3 loss 1.0\n"}, events=[],
+                            timed_out=False, killed_at=None, timeout=240, collective_timeout=15)
+    assert "first to fail: rank 1 (host 0) killed by SIGABRT at 5.0 s\n" in text

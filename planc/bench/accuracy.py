@@ -66,13 +66,20 @@ class Calibrated:
         not what limited it, e.g. ``10000`` on a veth that moves 3.8 Gbit/s) is the machine's ceiling,
         not a rate to scale: a request at its exact rate gets it as measured; any other request scales
         from the nearest (in log) entry the shaper did limit, capped at the lowest ceiling."""
-        shaped = [e for e in self.by_rate if e[1] >= SATURATED * e[0] * 1e6 / 8]
-        ceilings = [e for e in self.by_rate if e not in shaped]
-        exact = [e for e in ceilings if e[0] == rate]
-        if exact or not shaped:
-            e = exact[0] if exact else min(self.by_rate, key=lambda e: abs(math.log(e[0] / rate)))
-            return e, math.inf
-        return min(shaped, key=lambda e: abs(math.log(e[0] / rate))), min((e[1] for e in ceilings), default=math.inf)
+        limited = [e for e in self.by_rate if e[1] >= SATURATED * e[0] * 1e6 / 8]
+        top = max((e[0] for e in limited), default=0.0)
+        # a ceiling is a rate above every shaper-limited one that moved less than its nominal share (a low
+        # rate measured a little under its nominal is protocol overhead, still the shaper's rate)
+        ceilings = [e for e in self.by_rate if e not in limited and e[0] > top]
+        shaped = [e for e in self.by_rate if e not in ceilings]
+        exact = [e for e in self.by_rate if e[0] == rate]
+        if exact:
+            return exact[0], math.inf
+        cap = min((e[1] for e in ceilings), default=math.inf)
+        if not shaped:   # only the machine's ceiling: the nominal rate up to it
+            e = min(ceilings, key=lambda e: e[1])
+            return (rate, min(rate * 1e6 / 8, e[1]), e[2], e[3]), math.inf
+        return min(shaped, key=lambda e: abs(math.log(e[0] / rate))), cap
 
     def host(self, rate: float | None) -> tuple[float | None, float, str]:
         """(bandwidth, latency, how) of the host link at ``rate`` Mbit/s."""

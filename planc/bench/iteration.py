@@ -203,16 +203,19 @@ def link_bytes(plan: dict) -> dict:
                 for h in others:
                     c["in"][h] += n
                 c["out"][hs] += n * (len(others) if len(task["receivers"]) == 1 else min(1, len(others)))
-                for r in task["receivers"]:
-                    hr = host_of[int(r)]
-                    if hr == hs:
-                        continue
-                    if kind == "forward":
-                        per = into.setdefault(int(r), {})
-                    else:
-                        per = sent_back.setdefault(int(task["sender"]), {})
-                    per.setdefault(hs, [0.0, 0.0])[0] += n
-                    per.setdefault(hr, [0.0, 0.0])[1] += n
+                if kind == "forward":   # each receiving device needs the task's bytes across its link
+                    for r in task["receivers"]:
+                        hr = host_of[int(r)]
+                        if hr != hs:
+                            per = into.setdefault(int(r), {})
+                            per.setdefault(hs, [0.0, 0.0])[0] += n
+                            per.setdefault(hr, [0.0, 0.0])[1] += n
+                elif others:            # the sender's gradients, counted as the totals count the task
+                    per = sent_back.setdefault(int(task["sender"]), {})
+                    per.setdefault(hs, [0.0, 0.0])[0] += n * (len(others) if len(task["receivers"]) == 1
+                                                              else min(1, len(others)))
+                    for h in others:
+                        per.setdefault(h, [0.0, 0.0])[1] += n
     # the first backward byte on host h's link is sent by a device whose backward crosses it, after
     # every forward byte into that device arrived; the last forward byte on it is received by a device
     # whose backward bytes all follow: each candidate's bytes on the link, distinct, in order
@@ -254,17 +257,22 @@ def link_bytes(plan: dict) -> dict:
             "busiest_bytes": max(out[busiest], inn[busiest]), "micro_batches": mb, "classes": classes}
 
 
+def _both(one_way: float, both_ways: float) -> float:
+    """The most bytes/s a host link carries over both directions together: twice what a direction
+    keeps while the other is busy, and never less than one direction alone."""
+    return max(one_way, 2 * both_ways)
+
+
 def _carry_time(o: float, i: float, one_way: float, both_ways: float) -> float:
     """The least time a host link carries ``o`` bytes out and ``i`` in: each direction at most
-    ``one_way`` bytes/s, the two together at most ``2 * both_ways`` (the rate a direction keeps while
-    the other is busy)."""
-    return max(o / one_way, i / one_way, (o + i) / (2 * both_ways))
+    ``one_way`` bytes/s, the two together at most :func:`_both`."""
+    return max(o / one_way, i / one_way, (o + i) / _both(one_way, both_ways))
 
 
 def _window_carry(w: float, avail_o: float, avail_i: float, one_way: float, both_ways: float) -> float:
     """The most bytes (both directions together) a host link carries in ``w`` seconds when only
     ``avail_o`` out and ``avail_i`` in may cross it then."""
-    return min(2 * both_ways * w, min(one_way * w, avail_o) + min(one_way * w, avail_i))
+    return min(_both(one_way, both_ways) * w, min(one_way * w, avail_o) + min(one_way * w, avail_i))
 
 
 def pipeline_link_bound(link: dict, one_way: float, both_ways: float | None = None) -> tuple[float, int] | None:
@@ -282,10 +290,11 @@ def pipeline_link_bound(link: dict, one_way: float, both_ways: float | None = No
     * **drain**: symmetrically, the last forward byte to cross is received by a device ``v`` whose
       backward bytes on the link (the ``drain`` candidates) all follow it: the last ``c = min over v
       of carry(v's bytes)`` seconds carry backward (and reduction) bytes only;
-    * in between, both directions at once, the link carries at most ``2 * both_ways`` bytes/s, each
-      direction at most ``one_way``.
+    * in between, the link carries at most ``max(one_way, 2 * both_ways)`` bytes/s over both
+      directions, each direction at most ``one_way``.
 
-    So ``T >= a + c + (X + Y - W_a - W_c) / (2 * both_ways)``, ``W`` the most the fill and drain
+    Given the calibration's rates (a ``both_ways`` measured low makes the bound high), ``T >= a + c +
+    (X + Y - W_a - W_c) / max(one_way, 2 * both_ways)``, ``W`` the most the fill and drain
     windows can carry of the bytes allowed in them (:func:`_window_carry`) — unless every forward
     byte crossed before the first backward byte (then the two windows may meet), where ``T >=
     carry(all forward) + carry(all backward)``: the bound is the smaller of the two, and at least
@@ -314,7 +323,7 @@ def pipeline_link_bound(link: dict, one_way: float, both_ways: float | None = No
         c = min((_carry_time(o, i, r1, r2) for o, i in classes["drain"][h]), default=0.0)
         wa = _window_carry(a, mb * fo + ro, mb * fi + ri, r1, r2)
         wc = _window_carry(c, mb * bo + ro, mb * bi + ri, r1, r2)
-        overlapped = a + c + max(0.0, x + y - wa - wc) / (2 * r2)
+        overlapped = a + c + max(0.0, x + y - wa - wc) / _both(r1, r2)
         # or every forward byte crossed before the first backward byte (the windows may then meet)
         apart = _carry_time(mb * fo, mb * fi, r1, r2) + _carry_time(mb * bo, mb * bi, r1, r2)
         t = max(min(overlapped, apart), _carry_time(x, y, r1, r2))
@@ -716,18 +725,34 @@ def report(json_path: str, cluster: str | None = None) -> str:
     try:
         doc = json.loads(Path(json_path).read_text())
         rates = [float(x) for x in doc["rates_mbit"]]
-        if not isinstance(doc["plans"], list) or not all("link" in r and "plan" in r for r in doc["plans"]):
+        int(doc.get("rounds") or 1)
+        if not isinstance(doc["plans"], list) or not all(
+                isinstance(r, dict) and isinstance(r.get("link"), dict) and isinstance(r.get("plan"), str)
+                and isinstance(r.get("programs"), dict) and r["programs"]
+                and all(isinstance(p.get("per_rate"), list) for p in r["programs"].values())
+                and all(k in r for k in ("name", "hosts", "stages", "micro_batch", "micro_batches", "stock"))
+                for r in doc["plans"]):
             raise KeyError("plans")
-    except (OSError, ValueError, KeyError, TypeError) as e:
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         raise ReportError(f"planc bench iteration --from-json {json_path}: not a stored run of `planc bench "
                           f"iteration --json` ({type(e).__name__}: {e})") from None
     texts = []
     for result in doc["plans"]:
         path = Path(result["plan"]) if Path(result["plan"]).exists() else ROOT / result["plan"]
         if "fill" not in (result["link"].get("classes") or {}):
-            with tempfile.TemporaryDirectory(prefix="planc-report-") as tmp:
-                plan = compile_variants(path, Path(tmp), cluster, rates[0], schedules=("1f1b",))["1f1b"]["plan"]
-            result["link"] = link_bytes(plan)
+            from planc.lang.errors import PlanError
+
+            try:
+                with tempfile.TemporaryDirectory(prefix="planc-report-") as tmp:
+                    plan = compile_variants(path, Path(tmp), cluster, rates[0], schedules=("1f1b",))["1f1b"]["plan"]
+            except (OSError, ValueError, PlanError) as e:
+                raise ReportError(f"planc bench iteration --from-json {json_path}: plan {result['plan']} cannot be "
+                                  f"compiled again to derive its link bytes: {e}") from None
+            again = link_bytes(plan)
+            if (again["out"], again["in"]) != (result["link"].get("out"), result["link"].get("in")):
+                raise ReportError(f"planc bench iteration --from-json {json_path}: plan {result['plan']} compiles "
+                                  f"now to other link bytes than the run measured (give the run's --cluster)")
+            result["link"] = again
         if cluster is not None and "one_way" not in result:
             from planc.bench.accuracy import read_calibrated
             cal = read_calibrated(cluster)
@@ -831,9 +856,18 @@ def main(argv=None) -> int:
     p.add_argument("--from-json", metavar="FILE", help="report a stored run (--json) again; launches nothing")
     args = p.parse_args(argv)
     if args.from_json:
-        if args.plans:
-            p.error("--from-json reports the plans of the stored run: give no PLAN")
-        print(report(args.from_json, args.cluster).rstrip())
+        if args.plans or args.json_path or args.chart or args.rounds != 1 or args.measured != MEASURED \
+                or args.rates != p.get_default("rates"):
+            p.error("--from-json reports a stored run again: it takes only --cluster and --write")
+        try:
+            text = report(args.from_json, args.cluster).rstrip() + "\n"
+        except ReportError as e:
+            print(e, file=sys.stderr)
+            return 2
+        if args.write:
+            from planc.bench import replace_section
+            replace_section(Path(args.write), "iteration", text)
+        print(text, end="")
         return 0
     rates = [float(x) for x in args.rates.split(",") if x.strip()]
     if args.rounds < 1 or args.measured < 1:

@@ -314,7 +314,7 @@ def describe_failure(*, world: int, host_of: dict[int, int], tracker: RankTracke
                      and (killed_at is None or t < killed_at)), key=lambda x: (x[0], x[1] not in hit, x[1]))
     if failed:
         t, r = failed[0]
-        said = last_words(logs.get(r, ""), signalled=_self_inflicted(ended[r][1]))
+        said = last_words(logs.get(r, ""), signalled=_self_inflicted(ended[r][1]) and r not in hit)
         lines.append(f"first to fail: rank {r} (host {host_of.get(r, '?')}) {_how(ended[r][1])} at {t:.1f} s"
                      + (f": {said}" if said else ""))
     if timed_out:
@@ -332,7 +332,7 @@ def describe_failure(*, world: int, host_of: dict[int, int], tracker: RankTracke
         else:
             how = "not seen running"
         code = ended.get(r, (None, None))[1]
-        said = last_words(logs.get(r, ""), signalled=_self_inflicted(code)
+        said = last_words(logs.get(r, ""), signalled=_self_inflicted(code) and r not in hit
                           and (killed_at is None or ended[r][0] < killed_at))
         lines.append(f"  rank {r} (host {host}): {how}" + (f": {said}" if said else ""))
     return "\n".join(lines)
