@@ -200,9 +200,10 @@ def link_bytes(plan: dict) -> dict:
                     n *= b - a
                 hs = host_of[int(task["sender"])]
                 others = {host_of[int(r)] for r in task["receivers"]} - {hs}
+                out_n = n * (len(others) if len(task["receivers"]) == 1 else min(1, len(others)))
                 for h in others:
                     c["in"][h] += n
-                c["out"][hs] += n * (len(others) if len(task["receivers"]) == 1 else min(1, len(others)))
+                c["out"][hs] += out_n
                 if kind == "forward":   # each receiving device needs the task's bytes across its link
                     for r in task["receivers"]:
                         hr = host_of[int(r)]
@@ -212,8 +213,7 @@ def link_bytes(plan: dict) -> dict:
                             per.setdefault(hr, [0.0, 0.0])[1] += n
                 elif others:            # the sender's gradients, counted as the totals count the task
                     per = sent_back.setdefault(int(task["sender"]), {})
-                    per.setdefault(hs, [0.0, 0.0])[0] += n * (len(others) if len(task["receivers"]) == 1
-                                                              else min(1, len(others)))
+                    per.setdefault(hs, [0.0, 0.0])[0] += out_n
                     for h in others:
                         per.setdefault(h, [0.0, 0.0])[1] += n
     # the first backward byte on host h's link is sent by a device whose backward crosses it, after
@@ -332,6 +332,13 @@ def pipeline_link_bound(link: dict, one_way: float, both_ways: float | None = No
     return best
 
 
+def calibrated_rates(cal, rates) -> dict:
+    """A result's ``both_ways`` and ``one_way``: the calibrated host link's bytes/s per rate (Mbit/s),
+    keyed as the rates print (``f"{rate:g}"``)."""
+    return {"both_ways": {f"{r:g}": cal.both_ways(r) for r in rates},
+            "one_way": {f"{r:g}": cal.host(r)[0] for r in rates}}
+
+
 def link_seconds(nbytes: float, mbit: float) -> float:
     return nbytes / (mbit * 1e6 / 8)
 
@@ -447,8 +454,7 @@ def measure_plan(plan_path: str, rates, *, measured: int = MEASURED, timeout: fl
         if cluster is not None:   # the calibrated rate a direction keeps while the other is busy
             from planc.bench.accuracy import read_calibrated
             cal = read_calibrated(cluster)
-            result["both_ways"] = {f"{r:g}": cal.both_ways(r) for r in rates}
-            result["one_way"] = {f"{r:g}": cal.host(r)[0] for r in rates}
+            result.update(calibrated_rates(cal, rates))
         reason = stock_reason(plan)
         result["stock"] = {"expressible": reason is None, "reason": reason,
                            "partition_method": stock_partition(plan) if reason is None else None}
@@ -593,6 +599,22 @@ def round_ratios(result: dict) -> list[dict]:
     return out
 
 
+def _bound_line(table: list[dict], seconds: str, ratio: str, head: str) -> list[str]:
+    """A paragraph (``["", text]``, or [] when no row has it) giving, per rate, the link time ``seconds``
+    of :func:`rows` and planc's fastest program against max(signal, that) (``ratio``)."""
+    best = {}
+    for r in table:
+        if r[seconds] is not None and r[ratio] is not None and r["program"].startswith("planc ") \
+                and r["median"] is not None:
+            if r["rate"] not in best or r["median"] < best[r["rate"]]["median"]:
+                best[r["rate"]] = r
+    if not best:
+        return []
+    return ["", head + ", ".join(f"{rate:g} Mbit/s {r[seconds]:.3f} s" for rate, r in best.items())
+            + "; planc's best ÷ max(signal, that): "
+            + ", ".join(f"{rate:g} Mbit/s {r[ratio]:.2f} ({r['program'][6:]})" for rate, r in best.items()) + "."]
+
+
 def markdown(result: dict, rates_arg: str) -> str:
     lk = result["link"]
     parts = compute_parts(result.get("compute_only") or {})
@@ -621,32 +643,14 @@ def markdown(result: dict, rates_arg: str) -> str:
         t = r["note"] or (f"failed ({r['error'][:60]})" if r["error"] and r["median"] is None else _f(r["median"]))
         lines.append(f"| {r['rate']:g} | {r['program']} | {t} | {_f(r['vs_stock'], 2)} | {_f(r['vs_bound'], 2)} | "
                      f"{_f(r['bound'])} ({_f(r['compute_only'])}, {_f(r['link'])}) |")
-    best = {}   # per rate, planc's fastest program where the both-ways link time is known
-    for r in table:
-        if r["link_both_ways"] is not None and r["program"].startswith("planc ") and r["median"] is not None:
-            if r["rate"] not in best or r["median"] < best[r["rate"]]["median"]:
-                best[r["rate"]] = r
-    if best:
-        lines += ["", "Both ways (the cluster file's `both_ways`: the rate a direction of the host link keeps "
-                  "while the other direction carries data too, as a 1F1B step's activations and gradients do): "
-                  "the same bytes take "
-                  + ", ".join(f"{rate:g} Mbit/s {r['link_both_ways']:.3f} s" for rate, r in best.items())
-                  + "; planc's best ÷ max(signal, that): "
-                  + ", ".join(f"{rate:g} Mbit/s {r['vs_bound_both_ways']:.2f} ({r['program'][6:]})"
-                              for rate, r in best.items()) + "."]
-    best = {}   # the same, where the pipeline's fill-and-drain link bound is known
-    for r in table:
-        if r["bound_pipeline"] is not None and r["program"].startswith("planc ") and r["median"] is not None:
-            if r["rate"] not in best or r["median"] < best[r["rate"]]["median"]:
-                best[r["rate"]] = r
-    if best:
-        lines += ["", "Fill and drain (`pipeline_link_bound`: a device's first inputs and another's last "
-                  "gradients cross a host link with nothing coming the other way, the rest at most "
-                  "both ways): the link needs at least "
-                  + ", ".join(f"{rate:g} Mbit/s {r['pipeline_link']:.3f} s" for rate, r in best.items())
-                  + "; planc's best ÷ max(signal, that): "
-                  + ", ".join(f"{rate:g} Mbit/s {r['vs_bound_pipeline']:.2f} ({r['program'][6:]})"
-                              for rate, r in best.items()) + "."]
+    lines += _bound_line(table, "link_both_ways", "vs_bound_both_ways",
+                         "Both ways (the cluster file's `both_ways`: the rate a direction of the host link keeps "
+                         "while the other direction carries data too, as a 1F1B step's activations and gradients "
+                         "do): the same bytes take ")
+    lines += _bound_line(table, "pipeline_link", "vs_bound_pipeline",
+                         "Fill and drain (`pipeline_link_bound`: a device's first inputs and another's last "
+                         "gradients cross a host link with nothing coming the other way, the rest at most "
+                         "both ways): the link needs at least ")
     lines += ["", "| program | peak RSS per rank, MB (VmHWM) | loss, first steps | run s |", "|---|---|---|---|"]
     for name, run in list(result["programs"].items()) + [
             (f"planc {s}, signal transfers", r) for s, r in (result.get("signal") or {}).items()] + [
@@ -736,6 +740,10 @@ def report(json_path: str, cluster: str | None = None) -> str:
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         raise ReportError(f"planc bench iteration --from-json {json_path}: not a stored run of `planc bench "
                           f"iteration --json` ({type(e).__name__}: {e})") from None
+    rated = None
+    if cluster is not None:
+        from planc.bench.accuracy import read_calibrated
+        rated = calibrated_rates(read_calibrated(cluster), rates)
     texts = []
     for result in doc["plans"]:
         path = Path(result["plan"]) if Path(result["plan"]).exists() else ROOT / result["plan"]
@@ -753,11 +761,9 @@ def report(json_path: str, cluster: str | None = None) -> str:
                 raise ReportError(f"planc bench iteration --from-json {json_path}: plan {result['plan']} compiles "
                                   f"now to other link bytes than the run measured (give the run's --cluster)")
             result["link"] = again
-        if cluster is not None and "one_way" not in result:
-            from planc.bench.accuracy import read_calibrated
-            cal = read_calibrated(cluster)
-            result["one_way"] = {f"{r:g}": cal.host(r)[0] for r in rates}
-            result.setdefault("both_ways", {f"{r:g}": cal.both_ways(r) for r in rates})
+        if rated is not None and "one_way" not in result:
+            result["one_way"] = rated["one_way"]
+            result.setdefault("both_ways", rated["both_ways"])
         rates_arg = (",".join(f"{x:g}" for x in rates) + (f" --cluster {cluster}" if cluster else "")
                      + (f" --rounds {doc['rounds']}" if doc.get("rounds", 1) > 1 else ""))
         texts.append(markdown(result, rates_arg))

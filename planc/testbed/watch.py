@@ -271,11 +271,12 @@ _DYING_RE = re.compile(r"terminate called|what\(\):|Fatal Python error|Segmentat
 
 # signals a process raises on itself (abort, a fault): its own stderr says why; SIGKILL and SIGTERM
 # come from outside (the testbed, a launcher) and the rank's last line says nothing about them
-_SELF_INFLICTED = {signal.SIGABRT, signal.SIGSEGV, signal.SIGBUS, signal.SIGFPE, signal.SIGILL, signal.SIGTRAP}
+_SELF_INFLICTED = {int(s) for s in (signal.SIGABRT, signal.SIGSEGV, signal.SIGBUS, signal.SIGFPE, signal.SIGILL,
+                                     signal.SIGTRAP)}
 
 
 def _self_inflicted(code: int | None) -> bool:
-    return code is not None and code < 0 and -code in {int(s) for s in _SELF_INFLICTED}
+    return code is not None and code < 0 and -code in _SELF_INFLICTED
 
 
 def last_words(log: str, *, signalled: bool = False) -> str:
