@@ -54,7 +54,7 @@ def _cmd_compile(args) -> int:
 
     src = Path(args.plan)
     with ui.status(f"planc compile {src.name}") as progress:   # a spinner on a terminal only
-        compiled = compile_file(src, probe=not args.no_probe, verify=True if args.verify else None,
+        compiled = compile_file(src, probe=not args.no_probe, verify=not args.no_verify,
                                 progress=progress)
     out = Path(args.output) if args.output else Path("build") / compiled.program.name
     write_output(compiled.plan_json, compiled.program, out)
@@ -579,8 +579,10 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("-o", "--output", help="output folder (default build/<plan name>/)")
     c.add_argument("--no-probe", action="store_true",
                    help="do not run the model in a subprocess to size gradients and check transfer shapes")
-    c.add_argument("--verify", action="store_true",
-                   help="check every pass's output with an independent checker and name the pass that failed")
+    c.add_argument("--no-verify", action="store_true",
+                   help="skip checking every pass's output with an independent checker (on by default: it names "
+                        "the pass whose output failed)")
+    c.add_argument("--verify", action="store_true", help=argparse.SUPPRESS)   # the default now; kept for old scripts
     _budget_argument(c)
     c.set_defaults(func=_cmd_compile)
 

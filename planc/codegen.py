@@ -2,7 +2,7 @@
 
 ``write_output(plan_json, program, out_dir)`` writes::
 
-    OUT/plan.json  run.json  ds_config.json  train.py  launch.sh  hostfile  README.md
+    OUT/plan.json  ds_config.json  train.py  launch.sh  hostfile  README.md
     OUT/planc_runtime/   (a copy of planc/runtime/)
     OUT/<model file>.py  (the plan's model, loss and data code)
 
@@ -25,7 +25,7 @@ from planc.probe import code_file
 from planc.lang.errors import Diagnostic, PlanError, Span
 from planc.runtime import planfile
 
-__all__ = ["write_output", "templates_dir", "ds_config", "run_config", "CodegenError"]
+__all__ = ["write_output", "templates_dir", "ds_config", "CodegenError"]
 
 
 
@@ -127,25 +127,6 @@ def _code_files(program: ir.Program) -> dict[str, Path]:
     return files
 
 
-def run_config(program: ir.Program) -> dict:
-    def ref(r):
-        if r is None:
-            return None
-        return {"file": Path(r.path).name, "function": r.function, "args": dict(r.args)}
-    t = program.train
-    return {
-        "model": ref(program.model), "loss": ref(program.loss), "data": ref(program.data),
-        "train": {"micro_batch": t.micro_batch, "micro_batches": t.micro_batches, "steps": t.steps,
-                  "schedule": str(t.schedule), "precision": str(t.precision), "seed": t.seed,
-                  "optimizer": {"name": t.optimizer.name, "lr": t.optimizer.lr,
-                                "params": dict(t.optimizer.params)}},
-    }
-
-
-def _dump(data) -> str:
-    return json.dumps(data, indent=2) + "\n"
-
-
 def write_output(plan: dict, program: ir.Program, out_dir) -> Path:
     """Write OUT/; a folder that cannot be written is a user error naming it."""
     try:
@@ -178,11 +159,11 @@ def _write_output(plan: dict, program: ir.Program, out: Path) -> Path:
         "schedule": (plan.get("pipeline") or {}).get("schedule", ""),
         "micro_batches": (plan.get("pipeline") or {}).get("micro_batches", 0),
         "model_files": sorted(code),
+        "backend": (plan.get("runtime") or {}).get("backend", "auto"),
         "ds_config_json": json.dumps(ds_config(plan, program), indent=2),
     }
     files = {
         "plan.json": planfile.dumps(planfile.Plan.from_json(plan)),   # the plan file's one writer
-        "run.json": _dump(run_config(program)),
         "train.py": env.get_template("train.py.j2").render(ctx),
         "ds_config.json": env.get_template("ds_config.json.j2").render(ctx),
         "hostfile": env.get_template("hostfile.j2").render(ctx),

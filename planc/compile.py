@@ -143,7 +143,7 @@ class Context:
 
 
 @budget.accepts   # budget=...: the resource bounds (planc.budget) every pass checks
-def compile_program(program: ir.Program, probe: ModelProbe | None = None, verify: bool = False,
+def compile_program(program: ir.Program, probe: ModelProbe | None = None, verify: bool = True,
                     stages_reason: str | None = None, progress=None) -> CompiledPlan:
     """The passes in order, each ``(input, ctx) -> record``; with ``verify`` each output is checked
     by an independent checker before the next pass runs (``planc.verify``). ``progress(text)``, if
@@ -338,6 +338,7 @@ def assemble(decisions, ctx: Context) -> planfile.Plan:
         plan["train"] = _train_json(program, probe, stages)
         plan["train"]["trainable"] = not untrainable
         plan["train"]["not_trainable_because"] = [d.message for d in untrainable]
+    plan["runtime"] = program.train.runtime.to_json()
     try:
         out = planfile.Plan.from_json(plan)
     except planfile.PlanFileError as e:   # a compiler bug, never the user's: say so
@@ -349,7 +350,8 @@ def assemble(decisions, ctx: Context) -> planfile.Plan:
             f"{program.train.micro_batches if training else 1} micro-batches, up to {2 ** tags.task_bits} unit tasks "
             f"per transfer) but point-to-point tags have {planfile.TagLayout.MAX_BITS} bits; use fewer micro-batches "
             "or coarser shardings", program.transfers[0].span if program.transfers else _plan_span(program)))
-    hangs = check_rendezvous(out) + check_rendezvous(out, backend="gloo")
+    hangs = (check_rendezvous(out, ahead=out.runtime.recv_ahead)
+             + check_rendezvous(out, ahead=out.runtime.recv_ahead, backend="gloo"))
     if hangs:   # every rank's issue order simulated under rendezvous semantics (planc.pipeline.deadlock)
         raise RendezvousHang(Diagnostic("the plan could hang when launched:\n  " + "\n  ".join(map(str, hangs)),
                                         _plan_span(program)), hangs, bool(pipeline is not None and pipeline.nic_order))
@@ -457,15 +459,13 @@ def _loss_devices(last: ir.StageLayout) -> list[int]:
 
 
 @budget.accepts   # budget=...: the resource bounds (planc.budget), from load on
-def compile_file(path: str | Path, probe: bool = True, timings: bool = False, verify: bool | None = None,
+def compile_file(path: str | Path, probe: bool = True, timings: bool = False, verify: bool = True,
                  progress=None) -> CompiledPlan:
-    """Load, probe and compile one plan file. ``verify`` (default: env ``PLANC_VERIFY=1``, which the
-    test suite sets) checks every pass's output independently. ``progress(text)``: told what runs
+    """Load, probe and compile one plan file. ``verify`` (on unless ``planc compile --no-verify``)
+    checks every pass's output independently. ``progress(text)``: told what runs
     next (the CLI's spinner on a terminal; see ``compile_program``)."""
     say = progress or (lambda text: None)
     t0 = time.perf_counter()
-    if verify is None:
-        verify = os.environ.get("PLANC_VERIFY") == "1"
     program = load(path)
     try:
         if probe and program.model is not None:

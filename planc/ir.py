@@ -13,6 +13,7 @@ import math
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+from planc.runtime.planruntime import Runtime
 from planc.span import Span
 
 _NOSPAN = Span(0, 0, 0, 0)
@@ -434,6 +435,7 @@ class Train:
     seed: int = 1234
     timeout: float | None = None     # seconds: collective timeout (None: the runtime's default)
     save_every: int | None = None    # checkpoint every N steps with `train.py --save DIR` (None: never)
+    runtime: Runtime = Runtime()     # how the runtime executes the plan (plan.json `runtime`)
     schedule_span: Span = field(default=_NOSPAN, compare=False, repr=False)   # `schedule = ...` as written
 
 

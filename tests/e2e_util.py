@@ -41,7 +41,7 @@ def launch_env():
     choice (cores ÷ ranks on this machine, ``planc_runtime.dist_util.cpu_threads``), as for a user
     who launches without setting it."""
     bin_dir = str(Path(PY).parent)
-    env = dict(os.environ, DS_ACCELERATOR="cpu", PLANC_BACKEND="gloo",
+    env = dict(os.environ, DS_ACCELERATOR="cpu",
                PLANC_COLLECTIVE_TIMEOUT_S="120", PYTHONPATH="", PYTHON=PY,
                PATH=bin_dir + os.pathsep + os.environ.get("PATH", ""),
                PLANC_MASTER_PORT=str(29500 + os.getpid() % 2000), **extensions_env())
@@ -68,17 +68,15 @@ def reference(out: Path, plan, steps: int):
     finally:
         sys.path.remove(str(out))
     plan = planfile.load(out / "plan.json")
-    run = json.loads((out / "run.json").read_text())
+    t = plan.train
     cfg = json.loads((out / "ds_config.json").read_text())
-    args = run["model"]["args"]
-    seed = run["train"]["seed"]
-    torch.manual_seed(seed)
-    layers = load_function(str(out), run["model"])(**args)
+    args = dict(t.model.args)
+    torch.manual_seed(t.seed)
+    layers = load_function(str(out), t.model)(**args)
     params = [p for l in layers for p in l.parameters()]
     opt = build_optimizer(params, cfg)
-    it = load_function(str(out), run["data"])(run["train"]["micro_batch"], seed, **args)
-    losses = run_reference(layers, plan, load_function(str(out), run["loss"]), it,
-                           run["train"]["micro_batches"], steps, opt)
+    it = load_function(str(out), t.data)(t.micro_batch, t.seed, **args)
+    losses = run_reference(layers, plan, load_function(str(out), t.loss), it, t.micro_batches, steps, opt)
     state = {f"layers.{i}.{k}": v.detach() for i, l in enumerate(layers) for k, v in l.named_parameters()}
     return losses, state
 

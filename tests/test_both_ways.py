@@ -232,9 +232,8 @@ def test_a_turn_whose_bytes_never_leave_is_an_error_naming_the_send(monkeypatch)
         h.wait()
 
 
-def test_drain_can_be_turned_off(monkeypatch):
-    monkeypatch.setenv("PLANC_NIC_DRAIN", "0")
+def test_drain_can_be_turned_off():
+    """plan.json runtime.nic_drain = false (passed by the runtime as ``drain``)."""
     c = memoryview(bytearray(8)).cast("q")
-    assert NicOrder(0, 0, ((0, "h", "forward", 0),), c, 1.0).sockets is None
-    monkeypatch.delenv("PLANC_NIC_DRAIN")
+    assert NicOrder(0, 0, ((0, "h", "forward", 0),), c, 1.0, drain=False).sockets is None
     assert NicOrder(0, 0, ((0, "h", "forward", 0),), c, 1.0).sockets is not None

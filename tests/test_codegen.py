@@ -29,7 +29,7 @@ def test_output_files_and_byte_identical(tmp_path):
     codegen.write_output(plan, p, tmp_path / "b")
     a, b = _tree(tmp_path / "a"), _tree(tmp_path / "b")
     assert a == b
-    for name in ("plan.json", "run.json", "ds_config.json", "train.py", "launch.sh", "hostfile", "README.md",
+    for name in ("plan.json", "ds_config.json", "train.py", "launch.sh", "hostfile", "README.md",
                  "gpt.py", "planc_runtime/engine.py", "planc_runtime/main.py", "planc_runtime/probe.py"):
         assert name in a, name
     assert not any("__pycache__" in k for k in a)
@@ -65,7 +65,7 @@ def test_hostfile_and_launcher(tmp_path):
     lines = [l for l in (out / "hostfile").read_text().splitlines() if l and not l.startswith("#")]
     assert lines == ["node0 slots=4", "node1 slots=4"]
     launch = (out / "launch.sh").read_text()
-    assert "--num_gpus 8" in launch and "DS_ACCELERATOR=cpu" in launch and "nccl" in launch
+    assert "--num_gpus 8" in launch and "DS_ACCELERATOR=cpu" in launch and "torch.cuda.is_available()" in launch
     assert "PLANC_MASTER_PORT" in launch and "--master_port" in launch
     one = dict(plan, cluster=dict(plan["cluster"], hosts=[list(range(8))]))
     out1 = codegen.write_output(one, p, tmp_path / "one")

@@ -219,8 +219,7 @@ SCHEDULE_OF = {name: SCHEDULES[i % len(SCHEDULES)] for i, name in enumerate(PLAN
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name,schedule", list(SCHEDULE_OF.items()))
-def test_unequal_stages_match_reference(tmp_path, monkeypatch, name, schedule):
-    monkeypatch.delenv("PLANC_SHM_REDUCE", raising=False)
+def test_unequal_stages_match_reference(tmp_path, name, schedule):
     sc = PLANS[name]
     big = name == MEMORY_PLAN    # this launch also shows that large gradients are not clipped
     edits = large_gradient_edits(tmp_path) if big else ()

@@ -35,7 +35,7 @@ def _entry(rank, world, port, target_mod, target_name, payload, outdir):
                 sys.path.insert(0, p)
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                           WORLD_SIZE=str(world), PLANC_COLLECTIVE_TIMEOUT_S=COLLECTIVE_TIMEOUT_S,
-                          PLANC_BACKEND="gloo", OMP_NUM_THREADS="1")
+                          OMP_NUM_THREADS="1")
         import importlib
 
         import torch

@@ -336,9 +336,7 @@ def reshard_worker(rank, world, payload):
             direction = PF.Direction(direction)
             t = plan.transfers[k]
             what = f"{job['name']} {t.name} {direction}: rank {rank}"
-            os.environ["PLANC_SIGNAL_TRANSFERS"] = "1" if job.get("signal") else ""
-            ex = TransferExecutor(t, direction, rank, groups, tags, index=k)
-            os.environ.pop("PLANC_SIGNAL_TRANSFERS")
+            ex = TransferExecutor(t, direction, rank, groups, tags, index=k, signal=bool(job.get("signal")))
             want_src, want_dst = src.get(rank), dst.get(rank)
             assert ex.my_src == want_src, f"{what}: sends region {ex.my_src}, the spec says {want_src}"
             assert ex.my_dst == want_dst, f"{what}: receives region {ex.my_dst}, the spec says {want_dst}"
@@ -402,7 +400,7 @@ def test_reshard_gloo_model_plan_both_directions():
     """The model plan: forward activations and backward gradients of both transfers, every strategy,
     the plan's four micro-batches received in reverse order; then every micro-batch's receives
     posted before the first is finished (what the receive thread does); then, with
-    PLANC_SIGNAL_TRANSFERS=1, one element per task and zeros of the planned regions delivered.
+    signal transfers (plan.json runtime.signal_transfers), one element per task and zeros of the planned regions delivered.
     One spawn of 8 ranks for all of it."""
     payload = []
     for strategy, mode in [(s, None) for s in STRATEGIES] + [(s, "posted") for s in STRATEGIES] + [

@@ -102,13 +102,12 @@ def executor_worker(rank, world, payload):
         dirs, off = run["dirs"], run.get("off", ())
         os.environ["PLANC_SHM_DIR"] = dirs[rank % len(dirs)]
         os.environ["PLANC_SHM_SLOT_BYTES"] = str(payload["slot"])
-        os.environ["PLANC_SHM_REDUCE"] = "0" if rank in off else "1"
         for red, groups_list, n in payload["cases"]:
             groups = {}
             for g in groups_list:
                 pg = dist.new_group(ranks=list(g))
                 groups[tuple(g)] = pg if rank in g else None
-            ex = ReductionExecutor(red, groups, rank, host_of=lambda d: d // per)
+            ex = ReductionExecutor(red, groups, rank, host_of=lambda d: d // per, shared_memory=rank not in off)
             flat = _contrib(rank, n, torch.float32)
             grp = next(g for g in red["groups"] if rank in g)
             want = sum(_contrib(d, n, torch.float64) for d in grp).float()
@@ -150,8 +149,9 @@ def test_executor_puts_in_host_steps_on_shared_memory(tmp_path):
 def test_executor_falls_back_to_gloo_and_every_member_agrees(tmp_path):
     """Three ways a one-host group keeps gloo, each with its reason on every member and exact sums:
     each rank looks in its own directory (the leader's nonce is not found); the directory is a
-    file (the leader cannot create its segment); one member has PLANC_SHM_REDUCE=0 (the others
-    must not wait for it in the set-up)."""
+    file (the leader cannot create its segment); one member is built with shared_memory=False (the
+    plan gives every rank the same, but the vote must hold without that: the others must not wait
+    for it in the set-up)."""
     dirs = [str(tmp_path / f"r{i}") for i in range(4)]
     for d in dirs:
         os.makedirs(d)

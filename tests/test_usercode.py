@@ -7,6 +7,7 @@ import pytest
 
 from planc.runtime.dataflow import EngineError
 from planc.runtime.main import load_function
+from planc.runtime.planfile import CodeRef
 from planc.runtime.usercode import MissingFunction, load_callable
 
 
@@ -33,11 +34,11 @@ def test_an_error_inside_the_users_file_is_not_called_a_typo(tmp_path):
 
 def test_the_runtime_names_the_plans_entry(tmp_path):
     (tmp_path / "m3.py").write_text("def loss(a, b):\n    return 0\n")
-    assert load_function(str(tmp_path), {"file": "m3.py", "function": "loss"}, "loss")(1, 2) == 0
+    assert load_function(str(tmp_path), CodeRef("m3.py", "loss"), "loss")(1, 2) == 0
     with pytest.raises(EngineError, match=r"the plan's loss m3.py:losss: 'losss' is not defined in m3.py"):
-        load_function(str(tmp_path), {"file": "m3.py", "function": "losss"}, "loss")
+        load_function(str(tmp_path), CodeRef("m3.py", "losss"), "loss")
     with pytest.raises(EngineError, match=r"the plan's data gone.py:batches: .*gone.py not found"):
-        load_function(str(tmp_path), {"file": "gone.py", "function": "batches"}, "data")
+        load_function(str(tmp_path), CodeRef("gone.py", "batches"), "data")
 
 
 def test_gradient_buckets_split_where_the_dtype_changes():

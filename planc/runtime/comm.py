@@ -37,7 +37,6 @@ receiving group shares, so group collectives match.
 from __future__ import annotations
 
 import collections
-import os
 import queue
 import threading
 from concurrent.futures import Future
@@ -97,7 +96,7 @@ class RecvAhead:
                  tracer=None, ops=None):
         self.executors, self.tracer = executors, tracer
         self.jobs = jobs
-        self.ahead = int(os.environ.get("PLANC_RECV_AHEAD", DEFAULT_AHEAD)) if ahead is None else int(ahead)
+        self.ahead = DEFAULT_AHEAD if ahead is None else int(ahead)   # the engine passes plan.json's
         # ops given: post_gates; else (tests of the thread alone) the operation ``ahead`` before
         self.gates = (post_gates(ops, self.ahead, [bool(j) for j in jobs]) if ops is not None else
                       [max(0, j - self.ahead) for j in range(len(jobs))])

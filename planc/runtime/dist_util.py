@@ -5,7 +5,7 @@ Public API (stable):
     collective_timeout() -> datetime.timedelta
         PLANC_COLLECTIVE_TIMEOUT_S (seconds, default 300); every group the runtime
         creates uses it, so a missing peer is an error after that long, never a hang.
-    choose_backend() -> str                 "nccl" if CUDA is available else "gloo"
+    choose_backend(plan) -> str             plan.json runtime.backend (auto: "nccl" if CUDA is available else "gloo")
                                             (PLANC_BACKEND overrides)
     init_distributed(backend=None, timeout=None) -> str
         init the default group from the launcher's env (RANK, WORLD_SIZE,
@@ -66,11 +66,16 @@ def collective_timeout(plan=None) -> datetime.timedelta:
     return datetime.timedelta(seconds=s)
 
 
-def choose_backend() -> str:
-    forced = os.environ.get("PLANC_BACKEND")
-    if forced:
-        return forced
-    return "nccl" if torch.cuda.is_available() else "gloo"
+def choose_backend(plan=None) -> str:
+    """plan.json ``runtime.backend``; ``auto`` (and no plan): NCCL where this machine has CUDA, else gloo.
+    A plan that asks for NCCL on a machine without CUDA is a StartupError, not a silent gloo run."""
+    wanted = str(plan.runtime.backend) if plan is not None else "auto"
+    if wanted == "auto":
+        return "nccl" if torch.cuda.is_available() else "gloo"
+    if wanted == "nccl" and not torch.cuda.is_available():
+        raise StartupError("the plan's backend is nccl (train { backend = nccl }) but this machine has no CUDA "
+                           "device; compile with backend = auto or gloo to run on CPUs")
+    return wanted
 
 
 def init_distributed(backend: str | None = None, timeout: datetime.timedelta | None = None) -> str:

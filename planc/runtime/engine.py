@@ -40,7 +40,7 @@ from deepspeed.runtime.pipe.module import PipelineModule
 
 from .dataflow import (EngineError, StageGraph, apply_layers, build_optimizer, check_stage_shapes,  # noqa: F401
                        run_reference)
-from .planfile import Direction, Plan, Stage
+from .planfile import Direction, InHost, Plan, Stage
 from .reduce import ReductionExecutor
 from .reshard import DTYPES, TransferExecutor
 from .comm import RecvAhead, receive_jobs
@@ -185,7 +185,8 @@ class PlanEngine(PipelineEngine):
             if t.name in self.incoming + self.outgoing:
                 for direction in Direction:
                     self.executors[(t.name, direction)] = TransferExecutor(
-                        t, direction, rank, groups, tags, index=i, device=self.device)
+                        t, direction, rank, groups, tags, index=i, device=self.device,
+                        signal=plan.runtime.signal_transfers)
         red = plan.gradient_reduction(rank)
         self.reduction = None
         self.deepspeed_reduce = red is not None and str(red.mode) == "allreduce"
@@ -196,7 +197,9 @@ class PlanEngine(PipelineEngine):
         else:
             self.reduce_description = f"planc program {red.text}, bucketed, overlapped with the last backward"
             self.reduction = ReductionExecutor(red.to_json(), reduce_groups(groups), rank,
-                                               host_of=plan.cluster.host_of)
+                                               bucket_bytes=plan.runtime.reduce_bucket_bytes,
+                                               host_of=plan.cluster.host_of,
+                                               shared_memory=plan.runtime.in_host is InHost.SHARED_MEMORY)
             if self.reduction.shm_groups:
                 self.reduce_description += "; in-host steps through shared memory"
             elif self.reduction.shm_fallback:
@@ -208,13 +211,14 @@ class PlanEngine(PipelineEngine):
                               f"stage's data group {self.grid.get_data_parallel_group_ranks()}")
         self.held = {k: {} for k in ("inputs", "outputs", "labels", "losses", "grads")}
         self.last_backward = int(next(op for op in reversed(self.ops) if op[0] == "B")[1:])
-        self.grads = GradientBuckets(self.module.parameters(), self.reduction, self.device, tracer=tracer) \
+        self.grads = GradientBuckets(self.module.parameters(), self.reduction, self.device,
+                                     bucket_bytes=plan.runtime.grad_bucket_bytes, tracer=tracer) \
             if self.reduction is not None else None
         self.sends = SendReaper(tracer=tracer)
         self.nic = None   # the host NIC order (nicorder.py): attach_nic, when the plan has one for this host
         self.nic_bytes: dict = {}   # (transfer, direction) -> bytes this rank sends off its host per micro-batch
-        self.recvs = RecvAhead(self.executors, receive_jobs(self.ops, self.incoming, self.outgoing), tracer=tracer,
-                               ops=self.ops)
+        self.recvs = RecvAhead(self.executors, receive_jobs(self.ops, self.incoming, self.outgoing),
+                               ahead=plan.runtime.recv_ahead, tracer=tracer, ops=self.ops)
         self.stats = {"stage": self.stage_id, "peak_live_micro_batches": 0, "peak_pending_sends": 0}
 
     @classmethod

@@ -91,7 +91,7 @@ class FailureWatch:
         self._exit = exit
         self._stop = threading.Event()
         self._thread = None
-        if self.store is not None and os.environ.get("PLANC_FAILURE_WATCH", "1") != "0":
+        if self.store is not None:
             self._thread = threading.Thread(target=self._run, name="planc-failure-watch", daemon=True)
             self._thread.start()
 

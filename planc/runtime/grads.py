@@ -23,7 +23,6 @@ so every collective runs on the buffer itself.
 """
 from __future__ import annotations
 
-import os
 import queue
 import threading
 
@@ -39,7 +38,7 @@ class GradientBuckets:
         self.tracer = tracer
         self.executor = executor
         self.params = [p for p in params if p.requires_grad]
-        limit = bucket_bytes or int(os.environ.get("PLANC_GRAD_BUCKET_BYTES", DEFAULT_BUCKET_BYTES))
+        limit = bucket_bytes or DEFAULT_BUCKET_BYTES   # the engine passes plan.json's runtime.grad_bucket_bytes
         granule = executor.granule
         self.buckets: list[tuple[torch.Tensor, list[tuple[torch.nn.Parameter, int]]]] = []
         self.flags_at: list[int] = []     # per bucket: where its parameters' flags start in its buffer

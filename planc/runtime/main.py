@@ -1,8 +1,8 @@
 """Program entry of a compiled output: ``deepspeed OUT/train.py [--comm-only] [--steps N] [--save DIR]
 [--resume DIR]``.
 
-Reads OUT/plan.json (the compiler's decisions), OUT/run.json (model, loss,
-data and train settings) and OUT/ds_config.json (optimizer), initializes the
+Reads OUT/plan.json (every decision of the compiler, the model, loss and data
+functions and the train settings included) and OUT/ds_config.json (optimizer), initializes the
 process group, runs the start-up checks, builds the DeepSpeed pipeline engine
 (``PlanEngine``, a ``PipelineEngine`` subclass) from the copied model file and
 trains; rank 0 prints ``step N loss X``. With ``--save DIR`` every rank checkpoints every
@@ -23,11 +23,11 @@ import torch.distributed as dist
 
 from . import checkpoint, nicorder, planfile
 from .checkpoint import CheckpointError, CountingIterator
-from .dist_util import (GroupMissing, StartupError, collective_timeout, init_distributed, limit_cpu_threads,
-                        startup_checks)
+from .dist_util import (GroupMissing, StartupError, choose_backend, collective_timeout, init_distributed,
+                        limit_cpu_threads, startup_checks)
 from .engine import EngineError, PlanEngine, check_stage_shapes
 from .failwatch import FailureWatch, report_failure
-from .planfile import Direction, Plan, PlanFileError
+from .planfile import Direction, InHost, Plan, PlanFileError
 from .reduce import ReductionError, ReductionExecutor
 from .reshard import TransferExecutor
 from .tensor_parallel import context_from_plan, shard_info
@@ -36,13 +36,13 @@ from .trace import Tracer
 from .usercode import MissingFunction, accepts_tensor_parallel, build_layers, load_callable  # noqa: F401 (re-exported)
 
 
-def load_function(out_dir: str, ref: dict, what: str = "function"):
-    """A ``{"file", "function"}`` reference of run.json, from the output folder; a missing file or
-    function is an EngineError that names it (``what``: the plan's word for it, e.g. ``loss``)."""
+def load_function(out_dir: str, ref, what: str = "function"):
+    """A code reference of plan.json ``train`` (``planfile.CodeRef``), from the output folder; a missing
+    file or function is an EngineError that names it (``what``: the plan's word for it, e.g. ``loss``)."""
     try:
-        return load_callable(os.path.join(out_dir, ref["file"]), ref["function"])
+        return load_callable(os.path.join(out_dir, ref.file), ref.function)
     except (FileNotFoundError, MissingFunction) as e:
-        raise EngineError(f"the plan's {what} {ref['file']}:{ref['function']}: {e}") from None
+        raise EngineError(f"the plan's {what} {ref.file}:{ref.function}: {e}") from None
 
 
 def dump_params(engine, directory: str, rank: int) -> None:
@@ -139,9 +139,12 @@ def comm_only(plan: Plan, groups: dict, rank: int, steps: int) -> None:
     and checked after it).
     """
     tags = plan.tag_layout()
-    transfers = [(t, TransferExecutor(t, Direction.FORWARD, rank, groups, tags, index=i))
+    rt = plan.runtime
+    transfers = [(t, TransferExecutor(t, Direction.FORWARD, rank, groups, tags, index=i, signal=rt.signal_transfers))
                  for i, t in enumerate(plan.transfers)]
-    reductions = [(r, ReductionExecutor(r.to_json(), groups, rank, host_of=plan.cluster.host_of), r.group_of(rank))
+    reductions = [(r, ReductionExecutor(r.to_json(), groups, rank, bucket_bytes=rt.reduce_bucket_bytes,
+                                        host_of=plan.cluster.host_of,
+                                        shared_memory=rt.in_host is InHost.SHARED_MEMORY), r.group_of(rank))
                   for r in plan.reductions if r.group_of(rank) is not None]
     # patterns, expected regions and reduction inputs are made before the timed region, and checked after it
     sent = {i: pattern(t.shape, ex.my_src, ex.dtype) for i, (t, ex) in enumerate(transfers) if ex.is_sender}
@@ -230,12 +233,9 @@ def _main(argv=None, out_dir: str | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     out_dir = out_dir or os.path.dirname(os.path.abspath(sys.argv[0]))
     plan = planfile.load(os.path.join(out_dir, "plan.json"))
-    with open(os.path.join(out_dir, "run.json")) as f:
-        run = json.load(f)
     with open(os.path.join(out_dir, "ds_config.json")) as f:
         ds_config = json.load(f)
-    train = run.get("train", {})
-    steps = args.steps if args.steps is not None else int(train.get("steps", 1))
+    steps = args.steps if args.steps is not None else (plan.train.steps if plan.train is not None else 1)
     digest = planfile.digest(plan)
     if (args.save or args.resume) and (args.comm_only or plan.train is None):
         raise CheckpointError("--save and --resume need a training run (not --comm-only, and a plan with train)")
@@ -252,7 +252,7 @@ def _main(argv=None, out_dir: str | None = None) -> int:
     if os.environ.get("PLANC_DUMP_STACKS_AFTER_S"):   # debugging a hang: every rank prints its stack
         import faulthandler
         faulthandler.dump_traceback_later(float(os.environ["PLANC_DUMP_STACKS_AFTER_S"]), exit=False)
-    init_distributed(timeout=collective_timeout(plan))
+    init_distributed(backend=choose_backend(plan), timeout=collective_timeout(plan))
     threads_line = limit_cpu_threads(dist.get_backend())   # before any compute (docs/runtime.md)
     global _WATCH
     _WATCH = FailureWatch(dist.get_rank())
@@ -280,11 +280,11 @@ def _main(argv=None, out_dir: str | None = None) -> int:
     stage = plan.stage_of(rank)
     engine, problems, data = None, [], None
     if stage is not None:
-        model_args = dict(run["model"].get("args", {}))
-        seed = int(train.get("seed", 0))
-        micro_batch = int(train["micro_batch"])
+        t = plan.train
+        model_args, seed, micro_batch = dict(t.model.args), t.seed, t.micro_batch
         try:   # every user function before anything is built: a typo in one is one message, all ranks stop
-            builder, loss_fn, batches = (load_function(out_dir, run[k], k) for k in ("model", "loss", "data"))
+            builder, loss_fn, batches = (load_function(out_dir, ref, k)
+                                         for k, ref in (("model", t.model), ("loss", t.loss), ("data", t.data)))
         except EngineError as e:
             problems = [str(e)]
         if not problems:
@@ -316,7 +316,7 @@ def _main(argv=None, out_dir: str | None = None) -> int:
     tracer = Tracer(rank, stage.index if stage is not None else None) if args.trace else None
     # gloo only: NCCL keeps its own stream order per communicator, which sends from a second thread
     # could break (docs/runtime.md, "The host NIC order")
-    use_nic = nicorder.enabled() and dist.get_backend() == "gloo"
+    use_nic = dist.get_backend() == "gloo"
     counter = nicorder.open_counters(plan, rank) if use_nic else None   # collective
     hold_rate = nicorder.host_bandwidth(plan)     # bytes/s a NIC turn is held for: the compiled host link
     if stage is not None:
@@ -326,10 +326,10 @@ def _main(argv=None, out_dir: str | None = None) -> int:
         order = plan.pipeline.nic_order_of(host)
         if counter is not None and any(k[0] == rank for k in order):
             engine.attach_nic(nicorder.NicOrder(rank, host, order, counter, collective_timeout(plan).total_seconds(),
-                                                hold_rate, tracer=tracer))
+                                                hold_rate, tracer=tracer, drain=plan.runtime.nic_drain))
     if rank == 0 and counter is not None:
         held = (f"each turn held for its bytes at {hold_rate / 1e6:g} MB/s, the host link the plan was compiled "
-                f"for (on faster links: recompile for them, or PLANC_NIC_ORDER=0)") if hold_rate else "no hold"
+                f"for (on faster links: recompile for them)") if hold_rate else "no hold"
         print(f"host NIC order: {sum(len(k) for _, k in plan.pipeline.nic_order)} cross-host sends per step, "
               f"one at a time per host in the plan's order; {held}", flush=True)
     first = 0

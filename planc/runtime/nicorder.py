@@ -26,7 +26,7 @@ import os
 import threading
 import time
 
-__all__ = ["NicOrder", "NicOrderError", "open_counters", "enabled"]
+__all__ = ["NicOrder", "NicOrderError", "open_counters"]
 
 POLL_S = 0.0002          # how often a waiting NIC thread reads the counter
 SIOCOUTQNSD = 0x894B     # linux/sockios.h: bytes of a TCP socket's send queue not yet sent
@@ -34,11 +34,6 @@ SIOCOUTQNSD = 0x894B     # linux/sockios.h: bytes of a TCP socket's send queue n
 
 class NicOrderError(RuntimeError):
     pass
-
-
-def enabled() -> bool:
-    """``PLANC_NIC_ORDER=0`` turns the order off (sends go as they come), e.g. to measure it."""
-    return os.environ.get("PLANC_NIC_ORDER", "1") != "0"
 
 
 def host_bandwidth(plan) -> float | None:
@@ -80,11 +75,6 @@ def open_counters(plan, rank: int):
         except FileNotFoundError:        # a sibling removed it first
             pass
     return view
-
-
-def drain_enabled() -> bool:
-    """``PLANC_NIC_DRAIN=0``: pass the turn without waiting for the rank's TCP send queues to empty."""
-    return os.environ.get("PLANC_NIC_DRAIN", "1") != "0"
 
 
 class CrossHostSockets:
@@ -163,7 +153,7 @@ class NicOrder:
     """One rank's part of its host's NIC order (a daemon thread issuing its gated sends in turn)."""
 
     def __init__(self, rank: int, host: int, order, counter, timeout: float, bandwidth: float | None = None,
-                 tracer=None):
+                 tracer=None, drain: bool = True):
         self.rank, self.host, self.timeout, self.tracer = rank, host, float(timeout), tracer
         # the host link's bytes/s (plan.json cluster): a send holds the NIC until its bytes can have left
         self.bandwidth = bandwidth if bandwidth and bandwidth > 0 else None
@@ -176,7 +166,7 @@ class NicOrder:
         self._submitted: dict[tuple, tuple] = {}     # (step, key) -> (issue, handle, bytes to other hosts)
         self._step = -1                              # the step being submitted
         self._failed: BaseException | None = None    # the NIC thread's error: every send after it fails too
-        self.sockets = CrossHostSockets() if drain_enabled() else None
+        self.sockets = CrossHostSockets() if drain else None   # plan.json runtime.nic_drain
         self._thread = threading.Thread(target=self._run, name="planc-nic-order", daemon=True)
         if self.mine:
             self._thread.start()

@@ -27,12 +27,13 @@ from dataclasses import dataclass, field
 from .planjson import At, Group, PlanFileError, kind, lists
 from .planrecords import (DTYPE_NAMES, CodeRef, Cluster, Collective, Direction, Level, Pipeline, Reduction,
                           ReductionMode, Schedule, Stage, StageMode, Step, Strategy, TagLayout, Train)
+from .planruntime import Backend, InHost, Runtime
 from .plantransfers import Route, Task, Transfer
 
 __all__ = [
     "FORMAT", "PlanFileError", "Strategy", "Collective", "Schedule", "StageMode", "ReductionMode", "Direction",
     "Level", "Cluster", "Stage", "Step", "Reduction", "Task", "Route", "Transfer", "Pipeline", "Train",
-    "CodeRef", "Plan", "load", "digest", "dumps", "TagLayout", "DTYPE_NAMES",
+    "CodeRef", "Plan", "load", "digest", "dumps", "TagLayout", "DTYPE_NAMES", "Runtime", "Backend", "InHost",
 ]
 
 FORMAT = "planc/1"
@@ -53,6 +54,7 @@ class Plan:
     transfers: tuple[Transfer, ...]
     pipeline: Pipeline | None
     train: Train | None
+    runtime: Runtime = Runtime()   # how the runtime executes it (planruntime.py): never the environment
     head: tuple = ()          # source, compiler, placement, choices: written as read
     raw: bytes | None = field(default=None, compare=False, repr=False)
 
@@ -86,6 +88,7 @@ class Plan:
             tuple(Transfer.read(t) for t in at.key("transfers").items()),
             Pipeline.read(pipe, len(stages)) if pipe.value is not None else None,
             Train.read(train) if train.value is not None else None,
+            Runtime.read(at.key("runtime", None)),
             tuple((k, doc[k]) for k in ("source", "compiler", "placement", "choices") if k in doc))
         plan._check_references(at)
         return plan
@@ -192,6 +195,7 @@ class Plan:
             out["pipeline"] = self.pipeline.to_json()
         if self.train is not None:
             out["train"] = self.train.to_json()
+        out["runtime"] = self.runtime.to_json()
         return out
 
 

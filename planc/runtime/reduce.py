@@ -9,7 +9,8 @@ a broadcast delivers to ranks that held nothing.
 
 Public API (stable; used by engine.py):
 
-    ReductionExecutor(reduction, groups, rank, bucket_bytes=None, impl=None, backend=None, host_of=None)
+    ReductionExecutor(reduction, groups, rank, bucket_bytes=None, impl=None, backend=None, host_of=None,
+                      shared_memory=True)
         .run(flat: Tensor) -> Tensor
             every rank of a reduction group returns the full SUM over its group
             (in place in `flat` when possible; the returned tensor is the result);
@@ -19,8 +20,8 @@ Public API (stable; used by engine.py):
     simulate(steps, devices) -> dict[rank, list[state]]   pure semantics checker
     ReductionError(ValueError)
 
-Buckets: the buffer is processed in buckets of `bucket_bytes` (env
-PLANC_REDUCE_BUCKET_BYTES, default 32 MiB); each bucket is zero-padded so every
+Buckets: the buffer is processed in buckets of `bucket_bytes` (plan.json
+runtime.reduce_bucket_bytes, default 32 MiB); each bucket is zero-padded so every
 reduce_scatter cut is whole. Collectives, per backend (`impl` overrides):
   allreduce       all_reduce SUM on the step's group
   reduce_scatter  gloo: all_reduce of the held region, then keep the piece
@@ -30,14 +31,13 @@ reduce_scatter cut is whole. Collectives, per backend (`impl` overrides):
   reduce          reduce SUM to the first member
   broadcast       broadcast from the first member
 On gloo, a step whose group lies on one host (``host_of``, the plan's placement, says so) runs
-through the host's shared memory instead (shmcoll.py; env PLANC_SHM_REDUCE=0 turns it off), and
+through the host's shared memory instead (shmcoll.py; plan.json runtime.in_host = backend turns it off), and
 falls back to the above when the members share no /dev/shm. ``.shm_groups`` lists the groups that
 use it, ``.shm_fallback`` the one-host groups that keep gloo and why.
 """
 from __future__ import annotations
 
 import math
-import os
 from fractions import Fraction
 
 import torch
@@ -127,14 +127,9 @@ def _fmt(s):
     return "nothing" if s is None else f"[{s[0]}, {s[1]}) of {sorted(s[2])}"
 
 
-def _bucket_bytes():
-    raw = os.environ.get("PLANC_REDUCE_BUCKET_BYTES")
-    return int(raw) if raw else DEFAULT_BUCKET_BYTES
-
-
 class ReductionExecutor:
     def __init__(self, reduction: dict, groups: dict, rank: int, bucket_bytes: int | None = None,
-                 impl: dict | None = None, backend: str | None = None, host_of=None):
+                 impl: dict | None = None, backend: str | None = None, host_of=None, shared_memory: bool = True):
         self.name = reduction.get("name", "?")
         self.rank = int(rank)
         self.red_groups = [tuple(g) for g in reduction["groups"]]
@@ -158,7 +153,7 @@ class ReductionExecutor:
         self.steps = []
         mine = self.rank in devices
         self.backend = backend or (dist.get_backend() if dist.is_initialized() else "gloo")
-        # every member of a one-host group sets up (and votes its own PLANC_SHM_REDUCE), so they agree
+        # every member of a one-host group sets up (and votes whether its members share memory), so they agree
         use_shm = self.backend == "gloo" and host_of is not None
         self.segments: dict = {}      # in-host group -> shmcoll.HostSegment, or None: it keeps gloo ...
         self.shm_fallback: dict = {}  # ... and why
@@ -168,7 +163,7 @@ class ReductionExecutor:
                 pg = lookup_group(groups, grp)
                 # set up in step order on every member, so the collective set-ups cannot cross
                 if use_shm and grp not in self.segments and len({host_of(d) for d in grp}) == 1:
-                    self.segments[grp], why = shmcoll.HostSegment.open(pg, grp, self.rank, want=shmcoll.enabled())
+                    self.segments[grp], why = shmcoll.HostSegment.open(pg, grp, self.rank, want=shared_memory)
                     if why:
                         self.shm_fallback[grp] = why
             else:
@@ -177,7 +172,7 @@ class ReductionExecutor:
             after = hist[self.rank][si + 1] if mine else None
             self.steps.append((step["collective"], grp, pg, before, after))
         self.active = mine and any(g is not None for _, g, _, _, _ in self.steps)
-        self.bucket_bytes = bucket_bytes or _bucket_bytes()
+        self.bucket_bytes = bucket_bytes or DEFAULT_BUCKET_BYTES   # the engine passes plan.json's
         default = {"reduce_scatter": "allreduce_slice" if self.backend == "gloo" else "native"}
         self.impl = {**default, **(impl or {})}
 

@@ -35,7 +35,6 @@ tag and rely on per-(peer, tag) FIFO order, which gloo and NCCL both keep.
 """
 from __future__ import annotations
 
-import os
 
 import torch
 import torch.distributed as dist
@@ -87,7 +86,7 @@ class TransferExecutor:
     """Executes one direction of one transfer for one rank, exactly as plan.json lists it."""
 
     def __init__(self, transfer: Transfer, direction: Direction, rank: int, groups: dict, tags: TagLayout,
-                 index: int, device=None, backend: str | None = None):
+                 index: int, device=None, backend: str | None = None, signal: bool = False):
         self.transfer = transfer
         self.name = transfer.name
         self.direction = Direction(direction)
@@ -103,10 +102,10 @@ class TransferExecutor:
         self.tasks = [_Task(i, t, route.strategy, route.chunks) for i, t in route.ordered_tasks()]
         self.strategy = route.strategy
         self.backend = backend or (dist.get_backend() if dist.is_initialized() else "gloo")
-        # PLANC_SIGNAL_TRANSFERS=1: AlpaComm's "signal send/recv" bound; every task moves one element
-        # from its sender to each receiver (same schedule, same order, same dependencies) and the
-        # receiver's region is zeros: the iteration without the cost of moving the data
-        self.signal = os.environ.get("PLANC_SIGNAL_TRANSFERS", "") == "1"
+        # signal (plan.json runtime.signal_transfers): AlpaComm's "signal send/recv" bound; every task moves
+        # one element from its sender to each receiver (same schedule, same order, same dependencies) and
+        # the receiver's region is zeros: the iteration without the cost of moving the data
+        self.signal = bool(signal)
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
         self.device = torch.device(device)

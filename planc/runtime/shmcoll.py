@@ -39,14 +39,10 @@ import struct
 import torch
 import torch.distributed as dist
 
-__all__ = ["HostSegment", "enabled", "DEFAULT_SLOT_BYTES"]
+__all__ = ["HostSegment", "DEFAULT_SLOT_BYTES"]
 
 DEFAULT_SLOT_BYTES = 8 << 20     # per member; a region larger than this goes in windows
 HEADER = 64                      # bytes before the slots: the nonce, then padding (keeps slots aligned)
-
-
-def enabled() -> bool:
-    return os.environ.get("PLANC_SHM_REDUCE", "1") != "0"
 
 
 def _shm_dir() -> str:

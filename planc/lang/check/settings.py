@@ -9,7 +9,8 @@ from __future__ import annotations
 from planc import budget, ir
 from planc.lang import ast
 from planc.lang.check.values import Diagnostics, did_you_mean, int_of, quantity
-from planc.lang.units import TIME
+from planc.lang.units import SIZE, TIME
+from planc.runtime.planruntime import Backend, InHost, Runtime
 
 __all__ = ["check_resharding", "check_synthesis", "check_train", "check_deepspeed",
            "MAX_TRIALS", "MAX_DFS_BUDGET_S", "MAX_MICRO_BATCHES", "MAX_SYNTHESIS_SIZE"]
@@ -171,7 +172,7 @@ def check_train(errs: Diagnostics, block: ast.SettingsBlock | None, parallel: ir
                 stages: tuple[ir.Stage, ...], has_model: bool = False) -> ir.Train:
     """Training settings; ``micro_batch`` must divide over every stage's data axis."""
     s = _settings(errs, block, ["micro_batch", "micro_batches", "steps", "schedule", "optimizer", "precision",
-                                "seed", "save_every", "timeout"])
+                                "seed", "save_every", "timeout", *RUNTIME_KEYS])
     opt = ir.Optimizer()
     kv = s.get("optimizer")
     if kv is not None:
@@ -198,6 +199,7 @@ def check_train(errs: Diagnostics, block: ast.SettingsBlock | None, parallel: ir
         seed=seed,
         timeout=_timeout(errs, s.get("timeout")),
         save_every=_int_setting(errs, s["save_every"], 1) if "save_every" in s else None,
+        runtime=_runtime(errs, s),
         schedule_span=s["schedule"].value.span if "schedule" in s else (block.span if block else ir.Train().schedule_span),
     )
     if train.micro_batches > (most := int(budget.limit("micro_batches"))):
@@ -227,6 +229,39 @@ def check_train(errs: Diagnostics, block: ast.SettingsBlock | None, parallel: ir
                      else parallel.span)
             break
     return train
+
+
+RUNTIME_KEYS = ("backend", "recv_ahead", "grad_bucket", "reduce_bucket", "in_host")
+
+
+def _runtime(errs: Diagnostics, s: dict[str, ast.KeyValue]) -> Runtime:
+    """The runtime settings of the train block (docs/language.md, "Runtime settings"); what is not set
+    keeps the documented default of ``planc.runtime.planruntime``."""
+    d = Runtime()
+    return Runtime(
+        backend=_enum_value(errs, s.get("backend"), Backend, d.backend),
+        recv_ahead=_int_setting(errs, s.get("recv_ahead"), d.recv_ahead),
+        grad_bucket_bytes=_size(errs, s.get("grad_bucket"), d.grad_bucket_bytes),
+        reduce_bucket_bytes=_size(errs, s.get("reduce_bucket"), d.reduce_bucket_bytes),
+        in_host=_enum_value(errs, s.get("in_host"), InHost, d.in_host))
+
+
+def _size(errs: Diagnostics, kv: ast.KeyValue | None, default: int) -> int:
+    """``grad_bucket = 8 MiB``: a size with its unit, a whole number of bytes, at least one."""
+    if kv is None:
+        return default
+    v = kv.value
+    if not isinstance(v, ast.Quantity):
+        errs.add(f"{kv.key.value} is a size with its unit, e.g. '{kv.key.value} = 8 MiB'", v.span)
+        return default
+    q = quantity(errs, v, SIZE, "size")
+    if q is None:
+        return default
+    if q < 1 or q != int(q):
+        errs.add(f"{kv.key.value} must be a whole number of bytes, at least 1, got {v.number.text} {v.unit}",
+                 v.span)
+        return default
+    return int(q)
 
 
 def _timeout(errs: Diagnostics, kv: ast.KeyValue | None) -> float | None:

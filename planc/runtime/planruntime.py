@@ -1,0 +1,71 @@
+"""plan.json ``runtime``: how the runtime executes the plan, decided by the compiler.
+
+Every setting here changes what a rank computes or the order in which it communicates, so it is
+part of the plan (and of its digest, which every rank compares at start) and never read from the
+environment. The compiler writes documented defaults unless the plan's ``train`` block sets one
+(docs/language.md, "Runtime settings"); the hang check (planc.pipeline.deadlock) proves the plan
+with exactly ``recv_ahead``. Stdlib only (part of the plan file, copied into every output).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+
+from .planjson import At, extra, with_extra
+
+__all__ = ["Backend", "InHost", "Runtime", "DEFAULT_RECV_AHEAD", "DEFAULT_GRAD_BUCKET_BYTES",
+           "DEFAULT_REDUCE_BUCKET_BYTES"]
+
+DEFAULT_RECV_AHEAD = 4                    # receives posted ahead per transfer direction
+DEFAULT_GRAD_BUCKET_BYTES = 8 << 20       # a gradient bucket is reduced once its last gradient is ready
+DEFAULT_REDUCE_BUCKET_BYTES = 32 << 20    # a reduction program runs on buffers of at most this size
+
+
+class Backend(StrEnum):
+    AUTO = "auto"        # NCCL where the launching machine has CUDA, gloo elsewhere
+    GLOO = "gloo"
+    NCCL = "nccl"
+
+
+class InHost(StrEnum):
+    SHARED_MEMORY = "shared_memory"   # gloo: a one-host group's reduction steps through /dev/shm (shmcoll)
+    BACKEND = "backend"               # the backend's own collectives
+
+
+@dataclass(frozen=True, slots=True)
+class Runtime:
+    backend: Backend = Backend.AUTO
+    recv_ahead: int = DEFAULT_RECV_AHEAD
+    grad_bucket_bytes: int = DEFAULT_GRAD_BUCKET_BYTES
+    reduce_bucket_bytes: int = DEFAULT_REDUCE_BUCKET_BYTES
+    in_host: InHost = InHost.SHARED_MEMORY
+    # a host NIC order's turn passes only once the rank's cross-host TCP send queues are empty
+    nic_drain: bool = True
+    # AlpaComm's "signal send/recv" measurement: every task moves one element (same schedule, same
+    # order, same dependencies), receivers get zeros; the step without the cost of moving the data
+    signal_transfers: bool = False
+    extra: tuple = ()
+
+    KEYS = ("backend", "recv_ahead", "grad_bucket_bytes", "reduce_bucket_bytes", "in_host", "nic_drain",
+            "signal_transfers")
+
+    @staticmethod
+    def read(at: At) -> "Runtime":
+        if at.value is None:
+            return Runtime()
+        d = Runtime()
+        return Runtime(at.key("backend", str(d.backend)).enum(Backend),
+                       at.key("recv_ahead", d.recv_ahead).int(1),
+                       at.key("grad_bucket_bytes", d.grad_bucket_bytes).int(1),
+                       at.key("reduce_bucket_bytes", d.reduce_bucket_bytes).int(1),
+                       at.key("in_host", str(d.in_host)).enum(InHost),
+                       at.key("nic_drain", d.nic_drain).bool(),
+                       at.key("signal_transfers", d.signal_transfers).bool(),
+                       extra(at, Runtime.KEYS))
+
+    def to_json(self) -> dict:
+        return with_extra({"backend": str(self.backend), "recv_ahead": self.recv_ahead,
+                           "grad_bucket_bytes": self.grad_bucket_bytes,
+                           "reduce_bucket_bytes": self.reduce_bucket_bytes, "in_host": str(self.in_host),
+                           "nic_drain": self.nic_drain, "signal_transfers": self.signal_transfers},
+                          self.extra)
