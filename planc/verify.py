@@ -110,7 +110,16 @@ def _assembled(plan: planfile.Plan, _ctx) -> list[str]:
         again = planfile.Plan.from_json(doc)
     except planfile.PlanFileError as e:
         return [str(e)]
-    return [] if again.to_json() == doc else ["plan.json does not survive its own round trip"]
+    out = [] if again.to_json() == doc else ["plan.json does not survive its own round trip"]
+    for r in plan.reductions:   # the typed steps the runtime executes, replayed with their regions
+        if not r.groups:
+            continue
+        why = check_program([(str(s.collective), s.groups) for s in r.steps], r.groups, unit=r.unit,
+                            regions=[s.regions for s in r.steps])
+        if why is not None:
+            out.append(f"plan.json reduction {r.name!r}{f' (stage {r.stage})' if r.stage is not None else ''}: "
+                       f"{why}")
+    return out
 
 
 VERIFIERS: dict[str, Callable] = {

@@ -1,12 +1,14 @@
-"""Reduction executor: the semantics checker alone, then N-process gloo runs.
+"""Reduction executor: N-process gloo runs of typed programs.
 
-Programs are built here from DESIGN.md's collective semantics on small
-hierarchies (2 hosts x 2 devices, 2 x 4); every valid one must give exactly
-the flat allreduce result (integer-valued floats, so sums are exact).
+Programs are written here on small hierarchies (2 hosts x 2 devices, 2 x 4); the compiler's
+``planc.reduction.regions`` gives each step's regions (what plan.json carries), its independent
+checker accepts them, and every rank's result must be exactly the sum, computed here, of every
+member's input (integer-valued floats, so sums are exact).
 """
 from __future__ import annotations
 
 import os
+import re
 import sys
 
 import pytest
@@ -14,7 +16,10 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import test_runtime_harness as H  # noqa: E402
 
-from planc.runtime.reduce import ReductionError, simulate  # noqa: E402
+from planc.reduction.check import check_program  # noqa: E402
+from planc.reduction.regions import RegionError, program_regions  # noqa: E402
+from planc.reduction.semantics import SemanticsError  # noqa: E402
+from planc.runtime.planfile import At, PlanFileError, Reduction  # noqa: E402
 
 
 def hier(hosts, per):
@@ -37,23 +42,43 @@ def programs(hosts, per):
 
 
 def reduction(name, steps, red_groups):
+    """The plan.json entry the compiler writes for ``steps`` (regions from planc.reduction.regions),
+    and the groups it uses."""
     groups = []
     for _, gs in steps:
         for g in gs:
             if len(g) > 1 and g not in groups:
                 groups.append(g)
-    return {"name": name, "groups": red_groups,
-            "program": {"text": name, "steps": [{"collective": c, "groups": gs} for c, gs in steps]}}, groups
+    unit, regions = program_regions(steps, red_groups)
+    return {"name": name, "axes": ["data"], "bytes": 0, "groups": red_groups,
+            "program": {"text": name, "unit": unit, "predicted": 0.0,
+                        "steps": [{"collective": c, "groups": gs, "regions": [list(r) for r in rs]}
+                                  for (c, gs), rs in zip(steps, regions)]}}, groups
+
+
+def record(red: dict) -> Reduction:
+    return Reduction.read(At(red, "reductions[0]"))
 
 
 # ----------------------------------------------------------------- pure
 @pytest.mark.parametrize("shape", [(2, 2), (2, 4)])
-def test_programs_valid(shape):
+def test_programs_valid_and_their_regions_checked_independently(shape):
     for name, steps in programs(*shape).items():
-        n = shape[0] * shape[1]
-        hist = simulate([{"collective": c, "groups": g} for c, g in steps], list(range(n)))
-        for d in range(n):
-            assert hist[d][-1] == (0, 1, frozenset(range(n))), name
+        red, _ = reduction(name, steps, hier(*shape)[2])
+        r = record(red)
+        assert check_program(steps, red["groups"], unit=r.unit, regions=[s.regions for s in r.steps]) is None, name
+
+
+def test_rs_rs_ag_ag_regions():
+    """2 hosts x 2: quarters after the two reduce_scatters, one region per group of each step."""
+    inside, across, every = hier(2, 2)
+    red, _ = reduction("rs-rs-ag-ag", programs(2, 2)["rs-rs-ag-ag"], every)
+    assert red["program"]["unit"] == 4
+    assert [s["regions"] for s in red["program"]["steps"]] == [[[0, 4], [0, 4]], [[0, 2], [2, 4]],
+                                                               [[0, 2], [2, 4]], [[0, 4], [0, 4]]]
+    r = record(red)
+    assert r.steps[1].slices(1, 1) == ((2, 4), (3, 4))     # across [1, 3]: member 1 keeps the last quarter
+    assert r.steps[3].slices(0, 0) == ((0, 2), (0, 4))     # inside [0, 1]: member 0 brings the first half
 
 
 def test_invalid_programs_rejected():
@@ -65,16 +90,26 @@ def test_invalid_programs_rejected():
         [("broadcast", inside)],                               # others already hold
     ]
     for steps in bad:
-        with pytest.raises(ReductionError):
-            simulate([{"collective": c, "groups": g} for c, g in steps], list(range(4)))
+        assert check_program(steps, every) is not None
+        with pytest.raises((SemanticsError, RegionError)):
+            program_regions(steps, every)
 
 
-def test_incomplete_program_rejected_at_construction():
-    from planc.runtime.reduce import ReductionExecutor
-    inside, _, every = hier(2, 2)
-    red, _ = reduction("half", [("allreduce", inside)], every)
-    with pytest.raises(ReductionError, match="leaves device"):
-        ReductionExecutor(red, {tuple(g): None for g in inside}, 0)
+def test_regions_that_do_not_match_the_semantics_are_caught():
+    """A plan whose regions were tampered with: the independent checker names the step; the reader
+    refuses regions outside the buffer or that a reduce_scatter cannot split."""
+    inside, across, every = hier(2, 2)
+    steps = programs(2, 2)["rs-ar-ag"]
+    red, _ = reduction("rs-ar-ag", steps, every)
+    r = record(red)
+    wrong = [list(s.regions) for s in r.steps]
+    wrong[1] = [(1, 2), (0, 1)]                                # the across groups swapped
+    assert "step 2 (allreduce)" in check_program(steps, every, unit=r.unit, regions=wrong)
+    for regions, why in (([[0, 3], [0, 2]], "inside [0, 2]"), ([[0, 1], [0, 2]], "does not split into 2")):
+        bad = {**red, "program": {**red["program"], "steps": [{**red["program"]["steps"][0], "regions": regions},
+                                                              *red["program"]["steps"][1:]]}}
+        with pytest.raises(PlanFileError, match=re.escape(why)):
+            record(bad)
 
 
 # ----------------------------------------------------------------- multi-process
@@ -83,6 +118,7 @@ def reduce_worker(rank, world, payload):
 
     import torch.distributed as dist
 
+    from planc.runtime.planfile import At, Reduction
     from planc.runtime.reduce import ReductionExecutor
     done = 0
     for red, groups_list, n, bucket, impl in payload:
@@ -90,7 +126,7 @@ def reduce_worker(rank, world, payload):
         for g in groups_list:
             pg = dist.new_group(ranks=list(g))
             groups[tuple(g)] = pg if rank in g else None
-        ex = ReductionExecutor(red, groups, rank, bucket_bytes=bucket, impl=impl)
+        ex = ReductionExecutor(Reduction.read(At(red, "reduction")), groups, rank, bucket_bytes=bucket, impl=impl)
         base = torch.arange(n, dtype=torch.float32) % 97
 
         def contrib(d):

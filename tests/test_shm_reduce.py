@@ -95,6 +95,7 @@ def executor_worker(rank, world, payload):
     import torch
     import torch.distributed as dist
 
+    from planc.runtime.planfile import At, Reduction
     from planc.runtime.reduce import ReductionExecutor
     per = payload["per"]
     results = []
@@ -107,7 +108,7 @@ def executor_worker(rank, world, payload):
             for g in groups_list:
                 pg = dist.new_group(ranks=list(g))
                 groups[tuple(g)] = pg if rank in g else None
-            ex = ReductionExecutor(red, groups, rank, host_of=lambda d: d // per, shared_memory=rank not in off)
+            ex = ReductionExecutor(Reduction.read(At(red, "reduction")), groups, rank, host_of=lambda d: d // per, shared_memory=rank not in off)
             flat = _contrib(rank, n, torch.float32)
             grp = next(g for g in red["groups"] if rank in g)
             want = sum(_contrib(d, n, torch.float64) for d in grp).float()

@@ -20,6 +20,7 @@ from planc.reduction import check, semantics
 from planc.reduction.hierarchy import (Hierarchy, group_positions, hierarchy_from_matrix,
                                        matrix_positions)
 from planc.reduction.language import parse_program
+from planc.reduction.regions import program_regions
 from planc.reduction.lower import LoweringError, lower, lower_program, resolve
 from planc.reduction.synthesize import synthesize
 
@@ -73,13 +74,16 @@ class ReductionPlan:
         out = {"name": self.name}
         if self.stage is not None:
             out["stage"] = self.stage
+        unit, regions = program_regions(self.steps, self.groups)   # what the runtime executes
         out.update({
             "axes": list(self.axes),
             "bytes": self.nbytes,
             "groups": [list(g) for g in self.groups],
             "program": {
                 "text": self.text,
-                "steps": [{"collective": str(c), "groups": [list(g) for g in gs]} for c, gs in self.steps],
+                "unit": unit,
+                "steps": [{"collective": str(c), "groups": [list(g) for g in gs],
+                           "regions": [list(r) for r in rs]} for (c, gs), rs in zip(self.steps, regions)],
                 "predicted": self.predicted,
             },
             "allreduce_predicted": self.allreduce_predicted,

@@ -17,8 +17,13 @@ _SUMMING = ("allreduce", "reduce_scatter", "reduce")
 
 
 def check_program(steps: Sequence[tuple[str, Sequence[Sequence[int]]]],
-                  reduction_groups: Sequence[Sequence[int]]) -> str | None:
-    """None if the lowered ``steps`` reduce exactly over ``reduction_groups``; else why not."""
+                  reduction_groups: Sequence[Sequence[int]], unit: int | None = None,
+                  regions: Sequence[Sequence[tuple[int, int]]] | None = None) -> str | None:
+    """None if the lowered ``steps`` reduce exactly over ``reduction_groups``; else why not.
+
+    With ``regions`` (plan.json's, in units of ``1/unit``), also that each step's group works on the
+    interval the semantics give it: what its members hold before a summing step, what they hold
+    after an all_gather, what the first member holds before a broadcast (one interval each)."""
     D = 1
     for collective, groups in steps:
         if str(collective) == "reduce_scatter" and groups:
@@ -47,6 +52,12 @@ def check_program(steps: Sequence[tuple[str, Sequence[Sequence[int]]]],
             why = _one(name, [held[d] for d in g])
             if isinstance(why, str):
                 return f"{where} on {list(g)}: {why}"
+            if regions is not None:
+                gi = list(groups).index(g)
+                bad = _region_mismatch(why[0] if name == "all_gather" else held[g[0]], D, unit,
+                                       regions[n - 1][gi] if len(regions) >= n and len(regions[n - 1]) > gi else None)
+                if bad:
+                    return f"{where} on {list(g)}: {bad}"
             for d, s in zip(g, why):
                 held[d] = s
     for g in reduction_groups:
@@ -56,6 +67,18 @@ def check_program(steps: Sequence[tuple[str, Sequence[Sequence[int]]]],
         for d in g:
             if held[d] != [(0, D, mask)]:
                 return f"device {d} does not end with the full sum over its group"
+    return None
+
+
+def _region_mismatch(pieces, D: int, unit: int | None, region) -> str | None:
+    """Why the plan's ``region`` (units of 1/unit) is not the one interval ``pieces`` cover (units 1/D)."""
+    if region is None or not unit:
+        return "the plan gives no region"
+    if len(pieces) != 1:
+        return f"works on {len(pieces)} intervals, not one"
+    a, b, _ = pieces[0]
+    if (a * unit, b * unit) != (region[0] * D, region[1] * D):
+        return f"the plan's region [{region[0]}, {region[1]}) of 1/{unit} is not [{a}, {b}) of 1/{D}"
     return None
 
 

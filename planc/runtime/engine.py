@@ -196,7 +196,7 @@ class PlanEngine(PipelineEngine):
             self.reduce_description = "DeepSpeed's data-parallel all-reduce"
         else:
             self.reduce_description = f"planc program {red.text}, bucketed, overlapped with the last backward"
-            self.reduction = ReductionExecutor(red.to_json(), reduce_groups(groups), rank,
+            self.reduction = ReductionExecutor(red, reduce_groups(groups), rank,
                                                bucket_bytes=plan.runtime.reduce_bucket_bytes,
                                                host_of=plan.cluster.host_of,
                                                shared_memory=plan.runtime.in_host is InHost.SHARED_MEMORY)

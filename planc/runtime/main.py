@@ -142,7 +142,7 @@ def comm_only(plan: Plan, groups: dict, rank: int, steps: int) -> None:
     rt = plan.runtime
     transfers = [(t, TransferExecutor(t, Direction.FORWARD, rank, groups, tags, index=i, signal=rt.signal_transfers))
                  for i, t in enumerate(plan.transfers)]
-    reductions = [(r, ReductionExecutor(r.to_json(), groups, rank, bucket_bytes=rt.reduce_bucket_bytes,
+    reductions = [(r, ReductionExecutor(r, groups, rank, bucket_bytes=rt.reduce_bucket_bytes,
                                         host_of=plan.cluster.host_of,
                                         shared_memory=rt.in_host is InHost.SHARED_MEMORY), r.group_of(rank))
                   for r in plan.reductions if r.group_of(rank) is not None]

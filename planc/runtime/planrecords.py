@@ -207,11 +207,34 @@ class Stage:
 
 @dataclass(frozen=True, slots=True)
 class Step:
+    """One lowered step: a collective on disjoint groups, each on one interval ``[a, b)`` of the buffer
+    in units of ``1 / Reduction.unit`` (computed by the compiler, planc.reduction.regions): what the
+    members hold before it (allreduce, reduce_scatter, reduce), after it (all_gather), or what the
+    first member holds (broadcast). ``slices(r)`` is member ``r``'s part before and after."""
     collective: Collective
     groups: tuple[Group, ...]
+    regions: tuple[Range, ...]
 
     def to_json(self) -> dict:
-        return {"collective": str(self.collective), "groups": lists(self.groups)}
+        return {"collective": str(self.collective), "groups": lists(self.groups),
+                "regions": [list(r) for r in self.regions]}
+
+    def slices(self, j: int, r: int) -> tuple[Range | None, Range | None]:
+        """Member ``r`` of group ``j``: (its interval before the step, after it), in units; None: nothing."""
+        a, b = self.regions[j]
+        k = len(self.groups[j])
+        w = (b - a) // k
+        piece = (a + r * w, a + (r + 1) * w)
+        c = self.collective
+        if c is Collective.ALLREDUCE:
+            return (a, b), (a, b)
+        if c is Collective.REDUCE_SCATTER:
+            return (a, b), piece
+        if c is Collective.REDUCE:
+            return (a, b), ((a, b) if r == 0 else None)
+        if c is Collective.ALL_GATHER:
+            return piece, (a, b)
+        return ((a, b) if r == 0 else None), (a, b)   # broadcast
 
 
 @dataclass(frozen=True, slots=True)
@@ -224,6 +247,7 @@ class Reduction:
     steps: tuple[Step, ...]
     predicted: float
     mode: ReductionMode
+    unit: int = 1       # every step's regions are in units of 1/unit of the buffer
     stage: int | None = None
     extra: tuple = ()
 
@@ -232,15 +256,29 @@ class Reduction:
     @staticmethod
     def read(at: At) -> "Reduction":
         prog = at.key("program")
+        unit = prog.key("unit").int(1)
         steps = []
         for s in prog.key("steps").items():
             gs = s.key("groups").groups()
             if not gs:
                 s.key("groups").fail("a step with no group is invalid")
-            steps.append(Step(s.key("collective").enum(Collective), gs))
+            coll = s.key("collective").enum(Collective)
+            regions = s.key("regions").items()
+            if len(regions) != len(gs):
+                s.key("regions").fail(f"{len(regions)} regions for {len(gs)} groups")
+            rs = []
+            for g, r in zip(gs, regions):
+                pair = r.ints()
+                if len(pair) != 2 or not 0 <= pair[0] < pair[1] <= unit:
+                    r.fail(f"expected a non-empty half-open range [a, b] inside [0, {unit}], got {r.value}")
+                a, b = pair
+                if coll in (Collective.REDUCE_SCATTER, Collective.ALL_GATHER) and (b - a) % len(g):
+                    r.fail(f"{coll}: [{a}, {b}) does not split into {len(g)} whole pieces of 1/{unit}")
+                rs.append((a, b))
+            steps.append(Step(coll, gs, tuple(rs)))
         return Reduction(at.key("name").str(), tuple(x.str() for x in at.key("axes").items()),
                          at.key("bytes").int(0), at.key("groups").groups(), prog.key("text").str(), tuple(steps),
-                         prog.key("predicted").num(), at.key("mode", "synthesize").enum(ReductionMode),
+                         prog.key("predicted").num(), at.key("mode", "synthesize").enum(ReductionMode), unit,
                          at.key("stage", None).opt_int(0), extra(at, Reduction.KEYS))
 
     def group_of(self, device: int) -> Group | None:
@@ -248,7 +286,7 @@ class Reduction:
 
     def to_json(self) -> dict:
         out = {"name": self.name, "axes": list(self.axes), "bytes": self.nbytes, "groups": lists(self.groups),
-               "program": {"text": self.text, "steps": [s.to_json() for s in self.steps],
+               "program": {"text": self.text, "unit": self.unit, "steps": [s.to_json() for s in self.steps],
                            "predicted": self.predicted}}
         if self.stage is not None:
             out["stage"] = self.stage
