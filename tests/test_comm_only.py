@@ -111,3 +111,24 @@ def test_a_killed_rank_is_named_with_the_transfer_it_was_in(tmp_path):
     # rank 0 was in the transfer or in one of the step's barriers: either way it says which, and with whom
     assert re.search(r"planc: rank 0: rank 0 failed in (transfer 'a'|the barrier that (starts|ends) the step|"
                      r"gathering every rank's check) at step \d+ with ranks \[1\]", text), text[-3000:]
+
+
+def test_the_reduction_check_sees_a_misplaced_piece():
+    """--comm-only sums each member's ``contribution``, which depends on the element's position (a
+    hash, not a period): the right sum differs from every shifted copy of itself and from the sum
+    with one member's piece taken from another offset or another member."""
+    import torch
+
+    from planc.runtime.main import contribution
+    n, group = 1000, [0, 3, 5, 6]
+    right = sum(contribution(n, d) for d in group)
+    assert all(not torch.equal(torch.roll(right, k), right) for k in range(1, n))
+    quarter = n // 4
+    for piece in range(4):
+        a, b = piece * quarter, (piece + 1) * quarter
+        moved = right.clone()
+        moved[a:b] = right[(a + quarter) % n:(b + quarter - 1) % n + 1] if b + quarter <= n else right[0:quarter]
+        assert not torch.equal(moved, right)
+        other = sum(contribution(n, d) for d in group[:-1]) + contribution(n, 7)   # a wrong member
+        assert not torch.equal(other[a:b], right[a:b])
+    assert right.dtype == torch.float32 and int(right.max()) <= 63 * len(group)

@@ -105,6 +105,17 @@ def pattern(shape, region, dtype) -> torch.Tensor:
     return (values % modulus).to(dtype)
 
 
+def contribution(n: int, device: int) -> torch.Tensor:
+    """Device ``device``'s input to a checked reduction: small integers (0..63, so sums stay exact in
+    f32 for groups of up to 2^18 members) that depend on the element's position through a hash, not
+    a period, so a piece reduced into the wrong offset (or from the wrong member) gives another sum."""
+    mask = 0xFFFFFFFF
+    h = (torch.arange(n, dtype=torch.int64) * 0x9E3779B1 + (device + 1) * 0x85EBCA6B) & mask
+    h = ((h ^ (h >> 15)) * 0x2C1B3C6D) & mask
+    h = h ^ (h >> 12)
+    return (h & 63).to(torch.float32)
+
+
 def _transfer_peers(transfer, rank: int) -> list[int]:
     """The ranks this rank exchanges data with in ``transfer`` (either direction), from the plan's tasks."""
     peers = set()
@@ -133,7 +144,8 @@ def comm_only(plan: Plan, groups: dict, rank: int, steps: int) -> None:
 
     Source ranks send a known pattern; each destination rank compares what it
     assembled with the pattern over its own region. Each reduction sums
-    ``rank + 1`` over its group. Any difference stops the run with the
+    every member's :func:`contribution`, which depends on the element's position, so a piece reduced
+    into the wrong place is found. Any difference stops the run with the
     transfer or reduction named; rank 0 prints the time per step: the
     communication alone, between two barriers (patterns are made before it,
     and checked after it).
@@ -152,10 +164,12 @@ def comm_only(plan: Plan, groups: dict, rank: int, steps: int) -> None:
     # who each operation waits for, named when it fails (worked out once, outside the timed region)
     others = [r for r in range(dist.get_world_size()) if r != rank]
     transfer_peers = [_transfer_peers(t, rank) for t, _ in transfers]
+    sizes = [max(1, r.nbytes // 4) for r, _, _ in reductions]
+    sums = [sum(contribution(n, d) for d in group) for (_, _, group), n in zip(reductions, sizes)]
     for step in range(steps):
         problems = []
         mb = step % plan_micro_batches(plan)
-        inputs = [torch.full((max(1, r.nbytes // 4),), float(rank + 1)) for r, _, _ in reductions]
+        inputs = [contribution(n, rank) for n in sizes]
         got, outs = {}, []
         with _naming(rank, step, "the barrier that starts the step", others):
             dist.barrier()
@@ -177,9 +191,11 @@ def comm_only(plan: Plan, groups: dict, rank: int, steps: int) -> None:
             if not torch.equal(g, want[i]):
                 t, ex = transfers[i]
                 problems.append(f"rank {rank}: transfer {t.name!r} delivered wrong data for region {ex.my_dst}")
-        for (r, ex, group), out in zip(reductions, outs):
-            if not torch.all(out == float(sum(g + 1 for g in group))):
-                problems.append(f"rank {rank}: reduction {r.name!r} over {list(group)} gave a wrong sum")
+        for (r, ex, group), out, total in zip(reductions, outs, sums):
+            if not torch.equal(out, total):
+                wrong = (out != total).nonzero().flatten()
+                problems.append(f"rank {rank}: reduction {r.name!r} over {list(group)} gave a wrong sum at "
+                                f"{wrong.numel()} of {total.numel()} elements (first: {int(wrong[0])})")
         gathered = [None] * dist.get_world_size()
         with _naming(rank, step, "gathering every rank's check", others):
             dist.all_gather_object(gathered, problems)
