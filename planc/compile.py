@@ -22,11 +22,11 @@ from pathlib import Path
 from planc import __version__, budget, ir
 from planc.lang import load
 from planc.lang.errors import Diagnostic, PlanError
-from planc.pipeline.choose import (choose_by_prediction, choose_schedule, compiled_input, predicted_record,
-                                   simulate_schedules)
+from planc.pipeline.choose import choose_by_prediction, choose_schedule, predicted_record, simulate_schedules
 from planc.pipeline.cut import apply_auto_stages
 from planc.pipeline.deadlock import check_rendezvous
 from planc.pipeline.schedules import build as build_pipeline
+from planc.pipeline.siminput import compiled_input
 from planc.placement import Placement, place
 from planc.infer import infer_transfers
 from planc.probe import (ModelProbe, check_against_model, check_model_reductions, probe_model,
@@ -35,6 +35,7 @@ from planc.reduction import plan_reductions, stage_reduction_groups
 from planc.resharding import groups_used, plan_routes
 from planc.resharding import device_region
 from planc.runtime import planfile
+from planc.span import Span
 from planc.verify import verify
 
 FORMAT = "planc/1"
@@ -359,8 +360,6 @@ def assemble(decisions, ctx: Context) -> planfile.Plan:
 def _plan_span(program: ir.Program):
     """Where a finding about the whole launched plan points: the schedule as written (its lists are what
     runs), else the first stage, else the file."""
-    from planc.span import Span
-
     if program.train is not None and program.train.schedule_span.line > 0:
         return program.train.schedule_span
     if program.stages and program.stages[0].span.line > 0:
