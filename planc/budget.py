@@ -25,7 +25,7 @@ import functools
 import inspect
 from dataclasses import dataclass, field
 
-from planc.lang.errors import Diagnostic, PlanError
+from planc.diagnostics import Diagnostic, PlanError
 from planc.span import Span
 
 __all__ = ["Bound", "BOUNDS", "Budget", "BudgetSyntaxError", "DEFAULT", "parse", "current", "using",

@@ -16,9 +16,11 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from importlib.metadata import version
 from pathlib import Path
 
 import jinja2
+import yaml
 
 from planc import ir, resources
 from planc.probe import code_file
@@ -46,7 +48,6 @@ def templates_dir() -> Path:
 
 def _version() -> str:
     try:
-        from importlib.metadata import version
         return version("planc")
     except Exception:  # noqa: BLE001 - running from a checkout
         return "0.1.0"
@@ -96,7 +97,6 @@ def ds_config(plan: dict, program: ir.Program) -> dict:
     elif train.precision is ir.Precision.BF16:
         cfg["bf16"] = {"enabled": True}
     if program.deepspeed_overrides:
-        import yaml
         path = Path(program.source_dir) / program.deepspeed_overrides
         try:
             extra = yaml.safe_load(path.read_text()) or {}

@@ -2,7 +2,10 @@
 
     load → probe (the model's real sizes, in a subprocess)
          → infer (dtype, shape, specs) → place → [check_trainable] → reductions
-         → transfers (forward, backward) → pipeline → assemble (planfile.Plan) → plan.json
+         → transfers (forward, backward) → pipeline → assemble (planfile.Plan) → launch check → plan.json
+
+The pipeline pass offers candidates (with the host NIC order the simulation kept, then without);
+the first whose assembled plan the launch check accepts (tags fit, no rendezvous hang) is written.
 
 Each pass is ``(input, ctx) -> record``; ``compile --verify`` checks every
 output with an independent checker before the next pass (``planc.verify``).
@@ -22,11 +25,11 @@ from pathlib import Path
 from planc import __version__, budget, ir
 from planc.lang import load
 from planc.lang.errors import Diagnostic, PlanError
-from planc.pipeline.choose import (choose_by_prediction, choose_schedule, compiled_input, predicted_record,
-                                   simulate_schedules)
+from planc.pipeline.choose import choose_by_prediction, choose_schedule, predicted_record, simulate_schedules
 from planc.pipeline.cut import apply_auto_stages
 from planc.pipeline.deadlock import check_rendezvous
-from planc.pipeline.schedules import build as build_pipeline
+from planc.pipeline.schedules import PipelinePlan, build as build_pipeline
+from planc.pipeline.siminput import compiled_input
 from planc.placement import Placement, place
 from planc.infer import infer_transfers
 from planc.probe import (ModelProbe, check_against_model, check_model_reductions, probe_model,
@@ -35,6 +38,8 @@ from planc.reduction import plan_reductions, stage_reduction_groups
 from planc.resharding import groups_used, plan_routes
 from planc.resharding import device_region
 from planc.runtime import planfile
+from planc.span import Span
+from planc.trainable import check_trainable, stage_data_degree
 from planc.verify import verify
 
 FORMAT = "planc/1"
@@ -59,50 +64,6 @@ class CompiledPlan:
         if p["transfers"]:
             parts.append(f"{len(p['transfers'])} transfer(s)")
         return "; ".join(parts)
-
-
-def check_trainable(program: ir.Program, stages: tuple[ir.StageLayout, ...]) -> tuple[Diagnostic, ...]:
-    """Why the training runtime cannot train this plan (empty: it can). Decided once, here.
-
-    The runtime repeats none of these policy checks; it only checks what needs
-    the real world (world size, ranks per host, digest, real output shapes).
-    Such a plan still compiles: its output runs with ``--comm-only``, and
-    ``planc compile`` reports these as errors (exit 2) after writing it.
-    """
-    errs = []
-    if program.train.precision is not ir.Precision.FP32:
-        errs.append(Diagnostic(f"training in {program.train.precision} is not yet supported by the planc runtime "
-                               "(fp32 only); use precision = fp32", program.model.span))
-    rows = program.train.micro_batch
-    for st in stages:
-        data = stage_data_degree(st)
-        if rows % data:
-            errs.append(Diagnostic(f"micro_batch = {rows} rows do not split evenly over stage {st.index}'s "
-                                   f"data = {data}; use a multiple of {data}", program.stage(st.index).span))
-    ordered = sorted(program.stages, key=lambda s: s.index)
-    for prev, s in zip(ordered, ordered[1:]):
-        if prev.layers is not None and s.layers is not None and prev.layers[1] != s.layers[0]:
-            errs.append(Diagnostic(f"stage {s.index} starts at layer {s.layers[0]} but stage {prev.index} ends at "
-                                   f"layer {prev.layers[1]}; training runs the stages' layers as one contiguous "
-                                   "model, in stage order", s.span))
-    for t in program.transfers:
-        if t.src_stage > t.dst_stage:
-            errs.append(Diagnostic(f"transfer '{t.name}' goes from stage {t.src_stage} back to stage {t.dst_stage}; "
-                                   "training needs activations to flow to later stages", t.span))
-    last = max(s.index for s in program.stages)
-    for s in ordered:
-        if s.index > 0 and not any(t.dst_stage == s.index for t in program.transfers):
-            errs.append(Diagnostic(f"stage {s.index} receives no activation from an earlier stage; declare "
-                                   f"'transfer NAME from stage {s.index - 1} to stage {s.index}'", s.span))
-        if s.index < last and not any(t.src_stage == s.index for t in program.transfers):
-            errs.append(Diagnostic(f"stage {s.index} sends no activation to a later stage; only the last stage "
-                                   "may end the model", s.span))
-    return tuple(errs)
-
-
-def stage_data_degree(st: ir.StageLayout) -> int:
-    """Size of the stage's mesh dimension named ``data`` (1 without one)."""
-    return st.axis_size(DATA_AXIS)
 
 
 # ---------------------------------------------------------------- the passes
@@ -159,37 +120,34 @@ def compile_program(program: ir.Program, probe: ModelProbe | None = None, verify
     routes = _run("transfers", transfers_pass, program, ctx)
     if progress is not None:
         progress(PASS_TEXT["simulate"])
-    written = program
-
-    def schedule_and_assemble(program, ctx, nic: bool):
-        runs = _simulated(program, ctx, reductions, routes, nic)   # every schedule's predicted iteration
-        if ctx.training and program.train.schedule is ir.PipeSchedule.AUTO:   # the best that fits the memory
-            if runs is not None:
-                schedule, why = choose_by_prediction(program, placement.stages, ctx.probe, runs[0])
-            else:
-                schedule, why = choose_schedule(program, placement.stages, ctx.probe)
-            program = dataclasses.replace(program, train=dataclasses.replace(program.train, schedule=schedule))
-            ctx = dataclasses.replace(ctx, program=program, choices=ctx.choices + (("schedule", why),))
-        pipeline = _run("pipeline", pipeline_pass, (program, runs), ctx)
-        return program, ctx, pipeline, _run("assemble", assemble, (reductions, routes, pipeline), ctx)
-
-    try:
-        program, ctx, pipeline, plan = schedule_and_assemble(program, ctx, nic=True)
-    except RendezvousHang as e:
-        if not e.nic_ordered:
-            raise
-        # the host NIC order is an optimisation the simulation kept; the rendezvous check (every rank's
-        # issue order, the receive threads' queues) finds it could hang: the lists run without it
-        why = ("none: the host NIC order the simulation kept could hang the lists under rendezvous "
-               f"semantics ({e.hangs[0]}); the plan runs without one")
-        ctx = dataclasses.replace(ctx, program=written, choices=choices + (("nic_order", why),))
-        program, ctx, pipeline, plan = schedule_and_assemble(written, ctx, nic=False)
+    program, ctx, plan = launchable(program, ctx, reductions, routes)
     return CompiledPlan(program, plan.to_json(), ctx.untrainable, plan)
 
 
+def launchable(program: ir.Program, ctx: Context, reductions, routes) -> tuple[ir.Program, Context, planfile.Plan]:
+    """pipeline → assemble → launch check over the schedule pass's candidates, best first: the first the
+    launch check accepts, with why any before it was turned down in ``choices``; a located error when it
+    accepts none."""
+    rejected = ()   # (what, why) of the candidates turned down
+    for cand in schedule_candidates(program, ctx, reductions, routes):
+        cctx = dataclasses.replace(ctx, program=cand.program, choices=ctx.choices + rejected + cand.choices)
+        plan = _run("assemble", assemble, (reductions, routes, cand.pipeline), cctx)
+        hangs = launch_check(plan, cctx)
+        if not hangs:
+            return cand.program, cctx, plan
+        if cand.pipeline is None or not cand.pipeline.nic_order:
+            break
+        # the host NIC order is an optimisation the simulation kept; the rendezvous check (every rank's
+        # issue order, the receive threads' queues) finds it could hang: the next candidate runs without it
+        rejected += (("nic_order", "none: the host NIC order the simulation kept could hang the lists under "
+                                   f"rendezvous semantics ({hangs[0]}); the plan runs without one"),)
+    raise RendezvousHang(Diagnostic("the plan could hang when launched:\n  " + "\n  ".join(map(str, hangs)),
+                                    _plan_span(cand.program)), hangs, bool(cand.pipeline and cand.pipeline.nic_order))
+
+
 class RendezvousHang(PlanError):
-    """``assemble``'s finding that the launched plan could hang; ``nic_ordered``: the plan had a host NIC
-    order (then the compiler tries again without one)."""
+    """The launch check's finding that the plan could hang with every candidate schedule; ``nic_ordered``:
+    the last candidate had a host NIC order."""
 
     def __init__(self, diagnostic: Diagnostic, hangs: list, nic_ordered: bool):
         super().__init__(diagnostic)
@@ -239,6 +197,37 @@ def transfers_pass(program: ir.Program, ctx: Context):
     return plan_routes(program, ctx.placement.stages, backward=ctx.training)
 
 
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    """A schedule the launch check may accept: the program with its schedule decided, the ``(what, why)``
+    choices that decided it, and its lists (None: not a training plan)."""
+
+    program: ir.Program
+    choices: tuple
+    pipeline: PipelinePlan | None
+
+
+def schedule_candidates(program: ir.Program, ctx: Context, reductions, routes):
+    """The pipeline pass's candidates, best first, each simulated only when asked for: the schedule the
+    simulation predicts fastest with the host NIC order it kept, then, when it kept one, the schedule
+    chosen again by the simulation without any order (``schedule = auto`` is decided anew)."""
+    for nic in (True, False):
+        runs = _simulated(program, ctx, reductions, routes, nic)   # every schedule's predicted iteration
+        chosen, choices = program, ()
+        if ctx.training and program.train.schedule is ir.PipeSchedule.AUTO:   # the best that fits the memory
+            if runs is not None:
+                schedule, why = choose_by_prediction(program, ctx.placement.stages, ctx.probe, runs[0])
+            else:
+                schedule, why = choose_schedule(program, ctx.placement.stages, ctx.probe)
+            chosen = dataclasses.replace(program, train=dataclasses.replace(program.train, schedule=schedule))
+            choices = (("schedule", why),)
+        cctx = dataclasses.replace(ctx, program=chosen, choices=ctx.choices + choices)
+        pipeline = _run("pipeline", pipeline_pass, (chosen, runs), cctx)
+        yield Candidate(chosen, choices, pipeline)
+        if pipeline is None or not pipeline.nic_order:
+            return
+
+
 def _simulated(program: ir.Program, ctx: Context, reductions, routes, nic: bool = True):
     """``(runs, sim, flops)``: each schedule's lists and predicted iteration (planc.pipeline.simulate), or
     None when there is nothing to predict (no training, no probe, or a plan the runtime cannot train)."""
@@ -266,7 +255,8 @@ def pipeline_pass(value, ctx: Context):
 
 
 def assemble(decisions, ctx: Context) -> planfile.Plan:
-    """Every decision as the typed plan file (``planc_runtime.planfile``), validated on construction."""
+    """Every decision as the typed plan file (``planc_runtime.planfile``), validated on construction; it
+    checks nothing else (the launch check does, ``launch_check``)."""
     reductions, (transfers, backward), pipeline = decisions
     program, probe, placement, untrainable = ctx.program, ctx.probe, ctx.placement, ctx.untrainable
     training = ctx.training
@@ -340,29 +330,30 @@ def assemble(decisions, ctx: Context) -> planfile.Plan:
         plan["train"]["not_trainable_because"] = [d.message for d in untrainable]
     plan["runtime"] = program.train.runtime.to_json()
     try:
-        out = planfile.Plan.from_json(plan)
+        return planfile.Plan.from_json(plan)
     except planfile.PlanFileError as e:   # a compiler bug, never the user's: say so
         raise AssertionError(f"the compiler assembled an invalid plan file: {e}") from None
-    tags = out.tag_layout()
+
+
+def launch_check(plan: planfile.Plan, ctx: Context) -> list:
+    """What would stop the assembled plan once launched: its message tags must fit in the point-to-point
+    tag bits (else a located error), and the hangs of every rank's issue order simulated under rendezvous
+    semantics (``planc.pipeline.deadlock``; empty: it cannot hang)."""
+    program, training = ctx.program, ctx.training
+    tags = plan.tag_layout()
     if tags.total > planfile.TagLayout.MAX_BITS:
         raise PlanError(Diagnostic(
             f"the plan needs {tags.total}-bit message tags ({len(program.transfers)} transfers, "
             f"{program.train.micro_batches if training else 1} micro-batches, up to {2 ** tags.task_bits} unit tasks "
             f"per transfer) but point-to-point tags have {planfile.TagLayout.MAX_BITS} bits; use fewer micro-batches "
             "or coarser shardings", program.transfers[0].span if program.transfers else _plan_span(program)))
-    hangs = (check_rendezvous(out, ahead=out.runtime.recv_ahead)
-             + check_rendezvous(out, ahead=out.runtime.recv_ahead, backend="gloo"))
-    if hangs:   # every rank's issue order simulated under rendezvous semantics (planc.pipeline.deadlock)
-        raise RendezvousHang(Diagnostic("the plan could hang when launched:\n  " + "\n  ".join(map(str, hangs)),
-                                        _plan_span(program)), hangs, bool(pipeline is not None and pipeline.nic_order))
-    return out
+    ahead = plan.runtime.recv_ahead   # the depth the runtime runs with (plan.json runtime)
+    return check_rendezvous(plan, ahead=ahead) + check_rendezvous(plan, ahead=ahead, backend="gloo")
 
 
 def _plan_span(program: ir.Program):
     """Where a finding about the whole launched plan points: the schedule as written (its lists are what
     runs), else the first stage, else the file."""
-    from planc.span import Span
-
     if program.train is not None and program.train.schedule_span.line > 0:
         return program.train.schedule_span
     if program.stages and program.stages[0].span.line > 0:

@@ -27,7 +27,7 @@ def check_drawable(path) -> None:
     if not folder.is_dir():
         raise DrawError(f"{path}: folder {folder} does not exist")
     try:
-        import matplotlib  # noqa: F401
+        import matplotlib  # noqa: F401  (optional: planc[plot])
     except ImportError:
         raise DrawError("matplotlib is not installed; install it with: pip install 'planc[plot]'") from None
 
@@ -44,7 +44,7 @@ def _mesh_positions(mesh, prefix=()) -> dict[int, tuple[int, ...]]:
 def draw(plan: dict, path) -> int:
     """Write the drawing of ``plan`` (a plan.json dict) to ``path``; returns the number of devices drawn."""
     check_drawable(path)
-    import matplotlib
+    import matplotlib   # optional (planc[plot]) and slow to import: only when drawing
     matplotlib.use("Agg")
     from matplotlib import pyplot as plt
     from matplotlib.patches import Patch, Rectangle

@@ -15,6 +15,7 @@ from __future__ import annotations
 import re
 
 from planc import ui
+from planc.pipeline.simulate import NIC_ORDER_GAIN
 from planc.ui import Col
 
 
@@ -165,7 +166,6 @@ def _nic_line(nic: dict) -> str:
         return (f"host NIC order: kept; each host's cross-host sends one at a time in the plan's order ({per} per "
                 f"step), predicted {_t(nic['ordered'])} against {_t(nic['unordered'])} as they come "
                 "(docs/simulator.md)")
-    from planc.pipeline.simulate import NIC_ORDER_GAIN
     return (f"host NIC order: none; one at a time was not predicted at least {NIC_ORDER_GAIN * 100:g} % faster than "
             f"the sends as they come ({_t(nic['unordered'])})")
 

@@ -224,7 +224,7 @@ def explain_as_data(plan: dict, target: str) -> dict:
 
 
 def explain_as_renderables(data: dict, tty: bool = False) -> list:
-    from planc import ui
+    from planc import ui   # rich: only to render; the data above needs nothing beyond the stdlib
     from planc.ui import Col
 
     target = data["as"]

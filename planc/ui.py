@@ -147,6 +147,7 @@ def progress(items: Iterable[T], label: str, *, total: int | None = None, stream
         except TypeError:
             total = None
     if is_tty(stream) and _live_free(stream):
+        # rich's live display: imported only when a bar is shown on a terminal (a hot CLI path otherwise)
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
         with _live(stream), Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                                      TimeElapsedColumn(), TextColumn("{task.fields[item]}"), console=console(stream),
@@ -218,6 +219,7 @@ def bar(label: str, total: float | None, *, stream=None, transient: bool = False
     if not (is_tty(stream) and _live_free(stream)):
         yield Bar()
         return
+    # rich's live display: imported only when a bar is shown on a terminal
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
     with _live(stream), Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                                  TimeElapsedColumn(), TextColumn("{task.fields[item]}"), console=console(stream),

@@ -179,7 +179,9 @@ def test_reduction_collectives_met_in_different_orders_hang_under_both():
     def program(stage, groups, steps):
         r = copy.deepcopy(red)
         r["stage"], r["groups"] = stage, groups
-        r["program"]["steps"] = [{"collective": "allreduce", "groups": g} for g in steps]
+        r["program"]["unit"] = 1
+        r["program"]["steps"] = [{"collective": "allreduce", "groups": g, "regions": [[0, 1]] * len(g)}
+                                 for g in steps]
         return r
 
     cross = [[0, 2], [1, 3]]
@@ -325,7 +327,8 @@ def test_comm_only_reduction_a_rank_never_runs():
     d = doc(bundled("p2-running-example.plan"))
     grads = next(r for r in d["reductions"] if r["name"] == "grads")
     grads["groups"] = [[0, 1, 2, 3]]
-    grads["program"]["steps"] = [{"collective": "allreduce", "groups": [[0, 1, 2, 3, 4]]}]
+    grads["program"]["unit"] = 1
+    grads["program"]["steps"] = [{"collective": "allreduce", "groups": [[0, 1, 2, 3, 4]], "regions": [[0, 1]]}]
     d["groups"].append([0, 1, 2, 3, 4])
     hangs = check_rendezvous(plan_of(d), backend="gloo")
     assert hangs and all(h.mode == "comm_only" for h in hangs)

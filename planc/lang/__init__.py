@@ -7,13 +7,14 @@ names; the parser and the checker get all of it as data.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
+from planc import budget as budgets
 from planc import ir
-from planc.lang import ast
+from planc.lang.check import check
 from planc.lang.errors import Diagnostic, PlanError
-from planc.lang.yamlfile import YamlProblem, read_yaml
+from planc.lang.inputs import read_inputs
+from planc.lang.parse import parse_collecting
 from planc.span import Span
 
 __all__ = ["load", "load_text", "read_inputs"]
@@ -22,10 +23,6 @@ __all__ = ["load", "load_text", "read_inputs"]
 def load_text(text: str, path: str = "<plan>", budget=None) -> ir.Program:
     """Parse and check .plan text; ``path`` names it in diagnostics and locates relative files.
     ``budget``: the resource bounds to check against (``planc.budget``; None: the one in force)."""
-    from planc import budget as budgets
-    from planc.lang.check import check
-    from planc.lang.parse import parse_collecting
-
     with budgets.using(budget):
         tree, found = parse_collecting(text, path)
         inputs = read_inputs(tree, path)
@@ -53,44 +50,3 @@ def load(path: str | Path, budget=None) -> ir.Program:
         raise PlanError([Diagnostic(f"plan file is not UTF-8 text (byte {e.start})", Span(line, col, line, col + 1, p))],
                         {p: shown}) from None
     return load_text(text, p, budget)
-
-
-def read_inputs(tree: ast.PlanFile, path: str):
-    """What the checker needs from outside the text (:class:`planc.lang.check.PlanInputs`): the plan's
-    folder (the working directory for text without a file), and the YAML files it names, if any: the
-    cluster file and the DeepSpeed overrides."""
-    from planc.lang.check import PlanInputs
-
-    source_dir = str(Path(path).resolve().parent) if path and not path.startswith("<") else os.getcwd()
-    block = next((s for s in tree.statements if isinstance(s, ast.ClusterBlock)), None)
-    ds = next((s for s in tree.statements if isinstance(s, ast.DeepspeedDecl)), None)
-    return PlanInputs(source_dir,
-                      _read_yaml_input(source_dir, path, block.file.value, "cluster file")
-                      if block is not None and block.file is not None else None,
-                      _read_yaml_input(source_dir, path, ds.path.value, "DeepSpeed overrides file")
-                      if ds is not None else None)
-
-
-def _read_yaml_input(source_dir: str, path: str, name: str, what: str):
-    """A YAML file the plan names (relative to its folder), read with each node's span, or the problem."""
-    from planc.lang.check import ClusterFile
-
-    file = Path(source_dir) / name
-    # the file as diagnostics name it: beside the plan, as the plan's own path is written
-    shown = str(Path(path).parent / name) if path and not path.startswith("<") else name
-    text = None
-    try:
-        text = file.read_text()
-        doc, marks = read_yaml(text, shown)
-        return ClusterFile(name, doc=doc, path=shown, text=text, marks=marks)
-    except FileNotFoundError:
-        return ClusterFile(name, problem=f"{what} '{name}' not found (looked in {file.parent})")
-    except UnicodeDecodeError as e:
-        return ClusterFile(name, problem=f"{what} '{name}' is not UTF-8 text (byte {e.start})")
-    except YamlProblem as e:
-        return ClusterFile(name, problem=f"cannot read {what} '{name}': {e}", path=shown, text=text,
-                           problem_span=e.span)
-    except OSError as e:
-        return ClusterFile(name, problem=f"cannot read {what} '{name}': {e.strerror or e}")
-    except ValueError as e:   # a name the file system cannot take (a NUL byte)
-        return ClusterFile(name, problem=f"cannot read {what} {name!r}: {e}")

@@ -39,15 +39,14 @@ default) when a limit is given.
 
 from __future__ import annotations
 
-import math
-
 from planc import ir
 from planc.lang.errors import Diagnostic, PlanError
-from planc.pipeline.schedules import peak_in_flight
+from planc.pipeline.memory import PRECISION_BYTES, stage_memory  # noqa: F401  (PRECISION_BYTES: named here too)
+from planc.pipeline.schedules import build, peak_in_flight
+from planc.pipeline.simulate import predict
 
 __all__ = ["choose_schedule", "stage_memory", "OVERLAP", "FALLBACK"]
 
-PRECISION_BYTES = {ir.Precision.FP32: 4, ir.Precision.FP16: 2, ir.Precision.BF16: 2}
 OVERLAP = ir.PipeSchedule.EAGER_1F1B    # preferred: overlaps cross-mesh communication
 FALLBACK = ir.PipeSchedule.ONE_F_ONE_B  # the fewest micro-batches in flight
 
@@ -57,57 +56,6 @@ def _bytes_text(n: float) -> str:
         if n >= scale:
             return f"{n / scale:.3g} {unit}"
     return f"{n:.3g} B"
-
-
-def _degree(program: ir.Program, st, axis: str) -> int:
-    if hasattr(st, "axis_size"):          # a placed ir.StageLayout
-        return st.axis_size(axis)
-    return ir.axis_size(program.stage_mesh(st.index), axis)
-
-
-def _optimizer_states(opt: ir.Optimizer) -> int:
-    if opt.name == "adam":
-        return 2
-    return 1 if dict(opt.params).get("momentum", 0.0) else 0
-
-
-def _layer_bytes(probe, i: int) -> int:
-    if i < len(probe.layer_output_bytes) and probe.layer_output_bytes[i] is not None:
-        return probe.layer_output_bytes[i]
-    shape = probe.layer_shapes[i] if i < len(probe.layer_shapes) else None
-    dtype = probe.layer_dtypes[i] if i < len(probe.layer_dtypes) else None
-    if shape is None or dtype not in ir.DTYPE_BYTES:
-        return 0
-    return math.prod(shape) * ir.DTYPE_BYTES[dtype]
-
-
-def _transfer_bytes(t: ir.Transfer, probe) -> int:
-    if t.shape is not None and t.dtype is not None:
-        return t.nbytes
-    m = probe.measured(t.name)
-    if m is None or m.shape is None or m.dtype not in ir.DTYPE_BYTES:
-        return 0
-    return math.prod(m.shape) * ir.DTYPE_BYTES[m.dtype]
-
-
-def stage_memory(program: ir.Program, stages, probe) -> list[tuple[int, float, float]]:
-    """Per stage (index order): ``(index, static bytes, activation bytes per micro-batch)`` of one device
-    (see the module docstring)."""
-    ordered = sorted(stages, key=lambda s: s.index)
-    n = len(probe.layer_params)
-    per_param = PRECISION_BYTES[program.train.precision] * (2 + _optimizer_states(program.train.optimizer))
-    out = []
-    for st in ordered:
-        a, b = st.layers if st.layers is not None else (0, n)
-        tensor = _degree(program, st, ir.MeshAxis.TENSOR)
-        try:
-            params = sum(probe.params_per_device(tensor)[a:b])
-        except KeyError:   # not probed at this degree: the unsplit count, an upper bound
-            params = sum(probe.layer_params[a:b])
-        act = sum(_layer_bytes(probe, i) for i in range(a, min(b, n)))
-        act += sum(_transfer_bytes(t, probe) for t in program.transfers if t.dst_stage == st.index)
-        out.append((st.index, float(params * per_param), act / _degree(program, st, ir.MeshAxis.DATA)))
-    return out
 
 
 def _peaks(schedule: ir.PipeSchedule, memory, num_stages: int, micro_batches: int):
@@ -164,26 +112,6 @@ def choose_schedule(program: ir.Program, stages, probe) -> tuple[ir.PipeSchedule
 CANDIDATES = (ir.PipeSchedule.EAGER_1F1B, ir.PipeSchedule.ONE_F_ONE_B, ir.PipeSchedule.GPIPE)   # tie order
 
 
-def compiled_input(program: ir.Program, stages, probe, reductions, routes):
-    """The iteration simulator's input from the compiler's records (``reductions``: the reductions
-    pass's plans; ``routes``: the transfers pass's ``(forward, backward)`` plans), and the FLOP/s used;
-    ``(None, None)`` without a probe (no compute model)."""
-    from planc.pipeline.simulate import sim_input, stage_compute
-
-    if probe is None:
-        return None, None
-    compute, rate = stage_compute(program, stages, probe)
-    forward, backward = routes
-    transfers = []
-    for i, (t, fwd) in enumerate(zip(program.transfers, forward)):
-        transfers.append(dict(fwd.to_json(), name=t.name, dtype=t.dtype, src={"stage": t.src_stage},
-                              dst={"stage": t.dst_stage}, backward=backward[i].to_json() if backward else None))
-    modes = {r.name: str(r.mode) for r in program.reductions}
-    reds = [dict(r.to_json(), mode=modes.get(r.name)) for r in reductions]
-    st = [{"index": s.index, "devices": sorted(s.devices)} for s in stages]
-    return sim_input(program.cluster, st, transfers, reds, compute), rate
-
-
 MAX_EVENTS = 60_000   # simulated operations per schedule above which the compiler predicts nothing
 
 
@@ -198,9 +126,6 @@ def simulate_schedules(sim, num_stages: int, micro_batches: int, edges=None, nic
     """Per concrete schedule: ``(PipelinePlan, Prediction)`` of its lists on ``sim``; None when the
     simulation would be larger than :data:`MAX_EVENTS` (it would slow the compiler by seconds).
     ``nic`` False: no host NIC order is tried (the compiler's retry when one could hang the lists)."""
-    from planc.pipeline.schedules import build
-    from planc.pipeline.simulate import predict
-
     if sim_size(sim, micro_batches) > MAX_EVENTS:
         return None
     out = {}

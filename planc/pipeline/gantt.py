@@ -64,7 +64,7 @@ def table(rows: list[tuple[str, object]], chosen: str | None = None):
     """The schedules side by side: a rich table (``planc.ui``), or plain text without it."""
     body = table_rows(rows, chosen)
     try:
-        from planc import ui
+        from planc import ui   # rich: only when a table is shown, and optional (plain text without)
     except ImportError:
         ui = None
     if ui is not None:
@@ -86,7 +86,7 @@ def _bytes(n: float) -> str:
 def draw(pred, sim: SimInput, path, title: str = "") -> dict:
     """Write the chart of ``pred`` (a :func:`planc.pipeline.simulate.predict` run with ``timeline=True``)
     to ``path`` (.png or .svg); returns the number of bars drawn per kind."""
-    import matplotlib
+    import matplotlib   # optional (planc[plot]) and slow to import: only when drawing
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

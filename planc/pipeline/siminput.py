@@ -2,7 +2,8 @@
 
 :func:`stage_compute` turns the model probe's per-layer FLOPs and bytes into seconds per micro-batch
 for one device of each stage; :func:`sim_input` reads plan.json's ``stages``, ``transfers`` and
-``reductions`` records into a :class:`SimInput`, what :func:`planc.pipeline.simulate.predict` runs.
+``reductions`` records into a :class:`SimInput`, what :func:`planc.pipeline.simulate.predict` runs;
+:func:`compiled_input` builds the same from the compiler's records (before plan.json exists).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from dataclasses import dataclass
 from planc import ir
 from planc.cost.collectives import collective_time
 from planc.cost.network import Network
+from planc.pipeline.memory import PRECISION_BYTES, degree, stage_memory
 
 DEFAULT_FLOPS = 100e12   # FLOP/s of one device when the cluster gives no `flops` (docs/simulator.md)
 RECV_AHEAD = 4           # operations the receive thread posts ahead (planc.runtime.comm.DEFAULT_AHEAD)
@@ -51,8 +53,6 @@ def stage_compute(program: ir.Program, stages, probe) -> tuple[tuple[StageComput
     ring all-reduce times over its tensor groups (``planc.cost.collectives``), spread over its layers
     in proportion to their compute.
     """
-    from planc.pipeline.choose import PRECISION_BYTES, _degree, stage_memory
-
     rate = float(program.cluster.flops or DEFAULT_FLOPS)
     net = Network(program.cluster)
     traffic = {t.stage: (t.forward, t.backward) for t in getattr(probe, "tensor_traffic", ())
@@ -62,8 +62,8 @@ def stage_compute(program: ir.Program, stages, probe) -> tuple[tuple[StageComput
     out = []
     for st in sorted(stages, key=lambda s: s.index):
         a, b = st.layers if st.layers is not None else (0, n)
-        tensor = _degree(program, st, ir.MeshAxis.TENSOR)
-        share = _degree(program, st, ir.MeshAxis.DATA) * (tensor if probe.tensor_parallel else 1)
+        tensor = degree(program, st, ir.MeshAxis.TENSOR)
+        share = degree(program, st, ir.MeshAxis.DATA) * (tensor if probe.tensor_parallel else 1)
         try:
             params = probe.params_per_device(tensor)
         except KeyError:
@@ -200,3 +200,21 @@ def sim_input(cluster: ir.Cluster, stages: list[dict], transfers: list[dict], re
                 reds.append(SimReduction(k, steps, overlapped))
     return SimInput(cluster, devices, tuple(compute), tuple(trs), tuple(reds),
                     op_overhead=float(cluster.op_overhead or 0.0), step_overhead=float(cluster.step_overhead or 0.0))
+
+
+def compiled_input(program: ir.Program, stages, probe, reductions, routes):
+    """The iteration simulator's input from the compiler's records (``reductions``: the reductions
+    pass's plans; ``routes``: the transfers pass's ``(forward, backward)`` plans), and the FLOP/s used;
+    ``(None, None)`` without a probe (no compute model)."""
+    if probe is None:
+        return None, None
+    compute, rate = stage_compute(program, stages, probe)
+    forward, backward = routes
+    transfers = []
+    for i, (t, fwd) in enumerate(zip(program.transfers, forward)):
+        transfers.append(dict(fwd.to_json(), name=t.name, dtype=t.dtype, src={"stage": t.src_stage},
+                              dst={"stage": t.dst_stage}, backward=backward[i].to_json() if backward else None))
+    modes = {r.name: str(r.mode) for r in program.reductions}
+    reds = [dict(r.to_json(), mode=modes.get(r.name)) for r in reductions]
+    st = [{"index": s.index, "devices": sorted(s.devices)} for s in stages]
+    return sim_input(program.cluster, st, transfers, reds, compute), rate

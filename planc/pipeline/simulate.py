@@ -1,15 +1,7 @@
-"""The iteration simulator, and the event simulation of per-stage instruction lists.
+"""The iteration simulator.
 
-Two simulations live here.
-
-:func:`simulate` is the abstract one the schedules use for their deadlock
-check (``planc.pipeline.schedules.build``): each stage runs its list in order;
-sends are buffered (a stage never waits for its receiver); receives block.
-``F(s, m)`` needs ``F(src, m)`` for every transfer ``src -> s``;
-``B(s, m)`` needs ``B(dst, m)`` for every transfer ``s -> dst`` (the gradient
-of each output comes back over the same transfer). Skip transfers to
-non-adjacent stages are ordinary edges. Lists that can never finish raise
-:class:`DeadlockError` naming the blocked instructions.
+(The abstract simulation of the lists that the schedules use for their deadlock check,
+:func:`simulate`, lives with them in ``planc.pipeline.schedules``; it is named here too.)
 
 :func:`predict` is the iteration simulator (docs/simulator.md): every device
 of every stage runs its stage's list as the runtime engine does, with the
@@ -31,12 +23,13 @@ from planc.cost import events
 from planc.cost.collectives import held_after, ring_flows, step_coefficients
 from planc.cost.network import Network
 from planc.runtime.comm import post_gates
+from planc.pipeline.schedules import DeadlockError, Timeline, simulate
 from planc.pipeline.siminput import (
     BUCKET_BYTES, DEFAULT_FLOPS, RECV_AHEAD, SimInput, SimReduction, SimTask, SimTransfer, StageCompute,
     sim_input, stage_compute,
 )
 
-__all__ = [   # the simulator's input types live in planc.pipeline.siminput; they are named here too
+__all__ = [   # the input types (planc.pipeline.siminput) and the lists' check (schedules) are named here too
     "DeadlockError", "Timeline", "simulate", "Prediction", "StageFigures", "predict",
     "BUCKET_BYTES", "DEFAULT_FLOPS", "RECV_AHEAD", "SimInput", "SimReduction", "SimTask", "SimTransfer",
     "StageCompute", "sim_input", "stage_compute",
@@ -44,66 +37,6 @@ __all__ = [   # the simulator's input types live in planc.pipeline.siminput; the
 
 Op = tuple[str, int]
 NIC_ORDER_GAIN = 0.02   # the predicted gain below which the compiler keeps no host NIC order
-
-
-class DeadlockError(ValueError):
-    pass
-
-
-@dataclass(frozen=True, slots=True)
-class Timeline:
-    start: dict            # (stage, op) -> start time
-    finish: dict           # (stage, op) -> finish time
-    makespan: float
-    peak_in_flight: tuple[int, ...]   # per stage
-
-
-def simulate(per_stage, edges, forward: float = 1.0, backward: float = 2.0, comm: float = 0.0) -> Timeline:
-    """Run every stage's list; times are in units of ``forward``."""
-    n = len(per_stage)
-    inputs = {s: sorted({a for a, b in edges if b == s}) for s in range(n)}
-    outputs = {s: sorted({b for a, b in edges if a == s}) for s in range(n)}
-    for a, b in edges:
-        if not (0 <= a < n and 0 <= b < n) or a == b:
-            raise ValueError(f"bad transfer edge {a} -> {b} for {n} stages")
-    pos = [0] * n
-    clock = [0.0] * n
-    start: dict = {}
-    finish: dict = {}
-    total = sum(len(ops) for ops in per_stage)
-    while len(finish) < total:
-        progressed = False
-        for s in range(n):
-            while pos[s] < len(per_stage[s]):
-                kind, m = per_stage[s][pos[s]]
-                if kind == "F":
-                    deps = [(src, ("F", m)) for src in inputs[s]]
-                    cost = forward
-                else:
-                    deps = [(dst, ("B", m)) for dst in outputs[s]] + [(s, ("F", m))]
-                    cost = backward
-                if any(d not in finish for d in deps):
-                    break
-                ready = max([clock[s]] + [finish[d] + (comm if d[0] != s else 0.0) for d in deps])
-                start[(s, (kind, m))] = ready
-                finish[(s, (kind, m))] = clock[s] = ready + cost
-                pos[s] += 1
-                progressed = True
-        if not progressed:
-            blocked = ", ".join(f"stage {s}: {k}{m}" for s in range(n) if pos[s] < len(per_stage[s])
-                                for k, m in [per_stage[s][pos[s]]])
-            raise DeadlockError(f"pipeline lists deadlock; blocked at {blocked}")
-    peaks = []
-    for ops in per_stage:
-        live = peak = 0
-        for kind, _ in ops:
-            live += 1 if kind == "F" else -1
-            peak = max(peak, live)
-        peaks.append(peak)
-    return Timeline(start, finish, max(finish.values(), default=0.0), tuple(peaks))
-
-
-# ---------------------------------------------------------------- the compute model
 
 
 # ---------------------------------------------------------------- the iteration simulator

@@ -61,6 +61,8 @@ class ReductionPlan:
     def __post_init__(self) -> None:
         if len(self.alternatives) > MAX_ALTERNATIVES:
             raise ValueError("at most 10 alternatives")
+        if any(b[1] < a[1] for a, b in zip(self.alternatives, self.alternatives[1:])):
+            raise ValueError(f"reduction plan {self.name!r}: alternatives not in non-decreasing predicted time")
         why = check.check_program([(str(c), g) for c, g in self.steps], self.groups)
         if self.groups and why is not None:
             where = "" if self.stage is None else f" (stage {self.stage})"
@@ -384,10 +386,13 @@ def plan_reduction(cluster: ir.Cluster, reduction: ir.Reduction, groups: Sequenc
                                   groups[:1])
         if why is not None:
             raise AssertionError(f"alternative {ir.program_text(programs[i])} fails the checker: {why}")
-        alternatives.append((ir.program_text(programs[i]), coeffs[i][0] * nbytes + coeffs[i][1]))
+        alternatives.append((coeffs[i][0] * nbytes + coeffs[i][1], len(programs[i]), ir.program_text(programs[i])))
+    # the ranking's tie classes may order predictions that differ by float noise either way; plan.json
+    # lists the alternatives by their predicted time as written, exact ties shorter first, then by text
+    alternatives.sort()
     a, b = coeffs[order[0]]
     return ReductionPlan(program=chosen, steps=steps, predicted=a * nbytes + b, allreduce_predicted=flat_time,
-                         candidates=len(programs), alternatives=tuple(alternatives), **common)
+                         candidates=len(programs), alternatives=tuple((t, p) for p, _, t in alternatives), **common)
 
 
 # ---------------------------------------------------------------- all reductions of a program

@@ -17,7 +17,7 @@ from planc.ir import Cluster, SchedulerKind, StageLayout, Strategy, Transfer
 from planc.resharding.bounds import lower_bound
 from planc.resharding.schedulers import Job, Schedule
 from planc.resharding.strategies import build_jobs, choose_strategy, run_scheduler
-from planc.resharding.tiles import UnitTask, device_region, parts_per_dim, unit_tasks
+from planc.resharding.tiles import UnitTask, _dim_cells, device_region, parts_per_dim, unit_tasks
 
 __all__ = ["TaskPlan", "TransferPlan", "plan_transfers", "groups_used", "transfer_estimate",
            "unit_tasks", "UnitTask", "plan_routes", "parts_per_dim", "device_region"]
@@ -138,7 +138,6 @@ def plan_group(transfers: Sequence[Transfer], layouts: Sequence[tuple[StageLayou
 def _task_count(tr: Transfer, src: StageLayout, dst: StageLayout) -> tuple[int, int]:
     """How many unit tasks ``unit_tasks`` would build for ``tr`` (counted per dimension), and the
     devices they involve together (each task: its holders and its receivers)."""
-    from planc.resharding.tiles import _dim_cells
     sp, dp = parts_per_dim(src.shape, tr.src_spec), parts_per_dim(dst.shape, tr.dst_spec)
     n = math.prod(len(_dim_cells(d, a, b)) for d, a, b in zip(tr.shape, sp, dp))
     return n, n * (len(src.devices) // max(1, math.prod(sp)) + len(dst.devices) // max(1, math.prod(dp)))

@@ -207,10 +207,8 @@ class Stage:
 
 @dataclass(frozen=True, slots=True)
 class Step:
-    """One lowered step: a collective on disjoint groups, each on one interval ``[a, b)`` of the buffer
-    in units of ``1 / Reduction.unit`` (computed by the compiler, planc.reduction.regions): what the
-    members hold before it (allreduce, reduce_scatter, reduce), after it (all_gather), or what the
-    first member holds (broadcast). ``slices(r)`` is member ``r``'s part before and after."""
+    """A collective on disjoint groups, each on one interval of the buffer in units of 1/unit
+    (planc.reduction.regions); ``slices`` gives a member's part before and after it."""
     collective: Collective
     groups: tuple[Group, ...]
     regions: tuple[Range, ...]

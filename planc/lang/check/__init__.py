@@ -15,12 +15,11 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import re
-from dataclasses import dataclass
 from pathlib import Path
 
 from planc import ir
 from planc.lang import ast
-from planc.lang.check.cluster import MAX_DEVICES, ClusterFile, check_cluster
+from planc.lang.check.cluster import MAX_DEVICES, check_cluster
 from planc.lang.check.code import check_code
 from planc.lang.check.parallel import check_parallel
 from planc.lang.check.reductions import check_reductions
@@ -30,6 +29,7 @@ from planc.lang.check.stages import check_stages
 from planc.lang.check.transfers import check_transfers, spec_divide_error, spec_length_error
 from planc.lang.check.values import MAX_DIGITS, Diagnostics
 from planc.lang.errors import Diagnostic, PlanError
+from planc.lang.inputs import ClusterFile, PlanInputs, read_inputs
 from planc.span import Span
 
 __all__ = ["check", "PlanInputs", "ClusterFile", "spec_length_error", "spec_divide_error",
@@ -41,25 +41,11 @@ _SINGLE_BLOCKS = {ast.ClusterBlock: "cluster", ast.ParallelBlock: "parallel", as
 _REPEATED = (ast.StageDecl, ast.TransferDecl, ast.ReduceDecl)
 
 
-@dataclass(frozen=True, slots=True)
-class PlanInputs:
-    """What the checker needs from outside the plan text, gathered by the loader.
-
-    ``source_dir``: the folder that the plan's paths are relative to. ``cluster_file``: the
-    cluster file that ``cluster "FILE"`` names, as read (None when the plan names none).
-    """
-
-    source_dir: str
-    cluster_file: ClusterFile | None = None
-    deepspeed_file: ClusterFile | None = None   # the `deepspeed "FILE"` overrides, read the same way
-
-
 def check(tree: ast.PlanFile, path: str, text: str, inputs: PlanInputs | None = None,
           found: tuple[Diagnostic, ...] = ()) -> ir.Program:
     """Check a parsed plan. ``found``: diagnostics the parser already collected; ``inputs``
     defaults to what :func:`planc.lang.read_inputs` gathers for ``tree``."""
     if inputs is None:
-        from planc.lang import read_inputs
         inputs = read_inputs(tree, path)
     errs = Diagnostics(list(found))
     by_kind = _statements(errs, tree)

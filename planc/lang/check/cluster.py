@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
 
 from planc import budget, ir
 from planc.lang import ast
+from planc.lang.inputs import ClusterFile
 from planc.lang.check.values import MAX_DIGITS, Diagnostics, did_you_mean, int_of, quantity
 from planc.lang.units import BANDWIDTH, FLOPS, SIZE, TIME, parse_quantity
 from planc.span import Span
@@ -14,28 +14,6 @@ from planc.span import Span
 __all__ = ["ClusterFile", "MAX_DEVICES", "check_cluster"]
 
 MAX_DEVICES = budget.BOUNDS["devices"].default   # the default bound; --budget devices=N raises it
-
-
-@dataclass(frozen=True, slots=True)
-class ClusterFile:
-    """A cluster file named by ``cluster "FILE"``, as the loader read it: its YAML document, or
-    ``problem``, the message saying why it could not be read."""
-
-    name: str                  # as written in the plan
-    doc: object = None
-    problem: str | None = None
-    path: str | None = None    # the file as diagnostics name it (None: errors point at the plan's line)
-    text: str | None = None    # its text, to show the line of an error
-    marks: dict = field(default_factory=dict)   # span of each YAML node by path: ("levels", 0, "fanout")
-    problem_span: Span | None = None            # where in the file ``problem`` is, when YAML said
-
-    def at(self, *path, fallback: Span) -> Span:
-        """The span of the YAML node at ``path`` (or of its nearest enclosing node), else ``fallback``."""
-        for k in range(len(path), -1, -1):
-            span = self.marks.get(tuple(path[:k]))
-            if span is not None:
-                return span
-        return fallback
 
 
 def check_cluster(errs: Diagnostics, block: ast.ClusterBlock | None, file: ClusterFile | None) -> ir.Cluster | None:

@@ -1,0 +1,109 @@
+"""Can the compiled plan hang? Every rank's communication, simulated under rendezvous semantics.
+
+``check_rendezvous(plan, ahead=4, backend="nccl")`` replays one training step
+(and the ``--comm-only`` step) of every rank exactly in the order the runtime
+issues it, with the strict semantics of NCCL, and returns the hangs it finds
+(empty: the plan cannot hang). Pure and torch-free; docs/deadlock.md has the
+model and how each rule maps to the runtime's code.
+
+The model, per rank:
+
+- the **compute thread** (``engine.PlanEngine``) runs the stage's
+  ``pipeline.per_stage`` list: ``F m`` waits for every incoming transfer's
+  forward receive (``RecvAhead.take``), computes (a tensor-parallel all_reduce
+  when the rank has a tensor group), then issues every outgoing transfer's
+  forward sends (``TransferExecutor.send``, non-blocking); ``B m`` likewise
+  with the outgoing transfers' backward receives and the incoming transfers'
+  backward sends. Then it waits for all its sends (``SendReaper.drain``), runs
+  its gradient reduction program, and the world all_reduce of the loss.
+  Ranks in no stage only do the all_reduce;
+- the **receive thread** (``comm.RecvAhead``) runs, one after the other, the
+  receive jobs of the list (per op, the transfers it consumes, in declaration
+  order), job ``j`` only once the compute thread has begun the op
+  ``comm.post_gates`` names (``j - ahead``, or for ``B m`` this stage's ``F m``
+  when earlier; ``advance``), each job being ``TransferExecutor.recv``: per task of the
+  route in schedule order, the receive, broadcast or all_gather it posts and
+  the waits in the order the code has them;
+- the **NIC thread** (``nicorder.NicOrder``; gloo, when plan.json has a host
+  NIC order for the rank's host): the rank's listed sends in the host's
+  order, each once the compute thread handed it over (it signals instead of
+  issuing) and the host's previous listed send was sent; the compute thread
+  waits for those turns with its other sends;
+- ``--comm-only`` (``main.comm_only``): one thread; a barrier, then per
+  transfer the forward sends, the receives and a wait on the sends, then
+  every reduction the rank is in, then a barrier.
+
+Communicators: an operation completes when its partners are at the head of
+their own queue on the same communicator. NCCL: a single send/recv runs on
+the two-rank communicator of its peer pair (torch ``ProcessGroupNCCL``), so
+p2p is FIFO per (direction, pair) and tags are not looked at: the k-th send of
+a pair meets the k-th receive; a broadcast is a collective on the task's group
+(``("transfer", direction, *members)``). gloo: p2p matches by (pair, tag) in
+any order and a broadcast is the relay chain sender → receivers. Allgather
+parts, reduction steps, tensor groups and the world are collectives (FIFO per
+communicator) on both. Sends never block the thread that issues them.
+
+The state it stops in does not depend on the order in which the simulation
+runs threads: operations only ever enable others, and matching at queue heads
+is deterministic. A rank that uses one communicator from both of its threads
+(impossible for a compiled plan: transfers go from earlier to later stages)
+gets the simulation's interleaving.
+
+The package: ``build`` writes every rank's thread programs as the runtime issues them, ``events``
+runs them under these semantics until nothing moves, and ``report`` says where they stopped.
+"""
+from __future__ import annotations
+
+from planc.pipeline.deadlock.build import Builder
+from planc.pipeline.deadlock.events import Sim
+from planc.pipeline.deadlock.report import Hang, Wait, find_hangs
+from planc.runtime import planfile
+from planc.runtime.comm import DEFAULT_AHEAD
+
+__all__ = ["check_rendezvous", "Hang", "Wait", "BACKENDS", "MODES"]
+
+BACKENDS = ("nccl", "gloo")
+MODES = ("train", "comm_only")
+
+
+def check_rendezvous(plan: planfile.Plan, ahead: int = DEFAULT_AHEAD, backend: str = "nccl", mode: str = "auto",
+                     tensor_parallel: bool = True, limit: int = 8) -> list[Hang]:
+    """The hangs of ``plan`` under rendezvous semantics (empty: it cannot hang).
+
+    ``ahead``: how many operations the receive thread runs ahead (``PLANC_RECV_AHEAD``,
+    default ``comm.DEFAULT_AHEAD`` = 4, the runtime's). ``backend``: ``"nccl"`` (strict: p2p FIFO per
+    peer pair, broadcast as a collective) or ``"gloo"`` (p2p matched by tag, broadcast
+    as a relay chain). ``mode``: ``"train"`` (one training step; needs a pipeline),
+    ``"comm_only"`` (one ``--comm-only`` step) or ``"auto"``: ``comm_only``, and
+    ``train`` too when the plan trains. ``tensor_parallel``: model a tensor-parallel
+    all_reduce in every F and B of ranks with a tensor group. At most ``limit`` hangs
+    per mode are returned.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {list(BACKENDS)}, got {backend!r}")
+    if ahead < 0:
+        raise ValueError(f"ahead must be >= 0, got {ahead}")
+    if mode == "auto":
+        trains = plan.pipeline is not None and plan.train is not None and plan.train.trainable
+        modes = ("train", "comm_only") if trains else ("comm_only",)
+    elif mode in MODES:
+        if mode == "train" and plan.pipeline is None:
+            raise ValueError("mode 'train' needs a plan with a pipeline")
+        modes = (mode,)
+    else:
+        raise ValueError(f"mode must be 'auto' or one of {list(MODES)}, got {mode!r}")
+    out: list[Hang] = []
+    for m in modes:
+        b = Builder(plan, backend, ahead, tensor_parallel)
+        threads = []
+        for rank in range(plan.cluster.devices):
+            threads += b.train_threads(rank) if m == "train" else b.comm_only_threads(rank)
+        if b.invalid:
+            for rank, text in b.invalid[:limit]:
+                out.append(Hang("invalid", (rank,), (Wait(rank, "compute" if m == "train" else "main", m, text, (),
+                                                          "torch refuses it"),), backend, m))
+            continue
+        sim = Sim(threads)
+        sim.run()
+        out += find_hangs(threads, backend, m, limit, b.turns)
+    return out

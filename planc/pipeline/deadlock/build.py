@@ -1,0 +1,340 @@
+"""Every rank's thread programs for one mode and backend, as the runtime issues its communication
+(``engine``, ``comm.RecvAhead``, ``TransferExecutor``, ``ReductionExecutor``, ``nicorder.NicOrder``,
+``main.comm_only``); ``planc.pipeline.deadlock``'s docstring has the model."""
+
+from __future__ import annotations
+
+from planc.pipeline.deadlock.events import (COLL, ISSUE, RECV, SEND, SIGNAL, WAIT, Event, Group, Op, Pair, Tagged,
+                                            Thread, Turn)
+from planc.runtime import planfile
+from planc.runtime.comm import post_gates
+from planc.runtime.planfile import Direction, Strategy
+
+_ALLGATHER = (Strategy.LOCAL_ALLGATHER, Strategy.GLOBAL_ALLGATHER)
+
+
+class Builder:
+    """Every rank's thread programs for one mode and backend: lists of (code, event or op, where)."""
+
+    def __init__(self, plan: planfile.Plan, backend: str, ahead: int, tensor_parallel: bool):
+        self.plan, self.backend, self.ahead, self.tp = plan, backend, ahead, tensor_parallel
+        self.nccl = backend == "nccl"
+        self.comms: dict = {}
+        self.invalid: list[tuple[int, str]] = []
+        self._holding: dict = {}
+        self._keep: list = []
+        self._by_id: dict = {}
+        self.ordered = {}
+        # the host NIC order (plan.json pipeline.nic_order), as the runtime runs it: on gloo only
+        self.nic = {h: keys for h, keys in (plan.pipeline.nic_order if plan.pipeline is not None else ())} \
+            if backend == "gloo" else {}
+        self.turns: dict = {}
+        self.index_of = {t.name: i for i, t in enumerate(plan.transfers)}
+        for i, t in enumerate(plan.transfers):
+            for d in Direction:
+                route = t.forward if d is Direction.FORWARD else t.backward
+                if route is not None:
+                    self.ordered[(i, d)] = route.ordered_tasks()
+
+    # ---- communicators
+    def _p2p(self, d: Direction, a: int, b: int):
+        label = f"p2p/{d}"
+        if not self.nccl or a == b:
+            key = ("tag", str(d))
+            if key not in self.comms:
+                self.comms[key] = Tagged(label)
+            return self.comms[key]
+        lo, hi = min(a, b), max(a, b)
+        key = ("p2p", str(d), lo, hi)
+        c = self.comms.get(key)
+        if c is None:
+            c = self.comms[key] = Pair(label, lo, hi)
+        return c
+
+    def _group(self, key, members, label):
+        c = self.comms.get(key)
+        if c is None:
+            c = self.comms[key] = Group(label, tuple(members))
+        return c
+
+    def _transfer_group(self, d: Direction, members):
+        members = tuple(sorted(members))
+        return self._group(("transfer", str(d), members), members, f"transfer/{d}/{list(members)}")
+
+    def _plan_group(self, members):
+        # the same group object comes back once per member: look it up by identity first, so a
+        # group of N devices costs O(N) once, not sorting and hashing N members N times
+        hit = self._by_id.get(id(members))
+        if hit is not None and hit[0] is members:
+            return hit[1]
+        key = tuple(sorted(members))
+        c = self._group(("group", key), key, f"group {list(key)}")
+        self._by_id[id(members)] = (members, c)
+        return c
+
+    def _world(self):
+        c = self.comms.get(("world",))
+        if c is None:
+            n = self.plan.cluster.devices
+            c = self._group(("world",), tuple(range(n)), "world")
+        return c
+
+    # ---- operations
+    def send(self, rank, d, peer, key, what):
+        return Op(rank, self._p2p(d, rank, peer), SEND, key, peer, what)
+
+    def recv(self, rank, d, peer, key, what):
+        return Op(rank, self._p2p(d, peer, rank), RECV, key, peer, what)
+
+    def coll(self, rank, comm, key, what):
+        if rank not in comm.q:
+            self.invalid.append((rank, f"rank {rank} issues {Op(rank, comm, COLL, key, None, what).describe()}, "
+                                       "a group it is not a member of"))
+            return None
+        return Op(rank, comm, COLL, key, None, what)
+
+    # ---- one transfer direction, as TransferExecutor.send / .recv run it
+    def emit_send(self, prog, rank, ti, d, m, where) -> list:
+        """The sends ``TransferExecutor.send`` starts; returns them (the caller waits on them later)."""
+        t = self.plan.transfers[ti]
+        ordered = self.ordered.get((ti, d))
+        if ordered is None:
+            return []
+        strategy = t.route(d).strategy
+        out = []
+        for k, task in ordered:
+            if task.sender != rank:
+                continue
+            key = (ti, d, m, k)
+            if strategy is Strategy.BROADCAST:
+                if self.nccl:
+                    members = task.group or tuple(sorted({task.sender, *task.receivers}))
+                    op = self.coll(rank, self._transfer_group(d, members), ("bcast",) + key,
+                                   ("task", "broadcast", d, t.name, k, m))
+                    ops = [op] if op is not None else []
+                else:
+                    chain = _chain(task)
+                    ops = [self.send(rank, d, chain[1], key, ("task", "send", d, t.name, k, m))] if len(chain) > 1 else []
+            elif strategy is Strategy.SEND_RECV:
+                ops = [self.send(rank, d, r, key, ("task", "send", d, t.name, k, m)) for r in task.receivers]
+            else:
+                ops = [self.send(rank, d, r, key, ("task", "send", d, t.name, k, m)) for part in task.parts for r in part]
+            for op in ops:
+                prog.append((ISSUE, op, where))
+            out += ops
+        return out
+
+    def emit_recv(self, prog, rank, ti, d, m, where) -> None:
+        """``TransferExecutor.recv`` for one rank: posts, relays, gathers and waits, in the code's order."""
+        t = self.plan.transfers[ti]
+        ordered = self.ordered.get((ti, d))
+        if ordered is None:
+            return
+        strategy = t.route(d).strategy
+        mine = [(k, task) for k, task in ordered if rank in task.receivers]
+        name = t.name
+        if self.nccl:
+            pending = []
+            for k, task in mine:
+                key = (ti, d, m, k)
+                if strategy is Strategy.BROADCAST:
+                    members = task.group or tuple(sorted({task.sender, *task.receivers}))
+                    op = self.coll(rank, self._transfer_group(d, members), ("bcast",) + key,
+                                   ("task", "broadcast", d, name, k, m))
+                    if op is not None:
+                        prog.append((ISSUE, op, where))
+                        pending.append(op)
+                    continue
+                op = self.recv(rank, d, task.sender, key, ("task", "recv", d, name, k, m))
+                prog.append((ISSUE, op, where))
+                part = _part_of(task, rank) if strategy in _ALLGATHER else None
+                if part is not None and len(part) > 1:
+                    prog.append((WAIT, op, where))
+                    self._gather(prog, rank, d, part, key, name, k, m, where)
+                else:
+                    pending.append(op)
+            for op in pending:
+                prog.append((WAIT, op, where))
+            return
+        # gloo: every receive posted up front, then relays and gathers task by task
+        posted, relays = {}, []
+        for k, task in mine:
+            key = (ti, d, m, k)
+            src = task.sender
+            if strategy is Strategy.BROADCAST:
+                chain = _chain(task)
+                src = chain[chain.index(rank) - 1]
+            posted[k] = op = self.recv(rank, d, src, key, ("task", "recv", d, name, k, m))
+            prog.append((ISSUE, op, where))
+        for k, task in mine:
+            key = (ti, d, m, k)
+            if strategy is Strategy.BROADCAST:
+                chain = _chain(task)
+                pos = chain.index(rank)
+                if pos + 1 < len(chain):
+                    prog.append((WAIT, posted[k], where))
+                    op = self.send(rank, d, chain[pos + 1], key, ("task", "relay", d, name, k, m))
+                    prog.append((ISSUE, op, where))
+                    relays.append(op)
+            elif strategy in _ALLGATHER:
+                part = _part_of(task, rank)
+                if len(part) > 1:
+                    prog.append((WAIT, posted[k], where))
+                    self._gather(prog, rank, d, part, key, name, k, m, where)
+        for k, _ in mine:
+            prog.append((WAIT, posted[k], where))
+        for op in relays:
+            prog.append((WAIT, op, where))
+
+    def _gather(self, prog, rank, d, part, key, name, k, m, where):
+        op = self.coll(rank, self._transfer_group(d, part), ("allgather",) + key, ("task", "all_gather", d, name, k, m))
+        if op is not None:
+            prog.append((ISSUE, op, where))
+            prog.append((WAIT, op, where))
+
+    def emit_collective(self, prog, rank, comm, key, text, where) -> None:
+        """A synchronous collective: issued, then waited for."""
+        op = self.coll(rank, comm, key, ("text", text))
+        if op is not None:
+            prog.append((ISSUE, op, where))
+            prog.append((WAIT, op, where))
+
+    def group_holding(self, groups, rank):
+        """The group of ``groups`` holding ``rank`` (None: none), from a map built once per groups list:
+        scanning every group for every rank would be quadratic in the devices."""
+        by_rank = self._holding.get(id(groups))
+        if by_rank is None:
+            by_rank = self._holding[id(groups)] = {d: g for g in groups for d in g}
+            self._keep.append(groups)    # the id stays valid while the map is used
+        return by_rank.get(rank)
+
+    def emit_steps(self, prog, rank, red: planfile.Reduction, label: str, where) -> None:
+        """``ReductionExecutor.run`` (one bucket): each step's group holding the rank, if it has peers."""
+        for i, step in enumerate(red.steps):
+            g = self.group_holding(step.groups, rank)
+            if g is not None and len(g) > 1:
+                self.emit_collective(prog, rank, self._plan_group(g), ("reduce", red.name, red.stage, i),
+                                     f"{label} step {i} ({step.collective})", where)
+
+    def turn(self, rank, name, direction, m):
+        key = (rank, name, str(direction), m)
+        ev = self.turns.get(key)
+        if ev is None:
+            ev = self.turns[key] = Turn(rank, self.plan.cluster.host_of(rank), f"send {name} {direction} m{m}")
+        return ev
+
+    def nic_thread(self, rank: int, submitted: dict) -> Thread | None:
+        """``nicorder.NicOrder``'s thread: its rank's listed sends in the host's order, each after the
+        compute thread handed it over and the host's previous send was sent."""
+        host = self.plan.cluster.host_of(rank)
+        order = self.nic.get(host, ())
+        prog = []
+        for i, (r, name, direction, m) in enumerate(order):
+            if r != rank:
+                continue
+            where = f"host {host}'s NIC order, turn {i} (send {name} {direction} m{m})"
+            d = Direction(direction)
+            prog.append((WAIT, submitted[(self.index_of[name], d, m)], where))
+            if i > 0:
+                prog.append((WAIT, self.turn(*order[i - 1]), where))
+            for op in self.emit_send(prog, rank, self.index_of[name], d, m, where):
+                prog.append((WAIT, op, where))
+            prog.append((SIGNAL, self.turn(rank, name, direction, m), where))
+        return Thread(rank, "nic", prog) if prog else None
+
+    # ---- one rank, training step
+    def train_threads(self, rank: int) -> list[Thread]:
+        plan = self.plan
+        world = self._world()
+        stage = plan.stage_of(rank)
+        compute: list = []
+        if stage is None:
+            self.emit_collective(compute, rank, world, ("loss",), "loss all_reduce", "after its step (idle rank)")
+            return [Thread(rank, "compute", compute)]
+        s = stage.index
+        ops = plan.pipeline.per_stage[s]
+        incoming = [i for i, t in enumerate(plan.transfers) if t.dst_stage == s]
+        outgoing = [i for i, t in enumerate(plan.transfers) if t.src_stage == s]
+        tp = next((g for g in plan.tensor_groups if rank in g), None) if self.tp else None
+        tp_comm = self._plan_group(tp) if tp is not None and len(tp) > 1 else None
+        begun = [Event() for _ in ops]
+        done = {}
+        receive: list = []
+        gates = post_gates(ops, self.ahead, [bool(incoming if text[0] == "F" else outgoing) for text in ops])
+        for j, text in enumerate(ops):
+            where = f"receiving for stage {s} op {j} ({text})"
+            gate = gates[j]
+            receive.append((WAIT, begun[gate], where))
+            m = int(text[1:])
+            d = Direction.FORWARD if text[0] == "F" else Direction.BACKWARD
+            for ti in (incoming if d is Direction.FORWARD else outgoing):
+                self.emit_recv(receive, rank, ti, d, m, where)
+                done[(ti, d, m)] = ev = Event()
+                receive.append((SIGNAL, ev, where))
+        sends = []
+        host = plan.cluster.host_of(rank)
+        listed = {(self.index_of[n], Direction(d), m) for r, n, d, m in self.nic.get(host, ()) if r == rank}
+        submitted = {k: Event() for k in listed}
+        for j, text in enumerate(ops):
+            where = f"stage {s} op {j} ({text})"
+            compute.append((SIGNAL, begun[j], where))
+            m = int(text[1:])
+            forward = text[0] == "F"
+            d = Direction.FORWARD if forward else Direction.BACKWARD
+            for ti in (incoming if forward else outgoing):
+                compute.append((WAIT, done[(ti, d, m)], where))
+            if tp_comm is not None:
+                self.emit_collective(compute, rank, tp_comm, ("tp", text), f"tensor-parallel all_reduce of {text}",
+                                     where)
+            for ti in (outgoing if forward else incoming):
+                if (ti, d, m) in submitted:      # handed to the NIC thread: the compute thread goes on
+                    compute.append((SIGNAL, submitted[(ti, d, m)], where))
+                else:
+                    sends += self.emit_send(compute, rank, ti, d, m, where)
+        where = f"stage {s}, waiting for its sends before the gradient reduction"
+        for op in sends:
+            compute.append((WAIT, op, where))
+        for ti, d, m in sorted(submitted, key=lambda k: (k[2], k[0], str(k[1]))):
+            compute.append((WAIT, self.turn(rank, plan.transfers[ti].name, d, m), where))
+        red = plan.gradient_reduction(rank)
+        where = f"stage {s} gradient reduction"
+        if red is not None and red.mode is planfile.ReductionMode.ALLREDUCE:
+            g = red.group_of(rank)
+            if len(g) > 1:   # DeepSpeed's data-parallel all-reduce on the grid group (the plan's if listed)
+                comm = self._plan_group(g) if g in plan.groups else self._group(("grid", g), g, f"grid {list(g)}")
+                self.emit_collective(compute, rank, comm, ("deepspeed", g), "DeepSpeed's data-parallel all_reduce",
+                                     where)
+        elif red is not None:
+            self.emit_steps(compute, rank, red, "gradient reduction", where)
+        self.emit_collective(compute, rank, world, ("loss",), "loss all_reduce", f"stage {s}, after its step")
+        nic = self.nic_thread(rank, submitted)
+        return [Thread(rank, "compute", compute), Thread(rank, "receive", receive)] + ([nic] if nic else [])
+
+    # ---- one rank, --comm-only step
+    def comm_only_threads(self, rank: int) -> list[Thread]:
+        plan = self.plan
+        world = self._world()
+        prog: list = []
+        self.emit_collective(prog, rank, world, ("barrier", 0), "barrier", "start of the step")
+        d = Direction.FORWARD
+        for ti, t in enumerate(plan.transfers):
+            where = f"transfer {t.name!r}"
+            works = self.emit_send(prog, rank, ti, d, 0, where)
+            if t.forward.region("dst", rank) is not None:
+                self.emit_recv(prog, rank, ti, d, 0, where)
+            for op in works:
+                prog.append((WAIT, op, where))
+        for r in plan.reductions:
+            if self.group_holding(r.groups, rank) is not None:
+                self.emit_steps(prog, rank, r, f"reduction {r.name!r}", f"reduction {r.name!r}")
+        self.emit_collective(prog, rank, world, ("barrier", 1), "barrier", "end of the step")
+        self.emit_collective(prog, rank, world, ("gather",), "all_gather_object of the problems", "end of the step")
+        return [Thread(rank, "main", prog)]
+
+
+def _chain(task) -> tuple[int, ...]:
+    return (task.sender,) + tuple(r for r in task.receivers if r != task.sender)
+
+
+def _part_of(task, rank):
+    return next(p for p in task.parts if rank in p)
