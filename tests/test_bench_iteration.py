@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from planc.bench import iteration
-from planc.testbed import available
+from benchmarks.bench import iteration
+from benchmarks.testbed import available
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -192,7 +192,7 @@ def test_report_ratios_and_not_applicable_rows():
 def test_run_bench_passes_options_and_skips_without_a_testbed(monkeypatch, tmp_path):
     from planc import bench
 
-    monkeypatch.setattr("planc.testbed.available", lambda: "no testbed in this test")
+    monkeypatch.setattr("benchmarks.testbed.available", lambda: "no testbed in this test")
     doc = tmp_path / "b.md"
     text = bench.run_bench("iteration", write=str(doc), plans=["plans/gpt-bench-2x2.plan"], rates=[10.0])
     assert text.startswith("_Skipped: no testbed in this test")
@@ -227,7 +227,7 @@ def test_stock_deepspeed_and_compute_only_run_per_host_in_the_testbed(tmp_path):
     worker prints a step line per step, and the testbed reads every rank's peak memory."""
     from planc.codegen import write_output
     from planc.compile import compile_file
-    from planc.testbed import Testbed
+    from benchmarks.testbed import Testbed
 
     from e2e_util import extensions_env, reference
     src = tmp_path / "tiny.plan"
@@ -240,7 +240,7 @@ def test_stock_deepspeed_and_compute_only_run_per_host_in_the_testbed(tmp_path):
     with Testbed(2, 1000) as tb:
         env = extensions_env()
         stock = tb.launch(out, steps=2, timeout=240, comm_only=False, env=env,
-                          script=ROOT / "planc/bench/stock_deepspeed.py",
+                          script=ROOT / "benchmarks/bench/stock_deepspeed.py",
                           extra_args=["--out", str(out), "--partition", iteration.stock_partition(c.plan_json)]).check()
         compute = tb.launch(out, steps=2, timeout=240, comm_only=False, env=env, script=Path(iteration.__file__),
                             extra_args=["--compute-only", "--out", str(out)]).check()
@@ -284,7 +284,7 @@ class _Testbed:
         self.rate = rate
 
     def launch(self, out, steps, on_step, **_):
-        from planc.testbed.result import LaunchResult
+        from benchmarks.testbed.result import LaunchResult
         n = steps if self.steps_run is None else self.steps_run
         times = []
         for i in range(n):
@@ -357,13 +357,13 @@ def test_rounds_launch_the_programs_round_robin_and_pool_their_steps(monkeypatch
             base = {"gpipe": 3.0, "1f1b": 2.0, "eager_1f1b": 1.0 + k, "stock": 4.0}.get(what, 0.5)
             for i in range(steps):
                 on_step(i, base)
-            from planc.testbed.result import LaunchResult
+            from benchmarks.testbed.result import LaunchResult
             return LaunchResult(returncode=0, stdout="", step_times=[base] * steps)
 
     def variants(plan_path, tmp, cluster, rate):
         return {s: {"out": tmp_path / s, "plan": gpt_plan} for s in iteration.SCHEDULES}
 
-    monkeypatch.setattr("planc.testbed.Testbed", Recording)
+    monkeypatch.setattr("benchmarks.testbed.Testbed", Recording)
     monkeypatch.setattr(iteration, "compile_variants", variants)
     res = iteration.measure_plan("plans/gpt-bench-2x2.plan", [100.0], measured=2, rounds=2)
     programs = [w for w in order if w in ("gpipe", "1f1b", "eager_1f1b", "stock")]

@@ -155,8 +155,8 @@ def test_bad_output_path(tmp_path, monkeypatch, capsys, target, message):
 
 
 def test_testbed_without_root_is_exit_2(tmp_path, monkeypatch, capsys):
-    import planc.testbed
-    monkeypatch.setattr(planc.testbed, "available", lambda: "not root (network namespaces, veth and tc need root)")
+    import benchmarks.testbed
+    monkeypatch.setattr(benchmarks.testbed, "available", lambda: "not root (network namespaces, veth and tc need root)")
     assert main(["calibrate", "--on", "testbed", str(tmp_path / "t.yaml")]) == 2
     err = capsys.readouterr().err
     assert "--on testbed: not root" in err and "Traceback" not in err
@@ -202,12 +202,12 @@ def test_calibrate_this_machine(tmp_path, capsys):
 @pytest.mark.slow
 @pytest.mark.skipif(__import__("os").geteuid() != 0, reason="the testbed needs root (network namespaces, tc)")
 def test_calibrate_on_the_testbed_then_predict(tmp_path, capsys):
-    from planc.testbed import available
+    from benchmarks.testbed import available
     if available():
         pytest.skip(available())
     import yaml
 
-    from planc.bench import accuracy, testbed
+    from benchmarks.bench import accuracy, testbed
 
     out = tmp_path / "t.yaml"
     assert main(["calibrate", "--on", "testbed", str(out), "--rate", "100", "--repeats", "2",

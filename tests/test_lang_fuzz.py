@@ -1,6 +1,6 @@
 """The front end under attack: 1,000 hostile inputs, each a checked plan or a located PlanError.
 
-The inputs come from the engine of ``planc bench fuzz`` (planc/bench/fuzz.py), driven here by
+The inputs come from the engine of ``planc bench fuzz`` (benchmarks/bench/fuzz.py), driven here by
 hypothesis (derandomized: the same inputs on every run): plans built from the grammar's
 constructs, byte-level mutations of every .plan in the repository, mutated YAML cluster files,
 token-level mutations and random token soup. ``run_input`` loads each one from a scratch folder
@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from planc.bench import fuzz
+from benchmarks.bench import fuzz
 
 ROOT = Path(__file__).resolve().parent.parent
 REGRESSIONS = ROOT / "tests" / "fuzz_regressions"

@@ -8,7 +8,7 @@ import dataclasses
 
 import pytest
 
-from planc.bench import accuracy
+from benchmarks.bench import accuracy
 from planc.lang import load
 from planc.lang.errors import PlanError
 from planc.pipeline.schedules import build
@@ -122,7 +122,7 @@ def test_the_fit_recovers_the_time_that_made_the_measurements(engine_plans, tmp_
     import yaml
 
     from planc import calibrate as cal
-    from planc.bench.accuracy import read_calibrated, substitute
+    from benchmarks.bench.accuracy import read_calibrated, substitute
     from planc.pipeline.gantt import cluster_of
 
     doc = yaml.safe_load(CAL)

@@ -28,7 +28,7 @@ import time
 
 import pytest
 
-from planc.testbed import Testbed, available
+from benchmarks.testbed import Testbed, available
 
 from e2e_util import ROOT, extensions_env
 from test_failures import FOUR, HANGING_MODEL
@@ -269,7 +269,7 @@ def test_a_link_going_down_during_planc_bench_testbed_ends_it(started):
     stdout, stderr = p.communicate(timeout=600)
     assert p.returncode == 1, stdout[-2000:] + stderr[-3000:]
     assert "Traceback" not in stderr and "internal error" not in stderr, stderr[-3000:]
-    from planc.bench import testbed as bench_testbed
+    from benchmarks.bench import testbed as bench_testbed
     cases = len(bench_testbed.STRATEGIES) * (len(bench_testbed.TRANSFERS) + len(bench_testbed.WIDE)) \
         + len(bench_testbed.PROGRAMS) + len(bench_testbed.GLOO_IN_HOST)
     assert re.search(r"^planc bench testbed: case '1 -> \(1,4\)  R R -> R R' \(send_recv\) failed \(exit \d+\) "

@@ -19,7 +19,7 @@ import time
 
 import pytest
 
-from planc.testbed import Testbed, available
+from benchmarks.testbed import Testbed, available
 
 from e2e_util import ROOT, compare_dumps, independent_reference
 
@@ -320,7 +320,7 @@ def test_fault_arguments_are_checked():
             tb.link_down(2)
         with pytest.raises(ValueError, match="end must be 'bridge' or 'host'"):
             tb.link_down(0, end="switch")
-        from planc.testbed import TestbedError
+        from benchmarks.testbed import TestbedError
         with pytest.raises(TestbedError, match="no job is running"):
             tb.kill_rank(0)
         tb.set_loss(0.2, host=1)     # installs the drop stage at run time, on host 1's link only

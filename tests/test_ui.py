@@ -262,7 +262,7 @@ def test_compile_progress_names_each_pass_and_changes_nothing(tmp_path):
 
 
 def test_fuzz_and_resharding_bars_on_a_terminal_only(monkeypatch, capsys, tmp_path):
-    from planc.bench import fuzz, resharding
+    from benchmarks.bench import fuzz, resharding
     piped = fuzz.run(n=6, seed=1, save=str(tmp_path))
     assert capsys.readouterr().err == ""
     tty = FakeTTY()

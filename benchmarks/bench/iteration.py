@@ -1,4 +1,4 @@
-"""`planc bench iteration`: training step time on the testbed, planc against stock DeepSpeed, against bounds.
+"""`python -m benchmarks bench iteration`: training step time on the testbed, planc against stock DeepSpeed, against bounds.
 
 For each plan, in one testbed (docs/testbed.md) whose hosts are the plan's
 hosts, launched per host with DeepSpeed's own launcher (``deepspeed --no_ssh
@@ -7,7 +7,7 @@ hosts, launched per host with DeepSpeed's own launcher (``deepspeed --no_ssh
 - **planc**: the plan compiled three times, with ``train { schedule = gpipe }``,
   ``1f1b`` and ``eager_1f1b`` (the same placement, transfers and reduction
   programs; only the per-stage lists differ), each run as ``OUT/train.py``;
-- **stock DeepSpeed**: ``planc/bench/stock_deepspeed.py`` — ``PipelineModule``
+- **stock DeepSpeed**: ``benchmarks/bench/stock_deepspeed.py`` — ``PipelineModule``
   with the same layers, cut, loss, micro-batch and micro-batch count, its
   default ``PipeDataParallelTopology``, its own schedule, p2p and data-parallel
   all-reduce — when stock DeepSpeed can express the plan (a chain of equal
@@ -23,7 +23,7 @@ hosts, launched per host with DeepSpeed's own launcher (``deepspeed --no_ssh
   can be faster than itself without it;
 - **work alone** (for scale, not a bound on a real program): every rank runs
   its stage's part of the plan's list with no transfer and no reduction, one
-  rank at a time (``planc/bench/compute_only.py``): max(the slowest rank's
+  rank at a time (``benchmarks/bench/compute_only.py``): max(the slowest rank's
   work, all ranks' work ÷ the cores they share); it has no bubble and no
   contention;
 - **link** (a bound): bytes per iteration through the busiest host link
@@ -49,7 +49,7 @@ first segment, the program's first step) is discarded and the median of the
 next ``measured`` steps is reported. Peak memory is each rank's VmHWM read from
 /proc by the testbed while it runs (over the whole run, all rates).
 
-``python planc/bench/compute_only.py --compute-only --out OUT`` is the
+``python benchmarks/bench/compute_only.py --compute-only --out OUT`` is the
 compute-only worker (launched by the bench inside the testbed; standard
 library, torch and OUT's own runtime only).
 """
@@ -62,7 +62,7 @@ import sys
 import time
 from pathlib import Path
 
-from planc.bench import compute_only as worker  # noqa: E402  (the worker the bench launches in the testbed)
+from benchmarks.bench import compute_only as worker  # noqa: E402  (the worker the bench launches in the testbed)
 
 ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_PLANS = ("plans/gpt-bench-2x2.plan", "plans/unet-skip.plan")
@@ -91,7 +91,7 @@ def compile_variants(plan_path: str | os.PathLike, tmp: Path, cluster: str | Non
     if program.model is None or program.train is None:
         raise ValueError(f"{plan_path}: not a training plan (no model/train block)")
     if cluster is not None:
-        from planc.bench.accuracy import read_calibrated, substitute
+        from benchmarks.bench.accuracy import read_calibrated, substitute
         program = dataclasses.replace(program, cluster=substitute(program.cluster, read_calibrated(cluster), rate))
     probe = probe_model(program)
     variants = {}
@@ -431,12 +431,12 @@ def measure_plan(plan_path: str, rates, *, measured: int = MEASURED, timeout: fl
     import tempfile
 
     from planc import ui
-    from planc.testbed import Testbed
+    from benchmarks.testbed import Testbed
 
     rates = [float(x) for x in rates]
     with tempfile.TemporaryDirectory(prefix="planc-bench-iteration-") as tmp:
         t0 = time.monotonic()
-        with ui.status(f"planc bench iteration {Path(plan_path).name}") as say:   # on a terminal only
+        with ui.status(f"benchmarks bench iteration {Path(plan_path).name}") as say:   # on a terminal only
             say(f"compiling (the model probed once, {len(SCHEDULES)} schedules)")
             variants = compile_variants(plan_path, Path(tmp), cluster, rates[0])
             # under a calibrated cluster the decisions (the host NIC order and its hold above all) are
@@ -452,7 +452,7 @@ def measure_plan(plan_path: str, rates, *, measured: int = MEASURED, timeout: fl
                   "micro_batch": plan["train"]["micro_batch"], "micro_batches": plan["train"]["micro_batches"],
                   "link": link_bytes(plan), "compile_s": round(time.monotonic() - t0, 1), "programs": {}}
         if cluster is not None:   # the calibrated rate a direction keeps while the other is busy
-            from planc.bench.accuracy import read_calibrated
+            from benchmarks.bench.accuracy import read_calibrated
             cal = read_calibrated(cluster)
             result.update(calibrated_rates(cal, rates))
         reason = stock_reason(plan)
@@ -492,7 +492,7 @@ def measure_plan(plan_path: str, rates, *, measured: int = MEASURED, timeout: fl
                     out = variants["eager_1f1b"]["out"]
                     runs.setdefault("stock DeepSpeed", []).append(_over_rates(
                         tb, out, rates, measured=measured, timeout=timeout,
-                        script=ROOT / "planc/bench/stock_deepspeed.py",
+                        script=ROOT / "benchmarks/bench/stock_deepspeed.py",
                         extra_args=["--out", str(out), "--partition", result["stock"]["partition_method"]],
                         bar=bar, what=f"stock DeepSpeed{tag}"))
             result["rounds"] = rounds
@@ -624,8 +624,8 @@ def markdown(result: dict, rates_arg: str) -> str:
     lines = [f"### `{result['plan']}` ({result['name']}: {len(result['hosts'])} hosts of {hosts} ranks, "
              f"stages of {result['stages']} devices, {result['micro_batches']} micro-batches of "
              f"{result['micro_batch']} rows)", "",
-             f"Reproduce: `planc bench iteration {result['plan']} --rates {rates_arg}` "
-             f"(today: `python -m planc.bench.iteration {result['plan']} --rates {rates_arg}`)", "",
+             f"Reproduce: `python -m benchmarks bench iteration {result['plan']} --rates {rates_arg}` "
+             f"(today: `python -m benchmarks.bench.iteration {result['plan']} --rates {rates_arg}`)", "",
              f"Link bound: {lk['busiest_bytes'] / 1e6:.2f} MB per iteration through host "
              f"{lk['busiest_host']}'s link ({lk['busiest_direction']}), ÷ the rate. Compute-only bound "
              f"(signal send/recv: each planc program with every transfer cut to one element, "
@@ -738,11 +738,11 @@ def report(json_path: str, cluster: str | None = None) -> str:
                 for r in doc["plans"]):
             raise KeyError("plans")
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-        raise ReportError(f"planc bench iteration --from-json {json_path}: not a stored run of `planc bench "
+        raise ReportError(f"benchmarks bench iteration --from-json {json_path}: not a stored run of `python -m benchmarks bench "
                           f"iteration --json` ({type(e).__name__}: {e})") from None
     rated = None
     if cluster is not None:
-        from planc.bench.accuracy import read_calibrated
+        from benchmarks.bench.accuracy import read_calibrated
         rated = calibrated_rates(read_calibrated(cluster), rates)
     texts = []
     for result in doc["plans"]:
@@ -754,11 +754,11 @@ def report(json_path: str, cluster: str | None = None) -> str:
                 with tempfile.TemporaryDirectory(prefix="planc-report-") as tmp:
                     plan = compile_variants(path, Path(tmp), cluster, rates[0], schedules=("1f1b",))["1f1b"]["plan"]
             except (OSError, ValueError, PlanError) as e:
-                raise ReportError(f"planc bench iteration --from-json {json_path}: plan {result['plan']} cannot be "
+                raise ReportError(f"benchmarks bench iteration --from-json {json_path}: plan {result['plan']} cannot be "
                                   f"compiled again to derive its link bytes: {e}") from None
             again = link_bytes(plan)
             if (again["out"], again["in"]) != (result["link"].get("out"), result["link"].get("in")):
-                raise ReportError(f"planc bench iteration --from-json {json_path}: plan {result['plan']} compiles "
+                raise ReportError(f"benchmarks bench iteration --from-json {json_path}: plan {result['plan']} compiles "
                                   f"now to other link bytes than the run measured (give the run's --cluster)")
             result["link"] = again
         if rated is not None and "one_way" not in result:
@@ -767,7 +767,7 @@ def report(json_path: str, cluster: str | None = None) -> str:
         rates_arg = (",".join(f"{x:g}" for x in rates) + (f" --cluster {cluster}" if cluster else "")
                      + (f" --rounds {doc['rounds']}" if doc.get("rounds", 1) > 1 else ""))
         texts.append(markdown(result, rates_arg))
-    return (f"Reported again from `{Path(json_path).name}` (`planc bench iteration --from-json "
+    return (f"Reported again from `{Path(json_path).name}` (`python -m benchmarks bench iteration --from-json "
             f"{Path(json_path).name}" + (f" --cluster {cluster}" if cluster else "") + "`; measured "
             f"{doc.get('seconds', '?')} s on {doc.get('machine', '?')}).\n\n" + "\n".join(texts))
 
@@ -778,7 +778,7 @@ def run(plans=None, rates=None, *, json_path: str | None = None, chart: str | No
     """Measure ``plans`` (default: gpt-bench-2x2 and unet-skip) at ``rates`` (Mbit/s) and return markdown;
     ``cluster``: compile under that calibrated cluster file once per rate (``compile_variants``), each
     rate's programs launched on their own. ``from_json``: report that stored run instead (:func:`report`)."""
-    from planc.testbed import available
+    from benchmarks.testbed import available
 
     if from_json is not None:
         return report(from_json, cluster)
@@ -799,7 +799,7 @@ def run(plans=None, rates=None, *, json_path: str | None = None, chart: str | No
 
     def log(*a):
         if verbose:
-            print("planc bench iteration:", *a, file=sys.stderr, flush=True)
+            print("benchmarks bench iteration:", *a, file=sys.stderr, flush=True)
 
     t0 = time.monotonic()
     load0 = os.getloadavg()[0]
@@ -829,7 +829,7 @@ def run(plans=None, rates=None, *, json_path: str | None = None, chart: str | No
             f"`deepspeed --no_ssh --node_rank=h` in that host's namespace. Median of {measured} steps per rate "
             + (f"in each of {rounds} rounds, pooled ({rounds * measured} steps; the programs launched round-robin) "
                if rounds > 1 else "")
-            + f"after {WARMUP} discarded (the rate changes while a program runs; see planc/bench/iteration.py); "
+            + f"after {WARMUP} discarded (the rate changes while a program runs; see benchmarks/bench/iteration.py); "
             f"bound = max(signal send/recv, link); ratios > 1 are slower. Machine: {machine}; 1-minute load average "
             f"{load[0]:.1f} at the start, {load[1]:.1f} at the end (other jobs share the CPUs: compare within a "
             f"run, expect noise); the whole bench took {took:.0f} s. " + "; ".join(notes) + ".")
@@ -842,14 +842,14 @@ def _has(module: str) -> bool:
 
 
 def main(argv=None) -> int:
-    """``python -m planc.bench.iteration [PLAN ...] [--rates 10,25,100,10000] [--json F] [--chart F] [--write F]``
-    (the proposed ``planc bench iteration`` command line)."""
+    """``python -m benchmarks.bench.iteration [PLAN ...] [--rates 10,25,100,10000] [--json F] [--chart F] [--write F]``
+    (the proposed ``python -m benchmarks bench iteration`` command line)."""
     import argparse
 
     argv = sys.argv[1:] if argv is None else argv
     if "--compute-only" in argv:
         return worker.compute_worker(argv)
-    p = argparse.ArgumentParser(prog="python -m planc.bench.iteration")
+    p = argparse.ArgumentParser(prog="python -m benchmarks.bench.iteration")
     p.add_argument("plans", nargs="*", metavar="PLAN")
     p.add_argument("--rates", default=",".join(f"{x:g}" for x in DEFAULT_RATES),
                    help="host link rates, Mbit/s, comma-separated (10000 ≈ unshaped)")
@@ -871,7 +871,7 @@ def main(argv=None) -> int:
             print(e, file=sys.stderr)
             return 2
         if args.write:
-            from planc.bench import replace_section
+            from benchmarks.bench import replace_section
             replace_section(Path(args.write), "iteration", text)
         print(text, end="")
         return 0
@@ -882,7 +882,7 @@ def main(argv=None) -> int:
                cluster=args.cluster, rounds=args.rounds)
     text = text.rstrip() + "\n"
     if args.write:
-        from planc.bench import replace_section
+        from benchmarks.bench import replace_section
         replace_section(Path(args.write), "iteration", text)
     print(text)
     return 0

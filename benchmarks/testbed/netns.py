@@ -25,9 +25,9 @@ import threading
 import time
 from pathlib import Path
 from typing import Callable
-from planc.testbed.faults import FaultsMixin, check_loss
-from planc.testbed.result import LaunchResult, TestbedError
-from planc.testbed.watch import (_RANK_FAILED_RE, STEP_RE, TRAIN_STEP_RE, RankTracker, StepBar,  # noqa: F401
+from benchmarks.testbed.faults import FaultsMixin, check_loss
+from benchmarks.testbed.result import LaunchResult, TestbedError
+from benchmarks.testbed.watch import (_RANK_FAILED_RE, STEP_RE, TRAIN_STEP_RE, RankTracker, StepBar,  # noqa: F401
                                  _rank_failed, _StepWatch, deepspeed_command, describe_failure, remove_shm,
                                  sample_hwm, shm_buffers, uts_wrapper)
 
@@ -141,7 +141,7 @@ class Testbed(FaultsMixin):
     bridge port towards the receiver (shaped on the way in), so a host's link
     is ``link_mbit`` in each direction, as in the cost model's tree of links.
 
-    Faults (planc/testbed/faults.py, docs/testbed.md "Faults"): ``loss`` (a fraction, or
+    Faults (benchmarks/testbed/faults.py, docs/testbed.md "Faults"): ``loss`` (a fraction, or
     {host: fraction}) drops that share of each host link's packets from the start,
     ``set_loss``, ``link_down``/``link_up`` and ``kill_rank`` apply them while a job runs.
     """
@@ -207,7 +207,7 @@ class Testbed(FaultsMixin):
 
     def _ns_add(self, ns: str) -> None:
         if ns in _netns_list():
-            raise TestbedError(f"network namespace {ns} already exists (run `planc testbed down`)")
+            raise TestbedError(f"network namespace {ns} already exists (run `python -m benchmarks testbed down`)")
         _run(["ip", "netns", "add", ns])
         self._created.append(ns)
 

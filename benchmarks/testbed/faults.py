@@ -139,7 +139,7 @@ class FaultsMixin:
     def set_loss(self, loss, host: int | None = None) -> None:
         """Drop ``loss`` (a fraction, 0.05 = 5%) of the packets on host ``host``'s link, each direction
         (every host's when None); 0 stops dropping. Also while a job runs."""
-        from planc.testbed.netns import TestbedError
+        from benchmarks.testbed.netns import TestbedError
 
         if not self.up:
             raise TestbedError("the testbed is not up (use it as a context manager)")
@@ -159,7 +159,7 @@ class FaultsMixin:
 
     def _apply_loss(self) -> None:
         """Install the drop stage on every bridge port (first time loss is configured), then its filters."""
-        from planc.testbed.netns import IFNAME, _run
+        from benchmarks.testbed.netns import IFNAME, _run
 
         br = self.bridge_ns
         if any(self._loss) and not self._loss_ports:
@@ -192,7 +192,7 @@ class FaultsMixin:
         return int(self.link_mbit * 1e6 / 8 * self.latency_ms / 1000 + self.burst_bytes)
 
     def _resize_loss_queues(self) -> None:
-        from planc.testbed.netns import _run
+        from benchmarks.testbed.netns import _run
 
         for h in self._loss_ports:
             _run(["ip", "netns", "exec", self.bridge_ns, "tc", "qdisc", "change", "dev", f"p{h}", "parent",
@@ -200,7 +200,7 @@ class FaultsMixin:
 
     def dropped_packets(self) -> dict[int, int]:
         """host -> packets dropped so far by the loss fault on their way into that host."""
-        from planc.testbed.netns import _run
+        from benchmarks.testbed.netns import _run
 
         out = {}
         for h in self._loss_ports:
@@ -219,7 +219,7 @@ class FaultsMixin:
         self._set_link(host, end, "up")
 
     def _set_link(self, host: int, end: str, state: str) -> None:
-        from planc.testbed.netns import IFNAME, TestbedError, _run
+        from benchmarks.testbed.netns import IFNAME, TestbedError, _run
 
         if not self.up:
             raise TestbedError("the testbed is not up (use it as a context manager)")
@@ -239,7 +239,7 @@ class FaultsMixin:
 
     def kill_rank(self, rank: int, sig: int = signal.SIGKILL) -> int:
         """Send ``sig`` (default SIGKILL) to rank ``rank`` of the job now running; returns its pid."""
-        from planc.testbed.netns import TestbedError
+        from benchmarks.testbed.netns import TestbedError
 
         tracker = self._tracker
         if tracker is None:

@@ -1,4 +1,4 @@
-"""Benchmark and engine: the front end under attack (``planc bench fuzz``).
+"""Benchmark and engine: the front end under attack (``python -m benchmarks bench fuzz``).
 
 Inputs of three kinds, drawn from one seeded ``random.Random`` (so a run is
 deterministic; the test suite drives the same generators through hypothesis):
@@ -490,7 +490,7 @@ def run(n: int | None = None, seed: int = 0, save: str | None = None) -> str:
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="planc-fuzz-") as tmp:
         folder = Path(tmp)
-        stream = ui.progress(inputs(n, seed), "planc bench fuzz", total=n, piped="silent",
+        stream = ui.progress(inputs(n, seed), "benchmarks bench fuzz", total=n, piped="silent",
                              describe=lambda x: x[0])   # a bar on a terminal (stderr) only
         for i, (kind, plan, yml) in enumerate(stream):
             out = run_input(plan, yml, folder)
@@ -522,7 +522,7 @@ def run(n: int | None = None, seed: int = 0, save: str | None = None) -> str:
     return "\n".join(rows) + "\n"
 
 
-LAST_FAILURES = 0   # failures of the last run() (planc bench fuzz exits 1 when there are any)
+LAST_FAILURES = 0   # failures of the last run() (benchmarks bench fuzz exits 1 when there are any)
 
 
 if __name__ == "__main__":
