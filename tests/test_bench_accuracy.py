@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks.bench import accuracy
-from planc.cli import main
+from benchmarks.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
 

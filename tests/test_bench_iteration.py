@@ -140,7 +140,7 @@ def test_a_stored_run_is_reported_again_with_the_fill_and_drain_bound(tmp_path, 
     monkeypatch.setattr(iteration, "compile_variants",
                         lambda *a, **k: {"1f1b": {"plan": gpt_plan, "out": None}})
     text = iteration.report(str(f))
-    assert "Fill and drain" in text and "`planc bench iteration --from-json run.json`" in text
+    assert "Fill and drain" in text and "`python -m benchmarks bench iteration --from-json run.json`" in text
     n = 8 * 64 * 256 * 4
     t10 = 8.5 * n / 1.25e6                     # no calibration: directions independent, nominal rate
     assert f"10 Mbit/s {t10:.3f} s" in text
@@ -181,7 +181,7 @@ def test_report_ratios_and_not_applicable_rows():
     assert at10["planc gpipe"]["vs_bound"] == pytest.approx(2.0)
     text = iteration.markdown(_fake_result(stock=True), "10,100")
     assert "| 10 | planc gpipe | 4.000 | 0.80 | 2.00 | 2.000 (1.000, 2.000) |" in text
-    assert "`planc bench iteration plans/x.plan --rates 10,100`" in text
+    assert "`python -m benchmarks bench iteration plans/x.plan --rates 10,100`" in text
     text = iteration.markdown(_fake_result(stock=False), "10,100")
     assert "| 10 | stock DeepSpeed | n/a: skips to non-adjacent stages |" in text
     assert "| planc 1f1b | 2, 4 | 1.5000, 1.2500 | 3.0 |" in text
@@ -396,7 +396,7 @@ def test_rounds_of_repeated_rates_pool_by_position():
 
 def test_rounds_and_measured_reach_the_bench(monkeypatch, capsys):
     from planc import bench
-    from planc.cli import main
+    from benchmarks.cli import main
 
     seen = {}
     monkeypatch.setattr(bench, "run_bench", lambda name, write=None, **options: seen.update(options) or "ok\n")
@@ -407,7 +407,7 @@ def test_rounds_and_measured_reach_the_bench(monkeypatch, capsys):
 
 
 def test_rounds_must_be_positive(capsys):
-    from planc.cli import main
+    from benchmarks.cli import main
 
     assert main(["bench", "iteration", "--rounds", "0"]) == 2
     assert "--rounds 0: must be at least 1" in capsys.readouterr().err
@@ -433,7 +433,7 @@ def test_the_both_ways_link_time_is_reported_where_the_cluster_file_measured_it(
 
 
 def test_from_json_bad_inputs_are_named_without_a_traceback(tmp_path, capsys):
-    from planc.cli import main
+    from benchmarks.cli import main
 
     missing = tmp_path / "nope.json"
     assert main(["bench", "iteration", "--from-json", str(missing)]) == 2
@@ -445,4 +445,4 @@ def test_from_json_bad_inputs_are_named_without_a_traceback(tmp_path, capsys):
     assert main(["bench", "synthesis", "--from-json", str(f)]) == 2
     assert "takes no --from-json (only iteration does)" in capsys.readouterr().err
     assert main(["bench", "iteration", "--from-json", str(f)]) == 2
-    assert "not a stored run of `planc bench iteration --json` (KeyError" in capsys.readouterr().err
+    assert "not a stored run of `python -m benchmarks bench iteration --json` (KeyError" in capsys.readouterr().err

@@ -7,7 +7,7 @@ import pytest
 
 pytest.importorskip("matplotlib")
 
-from planc import cli  # noqa: E402
+from benchmarks import cli  # noqa: E402
 from benchmarks.bench import plot  # noqa: E402
 
 TABLE = """Some text before.

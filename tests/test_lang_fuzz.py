@@ -182,14 +182,14 @@ def test_regressions_exit_2_from_the_command_line(tmp_path):
 
 def test_planc_bench_fuzz_exits_1_when_an_input_fails(monkeypatch, capsys, tmp_path):
     """A failing input (here: every input, by a stand-in checker) makes the command fail, naming the count."""
-    from planc import cli
+    from benchmarks import cli
 
     monkeypatch.setenv("PLANC_FUZZ_INPUTS", "3")
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(fuzz, "run_input", lambda *a, **k: fuzz.Outcome("failure", 0.0, "stand-in failure"))
     assert cli.main(["bench", "fuzz"]) == 1
     err = capsys.readouterr().err
-    assert "planc bench fuzz: 3 input(s) failed" in err
+    assert "benchmarks bench fuzz: 3 input(s) failed" in err
     monkeypatch.setattr(fuzz, "run_input", lambda *a, **k: fuzz.Outcome("accepted", 0.0))
     assert cli.main(["bench", "fuzz"]) == 0
 

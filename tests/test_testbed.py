@@ -7,10 +7,13 @@ import re
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
 from benchmarks.testbed import IFNAME, Testbed, available
+
+ROOT = Path(__file__).resolve().parents[1]
 
 pytestmark = pytest.mark.skipif(available() is not None, reason=f"testbed unavailable: {available()}")
 
@@ -286,6 +289,6 @@ def test_link_check_and_run_refuse_bad_arguments(tmp_path):
     for argv, want in ((["check", "somewhere"], "takes no target"), (["check", "--link-mbit", "0"], "must be positive"),
                        (["run", str(out), "--link-mbit", "-3"], "--link-mbit must be positive, not -3"),
                        (["run", str(out), "--trace", str(tmp_path / "t")], "--trace needs --train")):
-        r = subprocess.run([sys.executable, "-m", "planc", "testbed", *argv], capture_output=True, text=True,
-                           timeout=60)
+        r = subprocess.run([sys.executable, "-m", "benchmarks", "testbed", *argv], capture_output=True, text=True,
+                           timeout=60, cwd=ROOT)
         assert r.returncode == 2 and want in r.stderr and "Traceback" not in r.stderr, r.stderr

@@ -211,7 +211,7 @@ def test_interrupting_planc_testbed_run_removes_everything(out1):
     """Ctrl-C (SIGINT) to `planc testbed run --loss 0.05 --train` while the ranks run: it says so,
     exits 130, and no rank, namespace, link or qdisc of the testbed is left."""
     before = _machine_state()
-    p = subprocess.Popen([sys.executable, "-m", "planc", "testbed", "run", str(out1), "--train", "--loss", "0.05",
+    p = subprocess.Popen([sys.executable, "-m", "benchmarks", "testbed", "run", str(out1), "--train", "--loss", "0.05",
                           "--steps", str(10 ** 6), "--link-mbit", "100"], stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True, cwd=ROOT, env=dict(os.environ, PYTHONFAULTHANDLER="1"),
                          # as from a terminal: a suite started in the background by a script (`sh -c '... &'`)
@@ -247,7 +247,7 @@ def test_interrupting_planc_testbed_run_removes_everything(out1):
             p.kill()
             p.wait()
     assert p.returncode == 130, stderr[-2000:]
-    assert "planc testbed: interrupted; the testbed's processes and namespaces are removed" in stderr, stderr
+    assert "benchmarks testbed: interrupted; the testbed's processes and namespaces are removed" in stderr, stderr
     assert "Traceback" not in stderr, stderr
     assert _leftovers(prefix) == []
     assert _machine_state() == before
