@@ -21,9 +21,10 @@ import threading
 import traceback
 from pathlib import Path
 
+from benchmarks import bench
+from benchmarks.bench import BENCHES
 from benchmarks.bench import fuzz as bench_fuzz
 from benchmarks.bench import plot as bench_plot
-from benchmarks.bench import BENCHES, run_bench
 from benchmarks.bench.accuracy import AccuracyError
 from benchmarks.bench.iteration import ReportError
 from benchmarks.bench.nic import NicBenchError
@@ -130,7 +131,7 @@ def _cmd_bench(args) -> int:
         if args.what == "iteration":
             options["chart"] = options.get("chart") or args.plot   # step time against link rate
     try:
-        text = run_bench(args.what, write=args.write, **options)
+        text = bench.run_bench(args.what, write=args.write, **options)
     except (AccuracyError, NicBenchError, ReportError) as e:
         print(e, file=sys.stderr)
         return EXIT_USER

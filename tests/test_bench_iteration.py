@@ -190,7 +190,7 @@ def test_report_ratios_and_not_applicable_rows():
 
 
 def test_run_bench_passes_options_and_skips_without_a_testbed(monkeypatch, tmp_path):
-    from planc import bench
+    from benchmarks import bench
 
     monkeypatch.setattr("benchmarks.testbed.available", lambda: "no testbed in this test")
     doc = tmp_path / "b.md"
@@ -395,7 +395,7 @@ def test_rounds_of_repeated_rates_pool_by_position():
 
 
 def test_rounds_and_measured_reach_the_bench(monkeypatch, capsys):
-    from planc import bench
+    from benchmarks import bench
     from benchmarks.cli import main
 
     seen = {}
