@@ -15,7 +15,6 @@ import ipaddress
 import itertools
 import json
 import os
-import re
 import shutil
 import signal
 import subprocess
