@@ -18,10 +18,15 @@ steps can approach. ``gloo_rates`` runs ``benchmarks/testbed/gloocheck.py``.
 """
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
+from pathlib import Path
+
+GLOOCHECK = Path(__file__).resolve().parent / "gloocheck.py"   # run by every rank, torch only
 
 PATTERNS = (
     ("one flow, host 0 → 1", ((0, 1),)),
@@ -100,15 +105,10 @@ def _record(pattern: str, flows: int, seconds: float, busiest: float, tb) -> dic
 def gloo_rates(tb, messages: int = 16, mib: float = 0.5, timeout: float = 300, repeats: int = 3) -> list[dict]:
     """gloo p2p (``benchmarks/testbed/gloocheck.py``) on a live 2-host testbed with 2 ranks per host:
     per pattern the same record as :func:`tcp_rates`. Raises ``RuntimeError`` when the launch fails."""
-    import json
-    import tempfile
-    from pathlib import Path
-
-    from planc import resources
     with tempfile.TemporaryDirectory(prefix="planc-gloocheck-") as tmp:
         (Path(tmp) / "plan.json").write_text(json.dumps({"cluster": {"hosts": [[0, 1], [2, 3]], "devices": 4},
                                                          "stages": []}))
-        r = tb.launch(tmp, script=resources.runtime_dir() / "gloocheck.py", args=(), steps=1, timeout=timeout,
+        r = tb.launch(tmp, script=GLOOCHECK, args=(), steps=1, timeout=timeout,
                       env={"GLOOCHECK_MESSAGES": str(messages), "GLOOCHECK_MIB": str(mib),
                            "GLOOCHECK_REPEATS": str(repeats)}, memory=False, launcher="direct",
                       progress=False)
