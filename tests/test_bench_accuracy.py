@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from planc.bench import accuracy
-from planc.cli import main
+from benchmarks.bench import accuracy
+from benchmarks.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -166,7 +166,7 @@ def test_a_low_rate_under_its_nominal_is_the_shaper_not_a_ceiling(tmp_path):
 
 
 def test_testbed_transfer_against_the_closed_form(cal_file):
-    from planc.bench import testbed
+    from benchmarks.bench import testbed
 
     name = "1 -> (1,4)  R R -> R R"
     cases = [{"kind": "transfer", "case": name, "what": "send_recv", "measured": 1.5},

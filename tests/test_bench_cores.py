@@ -1,9 +1,9 @@
-"""`python -m planc.bench.cores`: one line per process count, every process timed, the ratio to
+"""`python -m benchmarks.bench.cores`: one line per process count, every process timed, the ratio to
 alone beside what processor sharing says; bad inputs named."""
 
 from __future__ import annotations
 
-from planc.bench import cores
+from benchmarks.bench import cores
 
 
 def test_it_times_every_process_and_says_what_sharing_predicts(capsys):

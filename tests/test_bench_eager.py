@@ -1,4 +1,4 @@
-"""`python -m planc.bench.eager`: each row is the plan compiled as `planc bench accuracy` compiles it
+"""`python -m benchmarks.bench.eager`: each row is the plan compiled as `planc bench accuracy` compiles it
 (the same predictions), a model size replaces the plan's arguments (and changes the compute),
 `--own-cores` drops the shared pool, and bad inputs are named."""
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from planc.bench import eager
+from benchmarks.bench import eager
 
 from test_bench_accuracy import CAL, OWN_CLUSTER, PLAN
 
@@ -26,7 +26,7 @@ def files(tmp_path):
 
 
 def test_rows_are_the_compiled_predictions_and_a_size_changes_the_compute(files):
-    from planc.bench.accuracy import compiled_at_rates, read_calibrated
+    from benchmarks.bench.accuracy import compiled_at_rates, read_calibrated
     from planc.lang import load
 
     plan, cal = files

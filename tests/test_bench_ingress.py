@@ -1,4 +1,4 @@
-"""`python -m planc.bench.ingress`: link orders, simulated. The chains of the receiving-host order
+"""`python -m benchmarks.bench.ingress`: link orders, simulated. The chains of the receiving-host order
 checked against what they must hold (every key a send that enters that host, in ready order), and on
 two hosts against the sending-host order (one sender host per receiving host: the two orders are the
 same chains, so they simulate the same); the table and the bad inputs."""
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from planc.bench import ingress
+from benchmarks.bench import ingress
 
 from test_bench_accuracy import CAL, OWN_CLUSTER, PLAN
 
@@ -27,7 +27,7 @@ def files(tmp_path):
 
 
 def test_receiving_host_chains(files):
-    from planc.bench.accuracy import read_calibrated, substitute
+    from benchmarks.bench.accuracy import read_calibrated, substitute
     from planc.compile import compile_program
     from planc.lang import load
     from planc.pipeline.gantt import plan_input

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from planc.bench import iteration
-from planc.testbed import available
+from benchmarks.bench import iteration
+from benchmarks.testbed import available
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -140,7 +140,7 @@ def test_a_stored_run_is_reported_again_with_the_fill_and_drain_bound(tmp_path, 
     monkeypatch.setattr(iteration, "compile_variants",
                         lambda *a, **k: {"1f1b": {"plan": gpt_plan, "out": None}})
     text = iteration.report(str(f))
-    assert "Fill and drain" in text and "`planc bench iteration --from-json run.json`" in text
+    assert "Fill and drain" in text and "`python -m benchmarks bench iteration --from-json run.json`" in text
     n = 8 * 64 * 256 * 4
     t10 = 8.5 * n / 1.25e6                     # no calibration: directions independent, nominal rate
     assert f"10 Mbit/s {t10:.3f} s" in text
@@ -181,7 +181,7 @@ def test_report_ratios_and_not_applicable_rows():
     assert at10["planc gpipe"]["vs_bound"] == pytest.approx(2.0)
     text = iteration.markdown(_fake_result(stock=True), "10,100")
     assert "| 10 | planc gpipe | 4.000 | 0.80 | 2.00 | 2.000 (1.000, 2.000) |" in text
-    assert "`planc bench iteration plans/x.plan --rates 10,100`" in text
+    assert "`python -m benchmarks bench iteration plans/x.plan --rates 10,100`" in text
     text = iteration.markdown(_fake_result(stock=False), "10,100")
     assert "| 10 | stock DeepSpeed | n/a: skips to non-adjacent stages |" in text
     assert "| planc 1f1b | 2, 4 | 1.5000, 1.2500 | 3.0 |" in text
@@ -190,9 +190,9 @@ def test_report_ratios_and_not_applicable_rows():
 
 
 def test_run_bench_passes_options_and_skips_without_a_testbed(monkeypatch, tmp_path):
-    from planc import bench
+    from benchmarks import bench
 
-    monkeypatch.setattr("planc.testbed.available", lambda: "no testbed in this test")
+    monkeypatch.setattr("benchmarks.testbed.available", lambda: "no testbed in this test")
     doc = tmp_path / "b.md"
     text = bench.run_bench("iteration", write=str(doc), plans=["plans/gpt-bench-2x2.plan"], rates=[10.0])
     assert text.startswith("_Skipped: no testbed in this test")
@@ -227,7 +227,7 @@ def test_stock_deepspeed_and_compute_only_run_per_host_in_the_testbed(tmp_path):
     worker prints a step line per step, and the testbed reads every rank's peak memory."""
     from planc.codegen import write_output
     from planc.compile import compile_file
-    from planc.testbed import Testbed
+    from benchmarks.testbed import Testbed
 
     from e2e_util import extensions_env, reference
     src = tmp_path / "tiny.plan"
@@ -240,7 +240,7 @@ def test_stock_deepspeed_and_compute_only_run_per_host_in_the_testbed(tmp_path):
     with Testbed(2, 1000) as tb:
         env = extensions_env()
         stock = tb.launch(out, steps=2, timeout=240, comm_only=False, env=env,
-                          script=ROOT / "planc/bench/stock_deepspeed.py",
+                          script=ROOT / "benchmarks/bench/stock_deepspeed.py",
                           extra_args=["--out", str(out), "--partition", iteration.stock_partition(c.plan_json)]).check()
         compute = tb.launch(out, steps=2, timeout=240, comm_only=False, env=env, script=Path(iteration.__file__),
                             extra_args=["--compute-only", "--out", str(out)]).check()
@@ -284,7 +284,7 @@ class _Testbed:
         self.rate = rate
 
     def launch(self, out, steps, on_step, **_):
-        from planc.testbed.result import LaunchResult
+        from benchmarks.testbed.result import LaunchResult
         n = steps if self.steps_run is None else self.steps_run
         times = []
         for i in range(n):
@@ -357,13 +357,13 @@ def test_rounds_launch_the_programs_round_robin_and_pool_their_steps(monkeypatch
             base = {"gpipe": 3.0, "1f1b": 2.0, "eager_1f1b": 1.0 + k, "stock": 4.0}.get(what, 0.5)
             for i in range(steps):
                 on_step(i, base)
-            from planc.testbed.result import LaunchResult
+            from benchmarks.testbed.result import LaunchResult
             return LaunchResult(returncode=0, stdout="", step_times=[base] * steps)
 
     def variants(plan_path, tmp, cluster, rate):
         return {s: {"out": tmp_path / s, "plan": gpt_plan} for s in iteration.SCHEDULES}
 
-    monkeypatch.setattr("planc.testbed.Testbed", Recording)
+    monkeypatch.setattr("benchmarks.testbed.Testbed", Recording)
     monkeypatch.setattr(iteration, "compile_variants", variants)
     res = iteration.measure_plan("plans/gpt-bench-2x2.plan", [100.0], measured=2, rounds=2)
     programs = [w for w in order if w in ("gpipe", "1f1b", "eager_1f1b", "stock")]
@@ -395,8 +395,8 @@ def test_rounds_of_repeated_rates_pool_by_position():
 
 
 def test_rounds_and_measured_reach_the_bench(monkeypatch, capsys):
-    from planc import bench
-    from planc.cli import main
+    from benchmarks import bench
+    from benchmarks.cli import main
 
     seen = {}
     monkeypatch.setattr(bench, "run_bench", lambda name, write=None, **options: seen.update(options) or "ok\n")
@@ -407,7 +407,7 @@ def test_rounds_and_measured_reach_the_bench(monkeypatch, capsys):
 
 
 def test_rounds_must_be_positive(capsys):
-    from planc.cli import main
+    from benchmarks.cli import main
 
     assert main(["bench", "iteration", "--rounds", "0"]) == 2
     assert "--rounds 0: must be at least 1" in capsys.readouterr().err
@@ -433,7 +433,7 @@ def test_the_both_ways_link_time_is_reported_where_the_cluster_file_measured_it(
 
 
 def test_from_json_bad_inputs_are_named_without_a_traceback(tmp_path, capsys):
-    from planc.cli import main
+    from benchmarks.cli import main
 
     missing = tmp_path / "nope.json"
     assert main(["bench", "iteration", "--from-json", str(missing)]) == 2
@@ -445,4 +445,4 @@ def test_from_json_bad_inputs_are_named_without_a_traceback(tmp_path, capsys):
     assert main(["bench", "synthesis", "--from-json", str(f)]) == 2
     assert "takes no --from-json (only iteration does)" in capsys.readouterr().err
     assert main(["bench", "iteration", "--from-json", str(f)]) == 2
-    assert "not a stored run of `planc bench iteration --json` (KeyError" in capsys.readouterr().err
+    assert "not a stored run of `python -m benchmarks bench iteration --json` (KeyError" in capsys.readouterr().err

@@ -7,8 +7,8 @@ import pytest
 
 pytest.importorskip("matplotlib")
 
-from planc import cli  # noqa: E402
-from planc.bench import plot  # noqa: E402
+from benchmarks import cli  # noqa: E402
+from benchmarks.bench import plot  # noqa: E402
 
 TABLE = """Some text before.
 
@@ -46,7 +46,7 @@ def test_ratio_columns_are_drawn_when_there_are_any_else_the_numeric_ones(tmp_pa
 
 
 def test_planc_bench_plot_draws_the_synthesis_table(tmp_path, capsys, monkeypatch):
-    from planc.bench import synthesis
+    from benchmarks.bench import synthesis
     monkeypatch.setattr(synthesis, "run", lambda **_: TABLE)     # the bench's table; the drawing is the test
     out = tmp_path / "s.png"
     assert cli.main(["bench", "synthesis", "--plot", str(out)]) == 0

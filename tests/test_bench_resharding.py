@@ -1,6 +1,6 @@
 """`planc bench resharding`: the table's shape and the AlpaComm figures on the small cases."""
 
-from planc.bench.resharding import cases, run
+from benchmarks.bench.resharding import cases, run
 
 
 def test_bench_table_small_cases():

@@ -2,7 +2,7 @@
 
 import re
 
-from planc.bench import synthesis
+from benchmarks.bench import synthesis
 
 
 def test_run_renders_one_row_per_case():

@@ -14,7 +14,7 @@ import pytest
 
 from planc import calibrate as cal
 from planc import ir
-from planc.bench import accuracy
+from benchmarks.bench import accuracy
 from planc.cost import events
 from planc.cost.network import Network
 from planc.lang import load

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from planc import calibrate as cal
+from benchmarks.cli import main as lab_main
 from planc.cli import main
 from planc.lang import load
 
@@ -155,9 +156,9 @@ def test_bad_output_path(tmp_path, monkeypatch, capsys, target, message):
 
 
 def test_testbed_without_root_is_exit_2(tmp_path, monkeypatch, capsys):
-    import planc.testbed
-    monkeypatch.setattr(planc.testbed, "available", lambda: "not root (network namespaces, veth and tc need root)")
-    assert main(["calibrate", "--on", "testbed", str(tmp_path / "t.yaml")]) == 2
+    import benchmarks.calibrate
+    monkeypatch.setattr(benchmarks.calibrate, "available", lambda: "not root (network namespaces, veth and tc need root)")
+    assert lab_main(["calibrate", "--on", "testbed", str(tmp_path / "t.yaml")]) == 2
     err = capsys.readouterr().err
     assert "--on testbed: not root" in err and "Traceback" not in err
     assert not (tmp_path / "t.yaml").exists()
@@ -169,13 +170,18 @@ def test_testbed_without_root_is_exit_2(tmp_path, monkeypatch, capsys):
     (["--hosts", "1", "--ranks-per-host", "1"], "2 ranks in all"),
 ])
 def test_bad_testbed_options(tmp_path, capsys, argv, message):
-    assert main(["calibrate", "--on", "testbed", str(tmp_path / "t.yaml"), *argv]) == 2
+    assert lab_main(["calibrate", "--on", "testbed", str(tmp_path / "t.yaml"), *argv]) == 2
     assert message in capsys.readouterr().err
 
 
 def test_cluster_refuses_testbed_options(tmp_path, capsys):
-    assert main(["calibrate", "--on", "cluster", str(tmp_path / "t.yaml"), "--rate", "100"]) == 2
-    assert "testbed options" in capsys.readouterr().err
+    """The testbed's calibration is the lab's (python -m benchmarks calibrate): planc's has none of its options."""
+    for argv in (["--on", "cluster", str(tmp_path / "t.yaml"), "--rate", "100"], ["--on", "testbed", "t.yaml"]):
+        with pytest.raises(SystemExit) as e:
+            main(["calibrate", *argv])
+        assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "unrecognized arguments: --rate 100" in err and "invalid choice: 'testbed'" in err
 
 
 # ---------------------------------------------------------------- real runs
@@ -202,15 +208,15 @@ def test_calibrate_this_machine(tmp_path, capsys):
 @pytest.mark.slow
 @pytest.mark.skipif(__import__("os").geteuid() != 0, reason="the testbed needs root (network namespaces, tc)")
 def test_calibrate_on_the_testbed_then_predict(tmp_path, capsys):
-    from planc.testbed import available
+    from benchmarks.testbed import available
     if available():
         pytest.skip(available())
     import yaml
 
-    from planc.bench import accuracy, testbed
+    from benchmarks.bench import accuracy, testbed
 
     out = tmp_path / "t.yaml"
-    assert main(["calibrate", "--on", "testbed", str(out), "--rate", "100", "--repeats", "2",
+    assert lab_main(["calibrate", "--on", "testbed", str(out), "--rate", "100", "--repeats", "2",
                  "--timeout", "120"]) == 0
     _check_written(out, 2, 2)
     doc = yaml.safe_load(out.read_text())

@@ -1,6 +1,6 @@
 """The front end under attack: 1,000 hostile inputs, each a checked plan or a located PlanError.
 
-The inputs come from the engine of ``planc bench fuzz`` (planc/bench/fuzz.py), driven here by
+The inputs come from the engine of ``planc bench fuzz`` (benchmarks/bench/fuzz.py), driven here by
 hypothesis (derandomized: the same inputs on every run): plans built from the grammar's
 constructs, byte-level mutations of every .plan in the repository, mutated YAML cluster files,
 token-level mutations and random token soup. ``run_input`` loads each one from a scratch folder
@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from planc.bench import fuzz
+from benchmarks.bench import fuzz
 
 ROOT = Path(__file__).resolve().parent.parent
 REGRESSIONS = ROOT / "tests" / "fuzz_regressions"
@@ -182,14 +182,14 @@ def test_regressions_exit_2_from_the_command_line(tmp_path):
 
 def test_planc_bench_fuzz_exits_1_when_an_input_fails(monkeypatch, capsys, tmp_path):
     """A failing input (here: every input, by a stand-in checker) makes the command fail, naming the count."""
-    from planc import cli
+    from benchmarks import cli
 
     monkeypatch.setenv("PLANC_FUZZ_INPUTS", "3")
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(fuzz, "run_input", lambda *a, **k: fuzz.Outcome("failure", 0.0, "stand-in failure"))
     assert cli.main(["bench", "fuzz"]) == 1
     err = capsys.readouterr().err
-    assert "planc bench fuzz: 3 input(s) failed" in err
+    assert "benchmarks bench fuzz: 3 input(s) failed" in err
     monkeypatch.setattr(fuzz, "run_input", lambda *a, **k: fuzz.Outcome("accepted", 0.0))
     assert cli.main(["bench", "fuzz"]) == 0
 

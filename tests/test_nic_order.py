@@ -198,8 +198,8 @@ def test_bad_orders_are_refused_naming_the_entry(plan_json, mutate, message):
      "cluster file /nonexistent/c.yaml not found"),
 ])
 def test_bench_nic_bad_inputs_exit_2(argv, message, capsys, monkeypatch):
-    from planc import cli, testbed
-    from planc.testbed import netns
+    from benchmarks import cli, testbed
+    from benchmarks.testbed import netns
     monkeypatch.setattr(netns, "available", lambda: None)     # reach the cluster file check without root
     monkeypatch.setattr(testbed, "available", lambda: None)
     monkeypatch.chdir(ROOT)

@@ -8,7 +8,7 @@ import dataclasses
 
 import pytest
 
-from planc.bench import accuracy
+from benchmarks.bench import accuracy
 from planc.lang import load
 from planc.lang.errors import PlanError
 from planc.pipeline.schedules import build
@@ -103,7 +103,7 @@ calibration: {measured_on: testbed, rate_mbit: 25.0}
 @pytest.fixture(scope="module")
 def engine_plans(tmp_path_factory):
     """The calibration's engine plan at both micro-batch counts, compiled with the probe."""
-    from planc import calibrate as cal
+    from benchmarks import calibrate as cal
     from planc.compile import compile_file
 
     tmp = tmp_path_factory.mktemp("engine")
@@ -121,8 +121,8 @@ def test_the_fit_recovers_the_time_that_made_the_measurements(engine_plans, tmp_
     predicts fit to no time at all (never a negative one)."""
     import yaml
 
-    from planc import calibrate as cal
-    from planc.bench.accuracy import read_calibrated, substitute
+    from benchmarks import calibrate as cal
+    from benchmarks.bench.accuracy import read_calibrated, substitute
     from planc.pipeline.gantt import cluster_of
 
     doc = yaml.safe_load(CAL)

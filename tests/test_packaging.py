@@ -31,6 +31,10 @@ def test_wheel_contains_grammar_templates_and_runtime(wheel):
     for t in ("train.py.j2", "ds_config.json.j2", "hostfile.j2", "launch.sh.j2", "README.md.j2"):
         assert any(n.endswith(f"share/planc/templates/{t}") for n in names), t
     assert "planc/runtime/reshard.py" in names and "planc/cli.py" in names
+    # the real cluster's calibration ships (its torch side too); the lab (benchmarks/) does not
+    assert "planc/calibrate/__init__.py" in names and "planc/calibrate/microbench.py" in names
+    assert not [n for n in names if n.startswith("benchmarks/")]
+    assert "planc/runtime/microbench.py" not in names and "planc/runtime/gloocheck.py" not in names
 
 
 def test_installed_wheel_compiles_outside_the_checkout(wheel, tmp_path):

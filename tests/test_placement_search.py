@@ -108,7 +108,7 @@ def test_pruned_search_returns_the_best_of_full_enumeration(case):
 
 
 def test_4096_devices_prune_most_matrices_and_skip_the_deep_hierarchies():
-    from planc.bench.synthesis import CASES, program_for
+    from benchmarks.bench.synthesis import CASES, program_for
     case = next(c for c in CASES if c.label == "4,096 devices")
     prog = program_for(case)
     pl = place(prog, {0: case.grad_bytes})

@@ -7,10 +7,13 @@ import re
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
-from planc.testbed import IFNAME, Testbed, available
+from benchmarks.testbed import IFNAME, Testbed, available
+
+ROOT = Path(__file__).resolve().parents[1]
 
 pytestmark = pytest.mark.skipif(available() is not None, reason=f"testbed unavailable: {available()}")
 
@@ -105,7 +108,7 @@ def test_cleanup_when_the_body_raises(error):
 
 
 def test_cleanup_stale_removes_only_dead_testbeds():
-    from planc.testbed import cleanup_stale
+    from benchmarks.testbed import cleanup_stale
 
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
@@ -225,7 +228,7 @@ class _Terminal(__import__("io").StringIO):
 def test_step_bar_follows_rank_0s_steps_on_a_terminal_only(monkeypatch):
     """`planc testbed run`'s bar (planc.ui.progress over the steps): on a terminal it counts the step
     lines seen, skipping none when lines arrive late; piped it writes nothing."""
-    from planc.testbed.watch import StepBar
+    from benchmarks.testbed.watch import StepBar
 
     term = _Terminal()
     monkeypatch.setattr(sys, "stderr", term)
@@ -246,10 +249,10 @@ def test_step_bar_follows_rank_0s_steps_on_a_terminal_only(monkeypatch):
 
 
 def test_link_check_moves_every_flow_and_accounts_the_busiest_direction():
-    """``planc testbed check``'s measurement (planc.testbed.linkcheck): every flow of a pattern
+    """``planc testbed check``'s measurement (benchmarks.testbed.linkcheck): every flow of a pattern
     delivers its bytes (a client that does not exits non-zero and fails the call), the busiest
     direction's bytes are counted from the pattern, and the rate is those bytes over the time."""
-    from planc.testbed.linkcheck import PATTERNS, tcp_rates
+    from benchmarks.testbed.linkcheck import PATTERNS, tcp_rates
     with Testbed(2, 200) as tb:
         prefix = tb.prefix
         rows = tcp_rates(tb, mbytes=2, patterns=(PATTERNS[0], PATTERNS[3]), repeats=1)
@@ -265,9 +268,9 @@ def test_link_check_moves_every_flow_and_accounts_the_busiest_direction():
 
 @pytest.mark.slow
 def test_gloo_link_check_reports_every_pattern():
-    """The gloo half of ``planc testbed check``: 2 hosts x 2 ranks run planc/runtime/gloocheck.py;
+    """The gloo half of ``planc testbed check``: 2 hosts x 2 ranks run benchmarks/testbed/gloocheck.py;
     every pattern is reported with the bytes through its busiest direction."""
-    from planc.testbed.linkcheck import gloo_rates
+    from benchmarks.testbed.linkcheck import gloo_rates
     with Testbed(2, 200) as tb:
         rows = gloo_rates(tb, messages=4, mib=0.25, repeats=1, timeout=180)
     assert [r["pattern"] for r in rows] == ["gloo: one pair, one way", "gloo: two pairs, one way",
@@ -286,6 +289,6 @@ def test_link_check_and_run_refuse_bad_arguments(tmp_path):
     for argv, want in ((["check", "somewhere"], "takes no target"), (["check", "--link-mbit", "0"], "must be positive"),
                        (["run", str(out), "--link-mbit", "-3"], "--link-mbit must be positive, not -3"),
                        (["run", str(out), "--trace", str(tmp_path / "t")], "--trace needs --train")):
-        r = subprocess.run([sys.executable, "-m", "planc", "testbed", *argv], capture_output=True, text=True,
-                           timeout=60)
+        r = subprocess.run([sys.executable, "-m", "benchmarks", "testbed", *argv], capture_output=True, text=True,
+                           timeout=60, cwd=ROOT)
         assert r.returncode == 2 and want in r.stderr and "Traceback" not in r.stderr, r.stderr

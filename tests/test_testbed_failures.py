@@ -28,7 +28,7 @@ import time
 
 import pytest
 
-from planc.testbed import Testbed, available
+from benchmarks.testbed import Testbed, available
 
 from e2e_util import ROOT, extensions_env
 from test_failures import FOUR, HANGING_MODEL
@@ -129,7 +129,7 @@ def started(outs):
 
     bench = {"shm_before": set(glob.glob("/dev/shm/deepspeed_allreduce_buffer_*"))}
     env = dict(os.environ, PLANC_BENCH_LINK_DOWN="0@1", PLANC_COLLECTIVE_TIMEOUT_S=str(TIMEOUT_S), **extensions_env())
-    bench["p"] = subprocess.Popen([sys.executable, "-m", "planc", "bench", "testbed"], stdout=subprocess.PIPE,
+    bench["p"] = subprocess.Popen([sys.executable, "-m", "benchmarks", "bench", "testbed"], stdout=subprocess.PIPE,
                                   stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
     th = threading.Thread(target=run_hang, daemon=True)
     th.start()
@@ -269,10 +269,10 @@ def test_a_link_going_down_during_planc_bench_testbed_ends_it(started):
     stdout, stderr = p.communicate(timeout=600)
     assert p.returncode == 1, stdout[-2000:] + stderr[-3000:]
     assert "Traceback" not in stderr and "internal error" not in stderr, stderr[-3000:]
-    from planc.bench import testbed as bench_testbed
+    from benchmarks.bench import testbed as bench_testbed
     cases = len(bench_testbed.STRATEGIES) * (len(bench_testbed.TRANSFERS) + len(bench_testbed.WIDE)) \
         + len(bench_testbed.PROGRAMS) + len(bench_testbed.GLOO_IN_HOST)
-    assert re.search(r"^planc bench testbed: case '1 -> \(1,4\)  R R -> R R' \(send_recv\) failed \(exit \d+\) "
+    assert re.search(r"^benchmarks bench testbed: case '1 -> \(1,4\)  R R -> R R' \(send_recv\) failed \(exit \d+\) "
                      rf"after host 1's link went down \(collective timeout {TIMEOUT_S} s\); the other {cases - 1} "
                      r"case\(s\) were not run", stderr, re.M), stderr[-3000:]
     down = re.search(r"^faults: ([0-9.]+) s: host 1's link set down \(bridge port p1\)$", stderr, re.M)

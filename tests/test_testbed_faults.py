@@ -19,7 +19,7 @@ import time
 
 import pytest
 
-from planc.testbed import Testbed, available
+from benchmarks.testbed import Testbed, available
 
 from e2e_util import ROOT, compare_dumps, independent_reference
 
@@ -211,7 +211,7 @@ def test_interrupting_planc_testbed_run_removes_everything(out1):
     """Ctrl-C (SIGINT) to `planc testbed run --loss 0.05 --train` while the ranks run: it says so,
     exits 130, and no rank, namespace, link or qdisc of the testbed is left."""
     before = _machine_state()
-    p = subprocess.Popen([sys.executable, "-m", "planc", "testbed", "run", str(out1), "--train", "--loss", "0.05",
+    p = subprocess.Popen([sys.executable, "-m", "benchmarks", "testbed", "run", str(out1), "--train", "--loss", "0.05",
                           "--steps", str(10 ** 6), "--link-mbit", "100"], stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True, cwd=ROOT, env=dict(os.environ, PYTHONFAULTHANDLER="1"),
                          # as from a terminal: a suite started in the background by a script (`sh -c '... &'`)
@@ -247,7 +247,7 @@ def test_interrupting_planc_testbed_run_removes_everything(out1):
             p.kill()
             p.wait()
     assert p.returncode == 130, stderr[-2000:]
-    assert "planc testbed: interrupted; the testbed's processes and namespaces are removed" in stderr, stderr
+    assert "benchmarks testbed: interrupted; the testbed's processes and namespaces are removed" in stderr, stderr
     assert "Traceback" not in stderr, stderr
     assert _leftovers(prefix) == []
     assert _machine_state() == before
@@ -320,7 +320,7 @@ def test_fault_arguments_are_checked():
             tb.link_down(2)
         with pytest.raises(ValueError, match="end must be 'bridge' or 'host'"):
             tb.link_down(0, end="switch")
-        from planc.testbed import TestbedError
+        from benchmarks.testbed import TestbedError
         with pytest.raises(TestbedError, match="no job is running"):
             tb.kill_rank(0)
         tb.set_loss(0.2, host=1)     # installs the drop stage at run time, on host 1's link only

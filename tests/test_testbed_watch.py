@@ -1,9 +1,9 @@
-"""The testbed's account of how each rank ended (planc.testbed.watch), without a testbed: a rank
+"""The testbed's account of how each rank ended (benchmarks.testbed.watch), without a testbed: a rank
 whose exit status was missed gets its host launcher's only where that is exactly its own."""
 
 from __future__ import annotations
 
-from planc.testbed.watch import RankTracker, describe_failure, last_words
+from benchmarks.testbed.watch import RankTracker, describe_failure, last_words
 
 LAUNCHER_FAILED = "[ERROR] [launch.py:259:sigkill_handler] ['python', 'train.py'] exits with return code = 2\n"
 

@@ -262,19 +262,19 @@ def test_compile_progress_names_each_pass_and_changes_nothing(tmp_path):
 
 
 def test_fuzz_and_resharding_bars_on_a_terminal_only(monkeypatch, capsys, tmp_path):
-    from planc.bench import fuzz, resharding
+    from benchmarks.bench import fuzz, resharding
     piped = fuzz.run(n=6, seed=1, save=str(tmp_path))
     assert capsys.readouterr().err == ""
     tty = FakeTTY()
     monkeypatch.setattr(sys, "stderr", tty)
     on_tty = fuzz.run(n=6, seed=1, save=str(tmp_path))
-    assert "planc bench fuzz" in tty.getvalue() and "6/6" in tty.getvalue()
+    assert "benchmarks bench fuzz" in tty.getvalue() and "6/6" in tty.getvalue()
     counts = lambda text: [l.split("|")[1:6] for l in text.splitlines() if l.startswith("| ") and "inputs" not in l]
     assert counts(on_tty) == counts(piped) and counts(piped)           # the same table, bar or not
     one = resharding.cases(False)[:1]                  # a 1-to-2 broadcast: quick to plan
     monkeypatch.setattr(resharding, "cases", lambda large: one)
     table = resharding.run(large=False)
-    assert "planc bench resharding" in tty.getvalue() and table.count("\n") == 3   # header, rule, one case
+    assert "benchmarks bench resharding" in tty.getvalue() and table.count("\n") == 3   # header, rule, one case
     monkeypatch.setattr(sys, "stderr", io.StringIO())
     assert resharding.run(large=False).splitlines()[2].split("|")[1:5] == table.splitlines()[2].split("|")[1:5]
     assert sys.stderr.getvalue() == ""

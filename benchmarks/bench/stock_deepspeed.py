@@ -1,4 +1,4 @@
-"""Stock DeepSpeed pipeline training of a planc-compiled plan's model: the `planc bench iteration` baseline.
+"""Stock DeepSpeed pipeline training of a planc-compiled plan's model: the `python -m benchmarks bench iteration` baseline.
 
 Standalone: imports torch, DeepSpeed and the standard library only, and is
 launched exactly like the compiled program (``deepspeed ... stock_deepspeed.py

@@ -21,7 +21,7 @@ Public API::
                         of rank 0's steps on stderr (default: on a terminal); afterwards the launch's
                         DeepSpeed /dev/shm buffers are removed (LaunchResult.shm_removed)
         .set_link_mbit(x)   change every host link's rate (``tc qdisc change``), also mid-run
-        faults (planc/testbed/faults.py), also mid-run (e.g. from on_step):
+        faults (benchmarks/testbed/faults.py), also mid-run (e.g. from on_step):
         .set_loss(fraction, host=None)    drop that share of a host link's packets, each direction
                                           (``loss=`` of the constructor: from the start); .loss
         .link_down(host, end="bridge") / .link_up(host, end="bridge")   ``ip link set ... down/up``
@@ -40,8 +40,8 @@ Public API::
 See docs/testbed.md.
 """
 
-from planc.testbed.netns import IFNAME, Testbed, available, cleanup_stale, scaled_link_mbit
-from planc.testbed.result import LaunchResult, TestbedError
+from benchmarks.testbed.netns import IFNAME, Testbed, available, cleanup_stale, scaled_link_mbit
+from benchmarks.testbed.result import LaunchResult, TestbedError
 
 __all__ = ["Testbed", "TestbedError", "LaunchResult", "IFNAME", "available", "cleanup_stale",
            "scaled_link_mbit"]

@@ -3,7 +3,7 @@
 ``run()`` returns a markdown table (hierarchy, axes, matrices, programs, times).
 It measures wall-clock time with ``time.perf_counter``, every case from empty
 caches (so no case is timed on the synthesis an earlier one did); it is a
-benchmark, never a test assertion. ``planc bench synthesis`` prints it, with a
+benchmark, never a test assertion. ``python -m benchmarks bench synthesis`` prints it, with a
 progress bar on a terminal.
 
 The P² systems are the two GPU clusters of the paper's evaluation as we read

@@ -1,6 +1,6 @@
 """What the testbed's shaped links give plain TCP: the physical bound the training figures sit under.
 
-``tcp_rates(tb)`` runs, inside a live :class:`planc.testbed.netns.Testbed`, a few
+``tcp_rates(tb)`` runs, inside a live :class:`benchmarks.testbed.netns.Testbed`, a few
 traffic patterns of plain TCP streams between hosts (no gloo, no torch: a
 socket server and a client per flow, started in the hosts' namespaces), each
 flow moving ``mbytes`` MiB. Every connection is made first; the clients then
@@ -9,19 +9,24 @@ queue costs 1 s, then 2 s, ...) is outside the timed region. Reported per
 pattern: the busiest link direction's bytes ÷ the time the last flow took, and
 that as a fraction of the nominal rate.
 
-Measured (``planc testbed check --link-mbit 25``, docs/testbed.md): plain TCP
+Measured (``python -m benchmarks testbed check --link-mbit 25``, docs/testbed.md): plain TCP
 moves 96–97 % of the rate one way and 83–95 % with data both ways at once (each
 direction's ACKs queue behind the other's data in the same tbf FIFO); gloo with
 every receive posted, 96 % and 81–89 %. Training moves data both ways
 (activations forward, gradients back), so this is the ceiling its link-bound
-steps can approach. ``gloo_rates`` runs ``planc/runtime/gloocheck.py``.
+steps can approach. ``gloo_rates`` runs ``benchmarks/testbed/gloocheck.py``.
 """
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
+from pathlib import Path
+
+GLOOCHECK = Path(__file__).resolve().parent / "gloocheck.py"   # run by every rank, torch only
 
 PATTERNS = (
     ("one flow, host 0 → 1", ((0, 1),)),
@@ -98,17 +103,12 @@ def _record(pattern: str, flows: int, seconds: float, busiest: float, tb) -> dic
 
 
 def gloo_rates(tb, messages: int = 16, mib: float = 0.5, timeout: float = 300, repeats: int = 3) -> list[dict]:
-    """gloo p2p (``planc/runtime/gloocheck.py``) on a live 2-host testbed with 2 ranks per host:
+    """gloo p2p (``benchmarks/testbed/gloocheck.py``) on a live 2-host testbed with 2 ranks per host:
     per pattern the same record as :func:`tcp_rates`. Raises ``RuntimeError`` when the launch fails."""
-    import json
-    import tempfile
-    from pathlib import Path
-
-    from planc import resources
     with tempfile.TemporaryDirectory(prefix="planc-gloocheck-") as tmp:
         (Path(tmp) / "plan.json").write_text(json.dumps({"cluster": {"hosts": [[0, 1], [2, 3]], "devices": 4},
                                                          "stages": []}))
-        r = tb.launch(tmp, script=resources.runtime_dir() / "gloocheck.py", args=(), steps=1, timeout=timeout,
+        r = tb.launch(tmp, script=GLOOCHECK, args=(), steps=1, timeout=timeout,
                       env={"GLOOCHECK_MESSAGES": str(messages), "GLOOCHECK_MIB": str(mib),
                            "GLOOCHECK_REPEATS": str(repeats)}, memory=False, launcher="direct",
                       progress=False)

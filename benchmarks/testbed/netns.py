@@ -15,7 +15,6 @@ import ipaddress
 import itertools
 import json
 import os
-import re
 import shutil
 import signal
 import subprocess
@@ -25,102 +24,19 @@ import threading
 import time
 from pathlib import Path
 from typing import Callable
-from planc.testbed.faults import FaultsMixin, check_loss
-from planc.testbed.result import LaunchResult, TestbedError
-from planc.testbed.watch import (_RANK_FAILED_RE, STEP_RE, TRAIN_STEP_RE, RankTracker, StepBar,  # noqa: F401
+
+from benchmarks.testbed.faults import FaultsMixin, check_loss
+from benchmarks.testbed.namespaces import (BRIDGE, IFNAME, NAME_RE, available, cleanup_stale,  # noqa: F401
+                                           delete_netns, netns_list, pick_subnet, run)
+from benchmarks.testbed.result import LaunchResult, TestbedError
+from benchmarks.testbed.watch import (_RANK_FAILED_RE, STEP_RE, TRAIN_STEP_RE, RankTracker, StepBar,  # noqa: F401
                                  _rank_failed, _StepWatch, deepspeed_command, describe_failure, remove_shm,
                                  sample_hwm, shm_buffers, uts_wrapper)
 
-IFNAME = "tb0"                  # the veth inside every host namespace
-BRIDGE = "br0"                  # the bridge inside the bridge namespace
-NAME_RE = re.compile(r"^planc(\d+)t(\d+)(?:h\d+|br)$")
 _counter = itertools.count()
 _ports = itertools.count(29500)   # one master port per launch of this process, so that two testbeds up at
                                   # once never share DeepSpeed's /dev/shm buffer names (address_port_rank)
 
-
-def available() -> str | None:
-    """Why a testbed cannot be built here, or None when it can."""
-    if os.name != "posix" or not sys.platform.startswith("linux"):
-        return "network namespaces need Linux"
-    if os.geteuid() != 0:
-        return "not root (network namespaces, veth and tc need root)"
-    for tool in ("ip", "tc"):
-        if shutil.which(tool) is None:
-            return f"`{tool}` (iproute2) is not installed"
-    return None
-
-
-def _run(argv: list[str], check: bool = True, timeout: float = 30) -> subprocess.CompletedProcess:
-    r = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
-    if check and r.returncode != 0:
-        raise TestbedError(f"`{' '.join(argv)}` failed ({r.returncode}): {r.stderr.strip() or r.stdout.strip()}")
-    return r
-
-
-def _netns_list() -> list[str]:
-    r = _run(["ip", "netns", "list"], check=False)
-    return [line.split()[0] for line in r.stdout.splitlines() if line.strip()]
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _kill_netns_pids(ns: str) -> None:
-    """Kill what still runs inside ``ns`` (only processes this testbed launched can be there)."""
-    r = _run(["ip", "netns", "pids", ns], check=False)
-    for tok in r.stdout.split():
-        try:
-            os.kill(int(tok), signal.SIGKILL)
-        except (ValueError, ProcessLookupError, PermissionError):
-            pass
-
-
-def _delete_netns(ns: str) -> None:
-    _kill_netns_pids(ns)
-    _run(["ip", "netns", "del", ns], check=False)
-
-
-def cleanup_stale() -> list[str]:
-    """Remove testbed namespaces (``planc<pid>t<n>h<i>`` / ``...br``) whose creating process is gone."""
-    removed = []
-    for ns in _netns_list():
-        m = NAME_RE.match(ns)
-        if m and not _pid_alive(int(m.group(1))):
-            _delete_netns(ns)
-            removed.append(ns)
-    return removed
-
-
-def _used_networks() -> list[ipaddress.IPv4Network]:
-    """Networks routed or addressed in the root namespace (so ours never overlaps them)."""
-    nets = []
-    for argv in (["ip", "-4", "route", "show", "table", "all"], ["ip", "-4", "-o", "addr", "show"]):
-        out = _run(argv, check=False).stdout
-        for tok in re.findall(r"\b(\d+\.\d+\.\d+\.\d+(?:/\d+)?)\b", out):
-            try:
-                nets.append(ipaddress.ip_network(tok, strict=False))
-            except ValueError:
-                pass
-    return nets
-
-
-def _pick_subnet() -> ipaddress.IPv4Network:
-    used = _used_networks()
-    start = os.getpid() % 200
-    for i in range(254):
-        n = 1 + (start + i) % 254
-        net = ipaddress.ip_network(f"10.213.{n}.0/24")
-        if not any(net.overlaps(u) for u in used if u.prefixlen > 0):
-            return net
-    raise TestbedError("no free /24 in 10.213.0.0/16 on this machine")
 
 
 def scaled_link_mbit(plan: dict, intra_bytes_per_s: float = 3e9) -> float:
@@ -141,7 +57,7 @@ class Testbed(FaultsMixin):
     bridge port towards the receiver (shaped on the way in), so a host's link
     is ``link_mbit`` in each direction, as in the cost model's tree of links.
 
-    Faults (planc/testbed/faults.py, docs/testbed.md "Faults"): ``loss`` (a fraction, or
+    Faults (benchmarks/testbed/faults.py, docs/testbed.md "Faults"): ``loss`` (a fraction, or
     {host: fraction}) drops that share of each host link's packets from the start,
     ``set_loss``, ``link_down``/``link_up`` and ``kill_rank`` apply them while a job runs.
     """
@@ -206,35 +122,35 @@ class Testbed(FaultsMixin):
         self.close()
 
     def _ns_add(self, ns: str) -> None:
-        if ns in _netns_list():
-            raise TestbedError(f"network namespace {ns} already exists (run `planc testbed down`)")
-        _run(["ip", "netns", "add", ns])
+        if ns in netns_list():
+            raise TestbedError(f"network namespace {ns} already exists (run `python -m benchmarks testbed down`)")
+        run(["ip", "netns", "add", ns])
         self._created.append(ns)
 
     def _build(self) -> None:
-        net = self._subnet or _pick_subnet()
+        net = self._subnet or pick_subnet()
         self.subnet = str(net)
         hosts_ip = list(net.hosts())
         self.addresses = [str(hosts_ip[h]) for h in range(self.hosts)]
         br = self.bridge_ns
         self._ns_add(br)
-        _run(["ip", "-n", br, "link", "set", "lo", "up"])
-        _run(["ip", "-n", br, "link", "add", BRIDGE, "type", "bridge"])
-        _run(["ip", "-n", br, "link", "set", BRIDGE, "up"])
+        run(["ip", "-n", br, "link", "set", "lo", "up"])
+        run(["ip", "-n", br, "link", "add", BRIDGE, "type", "bridge"])
+        run(["ip", "-n", br, "link", "set", BRIDGE, "up"])
         rate = f"{self.link_mbit:g}mbit"
         tbf = ["tbf", "rate", rate, "burst", str(self.burst_bytes), "latency", f"{self.latency_ms:g}ms"]
         for h, ns in enumerate(self.namespaces):
             self._ns_add(ns)
             port = f"p{h}"
             # both ends are born inside our namespaces: nothing appears in the machine's own
-            _run(["ip", "-n", br, "link", "add", port, "type", "veth", "peer", "name", IFNAME, "netns", ns])
-            _run(["ip", "-n", br, "link", "set", port, "master", BRIDGE])
-            _run(["ip", "-n", br, "link", "set", port, "up"])
-            _run(["ip", "-n", ns, "link", "set", "lo", "up"])
-            _run(["ip", "-n", ns, "addr", "add", f"{self.addresses[h]}/{net.prefixlen}", "dev", IFNAME])
-            _run(["ip", "-n", ns, "link", "set", IFNAME, "up"])
-            _run(["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", IFNAME, "root", *tbf])   # host → bridge
-            _run(["ip", "netns", "exec", br, "tc", "qdisc", "add", "dev", port, "root", *tbf])     # bridge → host
+            run(["ip", "-n", br, "link", "add", port, "type", "veth", "peer", "name", IFNAME, "netns", ns])
+            run(["ip", "-n", br, "link", "set", port, "master", BRIDGE])
+            run(["ip", "-n", br, "link", "set", port, "up"])
+            run(["ip", "-n", ns, "link", "set", "lo", "up"])
+            run(["ip", "-n", ns, "addr", "add", f"{self.addresses[h]}/{net.prefixlen}", "dev", IFNAME])
+            run(["ip", "-n", ns, "link", "set", IFNAME, "up"])
+            run(["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", IFNAME, "root", *tbf])   # host → bridge
+            run(["ip", "netns", "exec", br, "tc", "qdisc", "add", "dev", port, "root", *tbf])     # bridge → host
         if any(self._loss):
             self._apply_loss()
 
@@ -246,7 +162,7 @@ class Testbed(FaultsMixin):
             self._procs.clear()
             for ns in reversed(self._created):
                 try:
-                    _delete_netns(ns)
+                    delete_netns(ns)
                 except Exception:   # keep removing the rest
                     pass
             self._created.clear()
@@ -280,9 +196,9 @@ class Testbed(FaultsMixin):
         for h, ns in enumerate(self.namespaces):
             for where, dev in ((ns, IFNAME), (self.bridge_ns, f"p{h}")):
                 # `change` keeps the queued packets (a running job only sees the new rate)
-                r = _run(["ip", "netns", "exec", where, "tc", "qdisc", "change", "dev", dev, "root", *tbf], check=False)
+                r = run(["ip", "netns", "exec", where, "tc", "qdisc", "change", "dev", dev, "root", *tbf], check=False)
                 if r.returncode != 0:
-                    _run(["ip", "netns", "exec", where, "tc", "qdisc", "replace", "dev", dev, "root", *tbf])
+                    run(["ip", "netns", "exec", where, "tc", "qdisc", "replace", "dev", dev, "root", *tbf])
         self._resize_loss_queues()
 
     def launch(self, out: str | os.PathLike, steps: int = 3, timeout: float = 300, *,

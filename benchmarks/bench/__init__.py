@@ -1,4 +1,4 @@
-"""`planc bench`: benchmarks whose tables go into docs/benchmarks.md.
+"""`python -m benchmarks bench`: benchmarks whose tables go into docs/benchmarks.md.
 
 Each benchmark module has ``run() -> str`` (a markdown section). With
 ``--write FILE`` the section replaces the text between its markers in FILE:
@@ -20,7 +20,7 @@ def run_bench(name: str, write: str | None = None, **options) -> str:
     if name not in BENCHES:
         raise ValueError(f"unknown benchmark {name!r}")
     options = {k: v for k, v in options.items() if v is not None}
-    text = importlib.import_module(f"planc.bench.{name}").run(**options).rstrip() + "\n"
+    text = importlib.import_module(f"benchmarks.bench.{name}").run(**options).rstrip() + "\n"
     if write:
         replace_section(Path(write), name, text)
     return text

@@ -1,4 +1,4 @@
-"""`planc bench cut`: the automatic stage cut (``stages = auto(N)``) against every hand cut, measured.
+"""`python -m benchmarks bench cut`: the automatic stage cut (``stages = auto(N)``) against every hand cut, measured.
 
 The model is the bundled MLP (``examples/mlp.py``) with a wide input: layer 0 maps ``INPUTS``
 features to ``HIDDEN``, so it costs ``INPUTS / HIDDEN`` times a middle layer and the last

@@ -1,7 +1,7 @@
-"""`planc bench nic PLAN... --cluster CAL.yaml [--rates 25]`: the host NIC order, measured side by side.
+"""`python -m benchmarks bench nic PLAN... --cluster CAL.yaml [--rates 25]`: the host NIC order, measured side by side.
 
 For each plan and rate the plan is compiled under the calibrated cluster at that rate (the host
-link's figures from the file, as `planc bench accuracy` does), once per schedule (1f1b,
+link's figures from the file, as `python -m benchmarks bench accuracy` does), once per schedule (1f1b,
 eager_1f1b), with the model probe, so the compiler decides on a host NIC order itself
 (docs/simulator.md). Every compiled output whose plan.json has an order is then launched on the
 testbed at that rate twice per repetition, interleaved: with the order (the default) and with
@@ -28,9 +28,9 @@ class NicBenchError(ValueError):
 
 
 def measure(plans, cal_path: str, rates) -> list[dict]:
-    from planc.bench.accuracy import read_calibrated
-    from planc.bench.iteration import compile_variants, link_bytes
-    from planc.testbed import Testbed
+    from benchmarks.bench.accuracy import read_calibrated
+    from benchmarks.bench.iteration import compile_variants, link_bytes
+    from benchmarks.testbed import Testbed
 
     read_calibrated(cal_path)   # a bad file fails before anything is compiled
     rows = []
@@ -101,9 +101,9 @@ def markdown(rows: list[dict], command: str) -> str:
 
 def run(plans=None, cluster: str | None = None, rates=None, json_path: str | None = None) -> str:
     if not cluster:
-        return ("_Skipped: `planc bench nic` needs `--cluster CALIBRATED.yaml` (from `planc calibrate --on "
+        return ("_Skipped: `python -m benchmarks bench nic` needs `--cluster CALIBRATED.yaml` (from `python -m benchmarks calibrate --on "
                 "testbed`): the order is decided on the calibrated link and compute figures._\n")
-    from planc.testbed.netns import available
+    from benchmarks.testbed.netns import available
     why = available()
     if why:
         return f"_Skipped: the testbed cannot be built here: {why} (docs/testbed.md)._\n"
@@ -112,5 +112,5 @@ def run(plans=None, cluster: str | None = None, rates=None, json_path: str | Non
     rows = measure(plans, cluster, rates)
     if json_path:
         Path(json_path).write_text(json.dumps(rows, indent=1, default=str))
-    command = (f"planc bench nic {' '.join(plans)} --cluster {cluster} --rates {','.join(f'{r:g}' for r in rates)}")
+    command = (f"python -m benchmarks bench nic {' '.join(plans)} --cluster {cluster} --rates {','.join(f'{r:g}' for r in rates)}")
     return markdown(rows, command)

@@ -1,9 +1,9 @@
-"""`planc bench accuracy`: the simulator's and cost model's predictions against measurements.
+"""`python -m benchmarks bench accuracy`: the simulator's and cost model's predictions against measurements.
 
 Given a cluster file written by ``planc calibrate`` and the measurements of
-``python -m planc.bench.iteration ... --json F`` (schedules of each plan at each
-link rate) and/or of ``planc bench testbed`` (a JSON list of the cases
-``planc.bench.testbed.measure()`` returns: that bench has no ``--json`` of its
+``python -m benchmarks.bench.iteration ... --json F`` (schedules of each plan at each
+link rate) and/or of ``python -m benchmarks bench testbed`` (a JSON list of the cases
+``benchmarks.bench.testbed.measure()`` returns: that bench has no ``--json`` of its
 own), every measured case is predicted under the calibrated cluster at the
 case's link rate:
 
@@ -118,7 +118,7 @@ def read_calibrated(path: str | Path) -> Calibrated:
 
     p = Path(path)
     if not p.is_file():
-        raise AccuracyError(f"planc bench accuracy: cluster file {path} not found")
+        raise AccuracyError(f"benchmarks bench accuracy: cluster file {path} not found")
     program = load_text(f'cluster "{p.name}"\n', str(p.resolve().parent / "_calibrated.plan"))
     c = program.cluster
     doc = yaml.safe_load(p.read_text()) or {}
@@ -128,7 +128,7 @@ def read_calibrated(path: str | Path) -> Calibrated:
                     for e in rec.get("by_rate") or () if e.get("rate_mbit"))
     cores_level = getattr(c, "cores_level", None)
     if c.cores is not None and cores_level not in (None, c.host_level):
-        raise AccuracyError(f"planc bench accuracy: cluster file {path}: cores per level '{cores_level}' cannot "
+        raise AccuracyError(f"benchmarks bench accuracy: cluster file {path}: cores per level '{cores_level}' cannot "
                             f"be carried over to other plans (use 'cores_per: cluster' or the host level)")
     return Calibrated(str(path), c.levels, c.host_index, c.flops, by_rate, c.cores,
                       c.cores is not None and cores_level is not None, c.op_overhead, c.step_overhead)
@@ -189,7 +189,7 @@ def iteration_cases(doc: dict, cal: Calibrated, source: str) -> list[dict]:
     for res in doc.get("plans") or ():
         path = _plan_path(res["plan"])
         if not path.exists():
-            raise AccuracyError(f"planc bench accuracy: {source}: plan {res['plan']} not found")
+            raise AccuracyError(f"benchmarks bench accuracy: {source}: plan {res['plan']} not found")
         program = load(path)
         rates = sorted({float(r["rate"]) for run in res["programs"].values() for r in run["per_rate"]})
         predicted = {}
@@ -221,8 +221,8 @@ def _testbed_cluster_text(cal: Calibrated, rate: float, hosts: int, per_host: in
 
 
 def testbed_cases(cases: list, cal: Calibrated, source: str, rate: float | None = None) -> list[dict]:
-    """One row per case of ``planc.bench.testbed.measure()``'s list, predicted under the calibrated cluster."""
-    from planc.bench import testbed as tb
+    """One row per case of ``benchmarks.bench.testbed.measure()``'s list, predicted under the calibrated cluster."""
+    from benchmarks.bench import testbed as tb
     from planc.compile import compile_file
 
     rate = float(rate or tb.LINK_MBIT)
@@ -233,11 +233,11 @@ def testbed_cases(cases: list, cal: Calibrated, source: str, rate: float | None 
     with tempfile.TemporaryDirectory(prefix="planc-accuracy-") as tmp:
         for i, c in enumerate(cases):
             if not isinstance(c, dict) or c.get("kind") not in ("transfer", "reduction"):
-                raise AccuracyError(f"planc bench accuracy: {source}: case {i} is not a bench testbed case "
+                raise AccuracyError(f"benchmarks bench accuracy: {source}: case {i} is not a bench testbed case "
                                     f"(a mapping with kind 'transfer' or 'reduction')")
             if c["kind"] == "transfer":
                 if c.get("case") not in templates or c.get("what") not in tb.STRATEGIES:
-                    raise AccuracyError(f"planc bench accuracy: {source}: case {i}: unknown transfer case "
+                    raise AccuracyError(f"benchmarks bench accuracy: {source}: case {i}: unknown transfer case "
                                         f"{c.get('case')!r} / strategy {c.get('what')!r}")
                 template, cluster = templates[c["case"]]
                 plan = template.format(CLUSTER=cluster, STRATEGY=c["what"])
@@ -245,7 +245,7 @@ def testbed_cases(cases: list, cal: Calibrated, source: str, rate: float | None 
                 if c.get("what") in tb.GLOO_IN_HOST:
                     continue     # an implementation's A/B, not an alternative the compiler chooses between
                 if c.get("what") not in tb.PROGRAMS:
-                    raise AccuracyError(f"planc bench accuracy: {source}: case {i}: unknown reduction program "
+                    raise AccuracyError(f"benchmarks bench accuracy: {source}: case {i}: unknown reduction program "
                                         f"{c.get('what')!r}")
                 plan = tb.REDUCTION.format(CLUSTER=text, PROGRAM=tb.PROGRAMS[c["what"]])
             src = Path(tmp) / f"case{i}.plan"
@@ -267,16 +267,16 @@ def read_measured(path: str | Path) -> tuple[str, object]:
     try:
         doc = json.loads(p.read_text())
     except FileNotFoundError:
-        raise AccuracyError(f"planc bench accuracy: measured file {path} not found") from None
+        raise AccuracyError(f"benchmarks bench accuracy: measured file {path} not found") from None
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise AccuracyError(f"planc bench accuracy: {path} is not JSON: {e}") from None
+        raise AccuracyError(f"benchmarks bench accuracy: {path} is not JSON: {e}") from None
     if isinstance(doc, dict) and isinstance(doc.get("plans"), list):
         return "iteration", doc
     if isinstance(doc, dict) and isinstance(doc.get("cases"), list):
         return "testbed", doc
     if isinstance(doc, list):
         return "testbed", {"cases": doc}
-    raise AccuracyError(f"planc bench accuracy: {path}: neither `bench iteration --json` output (a 'plans' list) "
+    raise AccuracyError(f"benchmarks bench accuracy: {path}: neither `bench iteration --json` output (a 'plans' list) "
                         f"nor a list of bench testbed cases")
 
 
@@ -431,7 +431,7 @@ def run(measured=None, cluster: str | list[str] | None = None, json_path: str | 
     """Markdown of :func:`evaluate` (``measured``: JSON files; ``cluster``: the calibrated YAML, or one per
     measured file)."""
     if not cluster or not measured:
-        return ("_Skipped: `planc bench accuracy` needs `--cluster CALIBRATED.yaml` and the measured JSON "
+        return ("_Skipped: `python -m benchmarks bench accuracy` needs `--cluster CALIBRATED.yaml` and the measured JSON "
                 "files (see docs/calibrate.md)._\n")
     res = evaluate(cluster, list(measured))
     if json_path:

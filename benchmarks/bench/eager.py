@@ -1,14 +1,14 @@
-"""``python -m planc.bench.eager PLAN --cluster CAL.yaml [--rates 25,100,400,10000] [--model K=V,...]
+"""``python -m benchmarks.bench.eager PLAN --cluster CAL.yaml [--rates 25,100,400,10000] [--model K=V,...]
 [--own-cores]``: how much eager_1f1b can gain over 1f1b on a plan's model family, simulated.
 
 The experiment behind docs/benchmarks.md, "How much eager_1f1b can gain, simulated": for every model
 size given (``--model channels=64,length=1024``, repeatable; default the plan's own arguments) and
-every rate, the plan is compiled under the calibrated cluster at that rate (as ``planc bench
+every rate, the plan is compiled under the calibrated cluster at that rate (as ``python -m benchmarks bench
 accuracy`` does) and its three schedules are simulated; the table gives each one's predicted
 iteration, the iteration with free communication (the compute), and 1f1b ÷ eager_1f1b.
 ``--own-cores`` drops the calibration's shared ``cores`` (every device computes on its own, as GPUs
 do) to ask what the schedule could gain on hardware that is not the testbed's shared CPUs. Nothing
-is launched; these are predictions, to be read beside the measurements of ``planc bench iteration``.
+is launched; these are predictions, to be read beside the measurements of ``python -m benchmarks bench iteration``.
 """
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ def _model_args(text: str) -> dict:
 
 
 def rows(plan_path: str, cal_path: str, rates, models=(None,), own_cores: bool = False) -> list[dict]:
-    from planc.bench.accuracy import read_calibrated, substitute
+    from benchmarks.bench.accuracy import read_calibrated, substitute
     from planc.compile import compile_program
     from planc.lang import load
     from planc.probe import probe_model
@@ -84,10 +84,10 @@ def markdown(rs: list[dict]) -> str:
 
 
 def main(argv=None) -> int:
-    from planc.bench.accuracy import AccuracyError
+    from benchmarks.bench.accuracy import AccuracyError
     from planc.lang.errors import PlanError
 
-    p = argparse.ArgumentParser(prog="python -m planc.bench.eager", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.bench.eager", description=__doc__.splitlines()[0])
     p.add_argument("plan")
     p.add_argument("--cluster", required=True, metavar="YAML", help="a `planc calibrate` file")
     p.add_argument("--rates", default="25,100,400,10000", help="link rates in Mbit/s, comma-separated")
@@ -99,15 +99,15 @@ def main(argv=None) -> int:
         rates = [float(x) for x in a.rates.split(",") if x.strip()]
         models = [_model_args(m) for m in a.model] if a.model else [None]
     except ValueError as e:
-        print(f"python -m planc.bench.eager: {e}", file=sys.stderr)
+        print(f"python -m benchmarks.bench.eager: {e}", file=sys.stderr)
         return 2
     if not rates or any(not r > 0 for r in rates):
-        print(f"python -m planc.bench.eager: --rates {a.rates!r}: not positive Mbit/s", file=sys.stderr)
+        print(f"python -m benchmarks.bench.eager: --rates {a.rates!r}: not positive Mbit/s", file=sys.stderr)
         return 2
     try:
         print(markdown(rows(a.plan, a.cluster, rates, models, a.own_cores)))
     except (AccuracyError, PlanError, OSError, ValueError) as e:
-        print(f"python -m planc.bench.eager: {e}", file=sys.stderr)
+        print(f"python -m benchmarks.bench.eager: {e}", file=sys.stderr)
         return 2
     return 0
 

@@ -1,4 +1,4 @@
-"""`planc bench resharding`: AlpaComm-style resharding cases, makespan ÷ lower bound per scheduler and strategy.
+"""`python -m benchmarks bench resharding`: AlpaComm-style resharding cases, makespan ÷ lower bound per scheduler and strategy.
 
 Pure planning (no network): every figure is the cost model's prediction.
 Scheduler run times are wall-clock and vary from machine to machine.
@@ -87,7 +87,7 @@ def run(check: bool = True, large: bool = True) -> str:
             + [f"{s} s" for s in sched_cols])
     rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     # a bar on a terminal (stderr) only: piped, the table is all there is
-    for case in ui.progress(cases(large), "planc bench resharding", piped="silent", describe=lambda c: c.name):
+    for case in ui.progress(cases(large), "benchmarks bench resharding", piped="silent", describe=lambda c: c.name):
         ratios, times, strat_ratios = [], [], []
         auto = None
         for s in sched_cols:

@@ -1,4 +1,4 @@
-"""`planc bench testbed`: strategies and reduction programs measured on an emulated cluster.
+"""`python -m benchmarks bench testbed`: strategies and reduction programs measured on an emulated cluster.
 
 Two network namespaces (hosts) of 4 gloo ranks each (three for the 1 -> (2,4)
 fan-out, on a testbed of its own after the others), host links shaped to
@@ -12,7 +12,7 @@ program itself; every byte moved is checked by it.
 Needs root and iproute2 (``ip``, ``tc``); otherwise ``run()`` returns a note
 saying why it was skipped.
 
-A fault can be injected for real (planc/testbed/faults.py; docs/testbed.md
+A fault can be injected for real (benchmarks/testbed/faults.py; docs/testbed.md
 "Faults"): ``PLANC_BENCH_LINK_DOWN=SECONDS[@HOST]`` takes HOST's link (default
 the last host) down that long after rank 0's first step of the first case; the
 bench then stops with the launch's account on stderr and exits 1.
@@ -38,7 +38,7 @@ LINK_DOWN_ENV = "PLANC_BENCH_LINK_DOWN"        # SECONDS[@HOST]: a host link goe
 
 
 class BenchFailed(SystemExit):
-    """The bench cannot go on (a fault broke a launch): ``planc bench`` exits 1 with the message
+    """The bench cannot go on (a fault broke a launch): ``python -m benchmarks bench`` exits 1 with the message
     printed to stderr; the testbed is removed by then."""
 
     def __init__(self, message: str):
@@ -99,7 +99,7 @@ plan tb_reduce {{{CLUSTER}
 
 
 def _why_skipped() -> str | None:
-    from planc.testbed import available
+    from benchmarks.testbed import available
     return available()
 
 
@@ -174,7 +174,7 @@ def measure(steps: int = STEPS, timeout: float = 120, *, link_down: tuple[float,
     case is killed after ``timeout`` + ``collective_timeout`` seconds.
     ``progress``: one bar over the cases (``planc.ui.progress``, stderr)."""
     from planc import ui
-    from planc.testbed import Testbed
+    from benchmarks.testbed import Testbed
 
     collective_timeout = collective_timeout or max(30.0, float(timeout))
     with tempfile.TemporaryDirectory(prefix="planc-bench-testbed-") as tmp:
@@ -219,13 +219,13 @@ def _run_cases(tb, cases: list[dict], items, steps: int, timeout: float, link_do
             if fault and any("link set down" in what for _, what in r.events):
                 what = "timed out" if r.timed_out else f"failed (exit {r.returncode})"
                 raise BenchFailed(
-                    f"planc bench testbed: case {c['case']!r} ({c['what']}) {what} after host "
+                    f"benchmarks bench testbed: case {c['case']!r} ({c['what']}) {what} after host "
                     f"{link_down[1]}'s link went down (collective timeout {collective_timeout:g} s); "
                     f"the other {len(cases) - 1} case(s) were not run and the testbed is removed:\n"
                     f"{r.failure or r.stdout[-2000:]}")
         else:
             c["measured"] = statistics.median(times)
-            c["steps"] = list(times)     # the spread `planc bench accuracy` judges orderings against
+            c["steps"] = list(times)     # the spread `python -m benchmarks bench accuracy` judges orderings against
         c["launch_s"] = r.seconds
         c.pop("out")
 
@@ -262,7 +262,7 @@ def run() -> str:
         if not limit > 0:
             raise ValueError(f"PLANC_COLLECTIVE_TIMEOUT_S must be positive seconds, not {text!r}")
     except ValueError as e:
-        print(f"planc bench testbed: {e}", file=sys.stderr)
+        print(f"benchmarks bench testbed: {e}", file=sys.stderr)
         raise SystemExit(2) from None
     t0 = time.monotonic()
     try:

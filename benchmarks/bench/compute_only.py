@@ -1,6 +1,6 @@
-"""The compute-only bound's worker for ``planc bench iteration`` (launched inside the testbed).
+"""The compute-only bound's worker for ``python -m benchmarks bench iteration`` (launched inside the testbed).
 
-``python planc/bench/compute_only.py --compute-only --out OUT``: every rank runs its stage's part of
+``python benchmarks/bench/compute_only.py --compute-only --out OUT``: every rank runs its stage's part of
 the plan's list without any transfer or reduction (standard library, torch and OUT's own runtime only).
 """
 from __future__ import annotations

@@ -1,6 +1,6 @@
-"""gloo point-to-point through the testbed's links, every receive posted first (``planc testbed check``).
+"""gloo point-to-point through the testbed's links, every receive posted first (``python -m benchmarks testbed check``).
 
-Run by ``planc.testbed.linkcheck.gloo_rates`` as the script of a 2-host x 2-rank
+Run by ``benchmarks.testbed.linkcheck.gloo_rates`` as the script of a 2-host x 2-rank
 testbed launch: rank k of host 0 pairs with rank k of host 1. Per pattern, after
 a barrier, the receivers post all their irecvs, the senders isend ``N`` messages of
 ``MIB`` MiB each, and everyone waits; the slowest rank's time is printed by rank 0

@@ -1,4 +1,4 @@
-"""``python -m planc.bench.cores [--procs 1,2,4] [--iters 30]``: does processor sharing hold here?
+"""``python -m benchmarks.bench.cores [--procs 1,2,4] [--iters 30]``: does processor sharing hold here?
 
 The simulator shares a pool's cores equally among the devices computing at once
 (docs/simulator.md, "Shared cores"). This times the forward and backward of one
@@ -55,17 +55,17 @@ def measure(procs=(1, 2, 4), iters: int = 30) -> list[dict]:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m planc.bench.cores", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.bench.cores", description=__doc__.splitlines()[0])
     p.add_argument("--procs", default="1,2,4", help="process counts, comma-separated; the first should be 1")
     p.add_argument("--iters", type=int, default=30)
     a = p.parse_args(argv)
     try:
         procs = [int(x) for x in a.procs.split(",") if x.strip()]
     except ValueError:
-        print(f"python -m planc.bench.cores: --procs {a.procs!r}: not whole numbers", file=sys.stderr)
+        print(f"python -m benchmarks.bench.cores: --procs {a.procs!r}: not whole numbers", file=sys.stderr)
         return 2
     if not procs or any(n < 1 for n in procs) or a.iters < 1:
-        print("python -m planc.bench.cores: --procs and --iters must be at least 1", file=sys.stderr)
+        print("python -m benchmarks.bench.cores: --procs and --iters must be at least 1", file=sys.stderr)
         return 2
     for r in measure(procs, a.iters):
         ratio = "—" if r["vs_alone"] is None else f"{r['vs_alone']:.2f}"

@@ -1,4 +1,4 @@
-"""`planc bench … --plot FILE`: the bench's own table as grouped bars (PNG or SVG, matplotlib).
+"""`python -m benchmarks bench … --plot FILE`: the bench's own table as grouped bars (PNG or SVG, matplotlib).
 
 Every bench returns markdown (the table `--write` puts into docs/benchmarks.md);
 this module reads that table back, so a picture shows exactly the figures of

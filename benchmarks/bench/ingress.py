@@ -1,7 +1,7 @@
-"""``python -m planc.bench.ingress PLAN --cluster CAL.yaml [--rates 25,100]``: link orders, simulated.
+"""``python -m benchmarks.bench.ingress PLAN --cluster CAL.yaml [--rates 25,100]``: link orders, simulated.
 
 The experiment behind docs/benchmarks.md, "An order on the receiving host's link, simulated": for
-each rate the plan is compiled under the calibrated cluster at that rate (as ``planc bench
+each rate the plan is compiled under the calibrated cluster at that rate (as ``python -m benchmarks bench
 accuracy`` does), and its 1f1b and eager_1f1b lists are simulated four ways: links shared as the
 sends come (the plain simulation), each sending host's cross-host sends one at a time in the order
 they became ready (the host NIC order's construction, :func:`planc.pipeline.simulate.nic_order_from`),
@@ -18,7 +18,7 @@ COLUMNS = ("shared", "sending hosts", "receiving hosts", "both")
 
 
 def rows(plan_path: str, cal_path: str, rates) -> list[dict]:
-    from planc.bench.accuracy import compiled_at_rates, read_calibrated
+    from benchmarks.bench.accuracy import compiled_at_rates, read_calibrated
     from planc.lang import load
     from planc.pipeline.gantt import plan_input
     from planc.pipeline.schedules import build
@@ -51,10 +51,10 @@ def markdown(rs: list[dict]) -> str:
 
 
 def main(argv=None) -> int:
-    from planc.bench.accuracy import AccuracyError
+    from benchmarks.bench.accuracy import AccuracyError
     from planc.lang.errors import PlanError
 
-    p = argparse.ArgumentParser(prog="python -m planc.bench.ingress", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.bench.ingress", description=__doc__.splitlines()[0])
     p.add_argument("plan")
     p.add_argument("--cluster", required=True, metavar="YAML", help="a `planc calibrate` file")
     p.add_argument("--rates", default="25,100", help="link rates in Mbit/s, comma-separated")
@@ -62,12 +62,12 @@ def main(argv=None) -> int:
     try:
         rates = [float(x) for x in a.rates.split(",") if x.strip()]
     except ValueError:
-        print(f"python -m planc.bench.ingress: --rates {a.rates!r}: not numbers", file=sys.stderr)
+        print(f"python -m benchmarks.bench.ingress: --rates {a.rates!r}: not numbers", file=sys.stderr)
         return 2
     try:
         print(markdown(rows(a.plan, a.cluster, rates or [25.0])))
     except (AccuracyError, PlanError, OSError) as e:
-        print(f"python -m planc.bench.ingress: {e}", file=sys.stderr)
+        print(f"python -m benchmarks.bench.ingress: {e}", file=sys.stderr)
         return 2
     return 0
 

@@ -20,6 +20,9 @@ import re
 import signal
 import time
 
+from benchmarks.testbed.namespaces import IFNAME, run
+from benchmarks.testbed.result import TestbedError
+
 LOSS_HTB = "10:"            # the htb under a bridge port's tbf (only where loss was configured)
 LOSS_KEEP = "10:1"          # default class: a bfifo as long as the tbf's own queue
 LOSS_DROP = "10:2"          # the dropping class: pfifo limit 0
@@ -139,8 +142,6 @@ class FaultsMixin:
     def set_loss(self, loss, host: int | None = None) -> None:
         """Drop ``loss`` (a fraction, 0.05 = 5%) of the packets on host ``host``'s link, each direction
         (every host's when None); 0 stops dropping. Also while a job runs."""
-        from planc.testbed.netns import TestbedError
-
         if not self.up:
             raise TestbedError("the testbed is not up (use it as a context manager)")
         if host is not None and not (isinstance(host, int) and 0 <= host < self.hosts):
@@ -159,32 +160,30 @@ class FaultsMixin:
 
     def _apply_loss(self) -> None:
         """Install the drop stage on every bridge port (first time loss is configured), then its filters."""
-        from planc.testbed.netns import IFNAME, _run
-
         br = self.bridge_ns
         if any(self._loss) and not self._loss_ports:
             for h, ns in enumerate(self.namespaces):
                 # one segment per packet: TCP would otherwise hand the veth 64 KB super-packets
                 # (TSO/GSO) and one drop would lose ~45 segments at once
-                _run(["ip", "-n", ns, "link", "set", IFNAME, "gso_max_segs", "1"])
+                run(["ip", "-n", ns, "link", "set", IFNAME, "gso_max_segs", "1"])
             for h in range(self.hosts):
                 dev = f"p{h}"
-                tbf = tbf_handle(_run(["ip", "netns", "exec", br, "tc", "qdisc", "show", "dev", dev]).stdout)
+                tbf = tbf_handle(run(["ip", "netns", "exec", br, "tc", "qdisc", "show", "dev", dev]).stdout)
                 tc = ["ip", "netns", "exec", br, "tc"]
-                _run([*tc, "qdisc", "add", "dev", dev, "parent", f"{tbf}1", "handle", LOSS_HTB, "htb",
+                run([*tc, "qdisc", "add", "dev", dev, "parent", f"{tbf}1", "handle", LOSS_HTB, "htb",
                       "default", "1", "r2q", "100000"])
                 for cls in (LOSS_KEEP, LOSS_DROP):
-                    _run([*tc, "class", "add", "dev", dev, "parent", LOSS_HTB, "classid", cls, "htb", "rate", "100gbit"])
-                _run([*tc, "qdisc", "add", "dev", dev, "parent", LOSS_KEEP, "handle", KEEP_QDISC, "bfifo",
+                    run([*tc, "class", "add", "dev", dev, "parent", LOSS_HTB, "classid", cls, "htb", "rate", "100gbit"])
+                run([*tc, "qdisc", "add", "dev", dev, "parent", LOSS_KEEP, "handle", KEEP_QDISC, "bfifo",
                       "limit", str(self._queue_bytes())])
-                _run([*tc, "qdisc", "add", "dev", dev, "parent", LOSS_DROP, "handle", DROP_QDISC, "pfifo", "limit", "0"])
+                run([*tc, "qdisc", "add", "dev", dev, "parent", LOSS_DROP, "handle", DROP_QDISC, "pfifo", "limit", "0"])
                 self._loss_ports.append(h)
         for h in self._loss_ports:
             tc = ["ip", "netns", "exec", br, "tc", "filter"]
-            _run([*tc, "del", "dev", f"p{h}", "parent", LOSS_HTB, "pref", "1"], check=False)
+            run([*tc, "del", "dev", f"p{h}", "parent", LOSS_HTB, "pref", "1"], check=False)
             prog = loss_program(h, self._loss, self.addresses)
             if prog is not None:
-                _run([*tc, "add", "dev", f"p{h}", "parent", LOSS_HTB, "protocol", "all", "pref", "1",
+                run([*tc, "add", "dev", f"p{h}", "parent", LOSS_HTB, "protocol", "all", "pref", "1",
                       "bpf", "bytecode", prog, "classid", LOSS_DROP])
 
     def _queue_bytes(self) -> int:
@@ -192,19 +191,15 @@ class FaultsMixin:
         return int(self.link_mbit * 1e6 / 8 * self.latency_ms / 1000 + self.burst_bytes)
 
     def _resize_loss_queues(self) -> None:
-        from planc.testbed.netns import _run
-
         for h in self._loss_ports:
-            _run(["ip", "netns", "exec", self.bridge_ns, "tc", "qdisc", "change", "dev", f"p{h}", "parent",
+            run(["ip", "netns", "exec", self.bridge_ns, "tc", "qdisc", "change", "dev", f"p{h}", "parent",
                   LOSS_KEEP, "handle", KEEP_QDISC, "bfifo", "limit", str(self._queue_bytes())])
 
     def dropped_packets(self) -> dict[int, int]:
         """host -> packets dropped so far by the loss fault on their way into that host."""
-        from planc.testbed.netns import _run
-
         out = {}
         for h in self._loss_ports:
-            r = _run(["ip", "netns", "exec", self.bridge_ns, "tc", "-s", "qdisc", "show", "dev", f"p{h}"], check=False)
+            r = run(["ip", "netns", "exec", self.bridge_ns, "tc", "-s", "qdisc", "show", "dev", f"p{h}"], check=False)
             out[h] = dropped(r.stdout)
         return out
 
@@ -219,8 +214,6 @@ class FaultsMixin:
         self._set_link(host, end, "up")
 
     def _set_link(self, host: int, end: str, state: str) -> None:
-        from planc.testbed.netns import IFNAME, TestbedError, _run
-
         if not self.up:
             raise TestbedError("the testbed is not up (use it as a context manager)")
         if not (isinstance(host, int) and 0 <= host < self.hosts):
@@ -228,9 +221,9 @@ class FaultsMixin:
         if end not in ("bridge", "host"):
             raise ValueError(f"end must be 'bridge' or 'host', not {end!r}")
         if end == "bridge":
-            _run(["ip", "-n", self.bridge_ns, "link", "set", f"p{host}", state])
+            run(["ip", "-n", self.bridge_ns, "link", "set", f"p{host}", state])
         else:
-            _run(["ip", "-n", self.namespaces[host], "link", "set", IFNAME, state])
+            run(["ip", "-n", self.namespaces[host], "link", "set", IFNAME, state])
         if state == "down":
             self._down.add((host, end))
         else:
@@ -239,8 +232,6 @@ class FaultsMixin:
 
     def kill_rank(self, rank: int, sig: int = signal.SIGKILL) -> int:
         """Send ``sig`` (default SIGKILL) to rank ``rank`` of the job now running; returns its pid."""
-        from planc.testbed.netns import TestbedError
-
         tracker = self._tracker
         if tracker is None:
             raise TestbedError("no job is running (kill_rank works during launch, e.g. from on_step)")
