@@ -22,6 +22,7 @@ import yaml
 
 from benchmarks.bench.accuracy import read_calibrated, substitute
 from benchmarks.testbed import Testbed, TestbedError, available
+from benchmarks.variant import variant
 from planc.calibrate import (DEFAULT_TIMEOUT, MATMUL, MICROBENCH, CalibrateError, check_output, cluster_doc, fit,
                              samples_record, write_yaml)
 from planc.calibrate.ranks import microbench_spec, phase_list, read_result, with_progress
@@ -142,7 +143,7 @@ def engine_plan(hosts: int, per_host: int, micro_batches: int, rate: float) -> s
 
 def run_engine(tb, tmp: Path, hosts: int, per_host: int, rate: float, timeout: float) -> dict:
     """The training runtime on :func:`engine_plan` with every transfer cut to one element
-    (``PLANC_SIGNAL_TRANSFERS=1``, as the iteration bench's signal bound), once per
+    (plan.json ``runtime.signal_transfers``, as the iteration bench's signal bound), once per
     :data:`ENGINE_MICRO_BATCHES`: ``{"micro_batches": [...], "step_s": [median of the steps after the
     warm-up, ...], "plans": [plan.json, ...]}``."""
     folder = tmp / "engine"
@@ -159,10 +160,10 @@ def run_engine(tb, tmp: Path, hosts: int, per_host: int, rate: float, timeout: f
                                  f"compile: {e}", 1) from None
         dest = folder / f"out{b}"
         write_output(compiled.plan_json, compiled.program, dest)
+        dest = variant(dest, "signal", signal_transfers=True)
 
         def work(on_phase, dest=dest, b=b):
             return tb.launch(dest, steps=ENGINE_STEPS, timeout=timeout, comm_only=False, memory=False,
-                             env={"PLANC_SIGNAL_TRANSFERS": "1"},
                              on_step=lambda i, _s: on_phase(f"engine, {b} micro-batches, step {i + 1}"))
 
         r = with_progress(work, ENGINE_STEPS, f"calibrate the runtime's own time ({b} micro-batches)")
@@ -178,7 +179,7 @@ def run_engine(tb, tmp: Path, hosts: int, per_host: int, rate: float, timeout: f
 
 def _signal_input(plan: dict, cluster):
     """The simulator's input of a compiled engine plan under ``cluster`` with every transfer task moving
-    one element (as ``PLANC_SIGNAL_TRANSFERS=1`` runs it)."""
+    one element (as plan.json ``runtime.signal_transfers`` runs it)."""
     sim = plan_input(plan)
     one = lambda ts: tuple(dataclasses.replace(t, nbytes=4.0) for t in ts)  # noqa: E731
     # the plan was compiled before the flops were known: its layers' times at the calibrated rate
@@ -293,7 +294,7 @@ def calibrate_testbed(out: str, *, hosts: int = 2, per_host: int = 2, rates: lis
         doc["calibration"]["engine"] = {"micro_batches": measured["micro_batches"],
                                         "measured_s": [float(f"{x:.6g}") for x in measured["step_s"]],
                                         "simulated_s": got["simulated"], "simulated_without_s": got["simulated_without"],
-                                        "schedule": "1f1b", "transfers": "one element (PLANC_SIGNAL_TRANSFERS=1)"}
+                                        "schedule": "1f1b", "transfers": "one element (runtime.signal_transfers)"}
     doc["calibration"]["samples"] = samples_record(rates, raws)
     write_yaml(doc, path, command)
     return doc

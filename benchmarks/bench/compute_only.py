@@ -32,36 +32,35 @@ def compute_worker(argv) -> int:
     from planc_runtime.reshard import DTYPES
 
     plan = planfile.load(os.path.join(out, "plan.json"))
-    run_cfg = json.loads(Path(out, "run.json").read_text())
     ds_config = json.loads(Path(out, "ds_config.json").read_text())
 
     def load_function(ref):
-        spec = importlib.util.spec_from_file_location("compute_user_" + Path(ref["file"]).stem,
-                                                      os.path.join(out, ref["file"]))
+        spec = importlib.util.spec_from_file_location("compute_user_" + Path(ref.file).stem,
+                                                      os.path.join(out, ref.file))
         mod = sys.modules.get(spec.name)
         if mod is None:
             mod = importlib.util.module_from_spec(spec)
             sys.modules[spec.name] = mod
             spec.loader.exec_module(mod)
-        return getattr(mod, ref["function"])
+        return getattr(mod, ref.function)
 
-    dist.init_process_group(os.environ.get("PLANC_BACKEND", "gloo"))
+    dist.init_process_group("gloo")   # the testbed's ranks are CPU processes
     rank = dist.get_rank()
     stage = plan.stage_of(rank)
-    train = run_cfg["train"]
-    micro_batch, seed = int(train["micro_batch"]), int(train.get("seed", 0))
-    samples = micro_batch * int(train["micro_batches"])
+    train = plan.train
+    micro_batch, seed = train.micro_batch, train.seed
+    samples = micro_batch * train.micro_batches
     work = None
     if stage is not None:
         graph = StageGraph(plan)
-        model_args = dict(run_cfg["model"].get("args", {}))
+        model_args = dict(train.model.args)
         torch.manual_seed(seed)
-        layers = load_function(run_cfg["model"])(**model_args)
+        layers = load_function(train.model)(**model_args)
         lo, hi = stage.layers
         mine = torch.nn.ModuleList(layers[lo:hi])
         del layers
-        loss_fn = load_function(run_cfg["loss"])
-        data = load_function(run_cfg["data"])(micro_batch, seed, **model_args)
+        loss_fn = load_function(train.loss)
+        data = load_function(train.data)(micro_batch, seed, **model_args)
         a, b = stage.rows_of(rank)
         first, last = stage.index == 0, stage.index == graph.num_stages - 1
         incoming = [graph.by_name[n] for n in graph.incoming(stage.index)]

@@ -62,7 +62,7 @@ def plan_text(cut: int | None) -> str:
 
 def _env() -> dict:
     py = sys.executable
-    return dict(os.environ, DS_ACCELERATOR="cpu", PLANC_BACKEND="gloo", OMP_NUM_THREADS="1", PYTHONPATH="",
+    return dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONPATH="",
                 PYTHON=py, PATH=str(Path(py).parent) + os.pathsep + os.environ.get("PATH", ""),
                 PLANC_MASTER_PORT=str(29500 + os.getpid() % 2000))
 

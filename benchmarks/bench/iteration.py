@@ -16,7 +16,7 @@ hosts, launched per host with DeepSpeed's own launcher (``deepspeed --no_ssh
   cut that ``partition_method='uniform'`` or ``'parameters'`` reproduces);
   otherwise the row says why not;
 - **signal send/recv** (the compute bound, AlpaComm's "Signal Send/Recv"):
-  each planc program again with ``PLANC_SIGNAL_TRANSFERS=1``: the same
+  each planc program again with plan.json ``runtime.signal_transfers``: the same
   schedule, instructions, dependencies and gradient reductions, but every
   transfer task moves one element (the receiver's region is zeros); unshaped.
   The fastest schedule's median is the bound: no program that moves the data
@@ -76,6 +76,7 @@ from benchmarks.bench.iteration_report import (_bound_line, _chart, _f, _rich_pr
                                                markdown, round_ratios, rows, signal_bound)
 from benchmarks.bench.iteration_runs import (COMPUTE_MEASURED, MEASURED, SCHEDULES, WARMUP,  # noqa: F401
                                              _merge_runs, _over_rates, _pool_rounds, launch_steps)
+from benchmarks.variant import variant
 from benchmarks.bench.linkbound import (DTYPE_BYTES, _both, _carry_time, _window_carry,  # noqa: F401
                                         calibrated_rates, link_bytes, link_seconds, pipeline_link_bound)
 from planc import ir, ui
@@ -242,13 +243,13 @@ def measure_plan(plan_path: str, rates, *, measured: int = MEASURED, timeout: fl
             result["rounds"] = rounds
             result["programs"] = {name: _pool_rounds(rs) for name, rs in runs.items()}
             # AlpaComm's "signal send/recv" bound: each planc program again, every transfer cut to one
-            # element (PLANC_SIGNAL_TRANSFERS=1: same schedule, instructions and reductions)
+            # element (plan.json runtime.signal_transfers: same schedule, instructions and reductions)
             result["signal"] = {}
             for sched in SCHEDULES:
                 log(f"{plan['name']}: planc {sched}, signal transfers")
-                result["signal"][sched] = _over_rates(tb, variants[sched]["out"], [max(rates)],
-                                                      measured=COMPUTE_MEASURED, timeout=timeout,
-                                                      env={"PLANC_SIGNAL_TRANSFERS": "1"}, bar=bar,
+                signal = variant(variants[sched]["out"], "signal", signal_transfers=True)
+                result["signal"][sched] = _over_rates(tb, signal, [max(rates)],
+                                                      measured=COMPUTE_MEASURED, timeout=timeout, bar=bar,
                                                       what=f"planc {sched}, signal transfers")
         done = [r for r in compute_runs if r["per_rate"][0]["median"] is not None]
         result["compute_only"] = min(done, key=lambda r: r["per_rate"][0]["median"]) if done else compute_runs[-1]

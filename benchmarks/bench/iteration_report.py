@@ -125,7 +125,7 @@ def markdown(result: dict, rates_arg: str) -> str:
              f"Link bound: {lk['busiest_bytes'] / 1e6:.2f} MB per iteration through host "
              f"{lk['busiest_host']}'s link ({lk['busiest_direction']}), ÷ the rate. Compute-only bound "
              f"(signal send/recv: each planc program with every transfer cut to one element, "
-             f"`PLANC_SIGNAL_TRANSFERS=1`, median of {COMPUTE_MEASURED} steps unshaped; the fastest counts): "
+             f"`runtime.signal_transfers`, median of {COMPUTE_MEASURED} steps unshaped; the fastest counts): "
              + ", ".join(f"{s} {_f(r['per_rate'][0]['median'])} s" for s, r in (result.get("signal") or {}).items())
              + f". For scale, each rank's work timed alone: "
              f"{_f((result.get('compute_only') or {}).get('per_rate', [{}])[0].get('median'))} s{parts_text} "

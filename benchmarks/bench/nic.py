@@ -5,7 +5,7 @@ link's figures from the file, as `python -m benchmarks bench accuracy` does), on
 eager_1f1b), with the model probe, so the compiler decides on a host NIC order itself
 (docs/simulator.md). Every compiled output whose plan.json has an order is then launched on the
 testbed at that rate twice per repetition, interleaved: with the order (the default) and with
-``PLANC_NIC_ORDER=0`` (the same plan, sends as they come). Per launch the first ``WARMUP`` steps are
+a copy of the output without ``pipeline.nic_order`` (the same plan, sends as they come). Per launch the first ``WARMUP`` steps are
 discarded; the table gives the median step time of the rest over all repetitions, the ratio, the
 simulator's two predictions, and the link bound (the busiest host link's bytes ÷ the rate). The
 losses of the two runs are compared after the runs (outside every timed step): they must be equal.
@@ -17,6 +17,8 @@ import json
 import statistics
 import tempfile
 from pathlib import Path
+
+from benchmarks.variant import variant
 
 WARMUP, MEASURED, REPEATS = 2, 4, 2
 SCHEDULES = ("1f1b", "eager_1f1b")
@@ -50,12 +52,13 @@ def measure(plans, cal_path: str, rates) -> list[dict]:
                         for s, v in variants.items():
                             if not v["plan"]["pipeline"].get("nic_order"):
                                 continue
-                            for nic in ("1", "0"):
-                                r = tb.launch(v["out"], steps=WARMUP + MEASURED, timeout=900, comm_only=False,
-                                              env={"PLANC_NIC_ORDER": nic})
+                            unordered = variant(v["out"], "unordered", drop_nic_order=True)
+                            for nic, out in (("1", v["out"]), ("0", unordered)):
+                                r = tb.launch(out, steps=WARMUP + MEASURED, timeout=900, comm_only=False)
                                 if r.returncode != 0:
-                                    raise NicBenchError(f"{plan_path} {s} at {rate:g} Mbit/s (PLANC_NIC_ORDER="
-                                                        f"{nic}) failed:\n{r.failure}")
+                                    raise NicBenchError(f"{plan_path} {s} at {rate:g} Mbit/s ("
+                                                        f"{'with' if nic == '1' else 'without'} the NIC order) "
+                                                        f"failed:\n{r.failure}")
                                 times.setdefault((s, nic), []).extend(r.step_times[WARMUP:])
                                 losses.setdefault((s, nic), r.losses)
                 for s, v in variants.items():

@@ -5,7 +5,7 @@ launched exactly like the compiled program (``deepspeed ... stock_deepspeed.py
 --out OUT --steps N``, one launcher per host). It reads the compiled output
 OUT only for what the plan says about the model and training:
 
-- ``run.json``: the model builder, loss and data functions (the copied model
+- ``plan.json``'s ``train``: the model builder, loss and data functions (the copied model
   file in OUT) and their arguments, the seed;
 - ``plan.json``: the number of stages and the layer cut (checked against what
   DeepSpeed's partitioner gives), micro-batch rows and micro-batch count;
@@ -67,7 +67,7 @@ def _rows(batches, lo: int, hi: int):
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="stock_deepspeed.py", description=__doc__.split("\n")[0])
-    p.add_argument("--out", required=True, help="a planc-compiled output folder (its plan, run.json, model file)")
+    p.add_argument("--out", required=True, help="a planc-compiled output folder (its plan.json, model file)")
     p.add_argument("--steps", type=int, default=None)
     p.add_argument("--partition", default="uniform", help="PipelineModule partition_method (uniform, parameters)")
     p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
@@ -81,25 +81,23 @@ def main(argv=None) -> int:
     out = os.path.abspath(args.out)
     with open(os.path.join(out, "plan.json")) as f:
         plan = json.load(f)
-    with open(os.path.join(out, "run.json")) as f:
-        run = json.load(f)
     with open(os.path.join(out, "ds_config.json")) as f:
         ds_config = json.load(f)
-    train = run["train"]
+    train = plan["train"]     # the model, loss and data references and the train settings
     steps = args.steps if args.steps is not None else int(train.get("steps", 1))
     seed = int(train.get("seed", 0))
     micro_batch, micro_batches = int(train["micro_batch"]), int(train["micro_batches"])
     num_stages = len(plan["stages"])
     bounds = [s["layers"][0] for s in plan["stages"]] + [plan["stages"][-1]["layers"][1]]
 
-    deepspeed.init_distributed(dist_backend=os.environ.get("PLANC_BACKEND", "gloo"))
+    deepspeed.init_distributed(dist_backend="gloo")   # the testbed's ranks are CPU processes
     rank, world = dist.get_rank(), dist.get_world_size()
     data = world // num_stages
-    model_args = dict(run["model"].get("args", {}))
+    model_args = dict(train["model"].get("args", {}))
     torch.manual_seed(seed)   # as planc's runtime: every rank builds all layers from the same seed
-    layers = _load_function(out, run["model"])(**model_args)
-    loss_fn = _load_function(out, run["loss"])
-    batches = _load_function(out, run["data"])
+    layers = _load_function(out, train["model"])(**model_args)
+    loss_fn = _load_function(out, train["loss"])
+    batches = _load_function(out, train["data"])
 
     module = PipelineModule(layers=layers, num_stages=num_stages, loss_fn=loss_fn,
                             partition_method=args.partition)

@@ -30,6 +30,9 @@ import threading
 import time
 from pathlib import Path
 
+from benchmarks.variant import variant
+from planc.runtime.planfile import InHost
+
 HOSTS, PER_HOST, LINK_MBIT = 2, 4, 400.0
 WIDE_HOSTS = 3             # the 1 -> (2,4) fan-out: one device on host 0, a mesh over hosts 1 and 2
 STEPS = 4                  # step 0 warms up; the median of steps 1..3 is reported
@@ -89,7 +92,7 @@ HIERARCHICAL = ("reduce_scatter(slice=node, form=inside); allreduce(slice=node, 
 PROGRAMS = {"allreduce (flat)": "allreduce", "hierarchical": HIERARCHICAL}
 # the same program again with its in-host steps over gloo's loopback instead of shared memory
 # (docs/runtime.md): the measured case for keeping shared memory, side by side in every run
-GLOO_IN_HOST = {"hierarchical, in-host steps over gloo": ("hierarchical", {"PLANC_SHM_REDUCE": "0"})}
+GLOO_IN_HOST = {"hierarchical, in-host steps over gloo": ("hierarchical", {"in_host": InHost.BACKEND})}
 REDUCTION = """
 plan tb_reduce {{{CLUSTER}
   stage 0 on devices 0..8 as (data = 8)
@@ -139,9 +142,9 @@ def _cases(tmp: Path) -> list[dict]:
         r = plan["reductions"][0]
         cases.append({"kind": "reduction", "case": "8 ranks, 16 MB f32", "what": label, "hosts": HOSTS,
                       "text": r["program"]["text"], "out": out, "predicted": float(r["program"]["predicted"])})
-    for label, (base, env) in GLOO_IN_HOST.items():
+    for label, (base, runtime) in GLOO_IN_HOST.items():
         same = next(c for c in cases if c["kind"] == "reduction" and c["what"] == base)
-        cases.append({**same, "what": label, "env": env})
+        cases.append({**same, "what": label, "out": variant(same["out"], "gloo-in-host", **runtime)})
     wide = CLUSTER.replace(f"level node x {HOSTS}", f"level node x {WIDE_HOSTS}").rstrip()
     return cases + _transfer_cases(tmp, WIDE, wide, WIDE_HOSTS, "w")
 
@@ -208,7 +211,7 @@ def _run_cases(tb, cases: list[dict], items, steps: int, timeout: float, link_do
         fault = link_down is not None and i == 0
         try:
             # a stuck case may wait out one collective timeout after its start-up: it ends by itself
-            r = tb.launch(c["out"], steps=steps, timeout=timeout + collective_timeout, env=c.pop("env", None),
+            r = tb.launch(c["out"], steps=steps, timeout=timeout + collective_timeout,
                           on_step=on_step if fault else None, collective_timeout=collective_timeout, progress=False)
         finally:
             for t in timers:

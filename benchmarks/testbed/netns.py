@@ -225,7 +225,7 @@ class Testbed(FaultsMixin):
         SCRIPT is OUT/train.py unless ``script`` is given; ARGS are ``--comm-only``
         (``comm_only=True``) or ``args`` when given, then ``--steps N`` and
         ``extra_args``. Every process gets GLOO_SOCKET_IFNAME, DS_ACCELERATOR=cpu,
-        PLANC_BACKEND=gloo, OMP_NUM_THREADS=1, PLANC_COLLECTIVE_TIMEOUT_S; ``env``
+        OMP_NUM_THREADS=1, PLANC_COLLECTIVE_TIMEOUT_S; ``env``
         adds to them. After ``timeout`` seconds (or ``grace`` seconds after a
         launcher or rank failed) every process group is killed. With ``memory``,
         each rank's VmHWM (/proc/PID/status) is sampled while it runs.
@@ -278,7 +278,7 @@ class Testbed(FaultsMixin):
                 if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
                              "CUDA_VISIBLE_DEVICES", "CROSS_RANK", "CROSS_SIZE", "LOCAL_SIZE")}
         python = python or sys.executable
-        base.update(DS_ACCELERATOR="cpu", PLANC_BACKEND="gloo", OMP_NUM_THREADS="1", PYTHONPATH="",
+        base.update(DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONPATH="",
                     PLANC_COLLECTIVE_TIMEOUT_S=f"{float(collective_timeout):g}",
                     PATH=str(Path(python).parent) + os.pathsep + os.environ.get("PATH", ""),
                     GLOO_SOCKET_IFNAME=IFNAME)

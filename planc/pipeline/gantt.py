@@ -35,7 +35,8 @@ def plan_input(plan: dict) -> SimInput:
         raise ValueError("the plan holds no compute model (pipeline.predicted): compile it with the model probe "
                          "(without --no-probe) and as a trainable plan")
     compute = [StageCompute.from_json(s) for s in pred["stages"]]
-    return sim_input(cluster_of(plan), plan["stages"], plan["transfers"], plan["reductions"], compute)
+    return sim_input(cluster_of(plan), plan["stages"], plan["transfers"], plan["reductions"], compute,
+                     plan.get("runtime"))
 
 
 def _t(s: float) -> str:

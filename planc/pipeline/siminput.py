@@ -15,10 +15,11 @@ from planc import ir
 from planc.cost.collectives import collective_time
 from planc.cost.network import Network
 from planc.pipeline.memory import PRECISION_BYTES, degree, stage_memory
+from planc.runtime.planruntime import DEFAULT_GRAD_BUCKET_BYTES, DEFAULT_RECV_AHEAD
 
 DEFAULT_FLOPS = 100e12   # FLOP/s of one device when the cluster gives no `flops` (docs/simulator.md)
-RECV_AHEAD = 4           # operations the receive thread posts ahead (planc.runtime.comm.DEFAULT_AHEAD)
-BUCKET_BYTES = 8 << 20   # gradient bucket size (planc.runtime.grads.DEFAULT_BUCKET_BYTES)
+RECV_AHEAD = DEFAULT_RECV_AHEAD                 # plan.json runtime.recv_ahead's default
+BUCKET_BYTES = DEFAULT_GRAD_BUCKET_BYTES        # plan.json runtime.grad_bucket_bytes's default
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,9 +171,10 @@ def _tasks(route: dict | None, itemsize: int, cluster: ir.Cluster) -> tuple[SimT
 
 
 def sim_input(cluster: ir.Cluster, stages: list[dict], transfers: list[dict], reductions: list[dict],
-              compute) -> SimInput:
-    """The simulator's input from plan.json's ``stages``, ``transfers`` and ``reductions`` records
-    (each as in docs/plan-format.md) and the per-stage compute model."""
+              compute, runtime: dict | None = None) -> SimInput:
+    """The simulator's input from plan.json's ``stages``, ``transfers``, ``reductions`` and ``runtime``
+    records (each as in docs/plan-format.md; no ``runtime``: its defaults) and the per-stage compute model."""
+    runtime = runtime or {}
     order = sorted(stages, key=lambda s: s["index"])
     devices = tuple(tuple(sorted(s["devices"])) for s in order)
     trs = []
@@ -199,6 +201,8 @@ def sim_input(cluster: ir.Cluster, stages: list[dict], transfers: list[dict], re
             if steps:
                 reds.append(SimReduction(k, steps, overlapped))
     return SimInput(cluster, devices, tuple(compute), tuple(trs), tuple(reds),
+                    bucket_bytes=float(runtime.get("grad_bucket_bytes", BUCKET_BYTES)),
+                    ahead=int(runtime.get("recv_ahead", RECV_AHEAD)),
                     op_overhead=float(cluster.op_overhead or 0.0), step_overhead=float(cluster.step_overhead or 0.0))
 
 
@@ -217,4 +221,4 @@ def compiled_input(program: ir.Program, stages, probe, reductions, routes):
     modes = {r.name: str(r.mode) for r in program.reductions}
     reds = [dict(r.to_json(), mode=modes.get(r.name)) for r in reductions]
     st = [{"index": s.index, "devices": sorted(s.devices)} for s in stages]
-    return sim_input(program.cluster, st, transfers, reds, compute), rate
+    return sim_input(program.cluster, st, transfers, reds, compute, program.train.runtime.to_json()), rate

@@ -6,7 +6,6 @@ Public API (stable):
         PLANC_COLLECTIVE_TIMEOUT_S (seconds, default 300); every group the runtime
         creates uses it, so a missing peer is an error after that long, never a hang.
     choose_backend(plan) -> str             plan.json runtime.backend (auto: "nccl" if CUDA is available else "gloo")
-                                            (PLANC_BACKEND overrides)
     init_distributed(backend=None, timeout=None) -> str
         init the default group from the launcher's env (RANK, WORLD_SIZE,
         MASTER_ADDR, MASTER_PORT) unless already initialized; returns the backend

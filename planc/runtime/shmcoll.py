@@ -16,7 +16,6 @@ the collective timeout, never a hang.
         .reduce(buf, x, y)                  SUM of buf[x:y] on the first member
         .all_gather(buf, x, y, p, q)        members' pieces buf[p:q] concatenated into buf[x:y]
         .broadcast(buf, x, y)               the first member's buf[x:y] on every member
-    enabled() -> bool                       PLANC_SHM_REDUCE=0 turns it off (measure it against gloo)
 
 The sum of an element is always formed by one member, adding the members' values in member
 order, so every member ends with the same bits. Regions larger than a slot go window by window.
@@ -25,8 +24,8 @@ Who may use it: only a group the plan places on one host (the caller checks that
 emulated testbed every "host" shares this machine's /dev/shm, so the plan is the only judge).
 ``open`` then checks that the members really share the file (the leader writes a random nonce,
 the others must read it back) and reserves the memory with ``posix_fallocate``, so a full or
-private /dev/shm means gloo as before, never a SIGBUS or a wrong sum; so does one member with
-``PLANC_SHM_REDUCE=0`` (the members vote first). The file exists only between that vote and the
+private /dev/shm means gloo as before, never a SIGBUS or a wrong sum; so does a member built with
+``want=False`` (plan.json ``runtime.in_host = backend``; the members vote first). The file exists only between that vote and the
 moment every member has mapped it (unlinked also when the set-up fails); after that nothing is
 left to clean up, even by a rank that is killed.
 """
@@ -88,7 +87,7 @@ class HostSegment:
         vote = torch.tensor([int(bool(want))], dtype=torch.int64)
         dist.all_reduce(vote, op=dist.ReduceOp.MIN, group=pg)
         if not int(vote[0]):
-            return None, "turned off (PLANC_SHM_REDUCE=0) on a member"
+            return None, "turned off (plan.json runtime.in_host = backend) on a member"
         info = torch.zeros(3, dtype=torch.int64)        # [ok, token, nonce]
         mm, created = None, None
         if rank == leader:

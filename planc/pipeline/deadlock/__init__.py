@@ -70,8 +70,8 @@ def check_rendezvous(plan: planfile.Plan, ahead: int = DEFAULT_AHEAD, backend: s
                      tensor_parallel: bool = True, limit: int = 8) -> list[Hang]:
     """The hangs of ``plan`` under rendezvous semantics (empty: it cannot hang).
 
-    ``ahead``: how many operations the receive thread runs ahead (``PLANC_RECV_AHEAD``,
-    default ``comm.DEFAULT_AHEAD`` = 4, the runtime's). ``backend``: ``"nccl"`` (strict: p2p FIFO per
+    ``ahead``: how many operations the receive thread runs ahead (plan.json
+    ``runtime.recv_ahead``, which the compiler passes; default 4). ``backend``: ``"nccl"`` (strict: p2p FIFO per
     peer pair, broadcast as a collective) or ``"gloo"`` (p2p matched by tag, broadcast
     as a relay chain). ``mode``: ``"train"`` (one training step; needs a pipeline),
     ``"comm_only"`` (one ``--comm-only`` step) or ``"auto"``: ``comm_only``, and
