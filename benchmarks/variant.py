@@ -12,7 +12,7 @@ import dataclasses
 import shutil
 from pathlib import Path
 
-from planc.runtime import planfile
+from planc import plan as planfile
 
 __all__ = ["variant"]
 

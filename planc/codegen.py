@@ -4,6 +4,7 @@
 
     OUT/plan.json  ds_config.json  train.py  launch.sh  hostfile  README.md
     OUT/planc_runtime/   (a copy of planc/runtime/)
+    OUT/planc/plan/      (a copy of planc/plan/, the contract the runtime reads plan.json with)
     OUT/<model file>.py  (the plan's model, loss and data code)
 
 The same inputs give byte-identical files: JSON with fixed key order and
@@ -25,10 +26,14 @@ import yaml
 from planc import ir, resources
 from planc.probe import code_file
 from planc.lang.errors import Diagnostic, PlanError, Span
-from planc.runtime import planfile
+from planc import plan as planfile
 
 __all__ = ["write_output", "templates_dir", "ds_config", "CodegenError"]
 
+
+
+CONTRACT_INIT = ('"""The part of planc a compiled output needs: the contract package ``planc.plan`` (plan.json as typed\n'
+                 'records), copied here by ``planc compile``. Do not edit."""\n')
 
 
 class CodegenError(PlanError):
@@ -174,12 +179,20 @@ def _write_output(plan: dict, program: ir.Program, out: Path) -> Path:
     for name, text in sorted(files.items()):
         (out / name).write_text(text)
     os.chmod(out / "launch.sh", 0o755)
+    for folder in ("planc_runtime", "planc"):
+        if (out / folder).exists():
+            shutil.rmtree(out / folder)
     rt = out / "planc_runtime"
-    if rt.exists():
-        shutil.rmtree(rt)
     rt.mkdir()
     for src in sorted(resources.runtime_dir().glob("*.py")):
         shutil.copyfile(src, rt / src.name)
+    # the contract the runtime reads plan.json with, as the package it is in the compiler (planc.plan);
+    # OUT/ comes first on train.py's path, so the ranks import this copy, never an installed planc
+    contract = out / "planc" / "plan"
+    contract.mkdir(parents=True)
+    (out / "planc" / "__init__.py").write_text(CONTRACT_INIT)
+    for src in sorted(resources.contract_dir().glob("*.py")):
+        shutil.copyfile(src, contract / src.name)
     for name, src in sorted(code.items()):
         shutil.copyfile(src, out / name)
     return out

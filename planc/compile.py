@@ -37,7 +37,7 @@ from planc.probe import (ModelProbe, check_against_model, check_model_reductions
 from planc.reduction import plan_reductions, stage_reduction_groups
 from planc.resharding import groups_used, plan_routes
 from planc.resharding import device_region
-from planc.runtime import planfile
+from planc import plan as planfile
 from planc.span import Span
 from planc.trainable import check_trainable, stage_data_degree
 from planc.verify import verify
@@ -255,7 +255,7 @@ def pipeline_pass(value, ctx: Context):
 
 
 def assemble(decisions, ctx: Context) -> planfile.Plan:
-    """Every decision as the typed plan file (``planc_runtime.planfile``), validated on construction; it
+    """Every decision as the typed plan file (``planc.plan``), validated on construction; it
     checks nothing else (the launch check does, ``launch_check``)."""
     reductions, (transfers, backward), pipeline = decisions
     program, probe, placement, untrainable = ctx.program, ctx.probe, ctx.placement, ctx.untrainable

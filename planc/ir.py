@@ -13,27 +13,15 @@ import math
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-from planc.runtime.planruntime import Runtime
+from planc.plan import Collective, MeshAxis, Precision, ReductionMode, Runtime, StageMode
 from planc.span import Span
 
 _NOSPAN = Span(0, 0, 0, 0)
 
-
-class MeshAxis(StrEnum):
-    """Axis names the language reserves: ``pipe`` cuts the model into stages; ``data`` and
-    ``tensor`` are the mesh axes that data- and tensor-parallel runtimes look for by name."""
-
-    PIPE = "pipe"
-    DATA = "data"
-    TENSOR = "tensor"
-
-
-class Collective(StrEnum):
-    ALLREDUCE = "allreduce"
-    REDUCE_SCATTER = "reduce_scatter"
-    ALL_GATHER = "all_gather"
-    REDUCE = "reduce"
-    BROADCAST = "broadcast"
+# The closed vocabularies the language shares with plan.json (MeshAxis, Collective, Precision,
+# StageMode, ReductionMode) are the contract's (planc.plan.vocab), imported above and re-exported
+# here; the requests below may say ``auto`` or name the synthesis language's forms, which plan.json
+# never holds.
 
 
 class FormKind(StrEnum):
@@ -70,23 +58,6 @@ class PipeSchedule(StrEnum):
     def concrete(cls) -> tuple["PipeSchedule", ...]:
         """The schedules that can be built (every member but ``auto``)."""
         return (cls.GPIPE, cls.ONE_F_ONE_B, cls.EAGER_1F1B)
-
-
-class Precision(StrEnum):
-    FP32 = "fp32"
-    FP16 = "fp16"
-    BF16 = "bf16"
-
-
-class StageMode(StrEnum):
-    PIPE_AXIS = "pipe_axis"
-    EXPLICIT = "explicit"
-
-
-class ReductionMode(StrEnum):
-    SYNTHESIZE = "synthesize"
-    ALLREDUCE = "allreduce"
-    PROGRAM = "program"
 
 
 DTYPE_BYTES: dict[str, int] = {

@@ -32,3 +32,8 @@ def templates_dir() -> Path:
 
 def runtime_dir() -> Path:
     return Path(__file__).resolve().parent / "runtime"
+
+
+def contract_dir() -> Path:
+    """planc/plan/: the contract package, copied into every output as ``OUT/planc/plan/``."""
+    return Path(__file__).resolve().parent / "plan"

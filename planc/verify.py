@@ -15,7 +15,7 @@ from collections.abc import Callable
 from planc import ir
 from planc.reduction.check import check_program
 from planc.resharding.check import check_plan, check_transfer
-from planc.runtime import planfile
+from planc import plan as planfile
 
 __all__ = ["VerifyError", "VERIFIERS", "verify"]
 

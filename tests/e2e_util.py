@@ -62,7 +62,7 @@ def reference(out: Path, plan, steps: int):
     import torch
     sys.path.insert(0, str(out))
     try:
-        from planc_runtime import planfile
+        from planc import plan as planfile
         from planc_runtime.engine import build_optimizer, run_reference
         from planc_runtime.main import load_function
     finally:

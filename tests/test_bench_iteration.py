@@ -349,8 +349,10 @@ def test_rounds_launch_the_programs_round_robin_and_pool_their_steps(monkeypatch
             return False
 
         def launch(self, out, steps, on_step, script=None, env=None, **kw):
+            signal = out.name.endswith("-signal")   # a copy whose plan.json says runtime.signal_transfers
+            assert signal == json.loads((out / "plan.json").read_text())["runtime"]["signal_transfers"]
             what = ("compute" if script and "compute_only" in str(script) else
-                    "stock" if script else "signal " + out.name if env else out.name)
+                    "stock" if script else "signal " + out.name[:-len("-signal")] if signal else out.name)
             order.append(what)
             # round k: eager_1f1b's steps take (k + 1) s, the others' stay: the rounds' ratios differ
             k = sum(1 for w in order if w == what) - 1
@@ -361,6 +363,9 @@ def test_rounds_launch_the_programs_round_robin_and_pool_their_steps(monkeypatch
             return LaunchResult(returncode=0, stdout="", step_times=[base] * steps)
 
     def variants(plan_path, tmp, cluster, rate):
+        for s in iteration.SCHEDULES:
+            (tmp_path / s).mkdir(exist_ok=True)
+            (tmp_path / s / "plan.json").write_text(json.dumps(gpt_plan))
         return {s: {"out": tmp_path / s, "plan": gpt_plan} for s in iteration.SCHEDULES}
 
     monkeypatch.setattr("benchmarks.testbed.Testbed", Recording)

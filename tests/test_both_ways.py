@@ -101,13 +101,13 @@ def test_cluster_file_bad_both_ways_is_an_error_naming_it(tmp_path, value, messa
 
 def test_plan_json_carries_both_ways_and_the_runtime_reads_it(tmp_path):
     from planc.compile import compile_program
-    from planc.runtime.planrecords import Level
+    from planc.plan import Level
 
     program = load(_plan(tmp_path, ", both_ways: 1.1 MB/s"))
     compiled = compile_program(program, None)
     levels = compiled.plan_json["cluster"]["levels"]
     assert levels[0]["both_ways"] == pytest.approx(1.1e6) and "both_ways" not in levels[1]
-    from planc.runtime.planjson import At
+    from planc.plan import At
     assert Level.read(At(levels[0], "cluster.levels[0]")).both_ways == pytest.approx(1.1e6)
     assert Level.read(At(levels[1], "cluster.levels[1]")).both_ways is None
 
@@ -115,7 +115,7 @@ def test_plan_json_carries_both_ways_and_the_runtime_reads_it(tmp_path):
 def test_nic_turn_is_held_at_the_one_way_rate_and_the_drain_adds_the_rest():
     """The hold is the least a turn takes (one way); how much longer the bytes take to leave with
     traffic both ways is seen on the rank's send queues, not guessed from a figure."""
-    from planc.runtime.planrecords import Cluster, Level
+    from planc.plan import Cluster, Level
 
     class P:
         cluster = Cluster((Level("host", 2, 1.25e6, 0.0, 1.1e6), Level("device", 2, 2e9, 0.0)), "host", 4,

@@ -165,7 +165,7 @@ def test_saves_every_n_steps_and_at_the_end(two):
     assert sorted(two["losses"]) == list(range(STEPS))
     assert sorted(p.name for p in ck.iterdir()) == ["latest", "step2", "step4"]   # nothing partial left
     assert (ck / "latest").read_text().strip() == "step4"
-    from planc.runtime.planfile import digest, load
+    from planc.plan import digest, load
     want = digest(load(two["out"] / "plan.json"))
     for step in (2, 4):
         m = json.loads((ck / f"step{step}" / "manifest.json").read_text())
@@ -202,7 +202,7 @@ def test_a_checkpoint_of_another_plan_is_refused_with_both_digests(two, tmp_path
     """Same layout, another learning rate: another plan.json digest. A real ``python train.py``
     (rank 0 of 2; the refusal comes before any process group)."""
     out2, _ = compile_text(tmp_path, "other", TWO.replace("lr = 0.1,", "lr = 0.05,"))
-    from planc.runtime.planfile import digest, load
+    from planc.plan import digest, load
     mine, theirs = digest(load(out2 / "plan.json")), digest(load(two["out"] / "plan.json"))
     assert mine != theirs
     env = dict(launch_env(), RANK="0", WORLD_SIZE="2", LOCAL_RANK="0")

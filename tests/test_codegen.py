@@ -30,8 +30,12 @@ def test_output_files_and_byte_identical(tmp_path):
     a, b = _tree(tmp_path / "a"), _tree(tmp_path / "b")
     assert a == b
     for name in ("plan.json", "ds_config.json", "train.py", "launch.sh", "hostfile", "README.md",
-                 "gpt.py", "planc_runtime/engine.py", "planc_runtime/main.py", "planc_runtime/probe.py"):
+                 "gpt.py", "planc_runtime/engine.py", "planc_runtime/main.py", "planc_runtime/probe.py",
+                 "planc/__init__.py", "planc/plan/__init__.py", "planc/plan/file.py", "planc/plan/vocab.py"):
         assert name in a, name
+    # the output carries the contract, not the compiler: nothing of planc but planc/plan/
+    assert {k.split("/")[1] for k in a if k.startswith("planc/") and k.count("/") > 1} == {"plan"}
+    assert not any(k.startswith("planc_runtime/plan") for k in a)
     assert not any("__pycache__" in k for k in a)
     assert json.loads(a["plan.json"]) == plan
 
@@ -86,7 +90,7 @@ def test_templates_found():
     assert (codegen.templates_dir() / "train.py.j2").is_file()
 
 
-def test_runtime_imports_only_torch_deepspeed_stdlib():
+def test_runtime_imports_only_torch_deepspeed_stdlib_and_the_contract():
     import ast
     allowed = {"torch", "deepspeed", "__future__"}
     for f in sorted((ROOT / "planc" / "runtime").glob("*.py")):
@@ -96,6 +100,11 @@ def test_runtime_imports_only_torch_deepspeed_stdlib():
             elif isinstance(node, ast.Import):
                 top = node.names[0].name.split(".")[0]
             else:
+                continue
+            if top == "planc":   # the contract package only, copied beside it (OUT/planc/plan/)
+                name = node.module if isinstance(node, ast.ImportFrom) else node.names[0].name
+                names = [a.name for a in node.names] if isinstance(node, ast.ImportFrom) else []
+                assert name == "planc.plan" or (name == "planc" and names == ["plan"]), f"{f.name} imports {name}"
                 continue
             assert top in allowed or top in sys.stdlib_module_names, f"{f.name} imports {top}"
 

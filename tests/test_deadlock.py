@@ -26,7 +26,7 @@ from planc.compile import compile_file
 from planc.pipeline.deadlock import Hang, check_rendezvous
 from planc.pipeline.schedules import stage_ops
 from planc.pipeline.simulate import DeadlockError, simulate
-from planc.runtime import planfile
+from planc import plan as planfile
 
 ROOT = Path(__file__).resolve().parents[1]
 BUNDLED = sorted(glob.glob(str(ROOT / "plans" / "*.plan")))

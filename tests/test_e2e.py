@@ -144,7 +144,7 @@ def test_grid_topology_is_the_plans_placement(tmp_path):
     """DeepSpeed's (pipe, data, model) view of the compiled plan's rank mapping (no processes)."""
     from deepspeed.runtime.pipe.engine import PipelineEngine
 
-    from planc.runtime import planfile
+    from planc import plan as planfile
     from planc.runtime.engine import PlanEngine
     from planc.runtime.topology import StageTopology
     assert issubclass(PlanEngine, PipelineEngine)

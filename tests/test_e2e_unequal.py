@@ -189,8 +189,8 @@ def test_independent_reference_matches_runtime_reference():
     opt = build_optimizer([p for l in layers for p in l.parameters()],
                           {"optimizer": {"type": "SGD", "params": {"lr": train["optimizer"]["lr"]}}})
     data = _load_callable(examples, train["data"])(train["micro_batch"], seed, **args)
-    try:   # the runtime reads plan.json into a typed Plan (planc/runtime/planfile.py) where it has one
-        from planc.runtime.planfile import Plan
+    try:   # the runtime reads plan.json into a typed Plan (planc/plan/) where it has one
+        from planc.plan import Plan
         runtime_plan = Plan.from_json(plan)
     except ImportError:
         runtime_plan = plan

@@ -211,7 +211,7 @@ def _start_ranks(outs, hosts=None, timeout=180):
 
 @pytest.mark.slow
 def test_ranks_with_plans_of_different_digests_refuse_naming_both(tmp_path):
-    from planc.runtime.planfile import digest, load
+    from planc.plan import digest, load
     a = _four(tmp_path, "a")
     b = _four(tmp_path, "b", edits=[("lr = 0.1", "lr = 0.2")])
     da, db = digest(load(a / "plan.json")), digest(load(b / "plan.json"))

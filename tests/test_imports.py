@@ -16,24 +16,9 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("planc", "benchmarks")
 MAX_LINES = 500
 
-# Over MAX_LINES for now, each with the reason; remove an entry when its file is shrunk or moved.
-LONG_ALLOWED = {
-    # being shrunk by another engineer (cli and calibrate split); remove both when that is merged
-    "planc/cli.py",
-    "planc/calibrate.py",
-    # the lab, moving out of the product to benchmarks/ (DESIGN.md's layout) by another engineer; once
-    # moved they are no longer under planc/ and these entries are moot
-    "planc/bench/iteration.py",
-    "planc/bench/fuzz.py",
-    "planc/testbed/netns.py",
-}
-
-# Circles known and owned elsewhere; remove when broken. The testbed's faults <-> netns circle is being
-# broken by the engineer moving planc/testbed/ to benchmarks/testbed/ (the same two modules there).
-CYCLES_ALLOWED = {
-    frozenset({"planc.testbed.faults", "planc.testbed.netns"}),
-    frozenset({"benchmarks.testbed.faults", "benchmarks.testbed.netns"}),
-}
+# the contract package: imported by the compiler and copied into every output, so it imports only the
+# standard library and itself
+CONTRACT = "planc.plan"
 
 
 def _modules() -> dict[str, tuple[Path, bool]]:
@@ -171,7 +156,7 @@ def _spelled(circle: list[str], graph, modules) -> str:
 
 def test_no_import_circles():
     graph, modules = import_graph()
-    bad = [c for c in strongly_connected(graph) if len(c) > 1 and frozenset(c) not in CYCLES_ALLOWED]
+    bad = [c for c in strongly_connected(graph) if len(c) > 1]
     text = "\n".join(f"circle among {', '.join(c)}:\n    {_spelled(_circle(c, graph), graph, modules)}" for c in bad)
     assert not bad, "import circles (break them: move the shared piece to the module that owns it)\n" + text
 
@@ -185,7 +170,8 @@ def test_the_graph_sees_function_level_and_relative_imports():
     assert _circle(comps[0], graph) == ["p.a", "p.b", "p.c", "p.a"]
     real, modules = import_graph()
     # planc/runtime/ imports its siblings relatively; planc/pipeline/gantt.py imports planc.ui in a function
-    assert "planc.runtime.planfile" in real["planc.runtime.engine"]
+    assert "planc.runtime.dist_util" in real["planc.runtime.engine"]
+    assert "planc.plan" in real["planc.runtime.engine"] and "planc.plan.jsonpath" in real["planc.plan.records"]
     assert "planc.ui" in real["planc.pipeline.gantt"]
     # planc.budget imports planc.diagnostics, not the front end: from outside planc.lang, importing
     # planc.lang.errors would run planc/lang/__init__.py, an edge to planc.lang
@@ -211,6 +197,29 @@ def test_no_module_over_500_lines():
     for path in sorted((ROOT / "planc").rglob("*.py")):
         rel = path.relative_to(ROOT).as_posix()
         n = len(path.read_text().splitlines())
-        if n > MAX_LINES and rel not in LONG_ALLOWED:
+        if n > MAX_LINES:
             long.append(f"{rel}: {n} lines")
     assert not long, f"modules over {MAX_LINES} lines (split them along their seams):\n  " + "\n  ".join(long)
+
+
+def test_the_contract_imports_only_the_standard_library_and_itself():
+    """planc.plan is copied into every output, where no other part of planc exists, and the runtime
+    reads plan.json with it; the compiler writes with it. So it imports nothing else of planc (nor
+    torch, nor anything outside the standard library), and planc.ir takes its vocabularies from it."""
+    import sys
+    graph, modules = import_graph()
+    mine = [m for m in modules if m == CONTRACT or m.startswith(CONTRACT + ".")]
+    assert len(mine) >= 7, mine
+    outside = {m: sorted(t for t in graph[m] if not (t == CONTRACT or t.startswith(CONTRACT + ".")))
+               for m in mine}
+    assert not any(outside.values()), outside
+    for m in mine:
+        for node in ast.walk(ast.parse(modules[m][0].read_text())):
+            if isinstance(node, ast.Import):
+                tops = [a.name.split(".")[0] for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level:
+                tops = [(node.module or "").split(".")[0]]
+            else:
+                continue
+            assert all(t in sys.stdlib_module_names or t == "__future__" for t in tops), (m, tops)
+    assert CONTRACT in graph["planc.ir"]

@@ -14,7 +14,7 @@ import pytest
 
 from planc.runtime import nicorder
 from planc.runtime.nicorder import NicOrder, NicOrderError
-from planc.runtime.planfile import Plan, PlanFileError
+from planc.plan import Plan, PlanFileError
 
 from e2e_util import ROOT
 

@@ -15,7 +15,7 @@ from deepspeed.runtime.pipe import schedule as ds
 from planc.compile import compile_file
 from planc.runtime import engine as E
 from planc.runtime.engine import PlanEngine, PlanSchedule, StageGraph
-from planc.runtime.planfile import Plan
+from planc.plan import Plan
 
 ROOT = Path(__file__).resolve().parent.parent
 

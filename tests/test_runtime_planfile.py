@@ -20,9 +20,10 @@ import test_runtime_harness as H  # noqa: E402
 
 from planc.compile import compile_file, compile_program  # noqa: E402
 from planc.lang import load_text  # noqa: E402
-from planc.runtime import dist_util, planfile  # noqa: E402
+from planc import plan as planfile
+from planc.runtime import dist_util  # noqa: E402
 from planc.runtime import regions as R  # noqa: E402
-from planc.runtime.planfile import Direction, Pipeline, Plan, PlanFileError, Schedule, TagLayout  # noqa: E402
+from planc.plan import Direction, Pipeline, Plan, PlanFileError, Schedule, TagLayout  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 BUNDLED = sorted((ROOT / "plans").glob("*.plan"))
@@ -232,8 +233,16 @@ def c_region_wrong_rank(d):
 def c_step_group_not_listed(d):
     listed = {tuple(g) for g in d["groups"]}
     g = next([a, b] for a in range(8) for b in range(a + 1, 8) if (a, b) not in listed)
-    d["reductions"][0]["program"]["steps"][0]["groups"].append(g)
+    step = d["reductions"][0]["program"]["steps"][0]
+    step["groups"].append(g)
+    step["regions"].append([0, d["reductions"][0]["program"]["unit"]])
     return f"plan.json: reductions[0].program.steps[0]: group {g} is not listed in groups"
+
+
+def c_step_regions_not_one_per_group(d):
+    d["reductions"][0]["program"]["steps"][0]["regions"].pop()
+    n = len(d["reductions"][0]["program"]["steps"][0]["groups"])
+    return f"plan.json: reductions[0].program.steps[0].regions: {n - 1} regions for {n} groups"
 
 
 def c_task_group_not_listed(d):
@@ -359,7 +368,7 @@ def m_bad_schedule(d):
 COMM_CORRUPTIONS = [c_missing, c_missing_slice, c_wrong_type_list, c_wrong_type_bool, c_wrong_type_float,
                     c_format, c_sender_not_holder, c_slice_outside_receiver,
                     c_sender_does_not_hold, c_receiver_region_missing, c_region_missing_for_stage_device,
-                    c_region_wrong_rank, c_step_group_not_listed, c_task_group_not_listed, c_stages_out_of_order,
+                    c_region_wrong_rank, c_step_group_not_listed, c_step_regions_not_one_per_group, c_task_group_not_listed, c_stages_out_of_order,
                     c_device_in_two_stages, c_device_outside_cluster, c_bad_dtype, c_hosts_not_a_partition,
                     c_unsorted_group, c_bad_strategy]
 MODEL_CORRUPTIONS = [m_per_stage_missing_micro_batch, m_per_stage_backward_first, m_per_stage_micro_batch_beyond,
@@ -574,7 +583,7 @@ plan startup {
 
 def startup_worker(rank, world, payload):
     from planc.runtime import dist_util as D
-    from planc.runtime.planfile import Plan as P
+    from planc.plan import Plan as P
     from planc.runtime.topology import create_groups
     out = []
     for doc, digests, make_groups in payload:

@@ -19,7 +19,7 @@ import test_runtime_harness as H  # noqa: E402
 from planc.reduction.check import check_program  # noqa: E402
 from planc.reduction.regions import RegionError, program_regions  # noqa: E402
 from planc.reduction.semantics import SemanticsError  # noqa: E402
-from planc.runtime.planfile import At, PlanFileError, Reduction  # noqa: E402
+from planc.plan import At, PlanFileError, Reduction  # noqa: E402
 
 
 def hier(hosts, per):
@@ -118,7 +118,7 @@ def reduce_worker(rank, world, payload):
 
     import torch.distributed as dist
 
-    from planc.runtime.planfile import At, Reduction
+    from planc.plan import At, Reduction
     from planc.runtime.reduce import ReductionExecutor
     done = 0
     for red, groups_list, n, bucket, impl in payload:

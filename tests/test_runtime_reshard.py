@@ -25,8 +25,8 @@ import test_runtime_harness as H  # noqa: E402
 
 from planc.compile import compile_program  # noqa: E402
 from planc.lang import load_text  # noqa: E402
-from planc.runtime import planfile  # noqa: E402
-from planc.runtime.planfile import Direction, PlanFileError, Strategy  # noqa: E402
+from planc import plan as planfile  # noqa: E402
+from planc.plan import Direction, PlanFileError, Strategy  # noqa: E402
 from planc.runtime.regions import intersect, numel  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -320,7 +320,7 @@ def reshard_worker(rank, world, payload):
     in reverse micro-batch order (tags keep them apart), compare bit for bit with the truth."""
     import torch
 
-    from planc.runtime import planfile as PF
+    from planc import plan as PF
     from planc.runtime.reshard import TransferExecutor
     checked, pool = 0, {}
     for job in payload:

@@ -12,8 +12,8 @@ from planc import codegen
 from planc.compile import compile_file
 from planc.lang import load_text
 from planc.lang.errors import PlanError
-from planc.runtime import planfile
-from planc.runtime.planruntime import (DEFAULT_GRAD_BUCKET_BYTES, DEFAULT_RECV_AHEAD, DEFAULT_REDUCE_BUCKET_BYTES,
+from planc import plan as planfile
+from planc.plan import (DEFAULT_GRAD_BUCKET_BYTES, DEFAULT_RECV_AHEAD, DEFAULT_REDUCE_BUCKET_BYTES,
                                        Backend, InHost, Runtime)
 
 sys.path.insert(0, str(Path(__file__).parent))

@@ -95,7 +95,7 @@ def executor_worker(rank, world, payload):
     import torch
     import torch.distributed as dist
 
-    from planc.runtime.planfile import At, Reduction
+    from planc.plan import At, Reduction
     from planc.runtime.reduce import ReductionExecutor
     per = payload["per"]
     results = []

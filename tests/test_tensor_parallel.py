@@ -221,7 +221,7 @@ def _explicit_tensor_coord(device):
 
 
 def test_context_from_plan_uses_the_tensor_coordinate():
-    from planc.runtime.planfile import Plan
+    from planc.plan import Plan
     d = _tp_plan_json()
     plan = Plan.from_json(d)
     assert plan.tensor_groups == ((0, 1), (2, 3), (4, 6), (5, 7))

@@ -145,7 +145,7 @@ def started(outs):
 
 
 def _digest(out) -> str:
-    from planc.runtime.planfile import digest, load
+    from planc.plan import digest, load
     return digest(load(out / "plan.json"))
 
 

@@ -18,7 +18,7 @@ import pytest
 from planc.compile import compile_program
 from planc.lang import load_text
 from planc.probe import probe_model
-from planc.runtime import planfile
+from planc import plan as planfile
 
 from e2e_util import ROOT
 

@@ -7,7 +7,7 @@ import pytest
 
 from planc.runtime.dataflow import EngineError
 from planc.runtime.main import load_function
-from planc.runtime.planfile import CodeRef
+from planc.plan import CodeRef
 from planc.runtime.usercode import MissingFunction, load_callable
 
 
@@ -116,7 +116,7 @@ def test_the_start_up_shape_check_leaves_batchnorm_statistics_alone(tmp_path):
     import torch
 
     from planc.compile import compile_file
-    from planc.runtime import planfile
+    from planc import plan as planfile
     from planc.runtime.dataflow import check_stage_shapes
 
     (tmp_path / "bn.py").write_text(

@@ -27,7 +27,7 @@ def compute_worker(argv) -> int:
 
     import torch
     import torch.distributed as dist
-    from planc_runtime import planfile
+    from planc import plan as planfile
     from planc_runtime.dataflow import StageGraph, apply_layers, build_optimizer
     from planc_runtime.reshard import DTYPES
 

@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 
 from benchmarks.variant import variant
-from planc.runtime.planfile import InHost
+from planc.plan import InHost
 
 HOSTS, PER_HOST, LINK_MBIT = 2, 4, 400.0
 WIDE_HOSTS = 3             # the 1 -> (2,4) fan-out: one device on host 0, a mesh over hosts 1 and 2

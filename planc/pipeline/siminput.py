@@ -15,7 +15,7 @@ from planc import ir
 from planc.cost.collectives import collective_time
 from planc.cost.network import Network
 from planc.pipeline.memory import PRECISION_BYTES, degree, stage_memory
-from planc.runtime.planruntime import DEFAULT_GRAD_BUCKET_BYTES, DEFAULT_RECV_AHEAD
+from planc.plan import DEFAULT_GRAD_BUCKET_BYTES, DEFAULT_RECV_AHEAD
 
 DEFAULT_FLOPS = 100e12   # FLOP/s of one device when the cluster gives no `flops` (docs/simulator.md)
 RECV_AHEAD = DEFAULT_RECV_AHEAD                 # plan.json runtime.recv_ahead's default

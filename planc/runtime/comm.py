@@ -41,7 +41,7 @@ import queue
 import threading
 from concurrent.futures import Future
 
-from .planfile import Direction
+from planc.plan import Direction
 
 __all__ = ["RecvAhead", "receive_jobs", "post_gates", "DEFAULT_AHEAD"]
 

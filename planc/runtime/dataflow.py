@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from .planfile import Plan
+from planc.plan import Plan
 from .reshard import DTYPES
 
 __all__ = ["EngineError", "StageGraph", "apply_layers", "build_optimizer", "run_reference", "check_stage_shapes"]

@@ -33,8 +33,8 @@ import socket
 import torch
 import torch.distributed as dist
 
-from .planfile import Plan
-from .planfile import digest as plan_digest
+from planc.plan import Plan
+from planc.plan import digest as plan_digest
 
 __all__ = ["collective_timeout", "choose_backend", "init_distributed", "check_world",
            "check_hosts", "check_digests", "startup_checks", "StartupError", "DEFAULT_TIMEOUT_S",

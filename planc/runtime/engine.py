@@ -40,7 +40,7 @@ from deepspeed.runtime.pipe.module import PipelineModule
 
 from .dataflow import (EngineError, StageGraph, apply_layers, build_optimizer, check_stage_shapes,  # noqa: F401
                        run_reference)
-from .planfile import Direction, InHost, Plan, Stage
+from planc.plan import Direction, InHost, Plan, Stage
 from .reduce import ReductionExecutor
 from .reshard import DTYPES, TransferExecutor
 from .comm import RecvAhead, receive_jobs

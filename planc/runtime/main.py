@@ -21,13 +21,15 @@ import time
 import torch
 import torch.distributed as dist
 
-from . import checkpoint, nicorder, planfile
+from planc import plan as planfile
+
+from . import checkpoint, nicorder
 from .checkpoint import CheckpointError, CountingIterator
 from .dist_util import (GroupMissing, StartupError, choose_backend, collective_timeout, init_distributed,
                         limit_cpu_threads, startup_checks)
 from .engine import EngineError, PlanEngine, check_stage_shapes
 from .failwatch import FailureWatch, report_failure
-from .planfile import Direction, InHost, Plan, PlanFileError
+from planc.plan import Direction, InHost, Plan, PlanFileError
 from .reduce import ReductionError, ReductionExecutor
 from .reshard import TransferExecutor
 from .tensor_parallel import context_from_plan, shard_info

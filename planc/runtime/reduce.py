@@ -40,7 +40,7 @@ import torch.distributed as dist
 
 from . import shmcoll
 from .dist_util import all_gather_flat, lookup_group, reduce_scatter_flat
-from .planfile import Collective, Reduction
+from planc.plan import Collective, Reduction
 
 __all__ = ["ReductionExecutor", "ReductionError", "DEFAULT_BUCKET_BYTES"]
 

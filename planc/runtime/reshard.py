@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 
 from .dist_util import all_gather_flat, direction_groups, lookup_group
-from .planfile import Direction, PlanFileError, Strategy, TagLayout, Task, Transfer
+from planc.plan import Direction, PlanFileError, Strategy, TagLayout, Task, Transfer
 from .regions import to_local
 
 __all__ = ["TransferExecutor", "DTYPES", "STRATEGIES"]

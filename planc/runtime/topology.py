@@ -27,7 +27,7 @@ import torch.distributed as dist
 from deepspeed.runtime.pipe.topology import PipelineParallelGrid, ProcessTopology
 
 from .dist_util import BACKWARD, GroupMissing, collective_timeout, lookup_group
-from .planfile import Direction, Plan, PlanFileError, Strategy
+from planc.plan import Direction, Plan, PlanFileError, Strategy
 
 __all__ = ["create_groups", "lookup_group", "GroupMissing", "StageTopology", "PlanGrid", "reduce_groups", "GRID",
            "BACKWARD"]

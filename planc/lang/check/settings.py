@@ -10,7 +10,7 @@ from planc import budget, ir
 from planc.lang import ast
 from planc.lang.check.values import Diagnostics, did_you_mean, int_of, quantity
 from planc.lang.units import SIZE, TIME
-from planc.runtime.planruntime import Backend, InHost, Runtime
+from planc.plan import Backend, InHost, Runtime
 
 __all__ = ["check_resharding", "check_synthesis", "check_train", "check_deepspeed",
            "MAX_TRIALS", "MAX_DFS_BUDGET_S", "MAX_MICRO_BATCHES", "MAX_SYNTHESIS_SIZE"]

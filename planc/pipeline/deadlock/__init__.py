@@ -57,7 +57,7 @@ from __future__ import annotations
 from planc.pipeline.deadlock.build import Builder
 from planc.pipeline.deadlock.events import Sim
 from planc.pipeline.deadlock.report import Hang, Wait, find_hangs
-from planc.runtime import planfile
+from planc import plan as planfile
 from planc.runtime.comm import DEFAULT_AHEAD
 
 __all__ = ["check_rendezvous", "Hang", "Wait", "BACKENDS", "MODES"]

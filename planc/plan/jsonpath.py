@@ -1,6 +1,6 @@
 """Reading plan.json with a path: every value knows where it is, so an error names its key.
 
-Stdlib only; part of the plan file (``planfile``), copied into every output.
+Stdlib only; part of the contract package (``planc.plan``), copied into every output.
 """
 from __future__ import annotations
 

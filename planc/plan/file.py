@@ -7,10 +7,12 @@ validates the whole file once and names the key that is wrong
 After that the runtime only executes: every region, task, group, program and
 row range it uses is a field here, none is derived from a spec string.
 
-Only the standard library is used: this module and its parts (``planjson``:
-reading with a path; ``planrecords``: cluster, stages, reductions, pipeline,
-training, tags; ``plantransfers``: tasks and routes) are copied into every
-output as ``planc_runtime/``.
+Only the standard library is used: this module and the rest of the contract
+package ``planc.plan`` (``jsonpath``: reading with a path; ``vocab``: the closed
+vocabularies; ``records``: cluster, stages, reductions; ``training``: pipeline,
+training, tags; ``transfers``: tasks and routes; ``runtime``: how the runtime
+executes) are imported by the compiler and copied into every output as
+``OUT/planc/plan/``, where the runtime imports them.
 
 Records are frozen and slotted; sequences are tuples. Keys of plan.json the
 runtime does not read (predictions, rankings, explanations) are kept, in
@@ -24,17 +26,15 @@ import json
 import os
 from dataclasses import dataclass, field
 
-from .planjson import At, Group, PlanFileError, kind, lists
-from .planrecords import (DTYPE_NAMES, CodeRef, Cluster, Collective, Direction, Level, Pipeline, Reduction,
-                          ReductionMode, Schedule, Stage, StageMode, Step, Strategy, TagLayout, Train)
-from .planruntime import Backend, InHost, Runtime
-from .plantransfers import Route, Task, Transfer
+from .jsonpath import At, Group, PlanFileError, kind, lists
+from .records import Cluster, Level, Reduction, Stage, Step
+from .training import CodeRef, Pipeline, TagLayout, Train
+from .vocab import (DTYPE_NAMES, Backend, Collective, Direction, InHost, ReductionMode, Schedule, StageMode,
+                    Strategy)
+from .runtime import Runtime
+from .transfers import Route, Task, Transfer
 
-__all__ = [
-    "FORMAT", "PlanFileError", "Strategy", "Collective", "Schedule", "StageMode", "ReductionMode", "Direction",
-    "Level", "Cluster", "Stage", "Step", "Reduction", "Task", "Route", "Transfer", "Pipeline", "Train",
-    "CodeRef", "Plan", "load", "digest", "dumps", "TagLayout", "DTYPE_NAMES", "Runtime", "Backend", "InHost",
-]
+__all__ = ["FORMAT", "Plan", "load", "digest", "dumps"]
 
 FORMAT = "planc/1"
 

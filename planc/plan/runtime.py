@@ -9,27 +9,15 @@ with exactly ``recv_ahead``. Stdlib only (part of the plan file, copied into eve
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import StrEnum
+from .jsonpath import At, extra, with_extra
+from .vocab import Backend, InHost
 
-from .planjson import At, extra, with_extra
-
-__all__ = ["Backend", "InHost", "Runtime", "DEFAULT_RECV_AHEAD", "DEFAULT_GRAD_BUCKET_BYTES",
+__all__ = ["Runtime", "DEFAULT_RECV_AHEAD", "DEFAULT_GRAD_BUCKET_BYTES",
            "DEFAULT_REDUCE_BUCKET_BYTES"]
 
 DEFAULT_RECV_AHEAD = 4                    # receives posted ahead per transfer direction
 DEFAULT_GRAD_BUCKET_BYTES = 8 << 20       # a gradient bucket is reduced once its last gradient is ready
 DEFAULT_REDUCE_BUCKET_BYTES = 32 << 20    # a reduction program runs on buffers of at most this size
-
-
-class Backend(StrEnum):
-    AUTO = "auto"        # NCCL where the launching machine has CUDA, gloo elsewhere
-    GLOO = "gloo"
-    NCCL = "nccl"
-
-
-class InHost(StrEnum):
-    SHARED_MEMORY = "shared_memory"   # gloo: a one-host group's reduction steps through /dev/shm (shmcoll)
-    BACKEND = "backend"               # the backend's own collectives
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,13 +1,13 @@
 """The plan file's transfers: unit tasks and, per direction, a route with every device's region.
 
-Frozen, slotted, validated once in their ``read``; stdlib only (see ``planfile``).
+Frozen, slotted, validated once in their ``read``; stdlib only (the contract package, ``planc.plan``).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .planjson import At, Group, PlanFileError, Region, device_key, extra, inside, lists, region_json, with_extra
-from .planrecords import DTYPE_NAMES, Direction, Strategy
+from .jsonpath import At, Group, PlanFileError, Region, device_key, extra, inside, lists, region_json, with_extra
+from .vocab import DTYPE_NAMES, Direction, Strategy
 
 __all__ = ["Task", "Route", "Transfer"]
 

@@ -1,0 +1,24 @@
+"""The contract between the compiler and the runtime: plan.json as typed records (stdlib only).
+
+The compiler assembles its decisions into these records and writes plan.json with them; every rank
+of a launched job reads plan.json back with them (the same code: ``planc compile`` copies this
+package into every output as ``OUT/planc/plan/``). The closed vocabularies are defined here once
+(``vocab``); ``planc.ir`` imports them. ../shared/PLAN_FORMAT.md is the contract in words;
+docs/plan-format.md lists what planc adds.
+"""
+from .file import FORMAT, Plan, digest, dumps, load
+from .jsonpath import At, Group, PlanFileError, Range, Region
+from .records import Cluster, Level, Reduction, Stage, Step
+from .runtime import DEFAULT_GRAD_BUCKET_BYTES, DEFAULT_RECV_AHEAD, DEFAULT_REDUCE_BUCKET_BYTES, Runtime
+from .training import CodeRef, Pipeline, TagLayout, Train
+from .transfers import Route, Task, Transfer
+from .vocab import (DTYPE_NAMES, Backend, Collective, Direction, InHost, MeshAxis, Precision, ReductionMode,
+                    Schedule, StageMode, Strategy)
+
+__all__ = [
+    "FORMAT", "Plan", "digest", "dumps", "load", "At", "Group", "PlanFileError", "Range", "Region", "Cluster",
+    "Level", "Reduction", "Stage", "Step", "DEFAULT_GRAD_BUCKET_BYTES", "DEFAULT_RECV_AHEAD",
+    "DEFAULT_REDUCE_BUCKET_BYTES", "Runtime", "CodeRef", "Pipeline", "TagLayout", "Train", "Route", "Task",
+    "Transfer", "DTYPE_NAMES", "Backend", "Collective", "Direction", "InHost", "MeshAxis", "Precision",
+    "ReductionMode", "Schedule", "StageMode", "Strategy",
+]

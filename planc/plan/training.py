@@ -1,0 +1,218 @@
+"""The plan file's pipeline, training settings and message tags.
+
+Frozen, slotted, validated once in their ``read``; stdlib only (the contract package, ``planc.plan``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .jsonpath import At, PlanFileError, extra, with_extra
+from .vocab import Direction, Schedule
+
+__all__ = ["Pipeline", "CodeRef", "Train", "TagLayout"]
+
+
+# ---------------------------------------------------------------- pipeline and training
+
+@dataclass(frozen=True, slots=True)
+class Pipeline:
+    schedule: Schedule
+    micro_batches: int
+    per_stage: tuple[tuple[str, ...], ...]
+    extra: tuple = ()
+    # per host (index), its cross-host sends in the order its NIC runs them, one at a time:
+    # ((host, ((rank, transfer, direction, micro-batch), ...)), ...); empty: sends go as they come
+    nic_order: tuple = ()
+
+    KEYS = ("schedule", "micro_batches", "per_stage", "nic_order")
+
+    @staticmethod
+    def read(at: At, stages: int) -> "Pipeline":
+        m = at.key("micro_batches").int(1)
+        lists = []
+        for i, ops in enumerate(at.key("per_stage").items()):
+            seen = {"F": set(), "B": set()}
+            names = []
+            for op in ops.items():
+                s = op.str()
+                if len(s) < 2 or s[0] not in "FB" or not s[1:].isdigit() or int(s[1:]) >= m:
+                    op.fail(f"expected F<m> or B<m> with m < {m}, got {s!r}")
+                if s[0] == "B" and int(s[1:]) not in seen["F"]:
+                    op.fail(f"{s} runs before F{s[1:]}")
+                seen[s[0]].add(int(s[1:]))
+                names.append(s)
+            if seen["F"] != set(range(m)) or seen["B"] != set(range(m)):
+                ops.fail(f"stage {i} must run F and B of every micro-batch 0..{m - 1} once")
+            lists.append(tuple(names))
+        if len(lists) != stages:
+            at.key("per_stage").fail(f"{len(lists)} lists for {stages} stages")
+        nic, hosts = [], set()
+        for e in at.key("nic_order", []).items():
+            h = e.key("host").int(0)
+            if h in hosts:
+                e.key("host").fail(f"host {h} has two orders")
+            hosts.add(h)
+            seen, sends = set(), []
+            for item in e.key("sends").items():
+                parts = item.items()
+                if len(parts) != 4:
+                    item.fail("expected [rank, transfer, direction, micro-batch]")
+                key = (parts[0].int(0), parts[1].str(), parts[2].str(), parts[3].int(0))
+                if key[2] not in ("forward", "backward"):
+                    parts[2].fail(f"expected forward or backward, got {key[2]!r}")
+                if key[3] >= m:
+                    parts[3].fail(f"micro-batch {key[3]} of {m}")
+                if key in seen:
+                    item.fail(f"{list(key)} is listed twice")
+                seen.add(key)
+                sends.append(key)
+            nic.append((h, tuple(sends)))
+        return Pipeline(at.key("schedule").enum(Schedule), m, tuple(lists), extra(at, Pipeline.KEYS), tuple(nic))
+
+    def in_flight_bound(self, stage: int) -> int:
+        """Most micro-batches whose forward ran and backward did not, at any point of the stage's list."""
+        live = peak = 0
+        for op in self.per_stage[stage]:
+            live += 1 if op[0] == "F" else -1
+            peak = max(peak, live)
+        return peak
+
+    def to_json(self) -> dict:
+        out = {"schedule": str(self.schedule), "micro_batches": self.micro_batches,
+               "per_stage": [list(x) for x in self.per_stage]}
+        if self.nic_order:
+            out["nic_order"] = [{"host": h, "sends": [list(k) for k in keys]} for h, keys in self.nic_order]
+        return with_extra(out, self.extra)
+
+    def nic_order_of(self, host: int) -> tuple:
+        """Host ``host``'s send order (empty when it has none)."""
+        return next((keys for h, keys in self.nic_order if h == host), ())
+
+
+@dataclass(frozen=True, slots=True)
+class CodeRef:
+    file: str
+    function: str
+    args: tuple = ()       # (key, JSON value) pairs, model only
+
+    @staticmethod
+    def read(at: At) -> "CodeRef":
+        args = at.key("args", None)
+        return CodeRef(at.key("file").str(), at.key("function").str(),
+                       tuple(args.value.items()) if isinstance(args.value, dict) else ())
+
+    def to_json(self, with_args: bool) -> dict:
+        out = {"file": self.file, "function": self.function}
+        if with_args:
+            out["args"] = dict(self.args)
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class Train:
+    """Training settings, and who counts the loss.
+
+    ``loss_devices``: last-stage devices, one per row range, whose losses add up
+    to the micro-batch's loss; each device's loss is weighted by its share of
+    the rows so that every gradient is the gradient of the global mean loss.
+    """
+
+    model: CodeRef
+    loss: CodeRef
+    data: CodeRef
+    micro_batch: int
+    micro_batches: int
+    steps: int
+    schedule: Schedule
+    optimizer: tuple              # (key, value) pairs: name, lr, ...
+    precision: str
+    seed: int
+    trainable: bool
+    not_trainable_because: tuple[str, ...]
+    loss_devices: tuple[int, ...] = ()
+    timeout: float | None = None        # collective timeout in seconds (train { timeout = ... })
+    save_every: int | None = None       # checkpoint every N steps when train.py --save DIR is given
+    extra: tuple = ()
+
+    KEYS = ("model", "loss", "data", "micro_batch", "micro_batches", "steps", "schedule", "optimizer",
+            "precision", "seed", "trainable", "not_trainable_because", "loss_devices", "timeout", "save_every")
+
+    @staticmethod
+    def read(at: At) -> "Train":
+        opt = at.key("optimizer")
+        opt.key("name").str()
+        return Train(CodeRef.read(at.key("model")), CodeRef.read(at.key("loss")), CodeRef.read(at.key("data")),
+                     at.key("micro_batch").int(1), at.key("micro_batches").int(1), at.key("steps").int(0),
+                     at.key("schedule").enum(Schedule), tuple(opt.value.items()), at.key("precision").str(),
+                     at.key("seed").int(), at.key("trainable", True).bool(),
+                     tuple(x.str() for x in at.key("not_trainable_because", []).items()),
+                     at.key("loss_devices", []).ints(), _positive(at.key("timeout", None)),
+                     at.key("save_every", None).opt_int(1), extra(at, Train.KEYS))
+
+    def optimizer_dict(self) -> dict:
+        return dict(self.optimizer)
+
+    def to_json(self) -> dict:
+        out = {"model": self.model.to_json(True), "loss": self.loss.to_json(False), "data": self.data.to_json(False),
+               "micro_batch": self.micro_batch, "micro_batches": self.micro_batches, "steps": self.steps,
+               "schedule": str(self.schedule), "optimizer": dict(self.optimizer), "precision": self.precision,
+               "seed": self.seed}
+        out = with_extra(out, self.extra)
+        out["trainable"] = self.trainable
+        out["not_trainable_because"] = list(self.not_trainable_because)
+        if self.loss_devices:
+            out["loss_devices"] = list(self.loss_devices)
+        if self.timeout is not None:
+            out["timeout"] = self.timeout
+        if self.save_every is not None:
+            out["save_every"] = self.save_every
+        return out
+
+
+def _positive(at: At) -> float | None:
+    if at.value is None:
+        return None
+    v = at.num()
+    if v <= 0:
+        at.fail(f"expected a positive number of seconds, got {v}")
+    return v
+
+
+# ---------------------------------------------------------------- tags
+
+@dataclass(frozen=True, slots=True)
+class TagLayout:
+    """p2p tag = transfer | direction | micro-batch | task, each field as wide as the plan needs.
+
+    Sized from the plan so that no field wraps; a plan that needs more than 31
+    bits is refused by the compiler (the runtime checks again).
+    """
+
+    transfer_bits: int
+    micro_batch_bits: int
+    task_bits: int
+
+    MAX_BITS = 31
+
+    @staticmethod
+    def for_sizes(transfers: int, micro_batches: int, tasks: int) -> "TagLayout":
+        return TagLayout(_bits(transfers), _bits(micro_batches), _bits(tasks))
+
+    @property
+    def total(self) -> int:
+        return self.transfer_bits + 1 + self.micro_batch_bits + self.task_bits
+
+    def tag(self, transfer: int, direction: Direction, micro_batch: int, task: int) -> int:
+        d = 1 if direction is Direction.BACKWARD else 0
+        for value, bits, what in ((transfer, self.transfer_bits, "transfer"),
+                                  (micro_batch, self.micro_batch_bits, "micro-batch"), (task, self.task_bits, "task")):
+            if not 0 <= value < (1 << bits):
+                raise PlanFileError(f"{what} index {value} does not fit the plan's {bits}-bit tag field")
+        t = transfer
+        t = (t << 1) | d
+        t = (t << self.micro_batch_bits) | micro_batch
+        return (t << self.task_bits) | task
+
+
+def _bits(n: int) -> int:
+    return max(1, (max(n, 1) - 1).bit_length())
