@@ -7,7 +7,7 @@
 The pipeline pass offers candidates (with the host NIC order the simulation kept, then without);
 the first whose assembled plan the launch check accepts (tags fit, no rendezvous hang) is written.
 
-Each pass is ``(input, ctx) -> record``; ``compile --verify`` checks every
+Each pass is ``(input, ctx) -> record``; every compile (unless ``--no-verify``) checks every
 output with an independent checker before the next pass (``planc.verify``).
 
 Every pass is pure; this module only strings them together and validates what

@@ -391,25 +391,34 @@ def _f(x, fmt="{:.4g}") -> str:
 
 
 def markdown(res: dict) -> str:
-    lines = [f"Predicted under `{res['cluster']}` against measured.", "",
-             "| group | alternative | Mbit/s | predicted s | measured s | \\|p−m\\|/m | note |",
-             "|---|---|---|---|---|---|---|"]
+    """One row per group of alternatives (the per-case figures are in ``--json`` and on the terminal)."""
+    by_group: dict[str, list[dict]] = {}
     for r in res["cases"]:
-        lines.append(f"| {r['group']} | {r['alternative']} | {r['rate_mbit']:g} | {_f(r['predicted'])} | "
-                     f"{_f(r['measured'])} | {_f(r['error'], '{:.1%}')} | {r.get('note') or ''} |")
+        by_group.setdefault(r["group"], []).append(r)
+    lines = [f"Predicted under `{res['cluster']}` against measured: per group, each alternative's predicted / "
+             "measured seconds, the largest |p−m|/m, the predicted and the measured best, the pairs ordered as "
+             "measured (of those the measurement itself orders).", "",
+             "| group | predicted / measured s | max \\|p−m\\|/m | best: predicted, measured | pairs |",
+             "|---|---|---|---|---|"]
+    for g in res["groups"]:
+        rows = by_group.get(g["group"], [])
+        figures = ", ".join(f"{r['alternative']} {_f(r['predicted'])} / {_f(r['measured'])}" for r in rows
+                            if r["predicted"] is not None)
+        errors = [r["error"] for r in rows if r["error"] is not None]
+        best = (f"{g['predicted_best']}, {g['measured_best']}" if not g["same"] else f"{g['predicted_best']} (same)")
+        best += "" if g["best_resolved"] else " (within the spread)"
+        lines.append(f"| {g['group']} | {figures} | {_f(max(errors) if errors else None, '{:.1%}')} | {best} | "
+                     f"{g['pairs_agree']}/{g['pairs']} ({g['pairs_resolved_agree']}/{g['pairs_resolved']}) |")
+    unpredicted = sorted({r["note"] for r in res["cases"] if r["predicted"] is None and r.get("note")})
     lines += ["", f"Median |p−m|/m: {_f(res['median_error'], '{:.1%}')}; pairs of alternatives ordered as "
               f"measured: {res['pairs_agree']}/{res['pairs']} ({_f(res['pair_fraction'], '{:.0%}')}); predicted "
-              f"best = measured best in {sum(g['same'] for g in res['groups'])}/{len(res['groups'])} groups.", "",
+              f"best = measured best in {sum(g['same'] for g in res['groups'])}/{len(res['groups'])} groups.",
               f"Of these, the pairs the measurement itself orders (every sample of one below every sample of "
               f"the other; samples: per-round medians from {MIN_ROUNDS} rounds, else steps): "
               f"{res['pairs_resolved_agree']}/{res['pairs_resolved']} ordered as measured "
               f"({_f(res['resolved_pair_fraction'], '{:.0%}')}); groups whose measured best is beyond the spread: "
-              f"{res['best_resolved_same']}/{res['best_resolved']} predicted.", ""]
-    for g in res["groups"]:
-        lines.append(f"- {g['group']} ({g['alternatives']}): predicted best {g['predicted_best']}, measured best "
-                     f"{g['measured_best']}{'' if g['same'] else ' (differ)'}"
-                     f"{'' if g['best_resolved'] else ' (within the spread)'}; pairs {g['pairs_agree']}/{g['pairs']}"
-                     f" ({g['pairs_resolved_agree']}/{g['pairs_resolved']} of those the measurement orders)")
+              f"{res['best_resolved_same']}/{res['best_resolved']} predicted."]
+    lines += [f"{u[0].upper()}{u[1:]}." for u in unpredicted]
     return "\n".join(lines) + "\n"
 
 
