@@ -1,6 +1,6 @@
-"""Helpers for the end-to-end tests: the launch of a compiled output (launch_sh) and the
-single-process references (``reference``: with the output's own runtime code;
-``independent_reference``: plain torch, no planc code)."""
+"""Helpers for the end-to-end tests: the launch of a compiled output (launch_sh) and the single-process
+reference (``independent_reference``: plain torch, no planc code: no test compares the product with
+itself)."""
 
 from __future__ import annotations
 
@@ -53,32 +53,6 @@ def launch_sh(out: Path, *args, timeout=300):
     """``bash OUT/launch.sh ARGS`` (the compiled output's own launcher)."""
     return subprocess.run(["bash", str(out / "launch.sh"), *args], env=launch_env(), capture_output=True,
                           text=True, timeout=timeout, cwd=out)
-
-
-def reference(out: Path, plan, steps: int):
-    """Train the whole model in this process with the output's own runtime code (``plan`` is
-    ignored: the output's plan.json is read with its own plan file reader)."""
-    import json
-    import torch
-    sys.path.insert(0, str(out))
-    try:
-        from planc import plan as planfile
-        from planc_runtime.engine import build_optimizer, run_reference
-        from planc_runtime.main import load_function
-    finally:
-        sys.path.remove(str(out))
-    plan = planfile.load(out / "plan.json")
-    t = plan.train
-    cfg = json.loads((out / "ds_config.json").read_text())
-    args = dict(t.model.args)
-    torch.manual_seed(t.seed)
-    layers = load_function(str(out), t.model)(**args)
-    params = [p for l in layers for p in l.parameters()]
-    opt = build_optimizer(params, cfg)
-    it = load_function(str(out), t.data)(t.micro_batch, t.seed, **args)
-    losses = run_reference(layers, plan, load_function(str(out), t.loss), it, t.micro_batches, steps, opt)
-    state = {f"layers.{i}.{k}": v.detach() for i, l in enumerate(layers) for k, v in l.named_parameters()}
-    return losses, state
 
 
 def shard_of(full, dim, index, parts, blocks=1):
@@ -187,6 +161,8 @@ def independent_reference(plan: dict, model_dir: Path, steps: int, micro_batches
 
     opt_cfg = dict(train["optimizer"])
     kind, lr = opt_cfg.pop("name").lower(), opt_cfg.pop("lr")
+    if "beta1" in opt_cfg or "beta2" in opt_cfg:   # the plan's beta1/beta2 are torch's betas (docs/language.md)
+        opt_cfg["betas"] = (opt_cfg.pop("beta1", 0.9), opt_cfg.pop("beta2", 0.999))
     params = [p for layer in layers for p in layer.parameters()]
     optimizers = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam}
     assert kind in optimizers, f"independent_reference: optimizer {kind!r} (sgd or adam)"

@@ -229,14 +229,14 @@ def test_stock_deepspeed_and_compute_only_run_per_host_in_the_testbed(tmp_path):
     from planc.compile import compile_file
     from benchmarks.testbed import Testbed
 
-    from e2e_util import extensions_env, reference
+    from e2e_util import extensions_env, independent_reference
     src = tmp_path / "tiny.plan"
     src.write_text(TINY.format(mlp=ROOT / "examples/mlp.py"))
     c = compile_file(src, probe=True)
     out = tmp_path / "out"
     write_output(c.plan_json, c.program, out)
     assert iteration.stock_reason(c.plan_json) is None
-    ref_losses, _ = reference(out, c.plan_json, 2)
+    ref_losses, _ = independent_reference(c.plan_json, out, 2)
     with Testbed(2, 1000) as tb:
         env = extensions_env()
         stock = tb.launch(out, steps=2, timeout=240, comm_only=False, env=env,

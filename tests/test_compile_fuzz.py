@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import time
 from functools import lru_cache
 from pathlib import Path
 
@@ -31,7 +30,6 @@ ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
 PLAN_PATH = str(ROOT / "tests" / "fuzz_generated.plan")   # never written: only names the source in errors
 N_EXAMPLES = int(os.environ.get("PLANC_FUZZ_EXAMPLES", "150"))
-MAX_SECONDS = float(os.environ.get("PLANC_FUZZ_MAX_SECONDS", "20"))   # one compile, generously bounded
 MAX_DEVICES = 64
 MAX_ELEMENTS = 4096
 
@@ -396,14 +394,11 @@ def _check_plan_text(text: str) -> None:
         # The generators aim at front-end-valid plans; a rejection must still be a located error.
         _check_error(e)
         return
-    t0 = time.perf_counter()
-    try:
+    try:   # no timing here: the compile's work is bounded by counts (planc.budget), and a hang by pytest-timeout
         first = compile_program(program)
     except PlanError as e:
         _check_error(e)
         return
-    took = time.perf_counter() - t0
-    assert took < MAX_SECONDS, f"compiling took {took:.1f} s"
     plan = first.plan_json
     check_plan_json(plan)
     dumped = dump_plan(plan)                    # allow_nan=False: NaN/inf raise here

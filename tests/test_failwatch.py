@@ -81,17 +81,39 @@ def test_a_failing_rank_0_keeps_its_store_until_every_rank_has_seen_the_failure(
     server, client = _stores()
     ended = _Exit()
     watch = FailureWatch(1, interval=0.5, store=client, exit=ended)
-    t0 = time.monotonic()
-    report_failure(0, "rank 0 (stage 0) failed in RecvGrad with ranks [1]", store=server, world=2, linger=10)
-    took = time.monotonic() - t0
+    # a linger no run would reach: rank 0 must return because rank 1 has seen the failure, not because
+    # the linger ran out (the thread is only a hang guard: a rank 0 waiting out its linger fails it)
+    report = threading.Thread(target=report_failure, args=(0, "rank 0 (stage 0) failed in RecvGrad with ranks [1]"),
+                              kwargs={"store": server, "world": 2, "linger": 3600}, daemon=True)
+    report.start()
+    report.join(120)
+    assert not report.is_alive(), "rank 0 waited out its linger although every rank had seen the failure"
     assert ended.event.is_set() and ended.codes == [2]        # the watch saw it before rank 0 returned
-    assert took < 5                                           # and rank 0 did not wait out its linger
     assert server.add("planc/failed-seen", 0) == 2
     watch.stop()
 
 
-def test_a_failing_rank_0_with_no_one_watching_lingers_no_longer_than_its_bound():
+def test_a_failing_rank_0_with_no_one_watching_lingers_no_longer_than_its_bound(monkeypatch):
+    """On a clock the test drives (each of report_failure's polls advances it by its sleep): rank 0 polls
+    the store until the linger's end and stops at the first poll past it."""
+    from planc.runtime import failwatch
+
+    class Clock:
+        now, polls = 100.0, 0
+
+        @classmethod
+        def monotonic(cls):
+            return cls.now
+
+        @classmethod
+        def sleep(cls, s):
+            cls.now += s
+            cls.polls += 1
+
+    monkeypatch.setattr(failwatch, "time", Clock)
     server, _client = _stores()
-    t0 = time.monotonic()
     report_failure(0, "alone", store=server, world=2, linger=0.5)
-    assert 0.4 <= time.monotonic() - t0 < 3
+    # polls of 0.05 s until the clock passes the linger's end, then out at once (10 or 11 polls: the
+    # sum of 0.05s may fall a rounding short of 0.5)
+    assert Clock.now >= 100.5 and Clock.now - 0.05 < 100.5 and Clock.polls in (10, 11)
+    assert server.add("planc/failed-seen", 0) == 1                 # nobody else ever counted itself

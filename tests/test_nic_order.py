@@ -87,14 +87,19 @@ def test_a_failed_send_fails_its_handle_and_the_ones_after_it():
 
 
 def test_a_turn_is_held_for_the_bytes_time_at_the_link_rate(monkeypatch):
+    """On a clock that stands still (the send takes no time), the turn is held for exactly the bytes'
+    time at the link's rate: 200 kB at 1 MB/s."""
+    import types
     slept = []
     real_sleep = time.sleep
-    monkeypatch.setattr(nicorder.time, "sleep", lambda s: slept.append(s) if s > nicorder.POLL_S else real_sleep(s))
+    clock = types.SimpleNamespace(monotonic=lambda: 100.0,
+                                  sleep=lambda s: slept.append(s) if s > nicorder.POLL_S else real_sleep(s))
+    monkeypatch.setattr(nicorder, "time", clock)
     c = counter()
     n = NicOrder(1, 0, ORDER[:1], c, 30.0, bandwidth=1e6)
     n.begin_step()
     n.submit("h", "forward", 0, lambda: [], nbytes=2e5).wait()
-    assert len(slept) == 1 and 0.15 < slept[0] <= 0.2      # 200 kB at 1 MB/s, less the time the send took
+    assert slept == [pytest.approx(0.2)]
     assert c[0] == 1
 
 
