@@ -27,12 +27,11 @@ import os
 from dataclasses import dataclass, field
 
 from .jsonpath import At, Group, PlanFileError, kind, lists
-from .records import Cluster, Level, Reduction, Stage, Step
-from .training import CodeRef, Pipeline, TagLayout, Train
-from .vocab import (DTYPE_NAMES, Backend, Collective, Direction, InHost, ReductionMode, Schedule, StageMode,
-                    Strategy)
+from .records import Cluster, Reduction, Stage
 from .runtime import Runtime
-from .transfers import Route, Task, Transfer
+from .training import Pipeline, TagLayout, Train
+from .transfers import Transfer
+from .vocab import StageMode, Strategy
 
 __all__ = ["FORMAT", "Plan", "load", "digest", "dumps"]
 
