@@ -2,7 +2,8 @@
 
     load → probe (the model's real sizes, in a subprocess)
          → infer (dtype, shape, specs) → place → [check_trainable] → reductions
-         → transfers (forward, backward) → pipeline → assemble (planfile.Plan) → launch check → plan.json
+         → transfers (forward, backward) → pipeline
+         → assemble (planc.assemble: the passes' records as one planc.plan.Plan) → launch check → plan.json
 
 The pipeline pass offers candidates (with the host NIC order the simulation kept, then without);
 the first whose assembled plan the launch check accepts (tags fit, no rendezvous hang) is written.
@@ -17,12 +18,12 @@ the model really produces against what the plan declares.
 from __future__ import annotations
 
 import dataclasses
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from planc import __version__, budget, ir
+from planc import budget, ir
+from planc.assemble import assemble
 from planc.lang import load
 from planc.lang.errors import Diagnostic, PlanError
 from planc.pipeline.choose import choose_by_prediction, choose_schedule, predicted_record, simulate_schedules
@@ -34,16 +35,14 @@ from planc.placement import Placement, place
 from planc.infer import infer_transfers
 from planc.probe import (ModelProbe, check_against_model, check_model_reductions, probe_model,
                          tensor_traffic_by_stage)
-from planc.reduction import plan_reductions, stage_reduction_groups
-from planc.resharding import groups_used, plan_routes
-from planc.resharding import device_region
+from planc.reduction import plan_reductions
+from planc.resharding import plan_routes
 from planc import plan as planfile
 from planc.span import Span
-from planc.trainable import check_trainable, stage_data_degree
+from planc.trainable import check_trainable
 from planc.verify import verify
 
-FORMAT = "planc/1"
-DATA_AXIS, TENSOR_AXIS = ir.MeshAxis.DATA, ir.MeshAxis.TENSOR
+FORMAT = planfile.FORMAT
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,24 +66,6 @@ class CompiledPlan:
 
 
 # ---------------------------------------------------------------- the passes
-
-def _ordered_groups(*lists) -> list[list[int]]:
-    seen: dict[tuple[int, ...], None] = {}
-    for groups in lists:
-        for g in groups:
-            g = tuple(sorted(g))
-            if len(g) > 1:
-                seen.setdefault(g, None)
-    return [list(g) for g in seen]
-
-
-def _tensor_groups(stages) -> list[list[int]]:
-    """Tensor-parallel groups: in each stage with a mesh axis ``tensor`` of size > 1, the devices
-    equal on every other mesh dimension (members sorted; sorted list, as the reductions' groups)."""
-    if not any(st.axis_size(TENSOR_AXIS) > 1 for st in stages):
-        return []
-    return [list(g) for g in stage_reduction_groups(stages, (TENSOR_AXIS,)) if len(g) > 1]
-
 
 @dataclass(frozen=True, slots=True)
 class Context:
@@ -254,87 +235,6 @@ def pipeline_pass(value, ctx: Context):
         sim, prediction, rate, program.cluster.flops is not None, runs), nic_order=prediction.nic_order)
 
 
-def assemble(decisions, ctx: Context) -> planfile.Plan:
-    """Every decision as the typed plan file (``planc.plan``), validated on construction; it
-    checks nothing else (the launch check does, ``launch_check``)."""
-    reductions, (transfers, backward), pipeline = decisions
-    program, probe, placement, untrainable = ctx.program, ctx.probe, ctx.placement, ctx.untrainable
-    training = ctx.training
-    red_json = [dict(r.to_json(), mode=str(_reduction_of(program, r.name).mode),
-                     collectives=[str(c) for c in program.synthesis.collectives]) for r in reductions]
-    stages = placement.stages
-    layout = {s.index: s for s in stages}
-    tr_json = []
-    for i, (fwd, t) in enumerate(zip(transfers, program.transfers)):
-        rec = fwd.to_json()
-        src = program.stage(t.src_stage)
-        rec["src"]["layer"] = t.src_layer if t.src_layer is not None else (
-            src.layers[1] - 1 if src.layers is not None else None)
-        _add_parts(rec, program.cluster)
-        rec["regions"] = _regions(t.shape, layout[t.src_stage], t.src_spec, layout[t.dst_stage], t.dst_spec)
-        if backward:
-            b = backward[i].to_json()
-            back = {k: b[k] for k in ("strategy", "chunks", "scheduler", "tasks", "makespan", "lower_bound",
-                                      "naive_makespan")}
-            _add_parts(back, program.cluster)
-            back["regions"] = _regions(t.shape, layout[t.dst_stage], t.dst_spec, layout[t.src_stage], t.src_spec)
-            rec["backward"] = back
-        tr_json.append(rec)
-    tensor_groups = _tensor_groups(stages) if training else []
-    groups = _ordered_groups(
-        *[[g for st in r["program"]["steps"] for g in st["groups"]] for r in red_json],
-        groups_used(transfers, program.cluster),
-        groups_used(backward, program.cluster),
-        tensor_groups,
-    )
-    backward_groups = _ordered_groups(groups_used(backward, program.cluster))
-    c = program.cluster
-    plan = {
-        "format": FORMAT,
-        "name": program.name,
-        # the file's name, not the path as typed: the same plan gives the same output from any directory
-        "source": {"path": Path(program.source_path).name, "sha256": program.source_sha256},
-        "compiler": {"version": __version__, "seconds": None},   # compile_file(timings=True) fills it
-        "cluster": {
-            "levels": [{"name": lv.name, "fanout": lv.fanout, "bandwidth": lv.bandwidth, "latency": lv.latency,
-                        **({"both_ways": lv.both_ways} if lv.both_ways is not None else {})}
-                       for lv in c.levels],
-            "host_level": c.host_level, "devices": c.devices,
-            "hosts": [list(h) for h in c.hosts()],
-        },
-    }
-    for key in ("flops", "memory", "op_overhead", "step_overhead"):   # when given (the last two: cluster files)
-        if getattr(c, key, None) is not None:
-            plan["cluster"][key] = getattr(c, key)
-    if getattr(c, "cores", None) is not None:   # cluster { cores = N per LEVEL|cluster }: cores_level None = cluster
-        plan["cluster"].update(cores=c.cores, cores_level=c.cores_level)
-    pj = placement.to_json()
-    if pj is not None:
-        plan["placement"] = pj
-    plan["groups"] = groups
-    if backward_groups:
-        plan["backward_groups"] = backward_groups
-    if tensor_groups:
-        plan["tensor_groups"] = tensor_groups
-    plan["stage_mode"] = str(program.stage_mode)
-    plan["stages"] = [_stage_json(s, program.train.micro_batch if training else None) for s in stages]
-    if any(why for _, why in ctx.choices):
-        plan["choices"] = {what: why for what, why in ctx.choices if why}   # why `auto` became what it is
-    plan["reductions"] = red_json
-    plan["transfers"] = tr_json
-    if pipeline is not None:
-        plan["pipeline"] = pipeline.to_json()
-    if training:
-        plan["train"] = _train_json(program, probe, stages)
-        plan["train"]["trainable"] = not untrainable
-        plan["train"]["not_trainable_because"] = [d.message for d in untrainable]
-    plan["runtime"] = program.train.runtime.to_json()
-    try:
-        return planfile.Plan.from_json(plan)
-    except planfile.PlanFileError as e:   # a compiler bug, never the user's: say so
-        raise AssertionError(f"the compiler assembled an invalid plan file: {e}") from None
-
-
 def launch_check(plan: planfile.Plan, ctx: Context) -> list:
     """What would stop the assembled plan once launched: its message tags must fit in the point-to-point
     tag bits (else a located error), and the hangs of every rank's issue order simulated under rendezvous
@@ -359,94 +259,6 @@ def _plan_span(program: ir.Program):
     if program.stages and program.stages[0].span.line > 0:
         return program.stages[0].span
     return Span.unknown(program.source_path)
-
-
-def _reduction_of(program: ir.Program, name: str) -> ir.Reduction:
-    return next(r for r in program.reductions if r.name == name)
-
-
-def _regions(shape, src: ir.StageLayout, src_spec, dst: ir.StageLayout, dst_spec) -> dict:
-    """Every device's region on each mesh, half-open global ranges (plan.json ``regions``)."""
-    def side(layout, spec):
-        return {str(d): [list(r) for r in device_region(tuple(shape), layout, spec, d)]
-                for d in sorted(layout.devices)}
-    return {"src": side(src, src_spec), "dst": side(dst, dst_spec)}
-
-
-def _add_parts(rec: dict, cluster: ir.Cluster) -> None:
-    """Allgather strategies: each task's receiver sets that gather among themselves, written out."""
-    strategy = rec["strategy"]
-    if strategy not in (str(ir.Strategy.LOCAL_ALLGATHER), str(ir.Strategy.GLOBAL_ALLGATHER)):
-        return
-    for task in rec["tasks"]:
-        if strategy == str(ir.Strategy.GLOBAL_ALLGATHER):
-            task["parts"] = [sorted(task["receivers"])]
-        else:
-            by_host: dict[int, list[int]] = {}
-            for r in task["receivers"]:
-                by_host.setdefault(cluster.host_of(r), []).append(r)
-            task["parts"] = [sorted(v) for _, v in sorted(by_host.items())]
-
-
-def _stage_json(s: ir.StageLayout, micro_batch: int | None) -> dict:
-    out = {"index": s.index, "layers": list(s.layers) if s.layers else None, "devices": sorted(s.devices),
-           "mesh": _as_lists(s.mesh()), "mesh_axes": list(s.axes), "mesh_shape": list(s.shape),
-           "mesh_devices": list(s.devices)}
-    if micro_batch is None:
-        return out
-    data = stage_data_degree(s)
-    k = s.axes.index(DATA_AXIS) if DATA_AXIS in s.axes else None
-    rows = {}
-    for d in sorted(s.devices):
-        i = s.position(d)[k] if k is not None else 0
-        rows[str(d)] = [i * micro_batch // data, (i + 1) * micro_batch // data]
-    out["rows"] = rows
-    out["data_groups"] = [list(g) for g in _split(s, k, along=True)]
-    out["model_groups"] = [list(g) for g in _split(s, k, along=False)]
-    return out
-
-
-def _split(s: ir.StageLayout, k: int | None, along: bool) -> list[tuple[int, ...]]:
-    """along: devices equal on every mesh dim but ``k`` (a data group); else devices equal on ``k``."""
-    groups: dict[tuple, list[int]] = {}
-    for d in s.devices:
-        pos = s.position(d)
-        if along:
-            key = tuple(v for i, v in enumerate(pos) if i != k)
-        else:
-            key = (pos[k],) if k is not None else ()
-        groups.setdefault(key, []).append(d)
-    return sorted(tuple(sorted(g)) for g in groups.values())
-
-
-def _as_lists(x):
-    return [_as_lists(y) for y in x] if isinstance(x, tuple) else x
-
-
-def _train_json(program: ir.Program, probe: ModelProbe | None, stages) -> dict:
-    t = program.train
-    m, lf, d = program.model, program.loss, program.data
-    out = {
-        "model": {"file": Path(m.path).name, "function": m.function, "args": dict(m.args)},
-        "loss": {"file": Path(lf.path).name, "function": lf.function},
-        "data": {"file": Path(d.path).name, "function": d.function},
-        "micro_batch": t.micro_batch, "micro_batches": t.micro_batches, "steps": t.steps,
-        "schedule": str(t.schedule),
-        "optimizer": {"name": t.optimizer.name, "lr": t.optimizer.lr, **dict(t.optimizer.params)},
-        "precision": str(t.precision), "seed": t.seed,
-        "layer_params": list(probe.layer_params) if probe else None,
-        "loss_devices": _loss_devices(max(stages, key=lambda s: s.index)),
-    }
-    for key in ("timeout", "save_every"):   # train { timeout = 60 s, save_every = N }
-        if getattr(t, key, None) is not None:
-            out[key] = getattr(t, key)
-    return out
-
-
-def _loss_devices(last: ir.StageLayout) -> list[int]:
-    """One device per row range of the last stage: the one at position 0 on every mesh dim but ``data``."""
-    k = last.axes.index(DATA_AXIS) if DATA_AXIS in last.axes else None
-    return sorted(d for d in last.devices if all(v == 0 for i, v in enumerate(last.position(d)) if i != k))
 
 
 @budget.accepts   # budget=...: the resource bounds (planc.budget), from load on

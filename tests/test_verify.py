@@ -92,3 +92,52 @@ def test_verify_on_the_command_line(tmp_path):
                         "-o", str(tmp_path / "o")], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     assert (tmp_path / "o" / "plan.json").is_file()
+
+
+def _sender_not_a_holder(plan):
+    """The first forward task sent by a device that holds none of its slice (the records alone,
+    no JSON: the driver assembles records and never reads them back)."""
+    t = plan.transfers[0]
+    task = t.forward.tasks[0]
+    outsider = next(d for s in plan.stages for d in s.devices if d not in task.holders)
+    bad = dataclasses.replace(task, sender=outsider)
+    route = dataclasses.replace(t.forward, tasks=(bad,) + t.forward.tasks[1:])
+    return dataclasses.replace(plan, transfers=(dataclasses.replace(t, forward=route),) + plan.transfers[1:]), outsider
+
+
+def test_the_assemble_verifier_reads_the_records_back_and_names_a_malformed_one():
+    """The assembled plan's per-record checks (the validating reader's) run in the ``assemble``
+    verifier: a task whose sender is not among its holders is named by its key."""
+    from planc.verify import verify
+
+    plan = compile_file(UNET, probe=False, verify=True).plan
+    verify("assemble", plan, None)   # the real one passes
+    bad, outsider = _sender_not_a_holder(plan)
+    bad.check()   # a cross-reference check alone does not see it: the record's own check does
+    with pytest.raises(VerifyError) as e:
+        verify("assemble", bad, None)
+    msg = str(e.value)
+    assert msg.startswith("--verify: the output of pass 'assemble' is invalid:")
+    assert f"transfers[0].tasks[0].sender: {outsider} is not one of the holders" in msg
+
+
+def test_a_compile_whose_assemble_makes_a_malformed_record_fails_verification(monkeypatch):
+    real = driver.assemble
+    monkeypatch.setattr(driver, "assemble", lambda value, ctx: _sender_not_a_holder(real(value, ctx))[0])
+    with pytest.raises(VerifyError) as e:
+        compile_file(UNET, probe=False, verify=True)
+    assert "pass 'assemble'" in str(e.value) and "is not one of the holders" in str(e.value)
+
+
+def test_assemble_checks_the_records_cross_references():
+    """``Plan.check`` on records (what ``assemble`` runs, verification on or off): a reduction step's
+    group that ``groups`` does not list is named."""
+    from planc import plan as planfile
+
+    plan = compile_file(UNET, probe=False, verify=True).plan
+    r = next(r for r in plan.reductions if r.steps)
+    i = plan.reductions.index(r)
+    unlisted = dataclasses.replace(plan, groups=tuple(g for g in plan.groups if g != r.steps[0].groups[0]))
+    with pytest.raises(planfile.PlanFileError, match=rf"reductions\[{i}\]\.program\.steps\[0\]: group .* is not "
+                                                     "listed in groups"):
+        unlisted.check()

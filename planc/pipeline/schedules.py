@@ -34,6 +34,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from planc import plan as planfile
 from planc.ir import PipeSchedule
 
 Op = tuple[str, int]   # ("F" | "B", micro-batch)
@@ -115,6 +116,16 @@ class PipelinePlan:
             **({"nic_order": [{"host": h, "sends": [list(k) for k in keys]} for h, keys in self.nic_order]}
                if self.nic_order else {}),
         }
+
+    def record(self) -> planfile.Pipeline:
+        """The plan file's ``pipeline``: the lists and the host NIC order; the simulator's figures in
+        ``extra`` (plan.json carries them; the runtime does not read them)."""
+        extra = (("predicted_iteration", self.predicted_iteration), ("stages", self._stage_figures()))
+        if self.predicted is not None:
+            extra += (("predicted", self.predicted),)
+        return planfile.Pipeline(planfile.Schedule(str(self.schedule)), self.micro_batches,
+                                 tuple(tuple(op_text(op) for op in ops) for ops in self.per_stage), extra,
+                                 tuple((h, tuple(tuple(k) for k in keys)) for h, keys in self.nic_order))
 
     def _stage_figures(self) -> list[dict]:
         """PLAN_FORMAT.md's ``pipeline.stages``: per stage the simulated ``busy``, ``bubble`` and

@@ -21,11 +21,12 @@ from planc.placement.mapping import (
     stage_layouts,
 )
 from planc.placement.matrices import Matrix, count_matrices, enumerate_matrices, is_matrix, matrix_problems
+from planc.placement.records import loss_devices, stage_record
 from planc.reduction import pinned_time, reduction_bytes, stage_reduction_groups
 from planc.resharding import parts_per_dim
 
 __all__ = [
-    "Placement", "place", "coords_for", "stage_layouts", "device_of", "level_coords",
+    "Placement", "place", "stage_record", "loss_devices", "coords_for", "stage_layouts", "device_of", "level_coords",
     "count_matrices", "enumerate_matrices", "is_matrix", "matrix_problems",
     "NOMINAL_REDUCTION_BYTES", "MAX_RANKED", "BOUND_SLACK",
 ]

@@ -67,17 +67,7 @@ class Plan:
             at.key("format").fail(f"expected {FORMAT!r}, got {fmt!r}")
         cluster = Cluster.read(at.key("cluster"))
         stages = tuple(Stage.read(s) for s in at.key("stages").items())
-        if [s.index for s in stages] != list(range(len(stages))):
-            at.key("stages").fail(f"stage indices must be 0..{len(stages) - 1} in order, got "
-                                  f"{[s.index for s in stages]}")
-        seen: dict[int, int] = {}
-        for s in stages:
-            for d in s.devices:
-                if d >= cluster.devices:
-                    at.key("stages").fail(f"stage {s.index} uses device {d}, the cluster has {cluster.devices}")
-                if d in seen:
-                    at.key("stages").fail(f"device {d} is in stages {seen[d]} and {s.index}")
-                seen[d] = s.index
+        _check_stages(cluster, stages)   # before the rest is read: a stage error is named first
         pipe = at.key("pipeline", None)
         train = at.key("train", None)
         plan = Plan(
@@ -89,10 +79,19 @@ class Plan:
             Train.read(train) if train.value is not None else None,
             Runtime.read(at.key("runtime", None)),
             tuple((k, doc[k]) for k in ("source", "compiler", "placement", "choices") if k in doc))
-        plan._check_references(at)
+        plan._check_references()
         return plan
 
-    def _check_references(self, at: At) -> None:
+    def check(self) -> "Plan":
+        """The plan's cross-record checks (the records themselves are checked where they are read):
+        stage indices and disjoint devices, every group a step or task uses listed, every route's regions
+        for every device of its stages, the NIC order's sends, the loss devices; the plan, or a
+        ``PlanFileError`` naming the key. The compiler runs it on the records it assembles."""
+        _check_stages(self.cluster, self.stages)
+        self._check_references()
+        return self
+
+    def _check_references(self) -> None:
         listed = set(self.groups)
         for i, r in enumerate(self.reductions):
             for j, s in enumerate(r.steps):
@@ -196,6 +195,22 @@ class Plan:
             out["train"] = self.train.to_json()
         out["runtime"] = self.runtime.to_json()
         return out
+
+
+def _check_stages(cluster: Cluster, stages: tuple[Stage, ...]) -> None:
+    """Stage indices 0..n-1 in order; every device of the cluster in at most one stage."""
+    if [s.index for s in stages] != list(range(len(stages))):
+        raise PlanFileError(f"plan.json: stages: stage indices must be 0..{len(stages) - 1} in order, got "
+                            f"{[s.index for s in stages]}")
+    seen: dict[int, int] = {}
+    for s in stages:
+        for d in s.devices:
+            if d >= cluster.devices:
+                raise PlanFileError(f"plan.json: stages: stage {s.index} uses device {d}, the cluster has "
+                                    f"{cluster.devices}")
+            if d in seen:
+                raise PlanFileError(f"plan.json: stages: device {d} is in stages {seen[d]} and {s.index}")
+            seen[d] = s.index
 
 
 def dumps(plan: Plan) -> str:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Mapping, Sequence
 
-from planc import ir
+from planc import ir, plan as planfile
 from planc.cost import Network, collective_time, held_after, step_coefficients
 from planc.lang.errors import Diagnostic, PlanError, did_you_mean
 from planc.reduction import check, semantics
@@ -88,14 +88,29 @@ class ReductionPlan:
                            "regions": [list(r) for r in rs]} for (c, gs), rs in zip(self.steps, regions)],
                 "predicted": self.predicted,
             },
-            "allreduce_predicted": self.allreduce_predicted,
-            "candidates": self.candidates,
-            "alternatives": [{"text": t, "predicted": p} for t, p in self.alternatives],
-            "hierarchy": [{"name": n, "factor": f} for n, f in self.hierarchy.levels],
         })
-        if self.per_stage_bytes is not None:
-            out["per_stage_bytes"] = [{"stage": s, "bytes": b} for s, b in self.per_stage_bytes]
+        out.update(self._figures())
         return out
+
+    def _figures(self) -> tuple[tuple[str, object], ...]:
+        """What plan.json carries beyond the program the runtime runs: the ranking's figures, in order."""
+        out = (("allreduce_predicted", self.allreduce_predicted), ("candidates", self.candidates),
+               ("alternatives", [{"text": t, "predicted": p} for t, p in self.alternatives]),
+               ("hierarchy", [{"name": n, "factor": f} for n, f in self.hierarchy.levels]))
+        if self.per_stage_bytes is not None:
+            out += (("per_stage_bytes", [{"stage": s, "bytes": b} for s, b in self.per_stage_bytes]),)
+        return out
+
+    def record(self, mode: ir.ReductionMode, collectives) -> planfile.Reduction:
+        """The plan file's entry (``planc.plan.Reduction``): the typed steps with their regions
+        (``planc.reduction.regions``); the ranking's figures and the ``collectives`` the synthesis
+        could use in ``extra`` (plan.json carries them; the runtime does not read them)."""
+        unit, regions = program_regions(self.steps, self.groups)
+        steps = tuple(planfile.Step(c, tuple(tuple(g) for g in gs), tuple(tuple(r) for r in rs))
+                      for (c, gs), rs in zip(self.steps, regions))
+        return planfile.Reduction(self.name, tuple(self.axes), self.nbytes, tuple(tuple(g) for g in self.groups),
+                                  self.text, steps, self.predicted, planfile.ReductionMode(mode), unit, self.stage,
+                                  self._figures() + (("collectives", [str(c) for c in collectives]),))
 
 
 # ---------------------------------------------------------------- reduction groups

@@ -12,7 +12,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from planc import budget, ir
+from planc import budget, ir, plan as planfile
 from planc.ir import Cluster, SchedulerKind, StageLayout, Strategy, Transfer
 from planc.resharding.bounds import lower_bound
 from planc.resharding.schedulers import Job, Schedule
@@ -20,7 +20,7 @@ from planc.resharding.strategies import build_jobs, choose_strategy, run_schedul
 from planc.resharding.tiles import UnitTask, _dim_cells, device_region, parts_per_dim, unit_tasks
 
 __all__ = ["TaskPlan", "TransferPlan", "plan_transfers", "groups_used", "transfer_estimate",
-           "unit_tasks", "UnitTask", "plan_routes", "parts_per_dim", "device_region"]
+           "unit_tasks", "UnitTask", "plan_routes", "parts_per_dim", "device_region", "transfer_records"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,6 +75,55 @@ class TransferPlan:
                 "tasks": [t.to_json() for t in self.tasks],
                 "makespan": self.makespan, "lower_bound": self.lower_bound,
                 "naive_makespan": self.naive_makespan}
+
+    def route(self, src: StageLayout, src_spec: ir.ShardingSpec, dst: StageLayout, dst_spec: ir.ShardingSpec,
+              cluster: Cluster) -> planfile.Route:
+        """This direction as the plan file's ``Route``: its tasks (with the receiver sets that gather
+        among themselves, allgather strategies) and every device's region on both meshes; the makespans
+        in ``extra``."""
+        strategy = planfile.Strategy(str(self.strategy))
+        tasks = tuple(planfile.Task(t.slice, t.holders, t.receivers, t.sender, t.group, t.start, t.duration,
+                                    _parts(strategy, t.receivers, cluster)) for t in self.tasks)
+        return planfile.Route(strategy, self.chunks, str(self.scheduler), tasks,
+                              _regions(self.shape, src, src_spec), _regions(self.shape, dst, dst_spec),
+                              (("makespan", self.makespan), ("lower_bound", self.lower_bound),
+                               ("naive_makespan", self.naive_makespan)))
+
+
+def _parts(strategy: planfile.Strategy, receivers: tuple[int, ...], cluster: Cluster) -> tuple[tuple[int, ...], ...]:
+    """Allgather strategies: the receiver sets that gather among themselves (global: all of them; local:
+    those on each host, hosts in order); none for the others."""
+    if strategy is planfile.Strategy.GLOBAL_ALLGATHER:
+        return (tuple(sorted(receivers)),)
+    if strategy is not planfile.Strategy.LOCAL_ALLGATHER:
+        return ()
+    by_host: dict[int, list[int]] = {}
+    for r in receivers:
+        by_host.setdefault(cluster.host_of(r), []).append(r)
+    return tuple(tuple(sorted(v)) for _, v in sorted(by_host.items()))
+
+
+def _regions(shape, layout: StageLayout, spec: ir.ShardingSpec) -> tuple:
+    """Every device's region of the tensor on one mesh (half-open global ranges), devices in order."""
+    return tuple((d, tuple(tuple(r) for r in device_region(tuple(shape), layout, spec, d)))
+                 for d in sorted(layout.devices))
+
+
+def transfer_records(program: ir.Program, stages: Sequence[StageLayout], forward: Sequence[TransferPlan],
+                     backward: Sequence[TransferPlan] = ()) -> tuple[planfile.Transfer, ...]:
+    """The transfers pass's plans as the plan file's entries, in program order: each transfer's forward
+    route and, in training plans, its gradient's way back (the destination mesh and spec to the source's);
+    ``src.layer`` is the layer whose output it sends (the source stage's last, unless the plan names one)."""
+    out = []
+    for i, (t, fwd) in enumerate(zip(program.transfers, forward)):
+        src, dst = _stage(stages, t.src_stage), _stage(stages, t.dst_stage)
+        src_layers = program.stage(t.src_stage).layers
+        layer = t.src_layer if t.src_layer is not None else (src_layers[1] - 1 if src_layers is not None else None)
+        back = backward[i].route(dst, t.dst_spec, src, t.src_spec, program.cluster) if backward else None
+        out.append(planfile.Transfer(fwd.name, fwd.dtype, tuple(fwd.shape), fwd.src_stage, layer, fwd.src_spec,
+                                     fwd.dst_stage, fwd.dst_spec,
+                                     fwd.route(src, t.src_spec, dst, t.dst_spec, program.cluster), back))
+    return tuple(out)
 
 
 def _stage(stages: Sequence[StageLayout], index: int) -> StageLayout:
