@@ -33,6 +33,7 @@ from benchmarks.testbed.watch import (_RANK_FAILED_RE, STEP_RE, TRAIN_STEP_RE, R
                                  _rank_failed, _StepWatch, deepspeed_command, describe_failure, remove_shm,
                                  sample_hwm, shm_buffers, uts_wrapper)
 
+LAB_ROOT = Path(__file__).resolve().parents[2]   # the repository root: benchmarks/ and planc/ beside each other
 _counter = itertools.count()
 _ports = itertools.count(29500)   # one master port per launch of this process, so that two testbeds up at
                                   # once never share DeepSpeed's /dev/shm buffer names (address_port_rank)
@@ -278,7 +279,9 @@ class Testbed(FaultsMixin):
                 if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
                              "CUDA_VISIBLE_DEVICES", "CROSS_RANK", "CROSS_SIZE", "LOCAL_SIZE")}
         python = python or sys.executable
-        base.update(DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONPATH="",
+        # PYTHONPATH: the lab's own root, so a bench worker launched as a script imports ``benchmarks``
+        # (a compiled output's train.py puts OUT first on its path: its planc/plan/ wins there)
+        base.update(DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONPATH=str(LAB_ROOT),
                     PLANC_COLLECTIVE_TIMEOUT_S=f"{float(collective_timeout):g}",
                     PATH=str(Path(python).parent) + os.pathsep + os.environ.get("PATH", ""),
                     GLOO_SOCKET_IFNAME=IFNAME)
