@@ -17,7 +17,7 @@ carries one flag per parameter after its gradients, 1 where this rank's
 autograd produced that gradient; the flags are summed with the gradients by
 the same collectives, so a zero after the reduction means no rank did.
 
-Buckets are ``bucket_bytes`` (env ``PLANC_GRAD_BUCKET_BYTES``, default 8 MiB),
+Buckets are ``bucket_bytes`` (plan.json ``runtime.grad_bucket_bytes``, default 8 MiB),
 each padded to a whole number of the program's cuts (``ReductionExecutor.granule``)
 so every collective runs on the buffer itself.
 """
