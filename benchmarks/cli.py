@@ -18,7 +18,6 @@ import os
 import signal
 import sys
 import threading
-import traceback
 from pathlib import Path
 
 from benchmarks import bench
@@ -31,13 +30,10 @@ from benchmarks.bench.nic import NicBenchError
 from benchmarks.calibrate import DEFAULT_RATE, calibrate_testbed
 from benchmarks.testbed import Testbed, available, cleanup_stale, scaled_link_mbit
 from benchmarks.testbed.linkcheck import gloo_rates, tcp_rates
-from planc import __version__, budget, ui
+from planc import __version__, ui
 from planc.calibrate import CalibrateError, summary
+from planc.cli import EXIT_USER, run_command
 from planc.compile import compile_file
-from planc.lang.errors import PlanError
-
-EXIT_USER = 2
-EXIT_BUG = 3
 
 
 def _cmd_bench(args) -> int:
@@ -347,21 +343,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    try:
-        with budget.using(getattr(args, "budget", None)):   # --budget: the bounds every pass checks
-            return args.func(args)
-    except PlanError as e:
-        print(e.render(), file=sys.stderr)
-        return EXIT_USER
-    except KeyboardInterrupt:
-        return 130
-    except Exception as e:  # a bug in planc, not the user's fault
-        if args.debug:
-            traceback.print_exc()
-        print(f"benchmarks: internal error: {type(e).__name__}: {e} (run with --debug for the traceback)", file=sys.stderr)
-        return EXIT_BUG
+    return run_command(build_parser(), argv, "benchmarks")
 
 
 if __name__ == "__main__":

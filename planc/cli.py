@@ -378,8 +378,10 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+def run_command(parser: argparse.ArgumentParser, argv: list[str] | None, prog: str) -> int:
+    """Parse ``argv`` and run the chosen command's ``func``: a user error (``PlanError``) is its located
+    message and exit 2, Ctrl-C 130, anything else a bug of ``prog``: one line and exit 3 (the traceback
+    with ``--debug``). The lab's entry point (``python -m benchmarks``) runs through it too."""
     args = parser.parse_args(argv)
     try:
         from planc import budget
@@ -390,11 +392,15 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_USER
     except KeyboardInterrupt:
         return 130
-    except Exception as e:  # a bug in planc, not the user's fault
+    except Exception as e:  # a bug, not the user's fault
         if args.debug:
             traceback.print_exc()
-        print(f"planc: internal error: {type(e).__name__}: {e} (run with --debug for the traceback)", file=sys.stderr)
+        print(f"{prog}: internal error: {type(e).__name__}: {e} (run with --debug for the traceback)", file=sys.stderr)
         return EXIT_BUG
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_command(build_parser(), argv, "planc")
 
 
 if __name__ == "__main__":
