@@ -135,6 +135,7 @@ def explain_data(plan: dict) -> dict:
             "steps": [{"collective": s["collective"], "groups": len(s["groups"]), "example": s["groups"][0],
                        "in_host": in_host(s["groups"])} for s in r["program"]["steps"]],
             "alternatives": [{"predicted": a["predicted"], "text": a["text"]} for a in r["alternatives"]],
+            "in_host_through": (plan.get("runtime") or {}).get("in_host", "shared_memory"),
         })
     by_src: dict[int, list[str]] = {}
     for t in plan["transfers"]:
@@ -220,8 +221,10 @@ def _reduction(r: dict, tty: bool) -> list:
                             [[i, s["collective"], s["groups"], "in host" if s.get("in_host") else "across hosts",
                               str(s["example"])] for i, s in enumerate(r["steps"], 1)], tty=tty))
         if any(s.get("in_host") for s in r["steps"]):
-            out.append("  in-host steps: through the host's shared memory on gloo (docs/runtime.md), "
-                       "NCCL's own transport on GPUs")
+            how = ("through the host's shared memory on gloo (docs/runtime.md)"
+                   if r.get("in_host_through", "shared_memory") == "shared_memory"
+                   else "over the backend's collectives (train { in_host = backend })")
+            out.append(f"  in-host steps: {how}, NCCL's own transport on GPUs")
     if r["alternatives"]:
         out.append("  alternatives (one instruction per line):")
         out.append(ui.table([Col("predicted", "right"), Col("program", wrap=True)],

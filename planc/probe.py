@@ -188,8 +188,10 @@ def probe_model(program: ir.Program, flops: bool | None = None) -> ModelProbe:
     }
     env = dict(os.environ, PYTHONHASHSEED="0", CUDA_VISIBLE_DEVICES="")
     try:
+        # run from the folder this planc is installed in: `-m` puts the working directory first on the
+        # path, and a compiled output folder (or any folder with a planc/ of its own) would shadow it
         proc = subprocess.run([sys.executable, "-m", "planc.runtime.probe", json.dumps(req)], capture_output=True,
-                              text=True, timeout=PROBE_TIMEOUT_S, env=env)
+                              text=True, timeout=PROBE_TIMEOUT_S, env=env, cwd=Path(__file__).resolve().parents[1])
     except subprocess.TimeoutExpired:
         raise PlanError(Diagnostic(f"building the model took longer than {PROBE_TIMEOUT_S} s "
                                    "(use --no-probe to skip sizing it)", model.span)) from None

@@ -94,6 +94,10 @@ def test_launch_script_follows_the_plans_backend(tmp_path, backend):
     assert probes_cuda == (backend != "gloo")
     assert ("export DS_ACCELERATOR=cpu" in launch) == (backend != "nccl")
     assert ("has no CUDA device" in launch) == (backend == "nccl")
+    # over the hostfile with PLANC_MULTI_HOST=1, whatever the backend
+    assert 'if [ "${PLANC_MULTI_HOST:-0}" = "1" ]; then HOSTS=(--hostfile "$HERE/hostfile"); fi' in launch
+    import subprocess
+    assert subprocess.run(["bash", "-n", str(tmp_path / "out" / "launch.sh")]).returncode == 0
 
 
 def _environment_reads(path: Path) -> set[str]:
@@ -102,7 +106,11 @@ def _environment_reads(path: Path) -> set[str]:
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant):
             f = node.func
-            if isinstance(f, ast.Attribute) and f.attr in ("get", "getenv") and "environ" in ast.unparse(f.value) + f.attr:
+            if isinstance(f, ast.Attribute) and (
+                    (f.attr == "get" and ast.unparse(f.value).endswith("environ"))
+                    or (f.attr == "getenv" and ast.unparse(f.value) == "os")):
+                names.add(node.args[0].value)
+            if isinstance(f, ast.Name) and f.id == "getenv":    # from os import getenv
                 names.add(node.args[0].value)
         if isinstance(node, ast.Subscript) and ast.unparse(node.value).endswith("environ") and isinstance(
                 node.slice, ast.Constant):
@@ -113,11 +121,17 @@ def _environment_reads(path: Path) -> set[str]:
     return {n for n in names if isinstance(n, str) and n.startswith("PLANC_")}
 
 
-def test_the_runtime_reads_no_behaviour_from_the_environment():
-    read = {p.name: _environment_reads(p) for p in sorted(RUNTIME.glob("*.py"))}
+def test_the_runtime_reads_no_behaviour_from_the_environment(tmp_path):
+    # the runtime and the contract it reads plan.json with (both run on every rank)
+    read = {str(p.relative_to(ROOT)): _environment_reads(p)
+            for p in sorted(RUNTIME.glob("*.py")) + sorted((ROOT / "planc" / "plan").glob("*.py"))}
     undocumented = {name: sorted(names - DIAGNOSTICS) for name, names in read.items() if names - DIAGNOSTICS}
     assert not undocumented, f"PLANC_* variables read outside the documented diagnostics: {undocumented}"
     assert set().union(*read.values()) >= {"PLANC_DEBUG", "PLANC_COLLECTIVE_TIMEOUT_S"}, "the scan finds nothing"
+    probe = tmp_path / "reads.py"     # the scan sees each way of reading the environment
+    probe.write_text("import os\nfrom os import getenv\nos.environ.get('PLANC_A')\nos.getenv('PLANC_B')\n"
+                     "getenv('PLANC_C')\nos.environ['PLANC_D']\n")
+    assert _environment_reads(probe) == {"PLANC_A", "PLANC_B", "PLANC_C", "PLANC_D"}
     documented = (ROOT / "docs" / "runtime.md").read_text()
     for name in DIAGNOSTICS:
         assert name in documented, f"{name} is not documented in docs/runtime.md"

@@ -62,7 +62,8 @@ def plan_text(cut: int | None) -> str:
 
 def _env() -> dict:
     py = sys.executable
-    return dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONPATH="",
+    # CPU ranks on any machine: no GPU visible, so launch.sh and the plan's `backend = auto` pick gloo
+    return dict(os.environ, DS_ACCELERATOR="cpu", CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", PYTHONPATH="",
                 PYTHON=py, PATH=str(Path(py).parent) + os.pathsep + os.environ.get("PATH", ""),
                 PLANC_MASTER_PORT=str(29500 + os.getpid() % 2000))
 

@@ -225,8 +225,8 @@ class Testbed(FaultsMixin):
 
         SCRIPT is OUT/train.py unless ``script`` is given; ARGS are ``--comm-only``
         (``comm_only=True``) or ``args`` when given, then ``--steps N`` and
-        ``extra_args``. Every process gets GLOO_SOCKET_IFNAME, DS_ACCELERATOR=cpu,
-        OMP_NUM_THREADS=1, PLANC_COLLECTIVE_TIMEOUT_S; ``env``
+        ``extra_args``. Every process gets GLOO_SOCKET_IFNAME, DS_ACCELERATOR=cpu, CUDA_VISIBLE_DEVICES=""
+        (no GPU on an emulated host: ``backend = auto`` is gloo), OMP_NUM_THREADS=1, PLANC_COLLECTIVE_TIMEOUT_S; ``env``
         adds to them. After ``timeout`` seconds (or ``grace`` seconds after a
         launcher or rank failed) every process group is killed. With ``memory``,
         each rank's VmHWM (/proc/PID/status) is sampled while it runs.
@@ -280,8 +280,10 @@ class Testbed(FaultsMixin):
                              "CUDA_VISIBLE_DEVICES", "CROSS_RANK", "CROSS_SIZE", "LOCAL_SIZE")}
         python = python or sys.executable
         # PYTHONPATH: the lab's own root, so a bench worker launched as a script imports ``benchmarks``
-        # (a compiled output's train.py puts OUT first on its path: its planc/plan/ wins there)
-        base.update(DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONPATH=str(LAB_ROOT),
+        # (a compiled output's train.py puts OUT first on its path: its planc/plan/ wins there).
+        # CUDA_VISIBLE_DEVICES empty: the emulated hosts have no GPU, so a plan's `backend = auto`
+        # resolves to gloo on any machine (a plan that insists on nccl is refused at start)
+        base.update(DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONPATH=str(LAB_ROOT), CUDA_VISIBLE_DEVICES="",
                     PLANC_COLLECTIVE_TIMEOUT_S=f"{float(collective_timeout):g}",
                     PATH=str(Path(python).parent) + os.pathsep + os.environ.get("PATH", ""),
                     GLOO_SOCKET_IFNAME=IFNAME)

@@ -53,7 +53,7 @@ class Plan:
     transfers: tuple[Transfer, ...]
     pipeline: Pipeline | None
     train: Train | None
-    runtime: Runtime = Runtime()   # how the runtime executes it (planruntime.py): never the environment
+    runtime: Runtime = Runtime()   # how the runtime executes it (runtime.py): never the environment
     head: tuple = ()          # source, compiler, placement, choices: written as read
     raw: bytes | None = field(default=None, compare=False, repr=False)
 

@@ -111,11 +111,13 @@ def contribution(n: int, device: int) -> torch.Tensor:
     """Device ``device``'s input to a checked reduction: small integers (0..63, so sums stay exact in
     f32 for groups of up to 2^18 members) that depend on the element's position through a hash, not
     a period, so a piece reduced into the wrong offset (or from the wrong member) gives another sum."""
-    mask = 0xFFFFFFFF
-    h = (torch.arange(n, dtype=torch.int64) * 0x9E3779B1 + (device + 1) * 0x85EBCA6B) & mask
-    h = ((h ^ (h >> 15)) * 0x2C1B3C6D) & mask
-    h = h ^ (h >> 12)
-    return (h & 63).to(torch.float32)
+    mask, out = 0xFFFFFFFF, torch.empty(n, dtype=torch.float32)
+    for a in range(0, n, 1 << 20):       # in windows: the int64 temporaries stay small for any buffer
+        b = min(n, a + (1 << 20))
+        h = (torch.arange(a, b, dtype=torch.int64) * 0x9E3779B1 + (device + 1) * 0x85EBCA6B) & mask
+        h = ((h ^ (h >> 15)) * 0x2C1B3C6D) & mask
+        out[a:b] = (h ^ (h >> 12)) & 63
+    return out
 
 
 def _transfer_peers(transfer, rank: int) -> list[int]:
@@ -167,7 +169,12 @@ def comm_only(plan: Plan, groups: dict, rank: int, steps: int) -> None:
     others = [r for r in range(dist.get_world_size()) if r != rank]
     transfer_peers = [_transfer_peers(t, rank) for t, _ in transfers]
     sizes = [max(1, r.nbytes // 4) for r, _, _ in reductions]
-    sums = [sum(contribution(n, d) for d in group) for (_, _, group), n in zip(reductions, sizes)]
+    sums = []
+    for (_, _, group), n in zip(reductions, sizes):   # summed in place: one buffer more per reduction
+        total = torch.zeros(n, dtype=torch.float32)
+        for d in group:
+            total += contribution(n, d)
+        sums.append(total)
     for step in range(steps):
         problems = []
         mb = step % plan_micro_batches(plan)

@@ -236,7 +236,7 @@ RUNTIME_KEYS = ("backend", "recv_ahead", "grad_bucket", "reduce_bucket", "in_hos
 
 def _runtime(errs: Diagnostics, s: dict[str, ast.KeyValue]) -> Runtime:
     """The runtime settings of the train block (docs/language.md, "Runtime settings"); what is not set
-    keeps the documented default of ``planc.runtime.planruntime``."""
+    keeps the documented default of ``planc.plan.runtime``."""
     d = Runtime()
     return Runtime(
         backend=_enum_value(errs, s.get("backend"), Backend, d.backend),
