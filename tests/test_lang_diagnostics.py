@@ -128,3 +128,21 @@ def test_a_misspelt_unit_is_named_with_the_units_of_its_key():
     with pytest.raises(PlanError) as ei:
         load_text(plan.replace("GB/z", "GB/s"), "u.plan")
     assert ei.value.diagnostics[0].message.endswith("a size takes B, KB, MB, GB, TB, KiB, MiB, GiB, TiB")
+
+
+@pytest.mark.parametrize("wrong, right", [("tranfer", "transfer"), ("reduse", "reduce"), ("trian", "train"),
+                                          ("clustr", "cluster"), ("resharing", "resharding")])
+def test_a_misspelt_keyword_or_block_name_gets_did_you_mean(wrong, right):
+    """Misspelt keywords are parse errors at the word, with the keyword the parser accepts there as the
+    hint (not only misspelt names)."""
+    body = {"transfer": "x : f32[4] from stage 0 as R to stage 1 as R", "reduce": "g over data : f32[4]",
+            "train": "{ steps = 2 }", "cluster": "{ level node x 2 : bandwidth 1 GB/s }",
+            "resharding": "{ chunks = 4 }"}[right]
+    plan = ("plan m {\n  cluster {\n    level node x 2 : bandwidth 1 GB/s, latency 5 us\n  }\n"
+            "  parallel { data = 2 }\n"
+            f"  {wrong} {body}\n}}\n")
+    with pytest.raises(PlanError) as ei:
+        load_text(plan, "m.plan")
+    d = ei.value.diagnostics[0]
+    assert d.message.startswith(f"unexpected '{wrong}'") and (d.span.line, d.span.col) == (6, 3)
+    assert d.hint == f"did you mean '{right}'?"

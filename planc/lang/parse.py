@@ -19,7 +19,7 @@ from lark import Lark, Token, Transformer, v_args
 from lark.exceptions import UnexpectedCharacters, UnexpectedEOF, UnexpectedInput, UnexpectedToken, VisitError
 
 from planc.lang import ast, units
-from planc.lang.errors import Diagnostic, PlanError
+from planc.lang.errors import Diagnostic, PlanError, did_you_mean
 from planc.span import Span
 from planc.resources import grammar_path
 
@@ -185,6 +185,16 @@ def _unit_typo(text: str, line: int, column: int, file: str) -> PlanError | None
     return None
 
 
+def _keyword_hint(tok: Token, acceptable) -> str | None:
+    """A misspelt keyword ('tranfer', 'reduse'): "did you mean 'transfer'?" among the keywords the parser
+    accepts at that point."""
+    if tok.type != "NAME":
+        return None
+    words = [t.pattern.value for t in _parser().terminals
+             if t.name in acceptable and isinstance(t.pattern, lark.lexer.PatternStr) and t.pattern.value.isidentifier()]
+    return did_you_mean(str(tok.value), words)
+
+
 def _syntax_error(e: UnexpectedInput, text: str, file: str) -> PlanError:
     if getattr(e, "line", None) and (typo := _unit_typo(text, e.line, e.column, file)):
         return typo
@@ -197,7 +207,8 @@ def _syntax_error(e: UnexpectedInput, text: str, file: str) -> PlanError:
             span = Span(tok.line, tok.column, tok.line, tok.column + max(1, len(tok.value.split("\n")[0])), file)
             if tok.type == "_NL":
                 span = Span(tok.line, tok.column, tok.line, tok.column + 1, file)
-        return PlanError([Diagnostic(f"unexpected {_tok_text(tok)}; {expected}", span)])
+        return PlanError([Diagnostic(f"unexpected {_tok_text(tok)}; {expected}", span,
+                                     _keyword_hint(tok, _acceptable(e)))])
     if isinstance(e, UnexpectedCharacters):
         ch = text[e.pos_in_stream] if 0 <= e.pos_in_stream < len(text) else "?"
         span = Span(e.line, e.column, e.line, e.column + 1, file)
