@@ -146,3 +146,25 @@ def test_a_misspelt_keyword_or_block_name_gets_did_you_mean(wrong, right):
     d = ei.value.diagnostics[0]
     assert d.message.startswith(f"unexpected '{wrong}'") and (d.span.line, d.span.col) == (6, 3)
     assert d.hint == f"did you mean '{right}'?"
+
+
+@pytest.mark.parametrize("setting, message, hint", [
+    ("schedule = 1F1B", "'1F1B' is not a schedule: schedule must be one of gpipe, 1f1b, eager_1f1b, auto",
+     "did you mean '1f1b'? (spellings are lower case)"),
+    ("precision = FP32", "precision must be one of fp32, fp16, bf16", "did you mean 'fp32'? (spellings are lower case)"),
+    ("schedule = GPIPE", "schedule must be one of gpipe, 1f1b, eager_1f1b, auto",
+     "did you mean 'gpipe'? (spellings are lower case)"),
+    ("schedule = 2f1b", "'2f1b' is not a schedule: schedule must be one of gpipe, 1f1b, eager_1f1b, auto",
+     "did you mean '1f1b'?"),
+])
+def test_a_closed_settings_value_in_another_case_is_answered_with_its_spellings(setting, message, hint):
+    """Even a value the lexer cannot read as a name (a digit first: '1F1B') is an error at the value that
+    names the setting's accepted spellings."""
+    plan = ("plan m {\n  cluster {\n    level node x 2 : bandwidth 1 GB/s, latency 5 us\n  }\n"
+            f"  train {{ {setting} }}\n}}\n")
+    with pytest.raises(PlanError) as ei:
+        load_text(plan, "m.plan")
+    d = ei.value.diagnostics[0]
+    value = setting.split(" = ")[1]
+    assert (d.message, d.hint) == (message, hint)
+    assert (d.span.line, d.span.col, d.span.end_col) == (5, 11 + setting.index(value), 11 + len(setting))

@@ -10,7 +10,6 @@ reported with the checker's errors.
 
 from __future__ import annotations
 
-import difflib
 import re
 from functools import cache
 
@@ -18,8 +17,9 @@ import lark
 from lark import Lark, Token, Transformer, v_args
 from lark.exceptions import UnexpectedCharacters, UnexpectedEOF, UnexpectedInput, UnexpectedToken, VisitError
 
-from planc.lang import ast, units
-from planc.lang.errors import Diagnostic, PlanError, did_you_mean
+from planc.lang import ast
+from planc.lang.typos import enum_typo, keyword_hint, unit_typo
+from planc.lang.errors import Diagnostic, PlanError
 from planc.span import Span
 from planc.resources import grammar_path
 
@@ -152,51 +152,9 @@ def _tok_text(tok: Token) -> str:
     return f"'{tok.value}'"
 
 
-_QUANTITY = re.compile(r"(?:\b(bandwidth|latency|flops|memory)\s*=?\s*)?\d[\d.]*(?:[eE][+-]?\d+)?\s*([A-Za-z/][^\s,}#]*)")
-_KIND_OF_KEY = {"bandwidth": "bandwidth", "latency": "time", "flops": "FLOP rate", "memory": "size"}
-
-
-def _unit_typo(text: str, line: int, column: int, file: str) -> PlanError | None:
-    """A syntax error inside the unit of a quantity ('1 GB/z', '5 usec'): say which unit is unknown and
-    which units that key takes, instead of the character the lexer stopped at."""
-    lines = text.splitlines()
-    if not 0 < line <= len(lines):
-        return None
-    for m in _QUANTITY.finditer(lines[line - 1]):
-        start, end = m.start(2) + 1, m.end(2) + 1
-        if not start <= column <= end:
-            continue
-        unit, key = m.group(2), m.group(1)
-        known = [u for table in units.KINDS.values() for u in table]
-        if unit in known:
-            return None
-        kind = _KIND_OF_KEY.get(key)
-        choices = list(units.KINDS[kind]) if kind else known
-        close = [c for c in choices if c.lower() == unit.lower()] or \
-            difflib.get_close_matches(unit, choices, n=1, cutoff=0.5 if kind else 0.7)
-        if not close and kind is None:
-            return None   # a word after a number that looks like no unit ('cores = 2 per'): not a unit typo
-        msg = f"unknown unit '{unit}'"
-        if close:
-            msg += f"; did you mean {' or '.join(repr(c) for c in close)}?"
-        if kind:
-            msg += (" " if close else "; ") + f"a {kind} takes {', '.join(choices)}"
-        return PlanError([Diagnostic(msg, Span(line, start, line, end, file))])
-    return None
-
-
-def _keyword_hint(tok: Token, acceptable) -> str | None:
-    """A misspelt keyword ('tranfer', 'reduse'): "did you mean 'transfer'?" among the keywords the parser
-    accepts at that point."""
-    if tok.type != "NAME":
-        return None
-    words = [t.pattern.value for t in _parser().terminals
-             if t.name in acceptable and isinstance(t.pattern, lark.lexer.PatternStr) and t.pattern.value.isidentifier()]
-    return did_you_mean(str(tok.value), words)
-
-
 def _syntax_error(e: UnexpectedInput, text: str, file: str) -> PlanError:
-    if getattr(e, "line", None) and (typo := _unit_typo(text, e.line, e.column, file)):
+    if getattr(e, "line", None) and (typo := unit_typo(text, e.line, e.column, file)
+                                      or enum_typo(text, e.line, e.column, file)):
         return typo
     if isinstance(e, UnexpectedToken):
         tok = e.token
@@ -208,7 +166,7 @@ def _syntax_error(e: UnexpectedInput, text: str, file: str) -> PlanError:
             if tok.type == "_NL":
                 span = Span(tok.line, tok.column, tok.line, tok.column + 1, file)
         return PlanError([Diagnostic(f"unexpected {_tok_text(tok)}; {expected}", span,
-                                     _keyword_hint(tok, _acceptable(e)))])
+                                     keyword_hint(tok, _acceptable(e), _parser().terminals))])
     if isinstance(e, UnexpectedCharacters):
         ch = text[e.pos_in_stream] if 0 <= e.pos_in_stream < len(text) else "?"
         span = Span(e.line, e.column, e.line, e.column + 1, file)

@@ -49,8 +49,10 @@ def _enum_value(errs: Diagnostics, kv: ast.KeyValue | None, enum, default):
     text = v.value if isinstance(v, ast.Name) else (v.text if isinstance(v, ast.Num) else None)
     choices = [e.value for e in enum]
     if text not in choices:
-        errs.add(f"{kv.key.value} must be one of {', '.join(choices)}", v.span,
-                 did_you_mean(str(text), choices) if text else None)
+        near = [c for c in choices if text and c.lower() == str(text).lower()]   # FP32, GPIPE: case only
+        hint = (f"did you mean '{near[0]}'? (spellings are lower case)" if near else
+                did_you_mean(str(text), choices) if text else None)
+        errs.add(f"{kv.key.value} must be one of {', '.join(choices)}", v.span, hint)
         return default
     return enum(text)
 

@@ -1,0 +1,16 @@
+"""The accepted spellings of the language's closed settings, by key (for messages that name them)."""
+
+from __future__ import annotations
+
+from planc import ir
+from planc.plan import Backend, InHost, Precision
+
+__all__ = ["ENUM_SETTINGS"]
+
+ENUM_SETTINGS: dict[str, tuple[str, ...]] = {
+    "schedule": tuple(s.value for s in ir.PipeSchedule),
+    "precision": tuple(p.value for p in Precision),
+    "strategy": tuple(s.value for s in ir.Strategy),
+    "backend": tuple(b.value for b in Backend),
+    "in_host": tuple(h.value for h in InHost),
+}
