@@ -110,11 +110,12 @@ def test_links_are_shared_fairly():
 def test_runtime_constants_are_the_simulated_ones():
     import re
     from planc.pipeline import simulate
+    from planc import plan
     from planc.runtime import comm   # stdlib only; grads imports torch, so read its constant
-    assert simulate.RECV_AHEAD == comm.DEFAULT_AHEAD
+    assert simulate.RECV_AHEAD == comm.DEFAULT_AHEAD == plan.DEFAULT_RECV_AHEAD
     text = (ROOT / "planc" / "runtime" / "grads.py").read_text()
-    a, b = re.search(r"^DEFAULT_BUCKET_BYTES = (\d+) << (\d+)$", text, re.M).groups()
-    assert simulate.BUCKET_BYTES == int(a) << int(b)
+    assert re.search(r"^DEFAULT_BUCKET_BYTES = DEFAULT_GRAD_BUCKET_BYTES\b", text, re.M)   # the contract's
+    assert simulate.BUCKET_BYTES == plan.DEFAULT_GRAD_BUCKET_BYTES == 8 << 20
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)

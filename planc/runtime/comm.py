@@ -41,11 +41,11 @@ import queue
 import threading
 from concurrent.futures import Future
 
-from planc.plan import Direction
+from planc.plan import DEFAULT_RECV_AHEAD, Direction
 
 __all__ = ["RecvAhead", "receive_jobs", "post_gates", "DEFAULT_AHEAD"]
 
-DEFAULT_AHEAD = 4
+DEFAULT_AHEAD = DEFAULT_RECV_AHEAD    # the contract's default (plan.json runtime.recv_ahead)
 _NOTHING = object()
 
 

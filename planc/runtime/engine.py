@@ -40,7 +40,7 @@ from deepspeed.runtime.pipe.module import PipelineModule
 
 from .dataflow import (EngineError, StageGraph, apply_layers, build_optimizer, check_stage_shapes,  # noqa: F401
                        run_reference)
-from planc.plan import Direction, InHost, Plan, Stage
+from planc.plan import Direction, Plan, Stage
 from .reduce import ReductionExecutor
 from .reshard import DTYPES, TransferExecutor
 from .comm import RecvAhead, receive_jobs
@@ -196,10 +196,7 @@ class PlanEngine(PipelineEngine):
             self.reduce_description = "DeepSpeed's data-parallel all-reduce"
         else:
             self.reduce_description = f"planc program {red.text}, bucketed, overlapped with the last backward"
-            self.reduction = ReductionExecutor(red, reduce_groups(groups), rank,
-                                               bucket_bytes=plan.runtime.reduce_bucket_bytes,
-                                               host_of=plan.cluster.host_of,
-                                               shared_memory=plan.runtime.in_host is InHost.SHARED_MEMORY)
+            self.reduction = ReductionExecutor.for_plan(plan, red, reduce_groups(groups), rank)
             if self.reduction.shm_groups:
                 self.reduce_description += "; in-host steps through shared memory"
             elif self.reduction.shm_fallback:

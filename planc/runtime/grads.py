@@ -28,9 +28,11 @@ import threading
 
 import torch
 
+from planc.plan import DEFAULT_GRAD_BUCKET_BYTES
+
 __all__ = ["GradientBuckets", "DEFAULT_BUCKET_BYTES"]
 
-DEFAULT_BUCKET_BYTES = 8 << 20
+DEFAULT_BUCKET_BYTES = DEFAULT_GRAD_BUCKET_BYTES   # the contract's default (plan.json runtime.grad_bucket_bytes)
 
 
 class GradientBuckets:

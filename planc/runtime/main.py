@@ -29,7 +29,7 @@ from .dist_util import (GroupMissing, StartupError, choose_backend, collective_t
                         limit_cpu_threads, startup_checks)
 from .engine import EngineError, PlanEngine, check_stage_shapes
 from .failwatch import FailureWatch, report_failure
-from planc.plan import Direction, InHost, Plan, PlanFileError
+from planc.plan import Direction, Plan, PlanFileError
 from .reduce import ReductionError, ReductionExecutor
 from .reshard import TransferExecutor
 from .tensor_parallel import context_from_plan, shard_info
@@ -155,12 +155,10 @@ def comm_only(plan: Plan, groups: dict, rank: int, steps: int) -> None:
     and checked after it).
     """
     tags = plan.tag_layout()
-    rt = plan.runtime
-    transfers = [(t, TransferExecutor(t, Direction.FORWARD, rank, groups, tags, index=i, signal=rt.signal_transfers))
+    transfers = [(t, TransferExecutor(t, Direction.FORWARD, rank, groups, tags, index=i,
+                                      signal=plan.runtime.signal_transfers))
                  for i, t in enumerate(plan.transfers)]
-    reductions = [(r, ReductionExecutor(r, groups, rank, bucket_bytes=rt.reduce_bucket_bytes,
-                                        host_of=plan.cluster.host_of,
-                                        shared_memory=rt.in_host is InHost.SHARED_MEMORY), r.group_of(rank))
+    reductions = [(r, ReductionExecutor.for_plan(plan, r, groups, rank), r.group_of(rank))
                   for r in plan.reductions if r.group_of(rank) is not None]
     # patterns, expected regions and reduction inputs are made before the timed region, and checked after it
     sent = {i: pattern(t.shape, ex.my_src, ex.dtype) for i, (t, ex) in enumerate(transfers) if ex.is_sender}

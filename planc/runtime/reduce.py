@@ -40,11 +40,11 @@ import torch.distributed as dist
 
 from . import shmcoll
 from .dist_util import all_gather_flat, lookup_group, reduce_scatter_flat
-from planc.plan import Collective, Reduction
+from planc.plan import DEFAULT_REDUCE_BUCKET_BYTES, Collective, InHost, Reduction
 
 __all__ = ["ReductionExecutor", "ReductionError", "DEFAULT_BUCKET_BYTES"]
 
-DEFAULT_BUCKET_BYTES = 32 << 20
+DEFAULT_BUCKET_BYTES = DEFAULT_REDUCE_BUCKET_BYTES   # the contract's default (plan.json runtime)
 
 
 class ReductionError(ValueError):
@@ -82,6 +82,13 @@ class ReductionExecutor:
         self.bucket_bytes = bucket_bytes or DEFAULT_BUCKET_BYTES   # the engine passes plan.json's
         default = {"reduce_scatter": "allreduce_slice" if self.backend == "gloo" else "native"}
         self.impl = {**default, **(impl or {})}
+
+    @classmethod
+    def for_plan(cls, plan, reduction: Reduction, groups: dict, rank: int) -> "ReductionExecutor":
+        """The executor of ``reduction`` as ``plan`` says to run it: its runtime's bucket size and in-host
+        path, on its cluster's hosts (the engine and --comm-only both build it so)."""
+        return cls(reduction, groups, rank, bucket_bytes=plan.runtime.reduce_bucket_bytes, host_of=plan.cluster.host_of,
+                   shared_memory=plan.runtime.in_host is InHost.SHARED_MEMORY)
 
     @property
     def shm_groups(self) -> list:
