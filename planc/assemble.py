@@ -35,16 +35,17 @@ def assemble(decisions, ctx) -> planfile.Plan:
     cluster = program.cluster
     reds = tuple(r.record(_reduction_of(program, r.name).mode, program.synthesis.collectives) for r in reductions)
     tensor_groups = _tensor_groups(stages) if training else ()
+    train = train_record(program, ctx.probe, stages, ctx.untrainable) if training else None
     groups = _ordered_groups(*[[g for st in r.steps for g in st.groups] for r in reds],
-                             groups_used(transfers, cluster), groups_used(backward, cluster), tensor_groups)
+                             groups_used(transfers, cluster), groups_used(backward, cluster), tensor_groups,
+                             [train.norm_group] if train is not None else [])
     plan = planfile.Plan(
         program.name, cluster_record(cluster), groups, _ordered_groups(groups_used(backward, cluster)),
         tensor_groups, program.stage_mode,
         tuple(stage_record(s, program.train.micro_batch if training else None) for s in stages), reds,
         transfer_records(program, stages, transfers, backward),
         pipeline.record() if pipeline is not None else None,
-        train_record(program, ctx.probe, stages, ctx.untrainable) if training else None,
-        program.train.runtime, _head(program, ctx))
+        train, program.train.runtime, _head(program, ctx))
     try:
         return plan.check()
     except planfile.PlanFileError as e:   # a compiler bug, never the user's: say so
@@ -76,18 +77,33 @@ def cluster_record(c: ir.Cluster) -> planfile.Cluster:
 
 
 def train_record(program: ir.Program, probe: ModelProbe | None, stages, untrainable=()) -> planfile.Train:
-    """The training settings, the user code by file name, and who counts the loss; the probe's
-    per-layer parameter counts in ``extra``."""
+    """The training settings with every default filled in (LANGUAGE.md, "Training settings"), the user
+    code by file name, who counts the loss, the group the global gradient norm is summed over; the
+    probe's per-layer parameter counts in ``extra``."""
     t = program.train
     m, lf, d = program.model, program.loss, program.data
+    opt = dict(t.optimizer.params)
+    if "beta1" in opt or "beta2" in opt:    # the language's adam(beta1, beta2) is torch's betas pair
+        opt["betas"] = (opt.pop("beta1", 0.9), opt.pop("beta2", 0.999))
+    sched = t.lr_schedule
+    if sched.name != "constant" and sched.total == 0:
+        sched = planfile.LrSchedule(sched.name, sched.warmup, t.steps, sched.min_ratio)
+    by_index = sorted(program.stages, key=lambda s: s.index)
+    recompute = tuple(s.recompute if s.recompute is not None else t.recompute is ir.Recompute.FULL
+                      for s in by_index)
+    fp16 = t.precision is ir.Precision.FP16
+    norm_group = (tuple(sorted(dv for s in stages for dv in s.devices))
+                  if t.clip is not None or fp16 else ())
     return planfile.Train(
         planfile.CodeRef(Path(m.path).name, m.function, tuple(dict(m.args).items())),
         planfile.CodeRef(Path(lf.path).name, lf.function), planfile.CodeRef(Path(d.path).name, d.function),
         t.micro_batch, t.micro_batches, t.steps, planfile.Schedule(str(t.schedule)),
-        tuple({"name": t.optimizer.name, "lr": t.optimizer.lr, **dict(t.optimizer.params)}.items()),
-        str(t.precision), t.seed, not untrainable, tuple(diag.message for diag in untrainable),
+        planfile.Optimizer.make(t.optimizer.name, t.optimizer.lr, **opt),
+        planfile.Precision(str(t.precision)), t.seed, not untrainable, tuple(diag.message for diag in untrainable),
         loss_devices(max(stages, key=lambda s: s.index)), getattr(t, "timeout", None), getattr(t, "save_every", None),
-        (("layer_params", list(probe.layer_params) if probe else None),))
+        (("layer_params", list(probe.layer_params) if probe else None),),
+        sched, t.zero, recompute, t.clip,
+        planfile.LossScale() if fp16 else None, norm_group)
 
 
 def _ordered_groups(*lists) -> tuple[tuple[int, ...], ...]:

@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-from planc.plan import Collective, MeshAxis, Precision, ReductionMode, Runtime, StageMode
+from planc.plan import Collective, LrSchedule, MeshAxis, Precision, Recompute, ReductionMode, Runtime, StageMode
 from planc.span import Span
 
 _NOSPAN = Span(0, 0, 0, 0)
@@ -122,6 +122,11 @@ class Cluster:
     cores_level: str | None = None
     op_overhead: float | None = None
     step_overhead: float | None = None
+    flops_by_precision: tuple[tuple[str, float], ...] = ()   # (precision, FLOP/s) where given per precision
+
+    def flops_for(self, precision: str) -> float | None:
+        """One device's throughput at ``precision`` (fp32, bf16, fp16): as given for it, else ``flops``."""
+        return dict(self.flops_by_precision).get(str(precision), self.flops)
 
     @property
     def fanouts(self) -> tuple[int, ...]:
@@ -302,6 +307,7 @@ class Stage:
     mesh_axes: tuple[str, ...] = ()         # explicit: as written or m0, m1; derived: filled by the checker
     span: Span = field(default=_NOSPAN, compare=False, repr=False)
     auto_layers: bool = False
+    recompute: bool | None = None           # `stage I : ... recompute`; None: the train block's setting
 
     @property
     def explicit_devices(self) -> tuple[int, ...] | None:
@@ -390,9 +396,9 @@ class Synthesis:
 
 @dataclass(frozen=True, slots=True)
 class Optimizer:
-    name: str = "adam"   # adam | sgd
+    name: str = "adam"   # sgd | adam | adamw (planc.plan.OPTIMIZER_DEFAULTS)
     lr: float = 1e-3
-    params: tuple[tuple[str, float], ...] = ()
+    params: tuple[tuple[str, object], ...] = ()   # as written; plan.json fills in the defaults
 
 
 @dataclass(frozen=True, slots=True)
@@ -407,6 +413,10 @@ class Train:
     timeout: float | None = None     # seconds: collective timeout (None: the runtime's default)
     save_every: int | None = None    # checkpoint every N steps with `train.py --save DIR` (None: never)
     runtime: Runtime = Runtime()     # how the runtime executes the plan (plan.json `runtime`)
+    lr_schedule: LrSchedule = LrSchedule()   # total = 0 until checked: the checker fills in `steps`
+    zero: int = 0                    # 0 | 1 (ZeRO-1: master weights and optimizer state sharded over data)
+    recompute: Recompute = Recompute.NONE   # every stage's default; Stage.recompute overrides
+    clip: float | None = None        # global gradient-norm bound (None: no clipping)
     schedule_span: Span = field(default=_NOSPAN, compare=False, repr=False)   # `schedule = ...` as written
 
 

@@ -127,6 +127,12 @@ class Plan:
             if self.pipeline is None:
                 raise PlanFileError("plan.json: pipeline: missing (a plan with train settings has a pipeline)")
             last = self.stages[-1].devices if self.stages else ()
+            if self.train.recompute and len(self.train.recompute) != len(self.stages):
+                raise PlanFileError(f"plan.json: train.recompute: {len(self.train.recompute)} entries for "
+                                    f"{len(self.stages)} stages")
+            group = self.train.norm_group
+            if len(group) > 1 and group not in listed:
+                raise PlanFileError(f"plan.json: train.norm_group: {list(group)} is not listed in groups")
             for d in self.train.loss_devices:
                 if d not in last:
                     raise PlanFileError(f"plan.json: train.loss_devices: {d} is not a device of the last stage")

@@ -197,6 +197,16 @@ class Step:
 
 @dataclass(frozen=True, slots=True)
 class Reduction:
+    """A reduction program as the runtime executes it (regions in units of ``1/unit`` of the buffer).
+
+    ``target``: what the program leaves (DESIGN.md, "Collective semantics"): ``allreduce``, every member
+    of a group with the whole sum; ``reduce_scatter``, member r of group g the sum of piece
+    ``owned[g][r]`` only (ZeRO-1's gradients); ``all_gather``, every member the whole buffer, starting from
+    member r holding ``owned[g][r]`` (ZeRO-1's parameters). ``owned`` lists, per group, per member (group
+    order), the half-open range it owns, in units; the ranges of a group are equally long, disjoint and
+    cover ``[0, unit)``. Empty for ``allreduce``.
+    """
+
     name: str
     axes: tuple[str, ...]
     nbytes: int
@@ -208,8 +218,11 @@ class Reduction:
     unit: int = 1       # every step's regions are in units of 1/unit of the buffer
     stage: int | None = None
     extra: tuple = ()
+    target: Collective = Collective.ALLREDUCE
+    owned: tuple[tuple[Range, ...], ...] = ()
 
-    KEYS = ("name", "axes", "bytes", "groups", "program", "mode", "stage")
+    KEYS = ("name", "axes", "bytes", "groups", "program", "mode", "stage", "target", "owned")
+    TARGETS = (Collective.ALLREDUCE, Collective.REDUCE_SCATTER, Collective.ALL_GATHER)
 
     @staticmethod
     def read(at: At) -> "Reduction":
@@ -234,10 +247,22 @@ class Reduction:
                     r.fail(f"{coll}: [{a}, {b}) does not split into {len(g)} whole pieces of 1/{unit}")
                 rs.append((a, b))
             steps.append(Step(coll, gs, tuple(rs)))
+        groups = at.key("groups").groups()
+        target = at.key("target", "allreduce").enum(Collective)
+        if target not in Reduction.TARGETS:
+            at.key("target").fail(f"expected one of {', '.join(map(str, Reduction.TARGETS))}, got {target}")
+        owned = _owned(at.key("owned", []), groups, unit, target)
         return Reduction(at.key("name").str(), tuple(x.str() for x in at.key("axes").items()),
-                         at.key("bytes").int(0), at.key("groups").groups(), prog.key("text").str(), tuple(steps),
+                         at.key("bytes").int(0), groups, prog.key("text").str(), tuple(steps),
                          prog.key("predicted").num(), at.key("mode", "synthesize").enum(ReductionMode), unit,
-                         at.key("stage", None).opt_int(0), extra(at, Reduction.KEYS))
+                         at.key("stage", None).opt_int(0), extra(at, Reduction.KEYS), target, owned)
+
+    def owned_by(self, device: int) -> Range | None:
+        """The range of the buffer ``device`` owns (reduce-scatter and all-gather targets), in units."""
+        for g, ranges in zip(self.groups, self.owned):
+            if device in g:
+                return ranges[g.index(device)]
+        return None
 
     def group_of(self, device: int) -> Group | None:
         return next((g for g in self.groups if device in g), None)
@@ -250,4 +275,33 @@ class Reduction:
             out["stage"] = self.stage
         out = with_extra(out, self.extra)
         out["mode"] = str(self.mode)
+        if self.target is not Collective.ALLREDUCE:
+            out["target"] = str(self.target)
+            out["owned"] = [[[a, b] for a, b in ranges] for ranges in self.owned]
         return out
+
+
+def _owned(at: At, groups, unit: int, target: Collective) -> tuple[tuple[Range, ...], ...]:
+    """``owned``: per group, per member, its range in units; equal lengths, disjoint, covering [0, unit)."""
+    if target is Collective.ALLREDUCE:
+        if at.value:
+            at.fail("an allreduce target owns no pieces (owned is for reduce_scatter and all_gather)")
+        return ()
+    rows = at.items()
+    if len(rows) != len(groups):
+        at.fail(f"{len(rows)} lists for {len(groups)} groups")
+    out = []
+    for g, row in zip(groups, rows):
+        ranges = []
+        for r in row.items():
+            pair = r.ints()
+            if len(pair) != 2 or not 0 <= pair[0] < pair[1] <= unit:
+                r.fail(f"expected a non-empty half-open range [a, b] inside [0, {unit}], got {r.value}")
+            ranges.append((pair[0], pair[1]))
+        if len(ranges) != len(g):
+            row.fail(f"{len(ranges)} ranges for a group of {len(g)} members")
+        if len({b - a for a, b in ranges}) != 1 or sorted(ranges)[0][0] != 0 or any(
+                x[1] != y[0] for x, y in zip(sorted(ranges), sorted(ranges)[1:])) or max(b for _, b in ranges) != unit:
+            row.fail(f"the members' ranges must be equally long, disjoint and cover [0, {unit}), got {row.value}")
+        out.append(tuple(ranges))
+    return tuple(out)

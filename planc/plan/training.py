@@ -7,7 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .jsonpath import At, PlanFileError, extra, with_extra
-from .vocab import Direction, Schedule
+from .optim import LossScale, LrSchedule, Optimizer
+from .vocab import Direction, Precision, Schedule
 
 __all__ = ["Pipeline", "CodeRef", "Train", "TagLayout"]
 
@@ -115,6 +116,14 @@ class Train:
     ``loss_devices``: last-stage devices, one per row range, whose losses add up
     to the micro-batch's loss; each device's loss is weighted by its share of
     the rows so that every gradient is the gradient of the global mean loss.
+
+    The training regime (LANGUAGE.md, "Training settings"): ``optimizer`` with every argument,
+    ``lr_schedule``, ``precision``, ``zero`` (1: fp32 master weights and optimizer state sharded over
+    each stage's data group, gradients reduce-scattered and parameters all-gathered by the plan's
+    ``reductions`` of those targets), ``recompute`` (per stage, in stage order), ``clip`` (the global
+    gradient-norm bound, None: no clipping), ``loss_scale`` (fp16 only) and ``norm_group``: every device
+    of every stage, sorted, the group the global gradient norm and fp16's overflow vote are summed over
+    (listed in ``groups`` when it has more than one member; empty when neither clip nor fp16 needs it).
     """
 
     model: CodeRef
@@ -124,8 +133,8 @@ class Train:
     micro_batches: int
     steps: int
     schedule: Schedule
-    optimizer: tuple              # (key, value) pairs: name, lr, ...
-    precision: str
+    optimizer: Optimizer
+    precision: Precision
     seed: int
     trainable: bool
     not_trainable_because: tuple[str, ...]
@@ -133,30 +142,59 @@ class Train:
     timeout: float | None = None        # collective timeout in seconds (train { timeout = ... })
     save_every: int | None = None       # checkpoint every N steps when train.py --save DIR is given
     extra: tuple = ()
+    lr_schedule: LrSchedule = LrSchedule()
+    zero: int = 0
+    recompute: tuple[bool, ...] = ()    # per stage; empty: no stage recomputes
+    clip: float | None = None
+    loss_scale: LossScale | None = None
+    norm_group: tuple[int, ...] = ()
 
     KEYS = ("model", "loss", "data", "micro_batch", "micro_batches", "steps", "schedule", "optimizer",
-            "precision", "seed", "trainable", "not_trainable_because", "loss_devices", "timeout", "save_every")
+            "precision", "seed", "trainable", "not_trainable_because", "loss_devices", "timeout", "save_every",
+            "lr_schedule", "zero", "recompute", "clip", "loss_scale", "norm_group")
 
     @staticmethod
     def read(at: At) -> "Train":
-        opt = at.key("optimizer")
-        opt.key("name").str()
+        precision = at.key("precision").enum(Precision)
+        zero = at.key("zero", 0).int(0)
+        if zero > 1:
+            at.key("zero").fail(f"expected 0 or 1, got {zero}")
+        clip = at.key("clip", None)
+        if clip.value is not None and not clip.num() > 0:
+            clip.fail(f"expected a positive norm, got {clip.value}")
+        scale = at.key("loss_scale", None)
+        if (scale.value is not None) != (precision is Precision.FP16):
+            scale.fail("fp16 plans, and only they, have a loss_scale")
+        group = at.key("norm_group", [])
+        members = group.ints()
+        if list(members) != sorted(set(members)):
+            group.fail(f"members must be sorted and distinct, got {list(members)}")
         return Train(CodeRef.read(at.key("model")), CodeRef.read(at.key("loss")), CodeRef.read(at.key("data")),
                      at.key("micro_batch").int(1), at.key("micro_batches").int(1), at.key("steps").int(0),
-                     at.key("schedule").enum(Schedule), tuple(opt.value.items()), at.key("precision").str(),
+                     at.key("schedule").enum(Schedule), Optimizer.read(at.key("optimizer")), precision,
                      at.key("seed").int(), at.key("trainable", True).bool(),
                      tuple(x.str() for x in at.key("not_trainable_because", []).items()),
                      at.key("loss_devices", []).ints(), _positive(at.key("timeout", None)),
-                     at.key("save_every", None).opt_int(1), extra(at, Train.KEYS))
+                     at.key("save_every", None).opt_int(1), extra(at, Train.KEYS),
+                     LrSchedule.read(at.key("lr_schedule", {"name": "constant"})), zero,
+                     tuple(x.bool() for x in at.key("recompute", []).items()),
+                     None if clip.value is None else float(clip.value),
+                     None if scale.value is None else LossScale.read(scale), members)
 
-    def optimizer_dict(self) -> dict:
-        return dict(self.optimizer)
+    def recomputes(self, stage: int) -> bool:
+        """Stage ``stage`` keeps only its inputs per in-flight micro-batch and reruns its forward in backward."""
+        return bool(self.recompute) and self.recompute[stage]
 
     def to_json(self) -> dict:
         out = {"model": self.model.to_json(True), "loss": self.loss.to_json(False), "data": self.data.to_json(False),
                "micro_batch": self.micro_batch, "micro_batches": self.micro_batches, "steps": self.steps,
-               "schedule": str(self.schedule), "optimizer": dict(self.optimizer), "precision": self.precision,
-               "seed": self.seed}
+               "schedule": str(self.schedule), "optimizer": self.optimizer.to_json(),
+               "lr_schedule": self.lr_schedule.to_json(), "precision": str(self.precision), "zero": self.zero,
+               "recompute": list(self.recompute), "clip": self.clip, "seed": self.seed}
+        if self.loss_scale is not None:
+            out["loss_scale"] = self.loss_scale.to_json()
+        if self.norm_group:
+            out["norm_group"] = list(self.norm_group)
         out = with_extra(out, self.extra)
         out["trainable"] = self.trainable
         out["not_trainable_because"] = list(self.not_trainable_because)

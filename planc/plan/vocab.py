@@ -10,7 +10,7 @@ from __future__ import annotations
 from enum import StrEnum
 
 __all__ = ["DTYPE_NAMES", "MeshAxis", "Strategy", "Collective", "Schedule", "StageMode", "ReductionMode",
-           "Direction", "Precision", "Backend", "InHost"]
+           "Direction", "Precision", "Recompute", "Backend", "InHost"]
 
 DTYPE_NAMES = ("f64", "f32", "f16", "bf16", "i64", "i32", "i16", "i8", "u8", "bool")
 
@@ -65,6 +65,11 @@ class Precision(StrEnum):
     FP32 = "fp32"
     FP16 = "fp16"
     BF16 = "bf16"
+
+
+class Recompute(StrEnum):
+    NONE = "none"
+    FULL = "full"       # a stage keeps only its inputs per in-flight micro-batch and reruns its forward in backward
 
 
 class Backend(StrEnum):
