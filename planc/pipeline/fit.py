@@ -114,12 +114,14 @@ def _suggest(program: ir.Program, memory, schedules, limit: float, more_stages=N
         if ok([m.with_(zero=1) for m in memory]):
             out.append(Suggestion("zero = 1 (optimizer state and master weights sharded over the data axis)",
                                   (("zero", 1),)))
-    over = sorted({n.stage for s in schedules for n in needs(memory, s, B) if n.total > limit})
-    redo = [i for i in over if not next(m for m in memory if m.stage == i).recompute]
-    if redo and ok([m.with_(recompute=True) if m.stage in redo else m for m in memory]):
-        which = ", ".join(map(str, redo))
-        out.append(Suggestion(f"recompute on stage{'s' if len(redo) > 1 else ''} {which} ('stage I : layers A..B "
-                              "recompute', or 'recompute = full' in train)", (("recompute", tuple(redo)),)))
+    # recompute on the stages over the limit, under the least demanding schedule for which that fits
+    for s in sorted(schedules, key=lambda s: worst(memory, s, B).total):
+        redo = [n.stage for n in needs(memory, s, B) if n.total > limit and not n.memory.recompute]
+        if redo and fits([m.with_(recompute=True) if m.stage in redo else m for m in memory], s, B, limit):
+            which = ", ".join(map(str, redo))
+            out.append(Suggestion(f"recompute on stage{'s' if len(redo) > 1 else ''} {which} ('stage I : layers "
+                                  "A..B recompute', or 'recompute = full' in train)", (("recompute", tuple(redo)),)))
+            break
     one = ir.PipeSchedule.ONE_F_ONE_B
     if one not in schedules and fits(memory, one, B, limit):
         out.append(Suggestion("schedule = 1f1b (fewer micro-batches in flight)", (("schedule", str(one)),)))
