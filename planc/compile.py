@@ -29,7 +29,7 @@ from planc.lang.errors import Diagnostic, PlanError
 from planc.pipeline.choose import (check_pinned, choose_by_prediction, choose_schedule, predicted_record,
                                    simulate_schedules)
 from planc.pipeline.cut import apply_auto_stages, more_stages_fit
-from planc.pipeline.memory import stage_memory
+from planc.pipeline.memory import saved, stage_memory
 from planc.pipeline.schedules import peak_in_flight
 from planc.pipeline.deadlock import check_rendezvous
 from planc.pipeline.schedules import PipelinePlan, build as build_pipeline
@@ -237,8 +237,9 @@ def pipeline_pass(value, ctx: Context):
     plan = build_pipeline(program.train.schedule, S, B, edges)
     if ctx.probe is not None:   # the memory model's bytes per device by part (docs/memory.md)
         memory = stage_memory(program, ctx.placement.stages, ctx.probe)
+        flights = [peak_in_flight(program.train.schedule, S, k, B) for k in range(S)]
         plan = dataclasses.replace(plan, memory=tuple(
-            m.parts(peak_in_flight(program.train.schedule, S, k, B)) for k, m in enumerate(memory)))
+            dict(m.parts(f), **({"saved": saved(m, f)} if saved(m, f) else {})) for m, f in zip(memory, flights)))
     if runs is None:
         return plan
     runs, sim, rate = runs

@@ -16,11 +16,12 @@ import pytest
 from planc import ir
 from planc.compile import compile_program
 from planc.lang import load_text
+from planc.pipeline.cut import apply_auto_stages, cut_layers
 from planc.pipeline.fit import NoFit
 from planc.pipeline.schedules import build
 from planc.pipeline.siminput import StageCompute, sim_input, stage_compute
 from planc.pipeline.simulate import predict
-from planc.probe import probe_model
+from planc.probe import ModelProbe, probe_model
 
 EX = str(Path(__file__).resolve().parents[1] / "examples")
 ROWS, HIDDEN, DATA = 512, 64, 4
@@ -249,3 +250,67 @@ def test_zero_programs_appear_in_the_timeline():
     assert ra == pytest.approx(compute_end) and rb - ra == pytest.approx(G / 2 / bw)
     assert ga == pytest.approx(rb) and gb - ga == pytest.approx((P / 2) / bw)
     assert pred.iteration == pytest.approx(gb)
+
+
+# ---------------------------------------------------------------- the automatic cut fits the memory
+
+def test_cut_layers_keeps_to_the_allowed_ranges():
+    costs = [1, 1, 1, 1]
+    assert cut_layers(costs, 2) == [(0, 2), (2, 4)]
+    assert cut_layers(costs, 2, allowed=lambda s, a, b: s != 0 or b - a == 1) == [(0, 1), (1, 4)]
+    with pytest.raises(ValueError, match="within the memory limit"):
+        cut_layers(costs, 2, allowed=lambda s, a, b: False)
+
+
+AUTO = """\
+cluster {
+  level gpu x 2 : bandwidth 150 GB/s
+  memory = LIMIT
+}
+parallel { pipe = 2 }
+model "m.py:build" { layers = 4 }
+loss  "m.py:loss"
+data  "m.py:batches"
+stages = auto(2)
+train { micro_batches = 4, schedule = auto, optimizer = adam(lr = 1e-3) }
+"""
+
+
+def chain_probe(out_bytes):
+    n = len(out_bytes)
+    return ModelProbe(layer_params=(1000,) * n, layer_shapes=((8, 4),) * n, layer_dtypes=("f32",) * n,
+                      micro_batch=8, layer_output_bytes=tuple(out_bytes), layer_flops=((1, 2),) * n, chain=True)
+
+
+def test_auto_cut_fits_the_memory_when_a_cut_does():
+    # 4 equal layers of 1000 fp32 parameters (16 B each with Adam); outputs 20000, 20000, 100, 100 B.
+    # 1f1b: stage 0 keeps 2 micro-batches, stage 1 one (its input = stage 0's last output, + its outputs).
+    #   0..2 | 2..4: 32000 + 2 x 40000 = 112000 | 32000 + 20000 + 200 = 52200   (the fastest)
+    #   0..1 | 1..4: 16000 + 2 x 20000 =  56000 | 48000 + 20000 + 20200 = 88200
+    #   0..3 | 3..4: 48000 + 2 x 40100 = 128200 | ...
+    probe = chain_probe([20000, 20000, 100, 100])
+    free = load_text(AUTO.replace("  memory = LIMIT\n", ""), "<cut>")
+    assert [s.layers for s in apply_auto_stages(free, probe)[0].stages] == [(0, 2), (2, 4)]
+    capped = load_text(AUTO.replace("LIMIT", "90 KB"), "<cut>")
+    cut, why = apply_auto_stages(capped, probe)
+    assert [s.layers for s in cut.stages] == [(0, 1), (1, 4)]
+    assert "shaped the cut: the fastest, 0..2 | 2..4, does not fit" in why
+    # no cut fits: the fastest, and the schedule pass reports what would fit
+    tight = load_text(AUTO.replace("LIMIT", "50 KB"), "<cut>")
+    cut, why = apply_auto_stages(tight, probe)
+    assert [s.layers for s in cut.stages] == [(0, 2), (2, 4)] and "no cut into this many stages fits" in why
+
+
+def test_explain_shows_memory_by_part_the_limit_and_the_savings(probe):
+    from planc.explain import explain, explain_data
+    plan = compile_program(program(zero=1, recompute=(True, False), memory=2e6), probe).plan_json
+    mem = explain_data(plan)["pipeline"]["memory"]
+    s0 = expected(0, "fp32", 1, True, 2, 2)
+    assert mem["limit"] == 2e6 and {k: mem["stages"][0][k] for k in s0} == s0
+    full = expected(0, "fp32", 0, False, 2, 2)
+    assert mem["stages"][0]["saved"] == {"zero": full["optimizer"] - s0["optimizer"],
+                                         "recompute": full["activations"] - s0["activations"]}
+    text = " ".join(explain(plan).split())   # the text as read, whatever the wrapping
+    assert "memory per device by stage" in text and "limit 1.9 MiB" in text
+    assert f"stage 0: zero = 1 saved {(full['optimizer'] - s0['optimizer']) / 1024:.1f} KiB of optimizer state; " \
+           f"recompute saved {(full['activations'] - s0['activations']) / 1024:.1f} KiB of activations" in text

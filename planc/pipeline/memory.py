@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from planc import ir
 
 __all__ = ["PRECISION_BYTES", "GRADIENT_BYTES", "FLOAT_DTYPES", "PARTS", "StageMemory", "degree", "stage_memory",
-           "recomputes", "optimizer_states", "activation_itemsize", "layer_bytes"]
+           "recomputes", "optimizer_states", "activation_itemsize", "layer_bytes", "saved"]
 
 PRECISION_BYTES = {ir.Precision.FP32: 4, ir.Precision.FP16: 2, ir.Precision.BF16: 2}
 GRADIENT_BYTES = 4   # fp32 accumulation buffers, whatever the precision
@@ -169,6 +169,17 @@ class StageMemory:
         act = self.activations(in_flight)
         return {"parameters": self.parameters, "gradients": self.gradients, "optimizer": self.optimizer,
                 "activations": act, "total": self.static + act}
+
+
+def saved(m: StageMemory, in_flight: int) -> dict:
+    """What the stage's ``zero = 1`` and ``recompute`` save against the same stage without them (bytes
+    per device; only those it uses)."""
+    out = {}
+    if m.zero:
+        out["zero"] = m.with_(zero=0).optimizer - m.optimizer
+    if m.recompute:
+        out["recompute"] = m.with_(recompute=False).activations(in_flight) - m.activations(in_flight)
+    return out
 
 
 def stage_memory(program: ir.Program, stages, probe) -> tuple[StageMemory, ...]:
