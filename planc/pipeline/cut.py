@@ -258,29 +258,36 @@ def _one(program, probe, s, a, b) -> StageMemory:
 
 
 def more_stages_fit(program: ir.Program, probe):
-    """For a plan whose stages planc cuts (``stages = auto(N)``, each stage on a mesh of one shape) and a
-    memory limit: ``more(ok)``, the smallest ``N' > N`` for which a cut fits the limit and ``ok`` (a
-    predicate on the cut's memory, ``planc.pipeline.fit``) accepts it, as long as the cluster has
-    ``N'`` times the devices of a stage; None otherwise."""
+    """For a plan whose stages planc cuts (``stages = auto(N)``, every stage on one mesh with a ``data``
+    axis) and a memory limit: ``more(ok)``, ``(N', data')``: the smallest ``N' > N`` for which the same
+    devices, ``data`` scaled to ``data x N / N'`` (a whole number), hold a cut that fits the limit and
+    that ``ok`` (a predicate on the cut's memory, ``planc.pipeline.fit``) accepts; None otherwise."""
     if (probe is None or program.cluster.memory is None or program.train is None
             or not program.stages or not all(s.auto_layers for s in program.stages)):
         return None
     meshes = [program.stage_mesh(s.index) for s in program.stages]
-    if meshes[0] is None or len(set(meshes)) != 1:
+    if meshes[0] is None or len(set(meshes)) != 1 or ir.MeshAxis.DATA not in meshes[0][1]:
         return None
-    per = math.prod(meshes[0][0])
-    devices, L, n = program.cluster.devices, len(probe.layer_params), len(program.stages)
+    shape, axes = meshes[0]
+    at = axes.index(ir.MeshAxis.DATA)
+    L, n = len(probe.layer_params), len(program.stages)
     costs = layer_costs(probe, program.train.micro_batch)[0]
 
     def more(ok):
-        for k in range(n + 1, min(L, devices // per) + 1):
-            allowed = memory_allowed(program, probe, k, [meshes[0]] * k)
+        for k in range(n + 1, L + 1):
+            if (shape[at] * n) % k:
+                continue
+            data = shape[at] * n // k
+            if program.train.micro_batch % data:
+                continue
+            mesh = (shape[:at] + (data,) + shape[at + 1:], axes)
+            allowed = memory_allowed(program, probe, k, [mesh] * k)
             try:
                 cut = cut_layers(costs, k, allowed=allowed)
             except ValueError:
                 continue
-            if ok(cut_memory(program, probe, cut, [meshes[0]] * k)):
-                return k
+            if ok(cut_memory(program, probe, cut, [mesh] * k)):
+                return k, data
         return None
     return more
 

@@ -6,8 +6,8 @@ for a plan that fits under none of the schedules it may run: it names each stage
 bytes by part and the limit, and lists the single settings that would make every stage fit by the same
 model: ``zero = 1``, recompute on the stages over the limit, ``schedule = 1f1b`` (fewer micro-batches in
 flight than a pinned gpipe or eager_1f1b), the largest smaller ``micro_batch`` that still splits over
-every stage's data axis, and ``stages = auto(N)`` with more stages for a plan whose stages are cut by
-planc (the same devices per stage, as long as the cluster has them).
+every stage's data axis, and ``stages = auto(N')`` with more stages for a plan whose stages are cut by
+planc (the same devices, the data axis shrunk to match).
 """
 
 from __future__ import annotations
@@ -81,7 +81,7 @@ def fits(memory, schedule, micro_batches: int, limit: float | None) -> bool:
 @dataclass(frozen=True, slots=True)
 class Suggestion:
     """A setting that would fit: its text, and the change as data (``zero``, ``recompute``: stage
-    indices, ``schedule``, ``micro_batch``, ``stages``: the N of ``auto(N)``)."""
+    indices, ``schedule``, ``micro_batch``, ``stages``: the N of ``auto(N)`` with ``data``, its data degree)."""
 
     text: str
     change: tuple
@@ -134,9 +134,11 @@ def _suggest(program: ir.Program, memory, schedules, limit: float, more_stages=N
                                   (("micro_batch", rows),)))
             break
     if more_stages is not None:
-        n = more_stages(lambda mem: ok(mem))
-        if n is not None:
-            out.append(Suggestion(f"stages = auto({n}) (more stages, the same devices per stage)", (("stages", n),)))
+        found = more_stages(lambda mem: ok(mem))
+        if found is not None:
+            n, data = found
+            out.append(Suggestion(f"stages = auto({n}) with pipe = {n}, data = {data} (more stages on the same "
+                                  "devices)", (("stages", n), ("data", data))))
     return out
 
 
