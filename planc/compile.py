@@ -26,8 +26,11 @@ from planc import budget, ir
 from planc.assemble import assemble
 from planc.lang import load
 from planc.lang.errors import Diagnostic, PlanError
-from planc.pipeline.choose import choose_by_prediction, choose_schedule, predicted_record, simulate_schedules
-from planc.pipeline.cut import apply_auto_stages
+from planc.pipeline.choose import (check_pinned, choose_by_prediction, choose_schedule, predicted_record,
+                                   simulate_schedules)
+from planc.pipeline.cut import apply_auto_stages, more_stages_fit
+from planc.pipeline.memory import saved, stage_memory
+from planc.pipeline.schedules import peak_in_flight
 from planc.pipeline.deadlock import check_rendezvous
 from planc.pipeline.schedules import PipelinePlan, build as build_pipeline
 from planc.pipeline.siminput import compiled_input
@@ -159,7 +162,8 @@ def infer_pass(program: ir.Program, ctx: Context) -> ir.Program:
 
 
 def _param_bytes(program: ir.Program, ctx: Context):
-    return ctx.probe.stage_param_bytes(program.stages, program.train.precision) if ctx.probe else None
+    """Per stage, one device's gradient bytes: fp32, whatever the precision (the runtime reduces in fp32)."""
+    return ctx.probe.stage_param_bytes(program.stages, ir.Precision.FP32) if ctx.probe else None
 
 
 def place_pass(program: ir.Program, ctx: Context) -> Placement:
@@ -195,11 +199,14 @@ def schedule_candidates(program: ir.Program, ctx: Context, reductions, routes):
     for nic in (True, False):
         runs = _simulated(program, ctx, reductions, routes, nic)   # every schedule's predicted iteration
         chosen, choices = program, ()
+        more = more_stages_fit(program, ctx.probe)   # what `stages = auto(N)` with more stages would need
+        if ctx.training and program.train.schedule is not ir.PipeSchedule.AUTO:
+            check_pinned(program, ctx.placement.stages, ctx.probe, more)
         if ctx.training and program.train.schedule is ir.PipeSchedule.AUTO:   # the best that fits the memory
             if runs is not None:
-                schedule, why = choose_by_prediction(program, ctx.placement.stages, ctx.probe, runs[0])
+                schedule, why = choose_by_prediction(program, ctx.placement.stages, ctx.probe, runs[0], more)
             else:
-                schedule, why = choose_schedule(program, ctx.placement.stages, ctx.probe)
+                schedule, why = choose_schedule(program, ctx.placement.stages, ctx.probe, more)
             chosen = dataclasses.replace(program, train=dataclasses.replace(program.train, schedule=schedule))
             choices = (("schedule", why),)
         cctx = dataclasses.replace(ctx, program=chosen, choices=ctx.choices + choices)
@@ -226,13 +233,20 @@ def pipeline_pass(value, ctx: Context):
     if not ctx.training:
         return None
     edges = None if ctx.untrainable else tuple((t.src_stage, t.dst_stage) for t in program.transfers)
-    plan = build_pipeline(program.train.schedule, len(ctx.placement.stages), program.train.micro_batches, edges)
+    S, B = len(ctx.placement.stages), program.train.micro_batches
+    plan = build_pipeline(program.train.schedule, S, B, edges)
+    if ctx.probe is not None:   # the memory model's bytes per device by part (docs/memory.md)
+        memory = stage_memory(program, ctx.placement.stages, ctx.probe)
+        flights = [peak_in_flight(program.train.schedule, S, k, B) for k in range(S)]
+        plan = dataclasses.replace(plan, memory=tuple(
+            dict(m.parts(f), **({"saved": saved(m, f)} if saved(m, f) else {})) for m, f in zip(memory, flights)))
     if runs is None:
         return plan
     runs, sim, rate = runs
     prediction = runs[program.train.schedule][1]
+    given = program.cluster.flops_for(program.train.precision) is not None
     return dataclasses.replace(plan, predicted_iteration=prediction.iteration, predicted=predicted_record(
-        sim, prediction, rate, program.cluster.flops is not None, runs), nic_order=prediction.nic_order)
+        sim, prediction, rate, given, runs), nic_order=prediction.nic_order)
 
 
 def launch_check(plan: planfile.Plan, ctx: Context) -> list:

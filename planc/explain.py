@@ -146,9 +146,41 @@ def explain_data(plan: dict) -> dict:
     data["pipeline"] = None if not pipe else {
         "schedule": pipe["schedule"], "micro_batches": pipe["micro_batches"],
         "predicted_iteration": pipe.get("predicted_iteration"), "per_stage": [list(ops) for ops in pipe["per_stage"]],
-        "nic_order": _nic_data(pipe)}
+        "nic_order": _nic_data(pipe), "memory": _memory_data(plan)}
     data["choices"] = dict(plan.get("choices") or {})       # what `auto` became, and why
     return data
+
+
+def _memory_data(plan: dict) -> dict | None:
+    """Each stage's bytes per device by part (docs/memory.md), what zero and recompute saved, the limit."""
+    stages = (plan.get("pipeline") or {}).get("stages") or ()
+    if not any(st.get("memory") for st in stages):
+        return None
+    train = plan.get("train") or {}
+    rc = train.get("recompute") or []
+    return {"limit": plan["cluster"].get("memory"), "zero": train.get("zero", 0), "precision": train.get("precision"),
+            "stages": [{"stage": st["stage"], **dict(st["memory"] or {}), "saved": dict(st.get("memory_saved") or {}),
+                        "recompute": bool(rc[st["stage"]]) if st["stage"] < len(rc) else False} for st in stages]}
+
+
+def _memory_lines(mem: dict, tty: bool) -> list:
+    limit = f"limit {_bytes(mem['limit'])} per device" if mem["limit"] else "no limit given (cluster memory = ...)"
+    out = [f"memory per device by stage (its largest device; {mem['precision']}, zero = {mem['zero']}; {limit}; "
+           "docs/memory.md):"]
+    rows, notes = [], []
+    for st in mem["stages"]:
+        over = " (over)" if mem["limit"] and st.get("total", 0) > mem["limit"] else ""
+        rows.append([st["stage"], _bytes(st["parameters"]), _bytes(st["gradients"]), _bytes(st["optimizer"]),
+                     _bytes(st["activations"]) + (" (rc)" if st["recompute"] else ""), _bytes(st["total"]) + over])
+        saved = st["saved"]
+        if saved:
+            what = [f"zero = 1 saved {_bytes(saved['zero'])} of optimizer state"] if "zero" in saved else []
+            what += [f"recompute saved {_bytes(saved['recompute'])} of activations"] if "recompute" in saved else []
+            notes.append(f"  stage {st['stage']}: " + "; ".join(what))
+    out.append(ui.table([Col("stage", "right"), Col("parameters", "right"), Col("gradients", "right"),
+                         Col("optimizer", "right"), Col("activations", "right"), Col("total", "right")], rows, tty=tty))
+    return out + notes + (["  (rc: the stage recomputes; it keeps only its inputs per micro-batch in flight)"]
+                          if any(st["recompute"] for st in mem["stages"]) else [])
 
 
 def _nic_data(pipe: dict) -> dict | None:
@@ -290,6 +322,8 @@ def explain_renderables(data: dict, tty: bool = False) -> list:
                          [[i, " ".join(ops)] for i, ops in enumerate(pipe["per_stage"])], tty=tty)]
         if pipe.get("nic_order"):
             out.append(_nic_line(pipe["nic_order"]))
+        if pipe.get("memory"):
+            out += [""] + _memory_lines(pipe["memory"], tty)
     for what, why in data["choices"].items():
         out.append(f"{what} = auto: {why}")
     return out
