@@ -108,7 +108,7 @@ def to_text(p: ir.Program) -> str:
     if pipe_auto:
         out.append(f"  stages = auto({len(p.stages)})")
     for s in p.stages:
-        if p.stage_mode is ir.StageMode.PIPE_AXIS and (s.layers is None or pipe_auto):
+        if p.stage_mode is ir.StageMode.PIPE_AXIS and ((s.layers is None and not s.auto_layers) or pipe_auto):
             continue
         line = f"  stage {s.index}"
         if s.auto_layers:
