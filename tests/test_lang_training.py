@@ -15,7 +15,7 @@ from planc import plan as planfile
 from planc.compile import compile_file, dump_plan
 from planc.lang import load_text
 from planc.lang.errors import PlanError
-from planc.lang.format import to_text
+from planc.lang.format import summary, to_text
 
 ROOT = Path(__file__).resolve().parents[1]
 MLP = ROOT / "examples" / "mlp.py"
@@ -140,6 +140,7 @@ def test_stage_recompute_forms(line, layers):
     p = ok(CLUSTER + MODEL + "parallel { pipe = 2, data = 2 }\n" + line + "\n")
     assert tuple(s.recompute for s in p.stages) == layers
     assert p.train.recompute is ir.Recompute.NONE
+    assert summary(p).count("recomputes its forward") == sum(1 for x in layers if x)   # planc check says so
 
 
 def test_recompute_stays_a_name_where_a_name_stands():
@@ -174,6 +175,15 @@ def test_flops_per_precision_in_a_cluster_file(tmp_path):
     c = load(tmp_path / "p.plan").cluster
     assert c.flops is None and c.flops_by_precision == (("bf16", 989e12), ("fp32", 312e12))
     assert c.flops_for("bf16") == 989e12 and c.flops_for("fp16") is None
+
+
+def test_calibrate_summary_reads_either_flops_form():
+    """planc calibrate writes one measured rate; a file edited to one rate per precision summarises too."""
+    from planc.calibrate.clusterfile import summary
+    doc = {"levels": [{"name": "host", "fanout": 1}], "calibration": {"fit": {}}, "flops": 2e9}
+    assert "device: 2 GFLOP/s" in summary(doc)
+    doc["flops"] = {"fp32": 2e9, "bf16": 8e9}
+    assert "device: 8 GFLOP/s in bf16, 2 GFLOP/s in fp32" in summary(doc)
 
 
 @pytest.mark.parametrize("yaml_flops, message, where", [
@@ -294,6 +304,7 @@ def test_every_bad_setting_is_reported_at_once():
     ("flops bf16 = 989", "flops needs a unit", "989", None),
     ("flops bf16 = 9 GB/s", "'GB/s' is not a FLOP rate unit", "9 GB/s", None),
     ("flops bf16 = 0 TFLOP/s", "flops must be positive", "0 TFLOP/s", None),
+    ("flops bf16 = 9 TFLOPz", "unknown unit 'TFLOPz'; did you mean 'TFLOPS'? a FLOP rate takes", "TFLOPz", None),
     ("flops bf16 = 1 TFLOP/s\n  flops bf16 = 2 TFLOP/s", "'flops bf16' is set twice", "flops bf16 = 2 TFLOP/s", None),
 ])
 def test_bad_flops_per_precision_are_located(item, message, culprit, hint):
