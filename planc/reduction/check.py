@@ -161,6 +161,13 @@ def _replay(steps, reduction_groups, D):
     return held
 
 
+def _span(a: int, b: int, D: int, unit: int) -> str:
+    """``[a, b)`` of 1/D, in units of 1/unit where they are whole."""
+    if (a * unit) % D == 0 and (b * unit) % D == 0:
+        return f"[{a * unit // D}, {b * unit // D}) of 1/{unit}"
+    return f"[{a}, {b}) of 1/{D}"
+
+
 def _mask(g) -> int:
     mask = 0
     for d in g:
@@ -199,8 +206,7 @@ def _scattered(held, groups, D: int, unit: int | None, owned) -> str | None:
                     return f"owned gives no range for device {d}"
                 x, y = owned[gi][r]
                 if (s[0][0] * unit, s[0][1] * unit) != (x * D, y * D):
-                    return (f"device {d} ends with [{s[0][0]}, {s[0][1]}) of 1/{D}, but owned says "
-                            f"[{x}, {y}) of 1/{unit}")
+                    return f"device {d} ends with {_span(s[0][0], s[0][1], D, unit)}, but owned says [{x}, {y}) of 1/{unit}"
         spans.sort()
         for (_, b, d), (a2, _, d2) in zip(spans, spans[1:]):
             if a2 < b:

@@ -166,7 +166,8 @@ def plan_zero(cluster: ir.Cluster, reduction: ir.Reduction, groups: Sequence[Seq
         rs_programs = ((synthesize_reduce_scatter(lay.hierarchy, synthesis.max_size, synthesis.collectives)
                         if lay.regular and lay.hierarchy.size > 1 else ()) or (FLAT_REDUCE_SCATTER,))
         rs_steps_list = [lay.steps(p) for p in rs_programs]
-    rs_preds = lay.predict(rs_programs)
+    # the flat pair is its own baseline: its predictions are the flat times as computed above
+    rs_preds = [flat_rs] if reduction.mode is ir.ReductionMode.ALLREDUCE else lay.predict(rs_programs)
     pairs = []   # per reduce-scatter program: (owned, [(ag program, steps)], ag predictions, ag order)
     totals = []
     for program, steps, pred in zip(rs_programs, rs_steps_list, rs_preds):
@@ -175,7 +176,8 @@ def plan_zero(cluster: ir.Cluster, reduction: ir.Reduction, groups: Sequence[Seq
             gathers = [(FLAT_ALL_GATHER, ((C.ALL_GATHER, groups),))]
         else:
             gathers = lay.gathers(program, owned)
-        ag_preds = lay.predict([p for p, _ in gathers], 1 / lay.k)
+        ag_preds = ([flat_ag] if reduction.mode is ir.ReductionMode.ALLREDUCE
+                    else lay.predict([p for p, _ in gathers], 1 / lay.k))
         order = [i for i, _ in rank_programs([p for p, _ in gathers], ag_preds)]
         pairs.append((owned, gathers, ag_preds, order))
         totals.append(pred + ag_preds[order[0]] if gathers else math.inf)
