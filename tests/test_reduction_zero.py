@@ -28,7 +28,7 @@ from planc.reduction.hierarchy import Hierarchy
 from planc.reduction.language import parse_program as P
 from planc.reduction.lower import lower_program
 from planc.reduction.synthesize import canonical_assignment, synthesize_all_gather, synthesize_reduce_scatter
-from planc.reduction.zero import FLAT_ALL_GATHER, FLAT_REDUCE_SCATTER, mirror
+from planc.reduction.zero import FLAT_REDUCE_SCATTER, mirror
 from planc.verify import VERIFIERS
 
 C = ir.Collective

@@ -7,6 +7,11 @@ summed over the devices in ``contributors`` (a frozenset). Initially device
 precondition and either returns the members' new states or raises
 :class:`SemanticsError` whose ``reason`` says why (used in error messages).
 
+:func:`goal_reason` checks a final state against a target: ``allreduce`` (and ``all_gather``,
+which starts from :func:`assigned_state`) — every member holds [0, 1) summed over its group;
+``reduce_scatter`` — each member one disjoint piece of 1/k summed over its group
+(:func:`assignment` reads who owns which).
+
 This module is the synthesizer's state machinery; ``check.py`` is a separate
 simulator used to re-verify what the synthesizer emits.
 """

@@ -12,11 +12,17 @@ out canonically on the hierarchy. A prefix is pruned when
   reduce (to drop it) and then a broadcast. The fewest allowed collectives
   that meet these needs bound the steps still needed.
 
+Targets (DESIGN.md "Collective semantics"): allreduce programs (``synthesize``), ZeRO-1's
+reduce-scatter programs (``synthesize_reduce_scatter``: each member ends with its own 1/k piece,
+the bound being 0 at the goal, 1 before it, and no way on once a device holds a piece summed over
+the whole group that is too long or beside a partial sum) and all-gather programs from a given
+assignment (``synthesize_all_gather``: the allreduce goal from that start).
+
 Search is depth-first with the suffixes of each ``(state, steps left)``
 memoized, so equal states reached by different prefixes are expanded once.
 Every program found is re-verified by the independent ``check.py`` on its
-lowered groups before it is returned. Results are cached per
-``(hierarchy, max_size, collectives)``: synthesis depends only on the
+lowered groups before it is returned, against its target. Results are cached per
+``(hierarchy, max_size, collectives, target, start)``: synthesis depends only on the
 hierarchy, not on the matrix that produced it.
 """
 
