@@ -352,6 +352,7 @@ def test_a_pinned_reduce_scatter_gets_its_all_gather_synthesized():
 
 
 def test_compiled_zero_plan_json_and_explain():
+    """Compiled without a probe (sizes 0): the hierarchical orders tie on latency, in-host first by text."""
     doc = _compiled(TWO_BY_TWO)
     rs, ag = doc["reductions"]
     assert [g for st in rs["program"]["steps"] for g in st["groups"]] == [[0, 1], [2, 3], [0, 2], [1, 3]]

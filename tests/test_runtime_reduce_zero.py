@@ -113,7 +113,9 @@ def zero_worker(rank, world, payload):
 
 def test_zero_plan_is_hierarchical_and_permutes_the_pieces():
     """What the gloo run executes: on 2 slow hosts the reduce-scatter is in-host then across, so the
-    pieces are permuted (device 1 owns the third quarter), and the all-gather mirrors it."""
+    pieces are permuted (device 1 owns the third quarter), and the all-gather mirrors it. (Compiled
+    without a probe the sizes are 0: the two hierarchical orders tie on latency and the ranking's tie
+    rule, shorter then by text, picks in-host first.)"""
     doc = compiled()
     rs, ag = doc["reductions"]
     assert (rs["name"], rs["target"], ag["name"], ag["target"]) == ("gradients", "reduce_scatter",
