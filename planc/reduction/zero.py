@@ -186,7 +186,8 @@ def plan_zero(cluster: ir.Cluster, reduction: ir.Reduction, groups: Sequence[Seq
         raise PlanError(Diagnostic(
             f"with zero = 1 no all-gather program of at most {synthesis.max_size} steps returns the parameters "
             f"from the pieces the program for '{reduction.name}' leaves"
-            + ("" if stage is None else f" on stage {stage}"), reduction.program_span,
+            + ("" if stage is None else f" on stage {stage}"),
+            reduction.program_span if reduction.mode is ir.ReductionMode.PROGRAM else reduction.span,
             "raise synthesis { max_size } or pin a program that only reduce-scatters"))
     ranked = [usable[i] for i, _ in rank_programs([rs_programs[i] for i in usable], [totals[i] for i in usable])]
     best = ranked[0]
