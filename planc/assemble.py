@@ -33,7 +33,7 @@ def assemble(decisions, ctx) -> planfile.Plan:
     reductions, (transfers, backward), pipeline = decisions
     program, stages, training = ctx.program, ctx.placement.stages, ctx.training
     cluster = program.cluster
-    reds = tuple(r.record(_reduction_of(program, r.name).mode, program.synthesis.collectives) for r in reductions)
+    reds = tuple(r.record(r.mode, program.synthesis.collectives) for r in reductions)   # each plan knows its mode
     tensor_groups = _tensor_groups(stages) if training else ()
     train = train_record(program, ctx.probe, stages, ctx.untrainable) if training else None
     groups = _ordered_groups(*[[g for st in r.steps for g in st.groups] for r in reds],
@@ -120,6 +120,3 @@ def _tensor_groups(stages) -> tuple[tuple[int, ...], ...]:
         return ()
     return tuple(tuple(g) for g in stage_reduction_groups(stages, (TENSOR_AXIS,)) if len(g) > 1)
 
-
-def _reduction_of(program: ir.Program, name: str) -> ir.Reduction:
-    return next(r for r in program.reductions if r.name == name)
