@@ -144,16 +144,9 @@ def _invalid(b: Builder, mode: str, backend: str, limit: int) -> list[Hang]:
             for rank, text in b.invalid[:limit]]
 
 
-def check_mode(plan: planfile.Plan, mode: str, backend: str, ahead: int, tensor_parallel: bool,
-               limit: int) -> list[Hang] | None:
-    """The hangs of one mode found by classes (the same verdict as simulating every rank), or None when
-    the two parts share a communicator and the classes cannot be formed."""
-    b = Builder(plan, backend, ahead, tensor_parallel)
-    if not separable(b, mode):
-        return None
-    reps = [cls[0] for cls in classes(b, mode)]
+def _pipeline_parts(b: Builder, mode: str, comps) -> list[Thread]:
     threads: list[Thread] = []
-    for comp in reps:
+    for comp in comps:
         for rank in comp:
             if mode == "train":
                 threads += [t for t in b.train_pipeline(rank) if t.prog]
@@ -162,12 +155,29 @@ def check_mode(plan: planfile.Plan, mode: str, backend: str, ahead: int, tensor_
                 b.comm_only_transfers(rank, prog)
                 if prog:
                     threads.append(Thread(rank, "main", prog))
+    return threads
+
+
+def check_mode(plan: planfile.Plan, mode: str, backend: str, ahead: int, tensor_parallel: bool,
+               limit: int) -> list[Hang] | None:
+    """The hangs of one mode found by classes (the same verdict as simulating every rank), or None when
+    the two parts share a communicator and the classes cannot be formed."""
+    b = Builder(plan, backend, ahead, tensor_parallel)
+    if not separable(b, mode):
+        return None
+    found = classes(b, mode)
+    threads = _pipeline_parts(b, mode, [cls[0] for cls in found])
     if b.invalid:
         return _invalid(b, mode, backend, limit)
     Sim(threads).run()
-    hangs = find_hangs(threads, backend, mode, limit, b.turns)
-    if hangs:
-        return hangs
+    stuck = {t.rank for t in threads if not t.finished}
+    if stuck:
+        # a class whose representative cannot finish: every component of it hangs alike; simulate them
+        # all, so that the hangs name every rank that would (as the whole simulation does)
+        b = Builder(plan, backend, ahead, tensor_parallel)
+        threads = _pipeline_parts(b, mode, [c for cls in found if any(r in stuck for r in cls[0]) for c in cls])
+        Sim(threads).run()
+        return find_hangs(threads, backend, mode, limit, b.turns)
     tails: list[Thread] = []
     for rank in range(plan.cluster.devices):
         prog = []
