@@ -32,7 +32,7 @@ from planc.pipeline.deadlock import check_rendezvous
 from planc.pipeline.schedules import PipelinePlan, build as build_pipeline
 from planc.pipeline.siminput import compiled_input
 from planc.placement import Placement, place
-from planc.infer import infer_transfers
+from planc.infer import chain_transfers, infer_transfers
 from planc.probe import (ModelProbe, check_against_model, check_model_reductions, probe_model,
                          tensor_traffic_by_stage)
 from planc.reduction import plan_reductions
@@ -90,6 +90,7 @@ def compile_program(program: ir.Program, probe: ModelProbe | None = None, verify
     """The passes in order, each ``(input, ctx) -> record``; with ``verify`` each output is checked
     by an independent checker before the next pass runs (``planc.verify``). ``progress(text)``, if
     given, is told what runs next (``PASS_TEXT``); it does not change the result."""
+    program = chain_transfers(program)   # no transfer line: each stage's output to the next (the probe's too)
     ctx = Context(program, probe, verify, progress=progress)
     program = _run("infer", infer_pass, program, ctx)
     ctx = dataclasses.replace(ctx, program=program)
@@ -269,7 +270,7 @@ def compile_file(path: str | Path, probe: bool = True, timings: bool = False, ve
     next (the CLI's spinner on a terminal; see ``compile_program``)."""
     say = progress or (lambda text: None)
     t0 = time.perf_counter()
-    program = load(path)
+    program = chain_transfers(load(path))   # no transfer line: the chain, which the probe measures
     try:
         if probe and program.model is not None:
             say(PASS_TEXT["probe"])
