@@ -550,7 +550,8 @@ def _check_reduction(r: dict, facts: _Facts, report: _Report) -> None:
                 report.bad(f"{where}: step {k}: group {g} is not in groups")
     why = simulate_program(steps, groups, target, owned, program.get("unit", 1))
     if why is not None:
-        report.bad(f"{where}: program {program.get('text')!r} does not reach its target {target}: {why}")
+        goal = "compute the sum" if target == "allreduce" else f"reach its target {target}"
+        report.bad(f"{where}: program {program.get('text')!r} does not {goal}: {why}")
 
 
 def _owned_ok(owned: list, groups: list, unit: int) -> bool:
