@@ -132,3 +132,38 @@ def test_the_reduction_check_sees_a_misplaced_piece():
         other = sum(contribution(n, d) for d in group[:-1]) + contribution(n, 7)   # a wrong member
         assert not torch.equal(other[a:b], right[a:b])
     assert right.dtype == torch.float32 and int(right.max()) <= 63 * len(group)
+
+
+ZERO_PLAN = """
+plan zero_comm {
+  cluster {
+    level node x 2 : bandwidth 1 GB/s, latency 20 us
+    level gpu  x 2 : bandwidth 20 GB/s, latency 2 us
+  }
+  model "MLP:build" { layers = 2, hidden = 40, inputs = 8, outputs = 4 }
+  loss  "MLP:loss"
+  data  "MLP:batches"
+  stage 0 : layers 0..2 on devices 0..4 as (data = 4)
+  reduce gradients over data
+  train { micro_batch = 4, micro_batches = 1, zero = 1, optimizer = adamw(lr = 0.01) }
+}
+"""
+
+
+@pytest.mark.slow
+def test_zero_programs_are_checked_on_the_pieces_they_own(tmp_path):
+    """--comm-only on a zero = 1 plan: the reduce-scatter is checked on each rank's owned slices only, the
+    all-gather starts from the reduced sum in those slices and must give every rank the whole sum."""
+    from pathlib import Path
+    mlp = Path(__file__).resolve().parents[1] / "examples" / "mlp.py"
+    src = tmp_path / "zero.plan"
+    src.write_text(ZERO_PLAN.replace("MLP", str(mlp)))
+    c = compile_file(src)
+    targets = sorted(r.get("target") for r in c.plan_json["reductions"])
+    assert targets == ["all_gather", "reduce_scatter"]
+    assert all(len(r["program"]["steps"]) == 2 for r in c.plan_json["reductions"])   # in-host, then across
+    out = tmp_path / "out"
+    write_output(c.plan_json, c.program, out)
+    r = launch_sh(out, "--comm-only", "--steps", "2")
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert len(re.findall(r"step \d+ comm [0-9.]+ s \(verified 0 transfer\(s\), 2 reduction\(s\)\)", r.stdout)) == 2

@@ -29,7 +29,7 @@ from .dist_util import (GroupMissing, StartupError, choose_backend, collective_t
                         limit_cpu_threads, startup_checks)
 from .engine import EngineError, PlanEngine, check_stage_shapes
 from .failwatch import FailureWatch, report_failure
-from planc.plan import Direction, Plan, PlanFileError
+from planc.plan import Collective, Direction, Plan, PlanFileError
 from .reduce import ReductionError, ReductionExecutor
 from .reshard import TransferExecutor
 from .tensor_parallel import context_from_plan, shard_info
@@ -176,7 +176,8 @@ def comm_only(plan: Plan, groups: dict, rank: int, steps: int) -> None:
     for step in range(steps):
         problems = []
         mb = step % plan_micro_batches(plan)
-        inputs = [contribution(n, rank) for n in sizes]
+        inputs = [_reduction_input(r, ex, n, rank, total)
+                  for (r, ex, _), n, total in zip(reductions, sizes, sums)]
         got, outs = {}, []
         with _naming(rank, step, "the barrier that starts the step", others):
             dist.barrier()
@@ -199,6 +200,11 @@ def comm_only(plan: Plan, groups: dict, rank: int, steps: int) -> None:
                 t, ex = transfers[i]
                 problems.append(f"rank {rank}: transfer {t.name!r} delivered wrong data for region {ex.my_dst}")
         for (r, ex, group), out, total in zip(reductions, outs, sums):
+            if r.target is Collective.REDUCE_SCATTER:   # only this rank's owned slices hold the sum
+                keep = torch.zeros(total.numel(), dtype=torch.bool)
+                for a, b in ex.owned_slices(total.numel()):
+                    keep[a:b] = True
+                out, total = out[keep], total[keep]
             if not torch.equal(out, total):
                 wrong = (out != total).nonzero().flatten()
                 problems.append(f"rank {rank}: reduction {r.name!r} over {list(group)} gave a wrong sum at "
@@ -212,6 +218,18 @@ def comm_only(plan: Plan, groups: dict, rank: int, steps: int) -> None:
         if rank == 0:
             print(f"step {step} comm {elapsed:.6f} s (verified {len(transfers)} transfer(s), "
                   f"{len(plan.reductions)} reduction(s))", flush=True)
+
+
+def _reduction_input(r, ex, n: int, rank: int, total):
+    """What rank ``rank`` puts into reduction ``r`` at each step: its :func:`contribution`; for an all-gather
+    target (ZeRO-1's parameters) the reduced sum in the slices it owns and zeros elsewhere, as the
+    reduce-scatter leaves it."""
+    if r.target is not Collective.ALL_GATHER:
+        return contribution(n, rank)
+    x = torch.zeros(n, dtype=torch.float32)
+    for a, b in ex.owned_slices(n):
+        x[a:b] = total[a:b]
+    return x
 
 
 def plan_micro_batches(plan: Plan) -> int:
