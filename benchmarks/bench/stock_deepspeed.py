@@ -60,6 +60,21 @@ def _optimizer(params, ds_config: dict):
     return table[str(opt.get("type", "Adam")).lower()](params, **kw)
 
 
+def _regime(train: dict) -> dict:
+    """The plan's precision, ZeRO stage and clipping as a DeepSpeed user writes them in the config (planc's
+    own ds_config.json leaves them out: planc's engine does them itself)."""
+    cfg = {}
+    if train.get("precision") == "bf16":
+        cfg["bf16"] = {"enabled": True}
+    elif train.get("precision") == "fp16":
+        cfg["fp16"] = {"enabled": True, "initial_scale_power": 16, "loss_scale_window": 1000, "hysteresis": 1}
+    if train.get("zero"):
+        cfg["zero_optimization"] = {"stage": int(train["zero"])}
+    if train.get("clip"):
+        cfg["gradient_clipping"] = float(train["clip"])
+    return cfg
+
+
 def _rows(batches, lo: int, hi: int):
     for x, y in batches:
         yield x[lo:hi].contiguous(), y[lo:hi].contiguous()
@@ -110,6 +125,7 @@ def main(argv=None) -> int:
         print(f"stock DeepSpeed: PipelineModule(num_stages={num_stages}, partition_method={args.partition!r}) "
               f"parts={list(module.parts)}, topology pipe {num_stages} x data {data}", flush=True)
     cfg = {k: v for k, v in ds_config.items() if k != "optimizer"}
+    cfg.update(_regime(train))
     cfg.update(train_micro_batch_size_per_gpu=micro_batch // data, gradient_accumulation_steps=micro_batches,
                train_batch_size=micro_batch * micro_batches, steps_per_print=10 ** 9)
     optimizer = _optimizer([q for q in module.parameters() if q.requires_grad], ds_config)
