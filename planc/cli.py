@@ -32,6 +32,12 @@ def _cmd_check(args) -> int:
     for f in args.files:
         try:
             program = load(f)
+            if not args.no_probe:   # all that compile runs but the writing (planc.checkcmd)
+                from planc.checkcmd import check_compiles
+                compiled = check_compiles(f)
+                if compiled.untrainable:
+                    errors.append(PlanError(list(compiled.untrainable), {str(f): Path(f).read_text()}))
+                    continue
         except PlanError as e:
             errors.append(e)
             continue
@@ -317,9 +323,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--debug", action="store_true", help="show Python tracebacks for internal errors")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    c = sub.add_parser("check", help="parse and check plans, print a summary")
+    c = sub.add_parser("check", help="check plans as compile does (the model probe included), print a summary")
     c.add_argument("files", nargs="+", metavar="FILE")
     c.add_argument("--json", action="store_true", help="print the checked IR as JSON")
+    c.add_argument("--no-probe", action="store_true",
+                   help="check the plan text only: do not build the model, run the user's code or compile")
     _budget_argument(c)
     c.set_defaults(func=_cmd_check)
 

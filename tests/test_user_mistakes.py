@@ -1,0 +1,202 @@
+"""A new user's mistakes in their own code stop before the launch (issue 37): ``planc check`` and ``planc
+compile`` both exit 2 with a message located at the plan's line and naming the culprit (the user's file and
+line, the stage and layer, the shapes); where only running can tell, the launch ends every rank with one
+line and no traceback. The user's project is a small 1-D convolution model of their own, in a folder of
+its own (not planc's examples)."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from planc.cli import main
+from tests.e2e_util import launch_sh
+
+MODEL = '''import torch
+from torch import nn
+
+
+class Conv(nn.Module):
+    def __init__(self, cin, cout):
+        super().__init__()
+        self.conv = nn.Conv1d(cin, cout, 3, padding=1)
+
+    def forward(self, x):
+        return torch.relu(self.conv(x))
+
+
+class Head(nn.Module):
+    def __init__(self, features, outputs):
+        super().__init__()
+        self.fc = nn.Linear(features, outputs)
+
+    def forward(self, x):
+        return self.fc(x.mean(dim=1))
+
+
+def build(channels=4, length=16, outputs=4, head_features=16):
+    return [Conv(1, channels), Conv(channels, channels), Conv(channels, channels), Head(head_features, outputs)]
+
+
+def loss(output, target):
+    return nn.functional.mse_loss(output, target)
+
+
+def batches(micro_batch, seed, length=16, outputs=4, **_):
+    g = torch.Generator().manual_seed(seed)
+    while True:
+        x = torch.randn(micro_batch, 1, length, generator=g)
+        yield x, x[:, 0, :outputs] * 2
+'''
+
+PLAN = """plan conv1d_two {
+  cluster {
+    level node x 1
+    level gpu  x 2 : bandwidth 10 GB/s, latency 2 us
+    host = node
+  }
+  model "conv1d.py:build" { channels = 4, length = 16, outputs = 4, head_features = 16 }
+  loss  "conv1d.py:loss"
+  data  "conv1d.py:batches"
+  stage 0 : layers 0..2 on devices 0..1 as (data = 1)
+  stage 1 : layers 2..4 on devices 1..2 as (data = 1)
+  transfer h from stage 0 to stage 1
+  train {
+    micro_batch = 4, micro_batches = 2, steps = 2
+    schedule = 1f1b, optimizer = sgd(lr = 0.1), precision = fp32, seed = 1
+  }
+}
+"""
+
+
+def project(root: Path, model_edits=(), plan_edits=(), files=None) -> Path:
+    """The user's folder: conv1d.py (with ``model_edits``), the plan (with ``plan_edits``), other ``files``."""
+    root.mkdir(parents=True, exist_ok=True)
+    model, plan = MODEL, PLAN
+    for old, new in model_edits:
+        assert old in model, old
+        model = model.replace(old, new)
+    for old, new in plan_edits:
+        assert old in plan, old
+        plan = plan.replace(old, new)
+    (root / "conv1d.py").write_text(model)
+    for name, text in (files or {}).items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+    (root / "conv.plan").write_text(plan)
+    return root / "conv.plan"
+
+
+def _line_of(plan: Path, start: str) -> int:
+    return next(i for i, line in enumerate(plan.read_text().splitlines(), 1) if line.strip().startswith(start))
+
+
+def check_and_compile(plan: Path, capsys, out: Path, extra=(), untrainable=False) -> tuple[str, str]:
+    """``planc check`` and ``planc compile``: both exit 2, no traceback, no output written (but the
+    communication-only output of a plan that cannot train, as compile writes it); their stderr."""
+    texts = []
+    for argv in (["check", *extra, str(plan)], ["compile", *extra, str(plan), "-o", str(out)]):
+        rc = main(argv)
+        err = capsys.readouterr().err
+        assert rc == 2, (argv, err)
+        assert "Traceback" not in err, err
+        texts.append(err)
+    assert out.exists() == untrainable
+    return tuple(texts)
+
+
+# (name, model edits, plan edits, the plan line it is located at, what the message must say)
+MISTAKES = [
+    ("loss_signature", [("def loss(output, target):\n    return nn.functional.mse_loss(output, target)",
+                         "def loss(output):\n    return output.pow(2).mean()")], [], "loss",
+     [r"the loss conv1d\.py:loss: is called as loss\(output, target\)", "too many positional arguments",
+      r"defined at conv1d\.py:27"]),
+    ("last_stage_layer", [], [("head_features = 16", "head_features = 8")], "stage 1",
+     [r"stage 1 layer 3 \(Head\) fails on its input \(f32\[4, 4, 16\]", r"conv1d\.py:20 in forward",
+      r"return self\.fc\(x\.mean\(dim=1\)\)", "mat1 and mat2 shapes cannot be multiplied"]),
+    ("first_stage_layer", [("self.conv = nn.Conv1d(cin, cout, 3, padding=1)",
+                            "self.conv = nn.Conv1d(cin + 1, cout, 3, padding=1)")], [], "stage 0",
+     [r"stage 0 layer 0 \(Conv\) fails on its input \(f32\[4, 1, 16\]", r"conv1d\.py:11 in forward"]),
+    ("loss_vector", [("mse_loss(output, target)", "mse_loss(output, target, reduction='none')")], [], "loss",
+     [r"the loss conv1d\.py:loss: returned f32\[4, 4\], not a scalar", r"\.mean\(\)"]),
+    ("loss_detached", [("mse_loss(output, target)", "mse_loss(output, target).item() * torch.ones(())")], [],
+     "loss", ["does not depend on the output"]),
+    ("loss_nan", [("mse_loss(output, target)", "mse_loss(output, target) * float('nan')")], [], "loss",
+     ["is nan on the first micro-batch"]),
+    ("data_dry", [("    while True:\n        x = torch.randn", "    for _ in range(1):\n        x = torch.randn")], [],
+     "data", [r"the data conv1d\.py:batches: ran dry after 1 batch\(es\), but one step draws 2"]),
+    ("data_rows", [("x = torch.randn(micro_batch, 1", "x = torch.randn(micro_batch * 2, 1")], [], "data",
+     [r"batch 0's inputs has 8 rows \(f32\[8, 1, 16\]\), but the plan's micro_batch is 4"]),
+    ("data_shapes_change", [("    while True:\n        x = torch.randn(micro_batch, 1, length, generator=g)",
+                             "    while True:\n        length += 1\n"
+                             "        x = torch.randn(micro_batch, 1, length, generator=g)")], [], "data",
+     [r"batch 1 is \(f32\[4, 1, 18\], f32\[4, 4\]\) but batch 0 was \(f32\[4, 1, 17\], f32\[4, 4\]\)"]),
+    ("data_not_a_pair", [("yield x, x[:, 0, :outputs] * 2", "yield x")], [], "data",
+     [r"batch 0 is a Tensor, not a pair \(inputs, target\)"]),
+    ("data_signature", [("def batches(micro_batch, seed, length=16, outputs=4, **_):",
+                         "def batches(micro_batch, seed, length=16, outputs=4):")], [], "data",
+     [r"is called as batches\(micro_batch, seed, channels=\.\.\., .*\), but got an unexpected keyword "
+      r"argument 'channels'", r"add \*\*_"]),
+    ("builder_returns_nothing", [("    return [Conv(1, channels)", "    [Conv(1, channels)")], [], "model",
+     [r"could not build the model with conv1d\.py:build: the builder \(conv1d\.py:23\) returned None, not a list "
+      r"of layers \(a missing `return`\?\)"]),
+    ("builder_fails", [("def build(channels=4, length=16, outputs=4, head_features=16):\n",
+                        "def build(channels=4, length=16, outputs=4, head_features=16):\n"
+                        "    assert channels % 3 == 0, 'channels must be a multiple of 3'\n")], [], "model",
+     [r"conv1d\.py:24 in build \(`assert channels % 3 == 0", "AssertionError: channels must be a multiple of 3"]),
+    ("syntax_error", [("    def forward(self, x):\n        return self.fc", "    def forward(self x):\n        return self.fc")],
+     [], "model", [r"conv1d\.py:19:22 \(`def forward\(self x\):`\): SyntaxError"]),
+    ("missing_transfer", [], [("  transfer h from stage 0 to stage 1\n", "")], "stage 0",
+     ["stage 0 sends no activation to a later stage", "stage 1 receives no activation from an earlier stage; "
+      "declare 'transfer NAME from stage 0 to stage 1'"]),
+    ("bad_model_path", [], [('model "conv1d.py:build"', 'model "models/conv1d.py:build"')], "model",
+     [r"model file 'models/conv1d\.py' not found"]),
+]
+
+
+@pytest.mark.parametrize("name,model_edits,plan_edits,line,needles", MISTAKES, ids=[m[0] for m in MISTAKES])
+def test_check_and_compile_refuse_the_mistake_at_its_line(tmp_path, capsys, name, model_edits, plan_edits, line,
+                                                           needles):
+    plan = project(tmp_path / "proj", model_edits, plan_edits)
+    check_err, compile_err = check_and_compile(plan, capsys, tmp_path / "out", untrainable=name == "missing_transfer")
+    at = f"{plan}:{_line_of(plan, line)}:"
+    for err in (check_err, compile_err):
+        first = err.splitlines()[0]
+        assert first.startswith(at), (at, err)
+        for needle in needles:
+            assert re.search(needle, err), (needle, err)
+
+
+def test_the_plan_without_mistakes_checks_and_compiles(tmp_path, capsys):
+    """The project the mistakes are made in is right as written (so each refusal above is the mistake's)."""
+    plan = project(tmp_path / "proj")
+    assert main(["check", str(plan)]) == 0
+    assert main(["compile", str(plan), "-o", str(tmp_path / "out")]) == 0
+    assert "Traceback" not in capsys.readouterr().err
+
+
+def test_no_probe_checks_the_plan_text_only(tmp_path, capsys):
+    """``planc check --no-probe`` is the front end alone: a mistake only the model shows passes it; one in
+    the plan text does not."""
+    plan = project(tmp_path / "proj", plan_edits=[("head_features = 16", "head_features = 8")])
+    assert main(["check", "--no-probe", str(plan)]) == 0
+    plan = project(tmp_path / "proj2", plan_edits=[("micro_batch = 4", "micro_batch = 4, micro_batchs = 2")])
+    assert main(["check", "--no-probe", str(plan)]) == 2
+    assert "micro_batches" in capsys.readouterr().err
+
+
+def test_a_syntax_error_is_located_without_the_probe(tmp_path, capsys):
+    """compile --no-probe reads the model file's imports (planc.outputfiles): a file that does not parse is
+    an error at the model line naming the file, line and column."""
+    plan = project(tmp_path / "proj", [("def loss(output, target):", "def loss(output, target)")],
+                   [("transfer h from", "transfer h : f32[4, 4, 16] from")])
+    rc = main(["compile", "--no-probe", str(plan), "-o", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert rc == 2 and "Traceback" not in err
+    assert err.startswith(f"{plan}:{_line_of(plan, 'model')}:"), err
+    assert re.search(r"model file conv1d\.py: conv1d\.py:27:25 \(`def loss\(output, target\)`\): SyntaxError", err)
