@@ -200,3 +200,113 @@ def test_a_syntax_error_is_located_without_the_probe(tmp_path, capsys):
     assert rc == 2 and "Traceback" not in err
     assert err.startswith(f"{plan}:{_line_of(plan, 'model')}:"), err
     assert re.search(r"model file conv1d\.py: conv1d\.py:27:25 \(`def loss\(output, target\)`\): SyntaxError", err)
+
+
+# ---------------------------------------------------------------- the output, launched
+
+# the plan's code is model.py, which imports the model from a helper beside it and a package under it
+HELPER_MODEL = '''from conv1d import Conv, Head, batches, loss  # noqa: F401 (the plan's data and loss)
+from parts.sizes import head_features
+from parts import extra
+
+
+def build(channels=4, length=16, outputs=4, mode="none"):
+    layers = [Conv(1, channels), Conv(channels, channels), Conv(channels, channels),
+              Head(head_features(length), outputs)]
+    return extra.maybe_failing(layers, mode)
+'''
+PARTS = {
+    "parts/__init__.py": "",
+    "parts/sizes.py": "def head_features(length):\n    return length\n",
+    "parts/extra.py": '''import torch
+
+
+class FailsInStepOne(torch.nn.Module):
+    """The last layer, failing on its 5th call: the start-up check is the 1st, each step 2 more."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner, self.calls = inner, 0
+
+    def forward(self, x):
+        self.calls += 1
+        if self.calls == 5:
+            raise ValueError(f"cannot pool {tuple(x.shape)} on call {self.calls}")
+        return self.inner(x)
+
+
+def maybe_failing(layers, mode):
+    if mode == "layer":
+        layers[-1] = FailsInStepOne(layers[-1])
+    return layers
+''',
+}
+MODES = '''
+
+def batches_for(micro_batch, seed, length=16, outputs=4, mode="none", **_):
+    """Fine for the probe's 2 batches and the start-up check's 1; then as ``mode`` says."""
+    g = torch.Generator().manual_seed(seed)
+    k = 0
+    while mode != "dry" or k < 3:
+        x = torch.randn(micro_batch, 1, length, generator=g)
+        if mode == "nan" and k >= 3:
+            x = x * float("nan")
+        k += 1
+        yield x, x[:, 0, :outputs] * 2
+'''
+
+
+def helper_project(root: Path, mode: str = "none") -> Path:
+    plan = project(root, model_edits=[("def batches(", MODES + "\n\ndef batches(")],
+                   plan_edits=[('"conv1d.py:build" { channels = 4, length = 16, outputs = 4, head_features = 16 }',
+                                f'"model.py:build" {{ channels = 4, length = 16, outputs = 4, mode = "{mode}" }}'),
+                               ('"conv1d.py:loss"', '"model.py:loss"'),
+                               ('"conv1d.py:batches"', '"conv1d.py:batches_for"')],
+                   files={"model.py": HELPER_MODEL, **PARTS})
+    return plan
+
+
+def _compile(plan: Path, out: Path):
+    r = subprocess.run([sys.executable, "-m", "planc", "compile", str(plan), "-o", str(out)], capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    return r
+
+
+def test_the_output_runs_where_the_plans_folder_is_absent(tmp_path):
+    """The output holds the modules the plan's code imports beside it (planc.outputfiles): compiled, the
+    source folder moved away, OUT/ trains alone."""
+    src = tmp_path / "proj"
+    plan = helper_project(src)
+    out = tmp_path / "out"
+    _compile(plan, out)
+    for name in ("model.py", "conv1d.py", "parts/__init__.py", "parts/sizes.py", "parts/extra.py"):
+        assert (out / name).read_text() == (src / name).read_text(), name
+    shutil.move(str(src), str(tmp_path / "elsewhere"))
+    r = launch_sh(out, "--steps", "2")
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert re.search(r"^step 1 loss \d", r.stdout, re.M), r.stdout[-2000:]
+
+
+RUNTIME = [
+    ("layer", r"step 1, micro-batch 1 \(forward pass\), stage 1, layer 3 \(FailsInStepOne\): parts/extra\.py:14 in "
+              r"forward \(`raise ValueError\(.*\)`\): ValueError: cannot pool \(4, 4, 16\) on call 5"),
+    ("dry", r"step 1, stage \d: the data generator ran dry after 3 batch\(es\): make it endless"),
+    ("nan", r"step 1: the loss is nan: the plan's loss, first at micro-batch 1 on stage 1 \(rank 1\)"),
+]
+
+
+@pytest.mark.parametrize("mode,line", RUNTIME, ids=[m for m, _ in RUNTIME])
+def test_a_failure_only_running_shows_ends_every_rank_with_one_line(tmp_path, mode, line):
+    """Past the probe and the start-up check, a failure of the user's code in a step ends every rank with
+    one line naming the step, micro-batch, stage, layer, file and line; exit non-zero, no traceback."""
+    plan = helper_project(tmp_path / "proj", mode)
+    out = tmp_path / "out"
+    _compile(plan, out)
+    r = launch_sh(out, "--steps", "3", timeout=240)
+    text = r.stdout + r.stderr
+    assert r.returncode != 0, text[-3000:]
+    assert "Traceback" not in text, text[-4000:]
+    said = [m for m in re.findall(r"^planc: rank \d+: (.*)$", text, re.M)]
+    assert any(re.search(line, s) for s in said), text[-3000:]
+    assert not re.search(r"^step 2 loss", text, re.M)

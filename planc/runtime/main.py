@@ -36,6 +36,7 @@ from .tensor_parallel import context_from_plan, shard_info
 from .topology import create_groups
 from .trace import Tracer
 from .usercode import MissingFunction, accepts_tensor_parallel, build_layers, load_callable  # noqa: F401 (re-exported)
+from .usererrors import CheckedLoss, UserCodeError, non_finite_loss, user_step
 
 
 def load_function(out_dir: str, ref, what: str = "function"):
@@ -221,7 +222,7 @@ def plan_micro_batches(plan: Plan) -> int:
 # Failures the runtime plans for and words itself: one line per rank, exit 2, no traceback
 # (PLANC_DEBUG=1 shows it). Anything else is a bug and keeps its traceback.
 EXPECTED = (StartupError, GroupMissing, EngineError, PlanFileError, ReductionError, CheckpointError, OSError,
-            json.JSONDecodeError)
+            json.JSONDecodeError, UserCodeError)
 
 
 _WATCH: FailureWatch | None = None     # this rank's watch for other ranks' failures (failwatch.py)
@@ -310,6 +311,8 @@ def _main(argv=None, out_dir: str | None = None) -> int:
                                          for k, ref in (("model", t.model), ("loss", t.loss), ("data", t.data)))
         except EngineError as e:
             problems = [str(e)]
+        else:   # its calls counted and checked: a failure names the micro-batch (usererrors.CheckedLoss)
+            loss_fn = CheckedLoss(loss_fn, [out_dir], t.micro_batches)
         if not problems:
             tp = None
             if accepts_tensor_parallel(builder):
@@ -381,13 +384,21 @@ def _main(argv=None, out_dir: str | None = None) -> int:
     for step in range(first, steps):
         t0 = time.perf_counter()
         t0_trace = tracer.now() if tracer is not None else 0.0
-        share = engine.train_batch() if engine is not None else 0.0   # idle ranks only add nothing
+        if engine is not None:   # a failure of the user's code: one line naming where (usererrors.user_step)
+            loss_fn.new_step()
+            with user_step(step, stage.index, layers[lo:hi], lo, [out_dir], data_drawn=lambda: data.drawn):
+                share = engine.train_batch()
+        else:
+            share = 0.0   # idle ranks only add nothing
         loss = torch.tensor([share], dtype=torch.float64, device=device)
         try:
             dist.all_reduce(loss)   # the loss devices' shares add up to the step's mean loss
         except RuntimeError as e:
             raise EngineError(f"rank {rank} failed in the step {step} loss all-reduce over every rank: "
                               f"{str(e).splitlines()[0]}") from e
+        if not torch.isfinite(loss).all():   # every rank sees it: they name the micro-batch together
+            raise non_finite_loss(step, float(loss), rank, stage.index if stage is not None else None,
+                                  loss_fn if engine is not None else None)
         elapsed = time.perf_counter() - t0
         if tracer is not None:
             tracer.complete(f"step {step}", t0_trace, tracer.now(), "main", step=step)

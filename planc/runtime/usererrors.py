@@ -18,7 +18,7 @@ import traceback
 import torch
 
 __all__ = ["UserCodeError", "describe", "user_frame", "layers_of", "draw_batches", "exercise", "CheckedLoss",
-           "user_step", "shapes"]
+           "user_step", "shapes", "non_finite_loss"]
 
 _DTYPE_NAMES = {torch.float64: "f64", torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16",
                 torch.int64: "i64", torch.int32: "i32", torch.int16: "i16", torch.int8: "i8", torch.uint8: "u8",
@@ -350,7 +350,12 @@ def user_step(step: int, stage, layers, first: int, roots, data_drawn=None):
         yield
     except UserCodeError as e:
         raise UserCodeError(e.part, f"step {step}, stage {stage}: {e}") from e
-    except StopIteration as e:
+    except (StopIteration, RuntimeError) as e:
+        dry = isinstance(e, StopIteration) or isinstance(e.__cause__ or e.__context__, StopIteration)
+        if not dry and user_frame(e, roots) is None:
+            raise
+        if not dry:
+            raise _in_step(e, step, stage, layers, first, roots) from e
         n = data_drawn() if data_drawn is not None else None
         raise UserCodeError("data-use", f"step {step}, stage {stage}: the data generator ran dry"
                                         f"{f' after {n} batch(es)' if n is not None else ''}: make it endless "
@@ -358,11 +363,35 @@ def user_step(step: int, stage, layers, first: int, roots, data_drawn=None):
     except Exception as e:  # noqa: BLE001 - classified: the user's frame decides
         if user_frame(e, roots) is None:
             raise
-        mb, layer = _micro_batch_of(e), _layer_of(e, layers, first)
-        where = [f"step {step}"]
-        if mb is not None:
-            where.append(f"micro-batch {mb[1]} ({mb[0].replace('_', ' ')})")
-        where.append(f"stage {stage}")
-        if layer is not None:
-            where.append(f"layer {layer[0]} ({layer[1]})")
-        raise UserCodeError("model", f"{', '.join(where)}: {describe(e, roots)}") from e
+        raise _in_step(e, step, stage, layers, first, roots) from e
+
+
+def _in_step(e: BaseException, step: int, stage, layers, first: int, roots) -> UserCodeError:
+    """One line for an exception of the user's code in a step: where in the step, and where in their code."""
+    mb, layer = _micro_batch_of(e), _layer_of(e, layers, first)
+    where = [f"step {step}"]
+    if mb is not None:
+        where.append(f"micro-batch {mb[1]} ({mb[0].replace('_', ' ')})")
+    where.append(f"stage {stage}")
+    if layer is not None:
+        where.append(f"layer {layer[0]} ({layer[1]})")
+    return UserCodeError("model", f"{', '.join(where)}: {describe(e, roots)}")
+
+
+def non_finite_loss(step: int, value: float, rank: int, stage, checked) -> UserCodeError:
+    """The step's loss is ``value`` (nan or inf) on every rank: gather which rank's loss calls gave the first
+    non-finite micro-batch (``checked``: this rank's :class:`CheckedLoss`, None on ranks without the loss)
+    and name it; collective (every rank calls it, having seen the same all-reduced loss)."""
+    import torch.distributed as dist
+
+    mine = checked.first_non_finite() if checked is not None else None
+    found = [None] * dist.get_world_size()
+    dist.all_gather_object(found, None if mine is None else (rank, stage, mine))
+    hits = sorted((m, s, r) for r, s, m in (f for f in found if f is not None))
+    name = getattr(checked, "__name__", "loss") if checked is not None else "loss"
+    where = (f"first at micro-batch {hits[0][0]} on stage {hits[0][1]} (rank {hits[0][2]})" if hits
+             else "no single micro-batch's loss was (their sum overflowed)")
+    error = UserCodeError("loss-use", f"step {step}: the loss is {value}: the plan's {name}, {where}; "
+                                      "the data, the learning rate or the model diverged")
+    error.same_on_every_rank = True   # gathered: rank 0 says it for everyone
+    return error
