@@ -149,6 +149,12 @@ def _cmd_simulate(args) -> int:
         print(f"planc simulate: {src}: {e}", file=sys.stderr)
         return EXIT_USER
     pipe = plan["pipeline"]
+    if pipe.get("predicted") is not None and not pipe["predicted"].get("flops_given"):   # rows of bubble only
+        print(f"planc simulate: {src}: the cluster gives no device throughput, so no stage's compute can be "
+              "predicted (every schedule would be all bubble); add 'flops = 312 TFLOP/s' (your devices' rate) to "
+              "the plan's cluster block, or measure it: planc calibrate --on cluster OUT.yaml, then "
+              "cluster \"OUT.yaml\" (docs/calibrate.md), and compile again", file=sys.stderr)
+        return EXIT_USER
     shown = args.schedule or pipe["schedule"]
     rows, chart = [], None
     for name in ("gpipe", "1f1b", "eager_1f1b"):

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 from importlib.metadata import version
 from pathlib import Path
 
@@ -152,6 +153,7 @@ def _write_output(plan: dict, program: ir.Program, out: Path) -> Path:
         "model_files": sorted(code),
         "backend": (plan.get("runtime") or {}).get("backend", "auto"),
         "ds_config_json": json.dumps(ds_config(plan, program), indent=2),
+        "compiler_bin": str(Path(sys.executable).parent),   # launch.sh looks for deepspeed here first
     }
     files = {
         "plan.json": planfile.dumps(planfile.Plan.from_json(plan)),   # the plan file's one writer

@@ -215,6 +215,20 @@ def comm_only(plan: Plan, groups: dict, rank: int, steps: int) -> None:
                   f"{len(plan.reductions)} reduction(s))", flush=True)
 
 
+def gradient_summary(described: list) -> str:
+    """Every stage's gradient reduction in one line, from each rank's ``(stage, description)`` (None: idle),
+    the first rank of a stage speaking for it: ``DESCRIPTION (stages 0, 2); OTHER (stage 1)``."""
+    by_stage: dict[int, str] = {}
+    for d in described:
+        if d is not None:
+            by_stage.setdefault(d[0], d[1])
+    groups: dict[str, list[int]] = {}
+    for s in sorted(by_stage):
+        groups.setdefault(by_stage[s], []).append(s)
+    return "; ".join(f"{text} (stage{'s' if len(ss) > 1 else ''} {', '.join(map(str, ss))})"
+                     for text, ss in groups.items()) or "no stage trains"
+
+
 def plan_micro_batches(plan: Plan) -> int:
     return plan.pipeline.micro_batches if plan.pipeline is not None else 1
 
@@ -370,10 +384,12 @@ def _main(argv=None, out_dir: str | None = None) -> int:
         first = int(state["step"])
         if rank == 0:
             print(f"resumed from {resume_from} at step {first} (plan digest {digest[:16]}…)", flush=True)
+    described = [None] * dist.get_world_size()   # every stage's gradient reduction, for rank 0's summary
+    dist.all_gather_object(described, (stage.index, engine.reduce_description) if engine is not None else None)
     if rank == 0:
         if threads_line:
             print(threads_line, flush=True)
-        print(f"gradients: {engine.reduce_description if engine else 'rank 0 is idle'}", flush=True)
+        print(f"gradients: {gradient_summary(described)}", flush=True)
     device = engine.device if engine is not None else (
         torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu"))
     samples = plan.train.micro_batch * plan.train.micro_batches
