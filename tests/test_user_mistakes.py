@@ -286,6 +286,8 @@ def test_the_output_runs_where_the_plans_folder_is_absent(tmp_path):
     r = launch_sh(out, "--steps", "2")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert re.search(r"^step 1 loss \d", r.stdout, re.M), r.stdout[-2000:]
+    assert "BASE_SEED=1 " in r.stdout   # DeepSpeed's seed is the plan's
+    assert "gradients: none (no data-parallel peers) (stages 0, 1)" in r.stdout
 
 
 RUNTIME = [
@@ -310,3 +312,65 @@ def test_a_failure_only_running_shows_ends_every_rank_with_one_line(tmp_path, mo
     said = [m for m in re.findall(r"^planc: rank \d+: (.*)$", text, re.M)]
     assert any(re.search(line, s) for s in said), text[-3000:]
     assert not re.search(r"^step 2 loss", text, re.M)
+
+
+# ---------------------------------------------------------------- messages
+
+
+def test_a_transfer_backwards_without_a_type_says_it_goes_back(tmp_path, capsys):
+    plan = project(tmp_path / "proj", plan_edits=[("transfer h from stage 0 to stage 1",
+                                                   "transfer h from stage 1 to stage 0")])
+    check_err, _ = check_and_compile(plan, capsys, tmp_path / "out")
+    assert check_err.startswith(f"{plan}:{_line_of(plan, 'transfer h')}:"), check_err
+    assert "transfer 'h' goes from stage 1 back to stage 0" in check_err
+    assert "write 'transfer h from stage 0 to stage 1'" in check_err
+
+
+def test_a_setting_that_cannot_be_honoured_is_reported_at_the_setting(tmp_path, capsys):
+    plan = project(tmp_path / "proj", plan_edits=[("precision = fp32", "precision = bf16")])
+    text = plan.read_text().splitlines()
+    row = _line_of(plan, "schedule = 1f1b")
+    assert main(["check", str(plan)]) == 2
+    err = capsys.readouterr().err
+    if "not yet supported" in err:   # while the runtime trains fp32 only
+        assert err.startswith(f"{plan}:{row}:{text[row - 1].index('bf16') + 1}: error: training in bf16"), err
+
+
+def test_explain_warns_of_idle_devices_and_says_nothing_to_reduce(tmp_path, capsys):
+    plan = project(tmp_path / "proj", plan_edits=[
+        ("level gpu  x 2", "level gpu  x 4"), ("on devices 0..1 as (data = 1)", "on devices 0..2 as (data = 2)"),
+        ("on devices 1..2 as (data = 1)", "on devices 2..3 as (data = 1)"),
+        ("  train {", "  reduce gradients over data\n  train {")])
+    assert main(["explain", str(plan)]) == 0
+    out = " ".join(capsys.readouterr().out.split())   # the lines as one text (a narrow terminal wraps them)
+    assert "warning: 1 of the cluster's 4 devices are idle (device 3): no stage runs on them" in out
+    assert "reduce gradients over data (stage 1)" in out
+    assert "nothing to reduce: stage 1 has data = 1 (one device holds each gradient; no communication)" in out
+
+
+def test_rank_0s_gradient_line_covers_every_stage():
+    from planc.runtime.main import gradient_summary
+    described = [(0, "planc program allreduce(slice=root, form=inside), bucketed"), (0, "other rank of stage 0"),
+                 (1, "none (no data-parallel peers)"), None, (2, "planc program allreduce(slice=root, form=inside), "
+                                                                "bucketed")]
+    assert gradient_summary(described) == ("planc program allreduce(slice=root, form=inside), bucketed (stages 0, 2); "
+                                           "none (no data-parallel peers) (stage 1)")
+    assert gradient_summary([None, None]) == "no stage trains"
+
+
+def test_launch_sh_says_how_to_get_deepspeed(tmp_path):
+    """launch.sh runs the deepspeed next to the Python that compiled the plan; without one there or on
+    PATH it says how to put it there (exit 2) instead of bash's 'command not found'."""
+    plan = project(tmp_path / "proj")
+    out = tmp_path / "out"
+    _compile(plan, out)
+    script = (out / "launch.sh").read_text()
+    assert f'BIN="{Path(sys.executable).parent}"' in script
+    (out / "launch.sh").write_text(re.sub(r'^BIN=".*"$', f'BIN="{tmp_path / "nothing"}"', script, flags=re.M))
+    r = subprocess.run(["bash", str(out / "launch.sh")], capture_output=True, text=True, timeout=60,
+                       env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)})
+    if shutil.which("deepspeed", path="/usr/bin:/bin"):
+        pytest.skip("a system-wide deepspeed is on /usr/bin")
+    assert r.returncode == 2, r.stderr
+    assert "'deepspeed' is neither next to the Python that compiled this plan" in r.stderr
+    assert "export PATH=/path/to/venv/bin:$PATH" in r.stderr
