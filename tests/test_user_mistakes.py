@@ -359,8 +359,8 @@ def test_rank_0s_gradient_line_covers_every_stage():
 
 
 def test_launch_sh_says_how_to_get_deepspeed(tmp_path):
-    """launch.sh runs the deepspeed next to the Python that compiled the plan; without one there or on
-    PATH it says how to put it there (exit 2) instead of bash's 'command not found'."""
+    """launch.sh runs the deepspeed on PATH, else the one next to the Python that compiled the plan; with
+    neither it says how to put one there (exit 2) instead of bash's 'command not found'."""
     plan = project(tmp_path / "proj")
     out = tmp_path / "out"
     _compile(plan, out)
@@ -374,3 +374,12 @@ def test_launch_sh_says_how_to_get_deepspeed(tmp_path):
     assert r.returncode == 2, r.stderr
     assert "'deepspeed' is neither next to the Python that compiled this plan" in r.stderr
     assert "export PATH=/path/to/venv/bin:$PATH" in r.stderr
+    # one next to the compiling Python, none on PATH: that one runs
+    fake = tmp_path / "venvbin"
+    fake.mkdir()
+    (fake / "deepspeed").write_text("#!/usr/bin/env bash\necho \"launcher $0\" >&2\nexit 7\n")
+    (fake / "deepspeed").chmod(0o755)
+    (out / "launch.sh").write_text(re.sub(r'^BIN=".*"$', f'BIN="{fake}"', script, flags=re.M))
+    r = subprocess.run(["bash", str(out / "launch.sh")], capture_output=True, text=True, timeout=60,
+                       env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "PYTHON": "false"})
+    assert r.returncode == 7 and f"launcher {fake}/deepspeed" in r.stderr, r.stderr
