@@ -383,3 +383,18 @@ def test_launch_sh_says_how_to_get_deepspeed(tmp_path):
     r = subprocess.run(["bash", str(out / "launch.sh")], capture_output=True, text=True, timeout=60,
                        env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "PYTHON": "false"})
     assert r.returncode == 7 and f"launcher {fake}/deepspeed" in r.stderr, r.stderr
+
+
+def test_the_start_up_check_names_the_layer_and_the_users_line(tmp_path):
+    """Compiled without the probe (so nothing ran the model), a last-stage layer that cannot take its input
+    stops every rank at the start-up check with the layer, its class and the user's file and line."""
+    plan = project(tmp_path / "proj", plan_edits=[("head_features = 16", "head_features = 8"),
+                                                  ("transfer h from", "transfer h : f32[4, 4, 16] from")])
+    out = tmp_path / "out"
+    assert main(["compile", "--no-probe", str(plan), "-o", str(out)]) == 0
+    r = launch_sh(out, "--steps", "1", timeout=240)
+    text = r.stdout + r.stderr
+    assert r.returncode != 0 and "Traceback" not in text, text[-3000:]
+    assert re.search(r"stage 1: its layers fail on the planned inputs \[\(4, 4, 16\)\]: layer 3 \(Head\): "
+                     r"conv1d\.py:20 in forward \(`return self\.fc\(x\.mean\(dim=1\)\)`\): RuntimeError: mat1 and "
+                     r"mat2 shapes cannot be multiplied", text), text[-3000:]

@@ -13,6 +13,7 @@ import contextlib
 import inspect
 import math
 import os
+import sys
 import traceback
 
 import torch
@@ -395,3 +396,11 @@ def non_finite_loss(step: int, value: float, rank: int, stage, checked) -> UserC
                                       "the data, the learning rate or the model diverged")
     error.same_on_every_rank = True   # gathered: rank 0 says it for everyone
     return error
+
+
+def layer_failure(e: BaseException, layers, first: int, roots=None) -> str:
+    """``layer L (Class): FILE:LINE in F (`source`): Type: message`` for an exception raised while ``layers``
+    (indices from ``first``) ran; ``roots`` default: the folder of the running program (OUT/ for train.py)."""
+    roots = roots if roots is not None else [os.path.dirname(os.path.abspath(sys.argv[0] or "."))]
+    layer = _layer_of(e, layers, first)
+    return (f"layer {layer[0]} ({layer[1]}): " if layer is not None else "") + describe(e, roots)
