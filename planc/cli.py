@@ -32,6 +32,12 @@ def _cmd_check(args) -> int:
     for f in args.files:
         try:
             program = load(f)
+            if not args.no_probe:   # all that compile runs but the writing (planc.checkcmd)
+                from planc.checkcmd import check_compiles
+                compiled = check_compiles(f)
+                if compiled.untrainable:
+                    errors.append(PlanError(list(compiled.untrainable), {str(f): Path(f).read_text()}))
+                    continue
         except PlanError as e:
             errors.append(e)
             continue
@@ -150,6 +156,12 @@ def _cmd_simulate(args) -> int:
         print(f"planc simulate: {src}: {e}", file=sys.stderr)
         return EXIT_USER
     pipe = plan["pipeline"]
+    if pipe.get("predicted") is not None and not pipe["predicted"].get("flops_given"):   # rows of bubble only
+        print(f"planc simulate: {src}: the cluster gives no device throughput, so no stage's compute can be "
+              "predicted (every schedule would be all bubble); add 'flops = 312 TFLOP/s' (your devices' rate) to "
+              "the plan's cluster block, or measure it: planc calibrate --on cluster OUT.yaml, then "
+              "cluster \"OUT.yaml\" (docs/calibrate.md), and compile again", file=sys.stderr)
+        return EXIT_USER
     shown = args.schedule or pipe["schedule"]
     rows, chart = [], None
     for name in ("gpipe", "1f1b", "eager_1f1b"):
@@ -324,9 +336,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--debug", action="store_true", help="show Python tracebacks for internal errors")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    c = sub.add_parser("check", help="parse and check plans, print a summary")
+    c = sub.add_parser("check", help="check plans as compile does (the model probe included), print a summary")
     c.add_argument("files", nargs="+", metavar="FILE")
     c.add_argument("--json", action="store_true", help="print the checked IR as JSON")
+    c.add_argument("--no-probe", action="store_true",
+                   help="check the plan text only: do not build the model, run the user's code or compile")
     _budget_argument(c)
     c.set_defaults(func=_cmd_check)
 

@@ -5,7 +5,8 @@
     OUT/plan.json  ds_config.json  train.py  launch.sh  hostfile  README.md
     OUT/planc_runtime/   (a copy of planc/runtime/)
     OUT/planc/plan/      (a copy of planc/plan/, the contract the runtime reads plan.json with)
-    OUT/<model file>.py  (the plan's model, loss and data code)
+    OUT/<model file>.py  (the plan's model, loss and data code, and the modules they import beside them:
+                          planc.outputfiles)
 
 The same inputs give byte-identical files: JSON with fixed key order and
 indentation, templates rendered with StrictUndefined, files copied in sorted
@@ -17,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 from importlib.metadata import version
 from pathlib import Path
 
@@ -24,7 +26,7 @@ import jinja2
 import yaml
 
 from planc import ir, resources
-from planc.probe import code_file
+from planc.outputfiles import output_code_files
 from planc.lang.errors import Diagnostic, PlanError, Span
 from planc import plan as planfile
 
@@ -117,21 +119,6 @@ def ds_config(plan: dict, program: ir.Program) -> dict:
     return cfg
 
 
-def _code_files(program: ir.Program) -> dict[str, Path]:
-    """Output name -> source path of every Python file the plan's code references."""
-    files: dict[str, Path] = {}
-    for what, ref in (("model", program.model), ("loss", program.loss), ("data", program.data)):
-        if ref is None:
-            continue
-        src = code_file(program, what, ref).resolve()
-        name = src.name
-        if name in files and files[name] != src:   # OUT/ holds the code files side by side, by name
-            raise PlanError([Diagnostic(f"two code files share the name {name!r}: {files[name]} and {src} "
-                                        "(the output folder holds them side by side; rename one)", ref.span)])
-        files[name] = src
-    return files
-
-
 def write_output(plan: dict, program: ir.Program, out_dir) -> Path:
     """Write OUT/; a folder that cannot be written is a user error naming it."""
     try:
@@ -147,7 +134,7 @@ def _write_output(plan: dict, program: ir.Program, out: Path) -> Path:
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(templates_dir())),
                              undefined=jinja2.StrictUndefined, keep_trailing_newline=True,
                              autoescape=False)
-    code = _code_files(program)
+    code = output_code_files(program)   # the named files and the modules they import beside them
     cluster = plan["cluster"]
     hosts = cluster["hosts"]
     host_level = cluster.get("host_level", "host")
@@ -166,6 +153,7 @@ def _write_output(plan: dict, program: ir.Program, out: Path) -> Path:
         "model_files": sorted(code),
         "backend": (plan.get("runtime") or {}).get("backend", "auto"),
         "ds_config_json": json.dumps(ds_config(plan, program), indent=2),
+        "compiler_bin": str(Path(sys.executable).parent),   # launch.sh looks for deepspeed here first
     }
     files = {
         "plan.json": planfile.dumps(planfile.Plan.from_json(plan)),   # the plan file's one writer
@@ -194,5 +182,6 @@ def _write_output(plan: dict, program: ir.Program, out: Path) -> Path:
     for src in sorted(resources.contract_dir().glob("*.py")):
         shutil.copyfile(src, contract / src.name)
     for name, src in sorted(code.items()):
+        (out / name).parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(src, out / name)
     return out

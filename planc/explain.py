@@ -282,6 +282,31 @@ def _owned_line(r: dict) -> list[str]:
     return out
 
 
+def _flat(mesh) -> list[int]:
+    return [d for m in mesh for d in _flat(m)] if isinstance(mesh, list) else [mesh]
+
+
+def idle_devices(stages: list[dict], devices: int) -> list[int]:
+    """The cluster's devices no stage's mesh holds (empty for a plan without stages)."""
+    if not stages:
+        return []
+    used = {d for s in stages for d in _flat(s["mesh"])}
+    return [d for d in range(devices) if d not in used]
+
+
+def idle_warning(idle: list[int], devices: int) -> str:
+    runs, start = [], None
+    for i, d in enumerate(idle):
+        if start is None:
+            start = d
+        if i + 1 == len(idle) or idle[i + 1] != d + 1:
+            runs.append(str(start) if start == d else f"{start}..{d + 1}")
+            start = None
+    return (f"warning: {len(idle)} of the cluster's {devices} devices are idle (device{'s' if len(idle) > 1 else ''} "
+            f"{', '.join(runs)}): no stage runs on them, yet a launch starts a rank on each; give them to a "
+            "stage (a larger data axis) or use a smaller cluster")
+
+
 def _reduction(r: dict, tty: bool) -> list:
     where = f" (stage {r['stage']})" if r["stage"] is not None else ""
     target = r.get("target", "allreduce")
@@ -293,7 +318,11 @@ def _reduction(r: dict, tty: bool) -> list:
            f"{r['groups']} group(s) of {r['group_size']}"]
     if r["hierarchy"]:
         out.append("  synthesis hierarchy: root > " + " > ".join(f"{h['name']}({h['factor']})" for h in r["hierarchy"]))
-    out.append(f"  program: {r['program']}")
+    if not r["program"] and r["group_size"] <= 1:   # each gradient is held by one device
+        out.append(f"  nothing to reduce: {'stage ' + str(r['stage']) if r['stage'] is not None else 'the plan'} "
+                   f"has {' x '.join(r['axes'])} = 1 (one device holds each gradient; no communication)")
+    else:
+        out.append(f"  program: {r['program'] or 'nothing to reduce'}")
     out.append(f"  predicted {_t(r['predicted'])}; flat {flat_name} {_t(flat)} ({speed}); "
                f"{r['candidates']} valid program(s) found")
     if target != "allreduce":
@@ -363,6 +392,9 @@ def explain_renderables(data: dict, tty: bool = False) -> list:
     if data["placement"]:
         out += [""] + _placement(data["placement"], tty)
     out += ["", "stages:", _stages(data["stages"], tty)]
+    idle = idle_devices(data["stages"], c["devices"])
+    if idle:
+        out.append(idle_warning(idle, c["devices"]))
     for r in data["reductions"]:
         out += [""] + _reduction(r, tty)
     if data["transfers"]:

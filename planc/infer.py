@@ -89,6 +89,12 @@ def _type(t: ir.Transfer, probe: ModelProbe | None, errs: list[Diagnostic]):
     if t.shape is not None:
         return t.dtype, t.shape
     span = _at(t.type_span, t.span)
+    if t.src_stage > t.dst_stage:   # nothing to measure: the model's activations flow to later stages only
+        errs.append(Diagnostic(f"transfer '{t.name}' goes from stage {t.src_stage} back to stage {t.dst_stage}: "
+                               "activations flow from a stage to later ones, so nothing is measured for it; "
+                               f"write 'transfer {t.name} from stage {t.dst_stage} to stage {t.src_stage}' (or declare "
+                               "its type for a communication-only plan)", t.span))
+        return None, None
     if probe is None:
         errs.append(Diagnostic(f"transfer '{t.name}' has no type and the model was not probed: declare it "
                                f"('transfer {t.name} : f32[...] from ...') or allow probing (drop --no-probe) "

@@ -418,6 +418,12 @@ class Train:
     recompute: Recompute = Recompute.NONE   # every stage's default; Stage.recompute overrides
     clip: float | None = None        # global gradient-norm bound (None: no clipping)
     schedule_span: Span = field(default=_NOSPAN, compare=False, repr=False)   # `schedule = ...` as written
+    # (setting, span of its value) as written: a setting that cannot be honoured is reported there
+    setting_spans: tuple[tuple[str, Span], ...] = field(default=(), compare=False, repr=False)
+
+    def span_of(self, setting: str, default: Span) -> Span:
+        """Where ``setting`` is written in the plan, else ``default``."""
+        return dict(self.setting_spans).get(setting, default)
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,7 +9,6 @@ import dataclasses
 import json
 import math
 import os
-import re
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -17,6 +16,7 @@ from pathlib import Path
 
 from planc import ir
 from planc.lang.errors import Diagnostic, PlanError
+from planc.usercheck import exercise_request, probe_failure
 
 PRECISION_BYTES = {ir.Precision.FP32: 4, ir.Precision.FP16: 2, ir.Precision.BF16: 2}
 PROBE_TIMEOUT_S = 300
@@ -197,6 +197,7 @@ def probe_request(program: ir.Program, flops: bool | None = None) -> dict:
         "tensor_degrees": sorted({k for _, k in stage_tensor if k > 1}),
         "tensor_stages": tensor_stages,
         "flops": wants_flops(program) if flops is None else bool(flops),
+        "exercise": exercise_request(program, chain),   # the user's code run as the runtime will
     }
 
 
@@ -238,15 +239,8 @@ def _run_probe(program: ir.Program, req: dict) -> dict:
     except subprocess.TimeoutExpired:
         raise PlanError(Diagnostic(f"building the model took longer than {PROBE_TIMEOUT_S} s "
                                    "(use --no-probe to skip sizing it)", model.span)) from None
-    if proc.returncode != 0:
-        last = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
-        tagged = re.match(r"probe\[(model|data|loss)\]: (.*)", last)   # the part that failed (runtime/probe.py)
-        part, why = tagged.groups() if tagged else ("model", last)
-        ref, doing = {"data": (program.data, "could not get a batch from"),
-                      "loss": (program.loss, "could not load the loss")}.get(part, (None, ""))
-        if ref is None:   # the model's part, or a plan without that line (the model file's defaults)
-            ref, doing = model, "could not build the model with"
-        raise PlanError(Diagnostic(f"{doing} {ref.path}:{ref.function}: {why}", ref.span))
+    if proc.returncode != 0:   # located at the plan line of the part that failed (planc.usercheck)
+        raise PlanError(probe_failure(program, proc.stderr))
     try:
         return json.loads(proc.stdout.strip().splitlines()[-1])
     except (ValueError, IndexError):

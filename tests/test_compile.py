@@ -348,7 +348,9 @@ def test_untrainable_plan_still_compiles_for_comm_only(tmp_path):
                        capture_output=True, text=True)
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert "training in fp16 is not yet supported by the planc runtime (fp32 only)" in r.stderr
-    assert f"{src}:5:3: error:" in r.stderr and "--comm-only" in r.stderr
+    row = next(i for i, l in enumerate(src.read_text().splitlines(), 1) if "precision = fp16" in l)
+    col = src.read_text().splitlines()[row - 1].index("fp16") + 1   # at the setting, not the model line
+    assert f"{src}:{row}:{col}: error:" in r.stderr and "--comm-only" in r.stderr
     plan = json.loads((tmp_path / "o" / "plan.json").read_text())      # written for communication-only use
     assert plan["train"]["trainable"] is False and (tmp_path / "o" / "train.py").is_file()
     # the same plan without a model is a communication-only plan and compiles

@@ -248,10 +248,20 @@ def test_missing_type_without_a_probe_is_located(tmp_path):
 
 
 def test_unmeasurable_transfer_says_why(tmp_path):
-    """Stage 1 hands the decoder only one of its three inputs: what it would send is never computed."""
+    """Stage 1 hands the decoder only one of its three inputs: what it would send is never computed. The
+    probe's exercise of the user's code (planc.runtime.usererrors) says so first, at stage 1's line; without
+    it, inference says why the transfer could not be measured."""
     stages = "  stage 0 : layers 0..2\n  stage 1 : layers 2..4\n  stage 2 : layers 4..6"
     transfers = "  transfer m from stage 0 to stage 1\n  transfer d from stage 1 to stage 2"
     p = plan(tmp_path, UNET, stages=stages, transfers=transfers)
+    with pytest.raises(PlanError) as e:
+        probe_model(p)
+    (d,) = e.value.diagnostics
+    assert d.message == ("stage 1 layer 3 (Dec2) takes (m, e2, e1) but gets 1 input(s) (f32[2, 8, 8]): missing a "
+                         "required argument: 'e2'; it gets layer 2's output (a tuple is spread), so a layer that "
+                         "takes skip inputs must start the stage its transfers arrive at"), d.message
+    assert d.span.line == 9
+    p = dataclasses.replace(p, loss=None)   # nothing to exercise: the measurement alone
     probe = probe_model(p)
     assert probe.measured("m").shape == (4, 8, 8) and probe.measured("d").shape is None
     with pytest.raises(PlanError) as e:

@@ -240,7 +240,13 @@ def test_planc_simulate_on_a_compiled_plan(tmp_path, unet, capsys):
     import json
     from planc.cli import main
     from planc.compile import compile_program
+    import dataclasses
     program, probe = unet
+    # without the cluster's flops there is no compute to draw: planc simulate says how to give it
+    (tmp_path / "plan.json").write_text(json.dumps(compile_program(program, probe).plan_json))
+    assert main(["simulate", str(tmp_path)]) == 2
+    assert "the cluster gives no device throughput" in capsys.readouterr().err
+    program = dataclasses.replace(program, cluster=dataclasses.replace(program.cluster, flops=2e9))
     plan = compile_program(program, probe).plan_json
     (tmp_path / "plan.json").write_text(json.dumps(plan))
     assert main(["simulate", str(tmp_path), "-o", str(tmp_path / "t.svg"), "--schedule", "1f1b"]) == 0

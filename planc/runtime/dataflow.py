@@ -128,9 +128,10 @@ def check_stage_shapes(plan: Plan, rank: int, layers, sample_x, device=None) -> 
     with torch.no_grad():
         try:
             _, tapped = apply_layers(layers, first, inputs, taps)
-        except Exception as e:  # noqa: BLE001 - reported with the stage
+        except Exception as e:  # noqa: BLE001 - reported with the stage, the layer and the user's line
+            from .usererrors import layer_failure
             return [f"stage {stage.index}: its layers fail on the planned inputs "
-                    f"{[tuple(i.shape) for i in inputs]}: {e}"]
+                    f"{[tuple(i.shape) for i in inputs]}: {layer_failure(e, layers, first)}"]
         finally:
             for b, v in saved:
                 b.copy_(v)

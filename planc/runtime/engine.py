@@ -103,7 +103,8 @@ class PlanPipelineModule(PipelineModule):
             raise EngineError(f"the stages cover layers {bounds[0]}..{bounds[-1]} but the model has "
                               f"{len(layers)} layers")
         object.__setattr__(self, "_plan_bounds", bounds)
-        super().__init__(layers=list(layers), topology=StageTopology(plan), loss_fn=loss_fn, partition_method="plan")
+        super().__init__(layers=list(layers), topology=StageTopology(plan), loss_fn=loss_fn, partition_method="plan",
+                         base_seed=plan.train.seed)   # the plan's seed (DeepSpeed prints it: BASE_SEED)
 
     def _partition_layers(self, method="plan"):
         """The plan's layer boundaries (PipelineModule.__init__ calls this)."""

@@ -36,6 +36,7 @@ from .tensor_parallel import context_from_plan, shard_info
 from .topology import create_groups
 from .trace import Tracer
 from .usercode import MissingFunction, accepts_tensor_parallel, build_layers, load_callable  # noqa: F401 (re-exported)
+from .usererrors import CheckedLoss, UserCodeError, non_finite_loss, user_step
 
 
 def load_function(out_dir: str, ref, what: str = "function"):
@@ -232,6 +233,20 @@ def _reduction_input(r, ex, n: int, rank: int, total):
     return x
 
 
+def gradient_summary(described: list) -> str:
+    """Every stage's gradient reduction in one line, from each rank's ``(stage, description)`` (None: idle),
+    the first rank of a stage speaking for it: ``DESCRIPTION (stages 0, 2); OTHER (stage 1)``."""
+    by_stage: dict[int, str] = {}
+    for d in described:
+        if d is not None:
+            by_stage.setdefault(d[0], d[1])
+    groups: dict[str, list[int]] = {}
+    for s in sorted(by_stage):
+        groups.setdefault(by_stage[s], []).append(s)
+    return "; ".join(f"{text} (stage{'s' if len(ss) > 1 else ''} {', '.join(map(str, ss))})"
+                     for text, ss in groups.items()) or "no stage trains"
+
+
 def plan_micro_batches(plan: Plan) -> int:
     return plan.pipeline.micro_batches if plan.pipeline is not None else 1
 
@@ -239,7 +254,7 @@ def plan_micro_batches(plan: Plan) -> int:
 # Failures the runtime plans for and words itself: one line per rank, exit 2, no traceback
 # (PLANC_DEBUG=1 shows it). Anything else is a bug and keeps its traceback.
 EXPECTED = (StartupError, GroupMissing, EngineError, PlanFileError, ReductionError, CheckpointError, OSError,
-            json.JSONDecodeError)
+            json.JSONDecodeError, UserCodeError)
 
 
 _WATCH: FailureWatch | None = None     # this rank's watch for other ranks' failures (failwatch.py)
@@ -328,6 +343,8 @@ def _main(argv=None, out_dir: str | None = None) -> int:
                                          for k, ref in (("model", t.model), ("loss", t.loss), ("data", t.data)))
         except EngineError as e:
             problems = [str(e)]
+        else:   # its calls counted and checked: a failure names the micro-batch (usererrors.CheckedLoss)
+            loss_fn = CheckedLoss(loss_fn, [out_dir], t.micro_batches)
         if not problems:
             tp = None
             if accepts_tensor_parallel(builder):
@@ -385,10 +402,12 @@ def _main(argv=None, out_dir: str | None = None) -> int:
         first = int(state["step"])
         if rank == 0:
             print(f"resumed from {resume_from} at step {first} (plan digest {digest[:16]}…)", flush=True)
+    described = [None] * dist.get_world_size()   # every stage's gradient reduction, for rank 0's summary
+    dist.all_gather_object(described, (stage.index, engine.reduce_description) if engine is not None else None)
     if rank == 0:
         if threads_line:
             print(threads_line, flush=True)
-        print(f"gradients: {engine.reduce_description if engine else 'rank 0 is idle'}", flush=True)
+        print(f"gradients: {gradient_summary(described)}", flush=True)
     device = engine.device if engine is not None else (
         torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu"))
     samples = plan.train.micro_batch * plan.train.micro_batches
@@ -399,13 +418,21 @@ def _main(argv=None, out_dir: str | None = None) -> int:
     for step in range(first, steps):
         t0 = time.perf_counter()
         t0_trace = tracer.now() if tracer is not None else 0.0
-        share = engine.train_batch() if engine is not None else 0.0   # idle ranks only add nothing
+        if engine is not None:   # a failure of the user's code: one line naming where (usererrors.user_step)
+            loss_fn.new_step()
+            with user_step(step, stage.index, layers[lo:hi], lo, [out_dir], data_drawn=lambda: data.drawn):
+                share = engine.train_batch()
+        else:
+            share = 0.0   # idle ranks only add nothing
         loss = torch.tensor([share], dtype=torch.float64, device=device)
         try:
             dist.all_reduce(loss)   # the loss devices' shares add up to the step's mean loss
         except RuntimeError as e:
             raise EngineError(f"rank {rank} failed in the step {step} loss all-reduce over every rank: "
                               f"{str(e).splitlines()[0]}") from e
+        if not torch.isfinite(loss).all():   # every rank sees it: they name the micro-batch together
+            raise non_finite_loss(step, float(loss), rank, stage.index if stage is not None else None,
+                                  loss_fn if engine is not None else None)
         elapsed = time.perf_counter() - t0
         if tracer is not None:
             tracer.complete(f"step {step}", t0_trace, tracer.now(), "main", step=step)

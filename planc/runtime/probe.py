@@ -69,12 +69,14 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import sys
 
 import torch
 
 from .tensor_parallel import TensorParallel
 from .usercode import MissingFunction, accepts_tensor_parallel, load_callable
+from .usererrors import UserCodeError, describe, draw_batches, exercise, layers_of
 
 DTYPE_NAMES = {torch.float64: "f64", torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16",
                torch.int64: "i64", torch.int32: "i32", torch.int16: "i16", torch.int8: "i8",
@@ -113,11 +115,11 @@ class StandInTensorParallel(TensorParallel):
         return t
 
 
-def _build(builder, args: dict, seed: int, tensor_parallel=None, opts_in: bool = False):
+def _build(builder, args: dict, seed: int, tensor_parallel=None, opts_in: bool = False, roots=()):
     torch.manual_seed(seed)
     if opts_in:
-        return list(builder(**args, tensor_parallel=tensor_parallel))
-    return list(builder(**args))
+        return layers_of(builder(**args, tensor_parallel=tensor_parallel), builder, roots)
+    return layers_of(builder(**args), builder, roots)
 
 
 def _layer_params(layers) -> list[int]:
@@ -329,42 +331,50 @@ def probe(model_file, function, args: dict, micro_batch: int, data=None, seed=0,
 class PartFailed(Exception):
     """The plan's ``model``, ``data`` or ``loss`` failed: the compiler points at that line of the plan."""
 
-    def __init__(self, part: str, cause: BaseException):
+    def __init__(self, part: str, cause: BaseException, roots=()):
         plain = isinstance(cause, (MissingFunction, FileNotFoundError))   # their message says it all
-        super().__init__(str(cause) if plain else f"{type(cause).__name__}: {cause}")
+        super().__init__(str(cause) if plain else describe(cause, roots))   # the user's file and line
         self.part = part
 
 
 @contextlib.contextmanager
-def _part(name: str):
+def _part(name: str, roots=()):
     try:
         yield
-    except PartFailed:
+    except (PartFailed, UserCodeError):
         raise
     except Exception as e:  # noqa: BLE001 - reported as the plan line's error
-        raise PartFailed(name, e) from e
+        raise PartFailed(name, e, roots) from e
 
 
 def _request(req: dict) -> dict:
     """planc.probe's form: one JSON request, the stage dataflow measured (see the module docstring)."""
     seed = int(req.get("seed", 0))
     args = dict(req.get("args", {}))
-    with _part("model"):
+    roots = sorted({os.path.dirname(os.path.abspath(req[k])) for k in ("model_file", "data_file", "loss_file")
+                    if req.get(k)})   # the user's code folders: their frames locate an error
+    with _part("model", roots):
         builder = _load(req["model_file"], req["function"])
     with _part("data"):
         data_fn = _load(req.get("data_file") or req["model_file"], req.get("data_function") or "batches")
+    loss_fn = None
     if req.get("loss_function"):   # loaded, not called: a typo in its name is found at compile time
-        with _part("loss"):
-            _load(req.get("loss_file") or req["model_file"], req["loss_function"])
+        with _part("loss", roots):
+            loss_fn = _load(req.get("loss_file") or req["model_file"], req["loss_function"])
     opts_in = accepts_tensor_parallel(builder)
-    with _part("model"):
-        layers = _build(builder, args, seed, None, opts_in)
-    with _part("data"):
-        x, _ = next(data_fn(int(req["micro_batch"]), seed, **args))
+    with _part("model", roots):
+        layers = _build(builder, args, seed, None, opts_in, roots)
+    ex = req.get("exercise")   # the user's code run as the runtime will (usererrors.exercise)
+    with _part("data", roots):
+        batches = draw_batches(data_fn, int(req["micro_batch"]), seed, args, int(ex["micro_batches"]) if ex else 1,
+                               roots)
+    x, y = batches[0]
     transfers = [dict(t) for t in req.get("transfers", [])]
     stages = _resolve(req.get("stages") or [None], len(layers))
     inputs_of: dict[int, tuple] = {}
     outputs, sent, errors = run_graph(layers, x, stages, transfers, inputs_of)
+    if ex and loss_fn is not None:
+        exercise(layers, loss_fn, stages, inputs_of, y, int(req["micro_batch"]), ex["rows"], roots)
     flops, flop_errors = (count_flops(layers, inputs_of, stages[0][0] if stages else None)
                           if req.get("flops") else (None, []))
 
@@ -412,7 +422,7 @@ def main(argv=None) -> int:
     if len(argv) == 1 and argv[0].lstrip().startswith("{"):
         try:
             out = _request(json.loads(argv[0]))
-        except PartFailed as e:   # the compiler reads the part from the tag
+        except (PartFailed, UserCodeError) as e:   # the compiler reads the part from the tag
             print(f"probe[{e.part}]: {e}", file=sys.stderr)
             return 2
         except Exception as e:  # noqa: BLE001

@@ -29,6 +29,9 @@ def load_callable(path: str, function: str, prefix: str = "planc_user_"):
         if spec is None:
             raise FileNotFoundError(f"{path} is not a Python file")
         mod = importlib.util.module_from_spec(spec)
+        folder = os.path.dirname(os.path.abspath(path))
+        if folder not in sys.path:   # as for a script: the modules beside it import (planc.outputfiles copies them)
+            sys.path.insert(0, folder)
         sys.modules[name] = mod
         try:
             spec.loader.exec_module(mod)

@@ -195,6 +195,7 @@ def check_train(errs: Diagnostics, block: ast.SettingsBlock | None, parallel: ir
         recompute=_enum_value(errs, s.get("recompute"), ir.Recompute, ir.Recompute.NONE),
         clip=check_clip(errs, s.get("clip")),
         schedule_span=s["schedule"].value.span if "schedule" in s else (block.span if block else ir.Train().schedule_span),
+        setting_spans=tuple((k, v.value.span) for k, v in sorted(s.items())),
     )
     if train.micro_batches > (most := int(budget.limit("micro_batches"))):
         errs.add(f"micro_batches {train.micro_batches} is too many (at most {most}, bound 'micro_batches')",
