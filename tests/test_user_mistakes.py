@@ -151,9 +151,8 @@ MISTAKES = [
      [r"conv1d\.py:24 in build \(`assert channels % 3 == 0", "AssertionError: channels must be a multiple of 3"]),
     ("syntax_error", [("    def forward(self, x):\n        return self.fc", "    def forward(self x):\n        return self.fc")],
      [], "model", [r"conv1d\.py:19:22 \(`def forward\(self x\):`\): SyntaxError"]),
-    ("missing_transfer", [], [("  transfer h from stage 0 to stage 1\n", "")], "stage 0",
-     ["stage 0 sends no activation to a later stage", "stage 1 receives no activation from an earlier stage; "
-      "declare 'transfer NAME from stage 0 to stage 1'"]),
+    # (a chain plan without its transfer line is no mistake: each stage's output goes to the next,
+    # tests/test_chain_default.py)
     ("bad_model_path", [], [('model "conv1d.py:build"', 'model "models/conv1d.py:build"')], "model",
      [r"model file 'models/conv1d\.py' not found"]),
 ]
@@ -163,7 +162,7 @@ MISTAKES = [
 def test_check_and_compile_refuse_the_mistake_at_its_line(tmp_path, capsys, name, model_edits, plan_edits, line,
                                                            needles):
     plan = project(tmp_path / "proj", model_edits, plan_edits)
-    check_err, compile_err = check_and_compile(plan, capsys, tmp_path / "out", untrainable=name == "missing_transfer")
+    check_err, compile_err = check_and_compile(plan, capsys, tmp_path / "out")
     at = f"{plan}:{_line_of(plan, line)}:"
     for err in (check_err, compile_err):
         first = err.splitlines()[0]
