@@ -2,7 +2,10 @@
 
 ``infer_transfers(program, probe) -> program`` is pure. In a plan with a model
 a transfer may omit its type (taken from the model probe, which ran the plan's
-stage dataflow on one whole micro-batch) and either sharding spec (derived from
+stage dataflow on one whole micro-batch). In a bf16 or fp16 plan every floating
+transfer, measured or declared (``f32[...]`` names the activation as the model
+builds it), is sent in the plan's precision: its dtype becomes bf16 or f16, since
+the stages run in it while the probe runs the model as built and either sharding spec (derived from
 the stage's mesh: the batch dimension, dim 0, split over the mesh axis named
 ``data`` when it has size > 1, replicated over every other mesh axis; every
 other tensor dimension replicated). That derived layout is what a stage of a
@@ -19,7 +22,7 @@ import dataclasses
 from planc import ir
 from planc.lang.check import spec_divide_error, spec_length_error
 from planc.lang.errors import Diagnostic, PlanError, Span
-from planc.probe import ModelProbe
+from planc.probe import ModelProbe, activation_dtype
 
 DATA_AXIS = ir.MeshAxis.DATA
 
@@ -84,9 +87,11 @@ def _spec_errors(t: ir.Transfer, side: str, spec: ir.ShardingSpec, shape, mesh: 
     return []
 
 
-def _type(t: ir.Transfer, probe: ModelProbe | None, errs: list[Diagnostic]):
-    if t.shape is not None:
-        return t.dtype, t.shape
+
+
+def _type(t: ir.Transfer, probe: ModelProbe | None, errs: list[Diagnostic], precision=ir.Precision.FP32):
+    if t.shape is not None:   # a declared floating type is the activation's, sent in the plan's precision
+        return activation_dtype(t.dtype, precision), t.shape
     span = _at(t.type_span, t.span)
     if probe is None:
         errs.append(Diagnostic(f"transfer '{t.name}' has no type and the model was not probed: declare it "
@@ -103,7 +108,8 @@ def _type(t: ir.Transfer, probe: ModelProbe | None, errs: list[Diagnostic]):
         errs.append(Diagnostic(f"transfer '{t.name}': stage {t.src_stage} produces a tensor of dtype {m.dtype}, "
                                f"which planc cannot send (dtypes: {', '.join(ir.DTYPE_BYTES)})", span))
         return None, None
-    return m.dtype, tuple(m.shape)
+    # the probe runs the model as built (fp32); the stage runs in the plan's precision
+    return activation_dtype(m.dtype, precision), tuple(m.shape)
 
 
 def infer_transfers(program: ir.Program, probe: ModelProbe | None) -> ir.Program:
@@ -113,7 +119,7 @@ def infer_transfers(program: ir.Program, probe: ModelProbe | None) -> ir.Program
     errs: list[Diagnostic] = []
     out = []
     for t in program.transfers:
-        dtype, shape = _type(t, probe, errs)
+        dtype, shape = _type(t, probe, errs, program.train.precision)
         if shape is None:
             continue
         specs = {}
