@@ -33,7 +33,7 @@ def assemble(decisions, ctx) -> planfile.Plan:
     reductions, (transfers, backward), pipeline = decisions
     program, stages, training = ctx.program, ctx.placement.stages, ctx.training
     cluster = program.cluster
-    reds = tuple(r.record(_reduction_of(program, r.name).mode, program.synthesis.collectives) for r in reductions)
+    reds = tuple(r.record(r.mode, program.synthesis.collectives) for r in reductions)   # each plan knows its mode
     tensor_groups = _tensor_groups(stages) if training else ()
     train = train_record(program, ctx.probe, stages, ctx.untrainable) if training else None
     groups = _ordered_groups(*[[g for st in r.steps for g in st.groups] for r in reds],
@@ -73,6 +73,8 @@ def cluster_record(c: ir.Cluster) -> planfile.Cluster:
                   if getattr(c, key, None) is not None)   # when given (the last two: cluster files)
     if getattr(c, "cores", None) is not None:   # cluster { cores = N per LEVEL|cluster }: cores_level None = cluster
         extra += (("cores", c.cores), ("cores_level", c.cores_level))
+    if c.flops_by_precision:   # cluster { flops bf16 = ... }: {precision: FLOP/s}, where given per precision
+        extra += (("flops_by_precision", dict(c.flops_by_precision)),)
     return planfile.Cluster(levels, c.host_level, c.devices, tuple(tuple(h) for h in c.hosts()), extra)
 
 
@@ -82,12 +84,6 @@ def train_record(program: ir.Program, probe: ModelProbe | None, stages, untraina
     probe's per-layer parameter counts in ``extra``."""
     t = program.train
     m, lf, d = program.model, program.loss, program.data
-    opt = dict(t.optimizer.params)
-    if "beta1" in opt or "beta2" in opt:    # the language's adam(beta1, beta2) is torch's betas pair
-        opt["betas"] = (opt.pop("beta1", 0.9), opt.pop("beta2", 0.999))
-    sched = t.lr_schedule
-    if sched.name != "constant" and sched.total == 0:
-        sched = planfile.LrSchedule(sched.name, sched.warmup, t.steps, sched.min_ratio)
     by_index = sorted(program.stages, key=lambda s: s.index)
     recompute = tuple(s.recompute if s.recompute is not None else t.recompute is ir.Recompute.FULL
                       for s in by_index)
@@ -98,11 +94,11 @@ def train_record(program: ir.Program, probe: ModelProbe | None, stages, untraina
         planfile.CodeRef(Path(m.path).name, m.function, tuple(dict(m.args).items())),
         planfile.CodeRef(Path(lf.path).name, lf.function), planfile.CodeRef(Path(d.path).name, d.function),
         t.micro_batch, t.micro_batches, t.steps, planfile.Schedule(str(t.schedule)),
-        planfile.Optimizer.make(t.optimizer.name, t.optimizer.lr, **opt),
+        planfile.Optimizer.make(t.optimizer.name, t.optimizer.lr, **dict(t.optimizer.params)),   # defaults filled in
         planfile.Precision(str(t.precision)), t.seed, not untrainable, tuple(diag.message for diag in untrainable),
         loss_devices(max(stages, key=lambda s: s.index)), getattr(t, "timeout", None), getattr(t, "save_every", None),
         (("layer_params", list(probe.layer_params) if probe else None),),
-        sched, t.zero, recompute, t.clip,
+        t.lr_schedule, t.zero, recompute, t.clip,
         planfile.LossScale() if fp16 else None, norm_group)
 
 
@@ -124,6 +120,3 @@ def _tensor_groups(stages) -> tuple[tuple[int, ...], ...]:
         return ()
     return tuple(tuple(g) for g in stage_reduction_groups(stages, (TENSOR_AXIS,)) if len(g) > 1)
 
-
-def _reduction_of(program: ir.Program, name: str) -> ir.Reduction:
-    return next(r for r in program.reductions if r.name == name)

@@ -5,7 +5,7 @@ micro-batches, program sizes) checks that construct against a bound *before* doi
 the work, and stops with a located :class:`~planc.lang.errors.PlanError` that names
 the bound and how to raise it::
 
-    plan.plan:1:1: error: the cluster has 1048576 devices, over the budget of 4096 (bound 'devices')
+    plan.plan:1:1: error: the cluster has 1048576 devices, over the budget of 65536 (bound 'devices')
       hint: raise it with --budget devices=1048576 (planc compile/check/explain); see docs/limits.md
 
 A :class:`Budget` is a set of bounds; ``--budget devices=2000000,tasks=200000`` on
@@ -42,8 +42,8 @@ class Bound:
 
 
 BOUNDS: dict[str, Bound] = {b.name: b for b in (
-    Bound("devices", 4096, "devices",
-          "every pass lists devices; the launch simulation (deadlock check) grows with their square"),
+    Bound("devices", 65_536, "devices",
+          "every pass lists devices (linear in them: placement, routes, the launch check over classes of ranks)"),
     Bound("levels", 64, "levels", "placement matrices and synthesis hierarchies grow with the cluster's depth"),
     Bound("tasks", 10_000, "unit tasks",
           "the unit tasks of the transfers leaving one stage are costed, scheduled together and written out"),
@@ -159,7 +159,7 @@ def exceeded(name: str, value: float, subject: str, span: Span) -> Diagnostic | 
     """The diagnostic for ``value`` over bound ``name`` of the current budget, or None when within.
 
     ``subject`` says what has the value, e.g. ``"the cluster has"``: the message reads
-    "the cluster has 1048576 devices, over the budget of 4096 (bound 'devices')".
+    "the cluster has 1048576 devices, over the budget of 65536 (bound 'devices')".
     """
     bound, limit = BOUNDS[name], current()[name]
     if value <= limit:

@@ -54,17 +54,23 @@ def _cmd_compile(args) -> int:
     from planc.codegen import write_output
     from planc import ui
 
+    import contextlib
+    from planc.profile import Profile
+
     src = Path(args.plan)
+    profile = Profile() if args.profile else None
     with ui.status(f"planc compile {src.name}") as progress:   # a spinner on a terminal only
         compiled = compile_file(src, probe=not args.no_probe, verify=not args.no_verify,
-                                progress=progress)
+                                progress=progress, cache=not args.no_cache, profile=profile)
     out = Path(args.output) if args.output else Path("build") / compiled.program.name
-    write_output(compiled.plan_json, compiled.program, out)
-    from planc import ui
+    with profile.section("write output") if profile else contextlib.nullcontext():
+        write_output(compiled.plan_json, compiled.program, out)
     from planc.explain import compile_summary
 
     print(f"wrote {out}/ ({compiled.describe()})", flush=True)
     ui.emit(compile_summary(compiled.plan_json, tty=ui.is_tty()))
+    if profile is not None:
+        ui.emit(["", profile.table()])
     if compiled.untrainable:
         print(PlanError(list(compiled.untrainable), {str(src): src.read_text()}).render(), file=sys.stderr)
         print(f"planc: this plan cannot train yet; {out}/ runs its communication only: "
@@ -89,7 +95,8 @@ def _cmd_explain(args) -> int:
             print(f"planc explain --draw: {e}", file=sys.stderr)
             return EXIT_USER
     with ui.status(f"planc explain {Path(args.plan).name}") as progress:   # a spinner on a terminal only
-        compiled = compile_file(Path(args.plan), probe=not args.no_probe, progress=progress)
+        compiled = compile_file(Path(args.plan), probe=not args.no_probe, progress=progress,
+                                cache=not args.no_cache)
     plan = compiled.plan_json
     if args.as_:
         from planc.explain_as import ExplainAsError, explain_as_data, explain_as_renderables
@@ -332,12 +339,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="skip checking every pass's output with an independent checker (on by default: it names "
                         "the pass whose output failed)")
     c.add_argument("--verify", action="store_true", help=argparse.SUPPRESS)   # the default now; kept for old scripts
+    c.add_argument("--no-cache", action="store_true",
+                   help="probe the model even when ~/.cache/planc/probe/ holds its answer (docs/limits.md)")
+    c.add_argument("--profile", action="store_true",
+                   help="after compiling, print each pass's seconds and peak memory")
     _budget_argument(c)
     c.set_defaults(func=_cmd_compile)
 
     c = sub.add_parser("explain", help="show the placement, reduction programs and transfers planc chose, and why")
     c.add_argument("plan")
     c.add_argument("--no-probe", action="store_true")
+    c.add_argument("--no-cache", action="store_true", help="probe the model even when its answer is cached")
     _budget_argument(c)
     c.add_argument("--json", action="store_true", help="print the same content as JSON (seconds, bytes)")
     c.add_argument("--as", dest="as_", choices=["megatron", "deepspeed", "torch"],

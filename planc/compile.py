@@ -17,6 +17,7 @@ the model really produces against what the plan declares.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from dataclasses import dataclass
@@ -26,14 +27,17 @@ from planc import budget, ir
 from planc.assemble import assemble
 from planc.lang import load
 from planc.lang.errors import Diagnostic, PlanError
-from planc.pipeline.choose import choose_by_prediction, choose_schedule, predicted_record, simulate_schedules
-from planc.pipeline.cut import apply_auto_stages
+from planc.pipeline.choose import (check_pinned, choose_by_prediction, choose_schedule, predicted_record,
+                                   simulate_schedules)
+from planc.pipeline.cut import apply_auto_stages, more_stages_fit
+from planc.pipeline.memory import saved, stage_memory
+from planc.pipeline.schedules import peak_in_flight
 from planc.pipeline.deadlock import check_rendezvous
 from planc.pipeline.schedules import PipelinePlan, build as build_pipeline
 from planc.pipeline.siminput import compiled_input
 from planc.placement import Placement, place
-from planc.infer import infer_transfers
-from planc.probe import (ModelProbe, check_against_model, check_model_reductions, probe_model,
+from planc.infer import chain_transfers, infer_transfers
+from planc.probe import (ModelProbe, check_against_model, check_model_reductions, probe_for_cut, probe_model,
                          tensor_traffic_by_stage)
 from planc.reduction import plan_reductions
 from planc.resharding import plan_routes
@@ -78,6 +82,7 @@ class Context:
     untrainable: tuple[Diagnostic, ...] = ()
     choices: tuple = ()     # (what, why) of decisions made for `auto` (stage cut, schedule)
     progress: object = None  # progress(text) before each pass (planc compile's spinner on a terminal)
+    profile: object = None   # a planc.profile.Profile: each pass's time and memory (planc compile --profile)
 
     @property
     def training(self) -> bool:
@@ -86,11 +91,12 @@ class Context:
 
 @budget.accepts   # budget=...: the resource bounds (planc.budget) every pass checks
 def compile_program(program: ir.Program, probe: ModelProbe | None = None, verify: bool = True,
-                    stages_reason: str | None = None, progress=None) -> CompiledPlan:
+                    stages_reason: str | None = None, progress=None, profile=None) -> CompiledPlan:
     """The passes in order, each ``(input, ctx) -> record``; with ``verify`` each output is checked
     by an independent checker before the next pass runs (``planc.verify``). ``progress(text)``, if
     given, is told what runs next (``PASS_TEXT``); it does not change the result."""
-    ctx = Context(program, probe, verify, progress=progress)
+    program = chain_transfers(program)   # no transfer line: each stage's output to the next (the probe's too)
+    ctx = Context(program, probe, verify, progress=progress, profile=profile)
     program = _run("infer", infer_pass, program, ctx)
     ctx = dataclasses.replace(ctx, program=program)
     placement = _run("place", place_pass, program, ctx)
@@ -113,7 +119,8 @@ def launchable(program: ir.Program, ctx: Context, reductions, routes) -> tuple[i
     for cand in schedule_candidates(program, ctx, reductions, routes):
         cctx = dataclasses.replace(ctx, program=cand.program, choices=ctx.choices + rejected + cand.choices)
         plan = _run("assemble", assemble, (reductions, routes, cand.pipeline), cctx)
-        hangs = launch_check(plan, cctx)
+        with _section(ctx, "launch check"):
+            hangs = launch_check(plan, cctx)
         if not hangs:
             return cand.program, cctx, plan
         if cand.pipeline is None or not cand.pipeline.nic_order:
@@ -140,12 +147,18 @@ PASS_TEXT = {"probe": "probing the model", "infer": "inferring transfers", "plac
              "simulate": "simulating schedules", "pipeline": "building the pipeline", "assemble": "assembling plan.json"}
 
 
+def _section(ctx: Context, name: str, child: bool = False):
+    return ctx.profile.section(name, child) if ctx.profile is not None else contextlib.nullcontext()
+
+
 def _run(name: str, fn, value, ctx: Context):
     if ctx.progress is not None:
         ctx.progress(PASS_TEXT[name])
-    out = fn(value, ctx)
+    with _section(ctx, name):
+        out = fn(value, ctx)
     if ctx.verify:
-        verify(name, out, ctx)
+        with _section(ctx, f"verify {name}"):
+            verify(name, out, ctx)
     return out
 
 
@@ -159,7 +172,8 @@ def infer_pass(program: ir.Program, ctx: Context) -> ir.Program:
 
 
 def _param_bytes(program: ir.Program, ctx: Context):
-    return ctx.probe.stage_param_bytes(program.stages, program.train.precision) if ctx.probe else None
+    """Per stage, one device's gradient bytes: fp32, whatever the precision (the runtime reduces in fp32)."""
+    return ctx.probe.stage_param_bytes(program.stages, ir.Precision.FP32) if ctx.probe else None
 
 
 def place_pass(program: ir.Program, ctx: Context) -> Placement:
@@ -193,13 +207,17 @@ def schedule_candidates(program: ir.Program, ctx: Context, reductions, routes):
     simulation predicts fastest with the host NIC order it kept, then, when it kept one, the schedule
     chosen again by the simulation without any order (``schedule = auto`` is decided anew)."""
     for nic in (True, False):
-        runs = _simulated(program, ctx, reductions, routes, nic)   # every schedule's predicted iteration
+        with _section(ctx, "simulate"):
+            runs = _simulated(program, ctx, reductions, routes, nic)   # every schedule's predicted iteration
         chosen, choices = program, ()
+        more = more_stages_fit(program, ctx.probe)   # what `stages = auto(N)` with more stages would need
+        if ctx.training and program.train.schedule is not ir.PipeSchedule.AUTO:
+            check_pinned(program, ctx.placement.stages, ctx.probe, more)
         if ctx.training and program.train.schedule is ir.PipeSchedule.AUTO:   # the best that fits the memory
             if runs is not None:
-                schedule, why = choose_by_prediction(program, ctx.placement.stages, ctx.probe, runs[0])
+                schedule, why = choose_by_prediction(program, ctx.placement.stages, ctx.probe, runs[0], more)
             else:
-                schedule, why = choose_schedule(program, ctx.placement.stages, ctx.probe)
+                schedule, why = choose_schedule(program, ctx.placement.stages, ctx.probe, more)
             chosen = dataclasses.replace(program, train=dataclasses.replace(program.train, schedule=schedule))
             choices = (("schedule", why),)
         cctx = dataclasses.replace(ctx, program=chosen, choices=ctx.choices + choices)
@@ -226,13 +244,20 @@ def pipeline_pass(value, ctx: Context):
     if not ctx.training:
         return None
     edges = None if ctx.untrainable else tuple((t.src_stage, t.dst_stage) for t in program.transfers)
-    plan = build_pipeline(program.train.schedule, len(ctx.placement.stages), program.train.micro_batches, edges)
+    S, B = len(ctx.placement.stages), program.train.micro_batches
+    plan = build_pipeline(program.train.schedule, S, B, edges)
+    if ctx.probe is not None:   # the memory model's bytes per device by part (docs/memory.md)
+        memory = stage_memory(program, ctx.placement.stages, ctx.probe)
+        flights = [peak_in_flight(program.train.schedule, S, k, B) for k in range(S)]
+        plan = dataclasses.replace(plan, memory=tuple(
+            dict(m.parts(f), **({"saved": saved(m, f)} if saved(m, f) else {})) for m, f in zip(memory, flights)))
     if runs is None:
         return plan
     runs, sim, rate = runs
     prediction = runs[program.train.schedule][1]
+    given = program.cluster.flops_for(program.train.precision) is not None
     return dataclasses.replace(plan, predicted_iteration=prediction.iteration, predicted=predicted_record(
-        sim, prediction, rate, program.cluster.flops is not None, runs), nic_order=prediction.nic_order)
+        sim, prediction, rate, given, runs), nic_order=prediction.nic_order)
 
 
 def launch_check(plan: planfile.Plan, ctx: Context) -> list:
@@ -263,29 +288,53 @@ def _plan_span(program: ir.Program):
 
 @budget.accepts   # budget=...: the resource bounds (planc.budget), from load on
 def compile_file(path: str | Path, probe: bool = True, timings: bool = False, verify: bool = True,
-                 progress=None) -> CompiledPlan:
+                 progress=None, cache=None, profile=None) -> CompiledPlan:
     """Load, probe and compile one plan file. ``verify`` (on unless ``planc compile --no-verify``)
     checks every pass's output independently. ``progress(text)``: told what runs
-    next (the CLI's spinner on a terminal; see ``compile_program``)."""
+    next (the CLI's spinner on a terminal; see ``compile_program``). ``cache``: where the model probe's
+    answers are kept across compiles (``planc.probe_cache``: a ``ProbeCache``, a folder, True for
+    ``~/.cache/planc/probe/``; None: probe every time). ``profile``: a ``planc.profile.Profile`` that
+    records each pass's seconds and memory. The model is probed once: a plan whose stages are cut
+    (``stages = auto(N)``) gets the cut's probe from the chain probe (``planc.probe.probe_for_cut``)
+    and probes again only when the cut's dataflow is not the chain."""
     say = progress or (lambda text: None)
+    cache = _cache(cache)
+    ctx = Context(None, profile=profile)
     t0 = time.perf_counter()
-    program = load(path)
+    with _section(ctx, "load"):
+        program = chain_transfers(load(path))   # no transfer line: the chain, which the probe measures
     try:
+        model_probe = None
         if probe and program.model is not None:
             say(PASS_TEXT["probe"])
-        model_probe = probe_model(program) if (probe and program.model is not None) else None
+            with _section(ctx, "probe", child=True):
+                model_probe = probe_model(program, cache=cache)
         stages_reason = None
-        if program.auto_stages:   # stages = auto(N): cut the layers first, then probe the cut's real dataflow
-            program, stages_reason = apply_auto_stages(program, model_probe)
-            say(PASS_TEXT["probe"] + " (the cut's dataflow)")
-            model_probe = probe_model(program)
+        if program.auto_stages:   # stages = auto(N): cut the layers, then the cut's dataflow from the same probe
+            with _section(ctx, "cut"):
+                program, stages_reason = apply_auto_stages(program, model_probe)
+                cut_probe = probe_for_cut(model_probe, program)
+            if cut_probe is None:   # not a chain (skips, layers past LAYER_TRAFFIC): probe the cut program
+                say(PASS_TEXT["probe"] + " (the cut's dataflow)")
+                with _section(ctx, "probe (the cut)", child=True):
+                    cut_probe = probe_model(program, cache=cache)
+            model_probe = cut_probe
         compiled = compile_program(program, model_probe, verify=verify, stages_reason=stages_reason,
-                                   progress=progress)
+                                   progress=progress, profile=profile)
     except PlanError as e:   # errors found by the passes point into the plan: show its lines too
         raise e.with_source(program.source_path, Path(path).read_text()) from None
     if timings:
         compiled.plan_json["compiler"]["seconds"] = round(time.perf_counter() - t0, 3)
     return compiled
+
+
+def _cache(cache):
+    if cache is None or cache is False:
+        return None
+    from planc.probe_cache import ProbeCache
+    if isinstance(cache, ProbeCache):
+        return cache
+    return ProbeCache(None if cache is True else cache)
 
 
 def dump_plan(plan: dict) -> str:

@@ -4,7 +4,9 @@
 bytes, deterministic key order); ``planc explain --json`` prints it and ``explain_renderables``
 lays it out as rich tables that fit 80 columns: the placement matrix and the ranking of the
 matrices, each stage's mesh, per reduction (per stage for explicit-stage gradients) the program
-against flat allreduce with its steps and alternatives, per transfer its strategy, unit tasks
+against the flat collective of its target (allreduce; with zero = 1 the gradients' reduce_scatter and
+the parameters' all_gather, who owns which piece, and the pair against the flat pair) with its steps
+and alternatives, per transfer its strategy, unit tasks
 and schedule and, when plan.json has ``regions``, each device's host and its region (half-open
 ``a:b`` per dim) on the source and destination meshes, then the pipeline's instruction lists.
 Older plan.json files without ``regions`` are rendered without that table.
@@ -125,8 +127,9 @@ def explain_data(plan: dict) -> dict:
 
     data["reductions"] = []
     for r in plan["reductions"]:
-        prog, flat = r["program"]["predicted"], r["allreduce_predicted"]
-        data["reductions"].append({
+        target = r.get("target", "allreduce")
+        prog, flat = r["program"]["predicted"], r["allreduce_predicted" if target == "allreduce" else "flat_predicted"]
+        entry = {
             "name": r["name"], "axes": list(r["axes"]), "stage": r.get("stage"), "bytes": r["bytes"],
             "groups": len(r["groups"]), "group_size": len(r["groups"][0]) if r["groups"] else 0,
             "hierarchy": [{"name": h["name"], "factor": h["factor"]} for h in r.get("hierarchy") or ()],
@@ -136,7 +139,14 @@ def explain_data(plan: dict) -> dict:
                        "in_host": in_host(s["groups"])} for s in r["program"]["steps"]],
             "alternatives": [{"predicted": a["predicted"], "text": a["text"]} for a in r["alternatives"]],
             "in_host_through": (plan.get("runtime") or {}).get("in_host", "shared_memory"),
-        })
+        }
+        if target != "allreduce":   # ZeRO-1: who owns which piece, the flat collective of the target
+            entry = {k: v for k, v in entry.items() if k != "allreduce_predicted"}
+            entry.update(target=target, flat_predicted=flat, unit=r["program"].get("unit", 1),
+                         owned=[[{"device": d, "piece": list(p)} for d, p in zip(g, row)]
+                                for g, row in zip(r["groups"], r.get("owned") or ())])
+        data["reductions"].append(entry)
+    _zero_pairs(data["reductions"])
     by_src: dict[int, list[str]] = {}
     for t in plan["transfers"]:
         by_src.setdefault(t["src"]["stage"], []).append(t["name"])
@@ -146,9 +156,53 @@ def explain_data(plan: dict) -> dict:
     data["pipeline"] = None if not pipe else {
         "schedule": pipe["schedule"], "micro_batches": pipe["micro_batches"],
         "predicted_iteration": pipe.get("predicted_iteration"), "per_stage": [list(ops) for ops in pipe["per_stage"]],
-        "nic_order": _nic_data(pipe)}
+        "nic_order": _nic_data(pipe), "memory": _memory_data(plan)}
     data["choices"] = dict(plan.get("choices") or {})       # what `auto` became, and why
     return data
+
+
+def _memory_data(plan: dict) -> dict | None:
+    """Each stage's bytes per device by part (docs/memory.md), what zero and recompute saved, the limit."""
+    stages = (plan.get("pipeline") or {}).get("stages") or ()
+    if not any(st.get("memory") for st in stages):
+        return None
+    train = plan.get("train") or {}
+    rc = train.get("recompute") or []
+    return {"limit": plan["cluster"].get("memory"), "zero": train.get("zero", 0), "precision": train.get("precision"),
+            "stages": [{"stage": st["stage"], **dict(st["memory"] or {}), "saved": dict(st.get("memory_saved") or {}),
+                        "recompute": bool(rc[st["stage"]]) if st["stage"] < len(rc) else False} for st in stages]}
+
+
+def _memory_lines(mem: dict, tty: bool) -> list:
+    limit = f"limit {_bytes(mem['limit'])} per device" if mem["limit"] else "no limit given (cluster memory = ...)"
+    out = [f"memory per device by stage (its largest device; {mem['precision']}, zero = {mem['zero']}; {limit}; "
+           "docs/memory.md):"]
+    rows, notes = [], []
+    for st in mem["stages"]:
+        over = " (over)" if mem["limit"] and st.get("total", 0) > mem["limit"] else ""
+        rows.append([st["stage"], _bytes(st["parameters"]), _bytes(st["gradients"]), _bytes(st["optimizer"]),
+                     _bytes(st["activations"]) + (" (rc)" if st["recompute"] else ""), _bytes(st["total"]) + over])
+        saved = st["saved"]
+        if saved:
+            what = [f"zero = 1 saved {_bytes(saved['zero'])} of optimizer state"] if "zero" in saved else []
+            what += [f"recompute saved {_bytes(saved['recompute'])} of activations"] if "recompute" in saved else []
+            notes.append(f"  stage {st['stage']}: " + "; ".join(what))
+    out.append(ui.table([Col("stage", "right"), Col("parameters", "right"), Col("gradients", "right"),
+                         Col("optimizer", "right"), Col("activations", "right"), Col("total", "right")], rows, tty=tty))
+    return out + notes + (["  (rc: the stage recomputes; it keeps only its inputs per micro-batch in flight)"]
+                          if any(st["recompute"] for st in mem["stages"]) else [])
+
+
+def _zero_pairs(reductions: list[dict]) -> None:
+    """ZeRO-1: each all-gather gets ``pair``, the two programs' predictions together against the flat pair's."""
+    scatters = {(r["stage"], r["name"]): r for r in reductions if r.get("target") == "reduce_scatter"}
+    for r in reductions:
+        if r.get("target") != "all_gather":
+            continue
+        rs = next((x for (stage, _), x in scatters.items() if stage == r["stage"] and x["owned"] == r["owned"]), None)
+        if rs is not None:
+            r["pair"] = {"with": rs["name"], "predicted": rs["predicted"] + r["predicted"],
+                         "flat_predicted": rs["flat_predicted"] + r["flat_predicted"]}
 
 
 def _nic_data(pipe: dict) -> dict | None:
@@ -205,16 +259,50 @@ def _stages(stages: list[dict], tty: bool):
                       str(s["mesh"]), ", ".join(s["mesh_axes"])] for s in stages], tty=tty)
 
 
+_VERB = {"allreduce": "reduce", "reduce_scatter": "reduce-scatter", "all_gather": "all-gather"}
+
+
+def _owned_line(r: dict) -> list[str]:
+    """Who owns which piece: the first group, then each other group unless it follows the same pattern."""
+    if not r["owned"]:
+        return []
+
+    def pieces(group):
+        return ", ".join(f"[{m['piece'][0]}, {m['piece'][1]}) device {m['device']}"
+                         for m in sorted(group, key=lambda m: m["piece"]))
+
+    what = "after the reduce-scatter" if r["target"] == "reduce_scatter" else "where the all-gather starts"
+    out = [f"  pieces {what} (in 1/{r['unit']} of the buffer): {pieces(r['owned'][0])}"]
+    pattern = [m["piece"] for m in r["owned"][0]]
+    others = r["owned"][1:]
+    if others and all([m["piece"] for m in g] == pattern for g in others):
+        out.append(f"  each of the other {len(others)} group(s) likewise, member by member")
+    else:
+        out += [f"  and {pieces(g)}" for g in others]
+    return out
+
+
 def _reduction(r: dict, tty: bool) -> list:
     where = f" (stage {r['stage']})" if r["stage"] is not None else ""
-    speed = f"{r['speedup']:.2f}x vs flat allreduce" if r["speedup"] is not None else "no data to move"
-    out = [f"reduce {r['name']} over {', '.join(r['axes'])}{where}: {_bytes(r['bytes'])} per group, "
+    target = r.get("target", "allreduce")
+    flat_name = "allreduce" if target == "allreduce" else target
+    flat = r["allreduce_predicted"] if target == "allreduce" else r["flat_predicted"]
+    speed = f"{r['speedup']:.2f}x vs flat {flat_name}" if r["speedup"] is not None else "no data to move"
+    zero = "" if target == "allreduce" else " (zero = 1)"
+    out = [f"{_VERB[target]} {r['name']} over {', '.join(r['axes'])}{where}{zero}: {_bytes(r['bytes'])} per group, "
            f"{r['groups']} group(s) of {r['group_size']}"]
     if r["hierarchy"]:
         out.append("  synthesis hierarchy: root > " + " > ".join(f"{h['name']}({h['factor']})" for h in r["hierarchy"]))
     out.append(f"  program: {r['program']}")
-    out.append(f"  predicted {_t(r['predicted'])}; flat allreduce {_t(r['allreduce_predicted'])} ({speed}); "
+    out.append(f"  predicted {_t(r['predicted'])}; flat {flat_name} {_t(flat)} ({speed}); "
                f"{r['candidates']} valid program(s) found")
+    if target != "allreduce":
+        out += _owned_line(r)
+    if r.get("pair"):
+        p = r["pair"]
+        ratio = f"{p['flat_predicted'] / p['predicted']:.2f}x" if p["predicted"] else "no data to move"
+        out.append(f"  with the {p['with']}' reduce-scatter: {_t(p['predicted'])} against the flat "
+                   f"reduce_scatter + all_gather {_t(p['flat_predicted'])} ({ratio})")
     if r["steps"]:
         out.append(ui.table([Col("step", "right"), Col("collective"), Col("groups", "right"), Col("links"),
                              Col("e.g.", wrap=True)],
@@ -290,6 +378,8 @@ def explain_renderables(data: dict, tty: bool = False) -> list:
                          [[i, " ".join(ops)] for i, ops in enumerate(pipe["per_stage"])], tty=tty)]
         if pipe.get("nic_order"):
             out.append(_nic_line(pipe["nic_order"]))
+        if pipe.get("memory"):
+            out += [""] + _memory_lines(pipe["memory"], tty)
     for what, why in data["choices"].items():
         out.append(f"{what} = auto: {why}")
     return out
@@ -312,7 +402,8 @@ def compile_summary(plan: dict, tty: bool = False) -> list:
         rows.append([f"stage {s['index']}", f"{layers}, mesh {s['mesh']}", ""])
     for r in d["reductions"]:
         where = f" (stage {r['stage']})" if r["stage"] is not None else ""
-        rows.append([f"reduce {r['name']}{where}", r["program"] or "nothing to reduce", _t(r["predicted"])])
+        rows.append([f"{_VERB[r.get('target', 'allreduce')]} {r['name']}{where}", r["program"] or "nothing to reduce",
+                     _t(r["predicted"])])
     for t in d["transfers"]:
         how = t["strategy"] + (f" in {t['chunks']} chunks" if t["chunks"] is not None else "")
         rows.append([f"transfer {t['name']}", f"{how}, {t['tasks']} unit task(s)", _t(t["makespan"])])

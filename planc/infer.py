@@ -8,7 +8,8 @@ builds it), is sent in the plan's precision: its dtype becomes bf16 or f16, sinc
 the stages run in it while the probe runs the model as built and either sharding spec (derived from
 the stage's mesh: the batch dimension, dim 0, split over the mesh axis named
 ``data`` when it has size > 1, replicated over every other mesh axis; every
-other tensor dimension replicated). That derived layout is what a stage of a
+other tensor dimension replicated). A plan with a model and no transfer line at
+all gets the chain (``chain_transfers``: each stage's output to the next stage). That derived layout is what a stage of a
 training plan computes, so a written spec must be it (written forms that
 describe the same layout, such as ``S(data)`` or a split over an axis of size
 1, are equal). A plan without a model is returned unchanged: the front end has
@@ -110,6 +111,31 @@ def _type(t: ir.Transfer, probe: ModelProbe | None, errs: list[Diagnostic], prec
         return None, None
     # the probe runs the model as built (fp32); the stage runs in the plan's precision
     return activation_dtype(m.dtype, precision), tuple(m.shape)
+
+
+def chain_name(src: int, dst: int) -> str:
+    """The name of an inferred chain transfer: ``s0_to_s1``."""
+    return f"s{src}_to_s{dst}"
+
+
+def chain_transfers(program: ir.Program) -> ir.Program:
+    """A plan with a model, two or more stages and no ``transfer`` line at all: each stage's output goes
+    to the next stage (LANGUAGE.md), as the transfers ``s0_to_s1``, ``s1_to_s2``, ... with nothing
+    written (dtype and shape measured by the probe, layouts derived: :func:`infer_transfers`). Once any
+    transfer is written, the written ones are the plan's: such a plan comes back unchanged, as does a
+    plan without a model (the front end requires its transfers)."""
+    if program.model is None or program.transfers or len(program.stages) < 2:
+        return program
+    stages = sorted(program.stages, key=lambda s: s.index)
+    names = {s.index for s in stages}
+    out = []
+    for a, b in zip(stages, stages[1:]):
+        if b.index != a.index + 1 or a.index not in names:
+            continue
+        at = b.span   # an error about an inferred transfer points at the stage that receives it
+        out.append(ir.Transfer(chain_name(a.index, b.index), None, None, a.index, None, None, b.index, None,
+                               span=at, type_span=at, src_spec_span=a.span, dst_spec_span=at))
+    return dataclasses.replace(program, transfers=tuple(out))
 
 
 def infer_transfers(program: ir.Program, probe: ModelProbe | None) -> ir.Program:

@@ -5,7 +5,9 @@ and reductions are sized from the model rather than from what the plan declares.
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 import os
 import re
 import subprocess
@@ -75,7 +77,9 @@ class ModelProbe:
     not counted; None: that layer's count failed, ``flop_errors`` says why). ``chain``: the layers were
     run as a chain (each gets the previous layer's output), as for a plan whose stages are not cut yet.
     ``tensor_traffic``: per stage whose ``tensor`` axis has size > 1, what one device of it all-reduces
-    per micro-batch (only when the builder opts in; :class:`TensorTraffic`).
+    per micro-batch (only when the builder opts in; :class:`TensorTraffic`). ``layer_traffic``: in a
+    chain probe, the same per layer alone (``stage`` is the layer's index), under each (degree, rows)
+    some stage has; :func:`probe_for_cut` sums them per stage once the stages are cut.
     """
 
     layer_params: tuple[int, ...]
@@ -92,6 +96,7 @@ class ModelProbe:
     flop_errors: tuple[str, ...] = ()
     chain: bool = False
     tensor_traffic: tuple[TensorTraffic, ...] = ()
+    layer_traffic: tuple[TensorTraffic, ...] = ()
 
     def measured(self, name: str) -> MeasuredTransfer | None:
         return next((m for m in self.transfers if m.name == name), None)
@@ -157,12 +162,13 @@ def wants_flops(program: ir.Program) -> bool:
     return program.auto_stages or program.cluster.flops is not None
 
 
-def probe_model(program: ir.Program, flops: bool | None = None) -> ModelProbe:
-    """Build the model in a subprocess (torch lives there, not in the compiler), run the plan's stage
-    dataflow on one micro-batch and measure it. ``flops`` (default :func:`wants_flops`) also counts
-    each layer's forward and backward FLOPs. A plan whose stages are not cut yet
-    (``program.auto_stages``) runs its layers as a chain instead and measures no transfer; probe the
-    cut program (``planc.pipeline.cut.apply_auto_stages``) again for those."""
+# per-layer tensor traffic in a chain probe: layers 0..LAYER_TRAFFIC-1 are asked for (the layer count is
+# not known before the model is built); a model with more layers is probed again once cut
+LAYER_TRAFFIC = 512
+
+
+def probe_request(program: ir.Program, flops: bool | None = None) -> dict:
+    """The runtime probe's JSON request for ``program`` (``planc.runtime.probe._request``)."""
     model = program.model
     path = code_file(program, "model", model)
     for what, ref in (("data", program.data), ("loss", program.loss)):
@@ -170,7 +176,13 @@ def probe_model(program: ir.Program, flops: bool | None = None) -> ModelProbe:
     stage_tensor = _stage_tensor(program)
     stages = sorted(program.stages, key=lambda s: s.index)
     chain = program.auto_stages
-    req = {
+    if chain:   # every layer alone, under each (degree, rows) a stage may have: summed per stage once cut
+        kinds = sorted({(t["degree"], t["rows"]) for t in _tensor_stages(program, stage_tensor)})
+        tensor_stages = [{"stage": i, "layers": [i, i + 1], "degree": k, "rows": rows}
+                         for k, rows in kinds for i in range(LAYER_TRAFFIC)]
+    else:
+        tensor_stages = _tensor_stages(program, stage_tensor)
+    return {
         "model_file": str(path), "function": model.function, "args": dict(model.args),
         "data_file": str(Path(program.source_dir) / program.data.path) if program.data else None,
         "data_function": program.data.function if program.data else None,
@@ -183,9 +195,40 @@ def probe_model(program: ir.Program, flops: bool | None = None) -> ModelProbe:
             {"name": t.name, "src_stage": t.src_stage, "src_layer": t.src_layer, "dst_stage": t.dst_stage}
             for t in program.transfers],
         "tensor_degrees": sorted({k for _, k in stage_tensor if k > 1}),
-        "tensor_stages": [] if chain else _tensor_stages(program, stage_tensor),
+        "tensor_stages": tensor_stages,
         "flops": wants_flops(program) if flops is None else bool(flops),
     }
+
+
+def probe_model(program: ir.Program, flops: bool | None = None, cache=None) -> ModelProbe:
+    """Build the model in a subprocess (torch lives there, not in the compiler), run the plan's stage
+    dataflow on one micro-batch and measure it. ``flops`` (default :func:`wants_flops`) also counts
+    each layer's forward and backward FLOPs. A plan whose stages are not cut yet
+    (``program.auto_stages``) runs its layers as a chain instead and measures no transfer, but each
+    layer's tensor traffic alone: :func:`probe_for_cut` gives the cut program's probe from it (or
+    None: probe the cut program). ``cache``: a :class:`planc.probe_cache.ProbeCache` that answers a
+    request it has seen (same files, function, arguments, micro-batch, torch) without the subprocess."""
+    model = program.model
+    req = probe_request(program, flops)
+    stage_tensor = _stage_tensor(program)
+    doc = cache.get(req) if cache is not None else None
+    if doc is None:
+        doc = _run_probe(program, req)
+        if cache is not None:
+            cache.put(req, doc)
+    if doc.get("shard_errors"):
+        errs = []
+        for k, why in sorted(doc["shard_errors"].items(), key=lambda kv: int(kv[0])):
+            users = ", ".join(str(i) for i, d in stage_tensor if d == int(k))
+            errs.append(Diagnostic(f"the model cannot be split over a tensor group of {k} (the 'tensor' axis of "
+                                   f"stage {users}): {model.path}:{model.function} says {why}", model.span))
+        raise PlanError(errs)
+    return probe_from_json(doc, program.train.micro_batch, stage_tensor, chain=program.auto_stages)
+
+
+def _run_probe(program: ir.Program, req: dict) -> dict:
+    """The runtime probe's JSON answer to ``req``, in a subprocess; its failures as located errors."""
+    model = program.model
     env = dict(os.environ, PYTHONHASHSEED="0", CUDA_VISIBLE_DEVICES="")
     try:
         # run from the folder this planc is installed in: `-m` puts the working directory first on the
@@ -205,17 +248,52 @@ def probe_model(program: ir.Program, flops: bool | None = None) -> ModelProbe:
             ref, doing = model, "could not build the model with"
         raise PlanError(Diagnostic(f"{doing} {ref.path}:{ref.function}: {why}", ref.span))
     try:
-        doc = json.loads(proc.stdout.strip().splitlines()[-1])
+        return json.loads(proc.stdout.strip().splitlines()[-1])
     except (ValueError, IndexError):
         raise PlanError(Diagnostic("the model probe printed no result", model.span)) from None
-    if doc.get("shard_errors"):
-        errs = []
-        for k, why in sorted(doc["shard_errors"].items(), key=lambda kv: int(kv[0])):
-            users = ", ".join(str(i) for i, d in stage_tensor if d == int(k))
-            errs.append(Diagnostic(f"the model cannot be split over a tensor group of {k} (the 'tensor' axis of "
-                                   f"stage {users}): {model.path}:{model.function} says {why}", model.span))
-        raise PlanError(errs)
-    return probe_from_json(doc, program.train.micro_batch, stage_tensor, chain=chain)
+
+
+def probe_for_cut(chain: ModelProbe, program: ir.Program) -> ModelProbe | None:
+    """The probe of the cut ``program`` from the chain probe of the uncut one, without running the model
+    again: what the runtime probe would measure on the cut's dataflow when that dataflow is the chain
+    (every transfer from a stage's last layer to the next stage, one into each stage but the first,
+    each such layer returning one tensor): the transfers are those layers' outputs, a stage's tensor
+    traffic its layers' in order (``measure_tensor_traffic`` runs layer by layer). None when it is not
+    a chain or a layer's traffic is missing: probe the cut program."""
+    if not chain.chain or chain.graph_errors or program.auto_stages:
+        return None
+    stages = sorted(program.stages, key=lambda s: s.index)
+    if [s.index for s in stages] != list(range(len(stages))) or any(s.layers is None for s in stages):
+        return None
+    pairs = sorted((t.src_stage, t.dst_stage) for t in program.transfers)
+    if pairs != [(i, i + 1) for i in range(len(stages) - 1)]:
+        return None
+    measured = []
+    for t in program.transfers:
+        last = stages[t.src_stage].layers[1] - 1
+        if t.src_layer not in (None, last) or last >= len(chain.layer_shapes):
+            return None
+        shape, dtype = chain.layer_shapes[last], chain.layer_dtypes[last]
+        nbytes = chain.layer_output_bytes[last] if last < len(chain.layer_output_bytes) else None
+        if shape is None or dtype not in ir.DTYPE_BYTES or nbytes != math.prod(shape) * ir.DTYPE_BYTES[dtype]:
+            return None   # not one tensor of a dtype planc sends: the real probe says why
+        measured.append(MeasuredTransfer(t.name, dtype, shape))
+    per_layer = {(tr.stage, tr.degree, tr.rows): tr for tr in chain.layer_traffic}
+    stage_tensor = _stage_tensor(program)
+    traffic = []
+    for st in _tensor_stages(program, stage_tensor):
+        a, b = st["layers"] if st["layers"] is not None else (0, len(chain.layer_params))
+        parts = [per_layer.get((i, st["degree"], st["rows"])) for i in range(a, b)]
+        if None in parts:
+            return None
+        errors = "; ".join(p.error for p in parts if p.error) or None
+        traffic.append(TensorTraffic(st["stage"], st["degree"], st["rows"], sum((p.forward for p in parts), ()),
+                                     sum((p.backward for p in parts), ()), errors))
+    flops = wants_flops(program)
+    return dataclasses.replace(chain, transfers=tuple(measured), stage_tensor=stage_tensor, chain=False,
+                               tensor_traffic=tuple(sorted(traffic, key=lambda t: t.stage)), layer_traffic=(),
+                               layer_flops=chain.layer_flops if flops else (),
+                               flop_errors=chain.flop_errors if flops else ())
 
 
 def _shape(v) -> tuple[int, ...] | None:
@@ -226,6 +304,10 @@ def probe_from_json(doc: dict, micro_batch: int, stage_tensor=(), chain: bool = 
     """The ModelProbe of the runtime probe's JSON answer (``planc.runtime.probe._request``)."""
     outs = doc.get("layer_outputs") or [None] * len(doc["layer_params"])
     flops = doc.get("layer_flops")
+    traffic = tuple(TensorTraffic(int(t["stage"]), int(t["degree"]), int(t["rows"]),
+                                  tuple(int(b) for b in t.get("forward", ())), tuple(int(b) for b in t.get("backward", ())),
+                                  "; ".join(t.get("errors") or ()) or None)
+                    for t in doc.get("tensor_traffic") or ())
     return ModelProbe(
         layer_params=tuple(int(x) for x in doc["layer_params"]),
         layer_shapes=tuple(_shape(o["shape"]) if o else None for o in outs),
@@ -242,11 +324,8 @@ def probe_from_json(doc: dict, micro_batch: int, stage_tensor=(), chain: bool = 
         layer_flops=tuple((int(f[0]), int(f[1])) if f is not None else None for f in flops) if flops else (),
         flop_errors=tuple(doc.get("flop_errors") or ()),
         chain=chain,
-        tensor_traffic=tuple(TensorTraffic(int(t["stage"]), int(t["degree"]), int(t["rows"]),
-                                           tuple(int(b) for b in t.get("forward", ())),
-                                           tuple(int(b) for b in t.get("backward", ())),
-                                           "; ".join(t.get("errors") or ()) or None)
-                             for t in doc.get("tensor_traffic") or ()),
+        tensor_traffic=() if chain else traffic,
+        layer_traffic=tuple(t for t in traffic if t.stage < len(doc["layer_params"])) if chain else (),
     )
 
 

@@ -2,7 +2,8 @@
 
 Each verifier looks at one pass's output with code that knows nothing of how it
 was found — the reduction programs are replayed by ``planc.reduction.check``
-(the collective semantics of DESIGN.md), the transfers by
+(the collective semantics of DESIGN.md, against each program's target; ZeRO-1's all-gather must
+start exactly where its reduce-scatter's steps end), the transfers by
 ``planc.resharding.check`` (regions recomputed from the specs, coverage, NIC
 timelines, the lower bound), the plan file by its own validating reader — and
 returns what is wrong. The driver names the pass whose output failed.
@@ -10,10 +11,11 @@ returns what is wrong. The driver names the pass whose output failed.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 from planc import ir
-from planc.reduction.check import check_program
+from planc.reduction.check import check_pair, check_program
 from planc.resharding.check import check_plan, check_transfer
 from planc import plan as planfile
 
@@ -52,13 +54,53 @@ def _placed(placement, ctx) -> list[str]:
     return out
 
 
+def _where(r) -> str:
+    return f"reduction {r.name!r}{f' (stage {r.stage})' if r.stage is not None else ''}"
+
+
+def _units(owned) -> tuple[int | None, list | None]:
+    """A plan's owned pieces (fractions) as whole units of their least common denominator."""
+    if not owned:
+        return None, None
+    unit = math.lcm(*(x.denominator for row in owned for ab in row for x in ab))
+    return unit, [[(int(a * unit), int(b * unit)) for a, b in row] for row in owned]
+
+
 def _reduced(reductions, _ctx) -> list[str]:
     out = []
     for r in reductions:
-        why = check_program([(str(c), g) for c, g in r.steps], r.groups) if r.groups else None
+        if not r.groups:
+            continue
+        unit, owned = _units(r.owned)
+        steps = [(str(c), g) for c, g in r.steps]
+        why = check_program(steps, r.groups, unit=unit, target=str(r.target), owned=owned)
         if why is not None:
-            out.append(f"reduction {r.name!r}{f' (stage {r.stage})' if r.stage is not None else ''}: {why}")
+            out.append(f"{_where(r)}: {why}")
+    for rs, ag in _pairs(reductions, out):
+        unit, owned = _units(rs.owned)
+        _, ag_owned = _units(ag.owned)
+        why = check_pair(([(str(c), g) for c, g in rs.steps], rs.groups, unit, owned),
+                         ([(str(c), g) for c, g in ag.steps], ag.groups, unit, ag_owned))
+        if why is not None:
+            out.append(f"{_where(rs)} and {_where(ag)}: {why}")
     return out
+
+
+def _pairs(reductions, problems: list[str]) -> list:
+    """ZeRO-1's (reduce-scatter, all-gather) pairs: one all-gather per reduce-scatter, over the same
+    groups of the same stage; an unpaired one is a problem."""
+    scatters = [r for r in reductions if str(r.target) == "reduce_scatter"]
+    gathers = [r for r in reductions if str(r.target) == "all_gather"]
+    pairs = []
+    for rs in scatters:
+        mates = [ag for ag in gathers if ag.stage == rs.stage and tuple(ag.groups) == tuple(rs.groups)]
+        if len(mates) != 1:
+            problems.append(f"{_where(rs)}: {len(mates)} all-gather programs over its groups, not one")
+            continue
+        pairs.append((rs, mates[0]))
+        gathers.remove(mates[0])
+    problems += [f"{_where(ag)}: no reduce-scatter program over its groups" for ag in gathers]
+    return [(rs, ag) for rs, ag in pairs if rs.groups]
 
 
 def _json_view(ctx, transfers) -> dict:
@@ -115,10 +157,15 @@ def _assembled(plan: planfile.Plan, _ctx) -> list[str]:
         if not r.groups:
             continue
         why = check_program([(str(s.collective), s.groups) for s in r.steps], r.groups, unit=r.unit,
-                            regions=[s.regions for s in r.steps])
+                            regions=[s.regions for s in r.steps], target=str(r.target),
+                            owned=r.owned if r.owned else None)
         if why is not None:
-            out.append(f"plan.json reduction {r.name!r}{f' (stage {r.stage})' if r.stage is not None else ''}: "
-                       f"{why}")
+            out.append(f"plan.json {_where(r)}: {why}")
+    for rs, ag in _pairs(plan.reductions, out):   # the all-gather starts where the reduce-scatter's steps end
+        why = check_pair(([(str(s.collective), s.groups) for s in rs.steps], rs.groups, rs.unit, rs.owned),
+                         ([(str(s.collective), s.groups) for s in ag.steps], ag.groups, ag.unit, ag.owned))
+        if why is not None:
+            out.append(f"plan.json {_where(rs)} and {_where(ag)}: {why}")
     return out
 
 

@@ -113,6 +113,7 @@ def _check_plan(doc: dict, plan_file: Path | None, report: _Report) -> None:
     _check_stages(doc, facts, report)
     for r in report.need(doc, "reductions", list, "plan") or []:
         _check_reduction(r, facts, report)
+    check_zero_pairs(doc, report)
     for t in report.need(doc, "transfers", list, "plan") or []:
         _check_transfer(t, facts, report)
     _check_pipeline(doc, facts, report)
@@ -436,9 +437,17 @@ def apply_collective(state: dict, collective: str, group: list[int]) -> None:
             state[d] = _normal(mine)
 
 
-def simulate_program(steps: list, groups: list[list[int]]) -> str | None:
-    """Why the program does not leave every device with [0, 1) summed over its group; None if it does."""
-    state = {d: [(Fraction(0), Fraction(1), frozenset([d]))] for g in groups for d in g}
+def simulate_program(steps: list, groups: list[list[int]], target: str = "allreduce",
+                     owned: list | None = None, unit: int = 1) -> str | None:
+    """Why the program does not reach its target; None if it does. ``allreduce``: every device holds
+    [0, 1) summed over its group. ``reduce_scatter``: member r of each group holds exactly the piece
+    ``owned[g][r]`` (in 1/unit) summed over the group. ``all_gather``: starting from member r holding
+    ``owned[g][r]`` summed over the group, every device holds [0, 1) summed over its group."""
+    if target == "all_gather":
+        state = {d: [(Fraction(a, unit), Fraction(b, unit), frozenset(g))]
+                 for g, ranges in zip(groups, owned) for d, (a, b) in zip(g, ranges)}
+    else:
+        state = {d: [(Fraction(0), Fraction(1), frozenset([d]))] for g in groups for d in g}
     try:
         for k, step in enumerate(steps):
             for g in step["groups"]:
@@ -448,6 +457,13 @@ def simulate_program(steps: list, groups: list[list[int]]) -> str | None:
                 apply_collective(state, step["collective"], g)
     except _Invalid as e:
         return str(e)
+    if target == "reduce_scatter":
+        for g, ranges in zip(groups, owned):
+            for d, (a, b) in zip(g, ranges):
+                if _normal(state[d]) != [(Fraction(a, unit), Fraction(b, unit), frozenset(g))]:
+                    held = [(str(x), str(y), sorted(who)) for x, y, who in state[d]]
+                    return f"device {d} ends with {held}, not its owned [{a}/{unit}, {b}/{unit}) summed over {g}"
+        return None
     for g in groups:
         for d in g:
             if _normal(state[d]) != [(0, 1, frozenset(g))]:
@@ -483,7 +499,16 @@ def _check_reduction(r: dict, facts: _Facts, report: _Report) -> None:
     report.need(r, "bytes", int, where)
     groups = report.need(r, "groups", list, where) or []
     program = report.need(r, "program", dict, where)
-    report.need(r, "allreduce_predicted", NUMBER, where)
+    target = r.get("target", "allreduce")
+    owned = r.get("owned") or []
+    if target not in ("allreduce", "reduce_scatter", "all_gather"):
+        report.bad(f"{where}: unknown target {target!r}")
+        return
+    report.need(r, "allreduce_predicted" if target == "allreduce" else "flat_predicted", NUMBER, where)
+    if target != "allreduce" and not _owned_ok(owned, groups, (program or {}).get("unit", 1)):
+        report.bad(f"{where}: owned {owned} does not give each group's members equal, disjoint ranges covering "
+                   f"[0, unit)")
+        return
     report.need(r, "candidates", int, where)
     alternatives = report.need(r, "alternatives", list, where) or []
     if len(alternatives) > 10:
@@ -523,9 +548,33 @@ def _check_reduction(r: dict, facts: _Facts, report: _Report) -> None:
                 report.bad(f"{where}: step {k}: group {g} is not sorted or has one device")
             if tuple(g) not in facts.groups:
                 report.bad(f"{where}: step {k}: group {g} is not in groups")
-    why = simulate_program(steps, groups)
+    why = simulate_program(steps, groups, target, owned, program.get("unit", 1))
     if why is not None:
-        report.bad(f"{where}: program {program.get('text')!r} does not compute the sum: {why}")
+        goal = "compute the sum" if target == "allreduce" else f"reach its target {target}"
+        report.bad(f"{where}: program {program.get('text')!r} does not {goal}: {why}")
+
+
+def _owned_ok(owned: list, groups: list, unit: int) -> bool:
+    if len(owned) != len(groups):
+        return False
+    for g, ranges in zip(groups, owned):
+        spans = sorted(tuple(x) for x in ranges)
+        if len(spans) != len(g) or len({b - a for a, b in spans}) != 1 or spans[0][0] != 0 \
+                or spans[-1][1] != unit or any(x[1] != y[0] for x, y in zip(spans, spans[1:])):
+            return False
+    return True
+
+
+def check_zero_pairs(doc: dict, report: _Report) -> None:
+    """ZeRO-1: every reduce-scatter target has an all-gather over the same groups starting from the same
+    owned ranges in the same units (so parameters come back to where the shards were updated), and back."""
+    reds = doc.get("reductions") or []
+    key = lambda r: (r.get("stage"), json.dumps(r.get("groups")), json.dumps(r.get("owned")),  # noqa: E731
+                     (r.get("program") or {}).get("unit"))
+    scatters = [key(r) for r in reds if r.get("target") == "reduce_scatter"]
+    gathers = [key(r) for r in reds if r.get("target") == "all_gather"]
+    if sorted(scatters, key=str) != sorted(gathers, key=str):
+        report.bad(f"reductions: reduce-scatter targets {scatters} and all-gather targets {gathers} do not pair up")
 
 
 # ------------------------------------------------------------------ transfers

@@ -580,11 +580,11 @@ PROBE = synthetic([(1, 1)] * 4, params=[1000] * 4, out_bytes=[32000] * 4,
 
 def test_memory_estimate_per_stage():
     p = _with_memory("1 GB")
-    (i0, static0, act0), (i1, static1, act1) = stage_memory(p, p.stages, PROBE)
-    assert static0 == static1 == 2000 * 4 * (2 + 2)             # weights, gradients, two Adam moments (fp32)
-    assert act0 == 2 * 32000 / 4 and act1 == (2 * 32000 + 32000) / 4   # stage 1 also keeps what it received
+    m0, m1 = stage_memory(p, p.stages, PROBE)
+    assert m0.static == m1.static == 2000 * 4 * (2 + 2)          # weights, gradients, two Adam moments (fp32)
+    assert m0.activations(1) == 2 * 32000 / 4 and m1.activations(1) == (2 * 32000 + 32000) / 4   # + received
     p = _with_memory("1 GB", optimizer="sgd(lr = 0.1)")
-    assert stage_memory(p, p.stages, PROBE)[0][1] == 2000 * 4 * 2
+    assert stage_memory(p, p.stages, PROBE)[0].static == 2000 * 4 * 2
 
 
 def test_choose_schedule_prefers_eager_when_it_fits():
@@ -598,7 +598,9 @@ def test_choose_schedule_falls_back_to_1f1b():
     p = _with_memory("79 KB")
     schedule, why = choose_schedule(p, p.stages, PROBE)
     assert schedule is ir.PipeSchedule.ONE_F_ONE_B
-    assert why.startswith("1f1b: eager_1f1b would need 80 KB (stage 0:") and "more than memory = 79 KB" in why
+    assert why.startswith("1f1b: eager_1f1b would need 80 KB (parameters 8 KB, gradients 8 KB, optimizer 16 KB, "
+                          "activations 48 KB: 3 micro-batches in flight x 16 KB) on stage 0")
+    assert "more than memory = 79 KB" in why
 
 
 def test_choose_schedule_errors_when_nothing_fits():

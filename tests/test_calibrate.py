@@ -229,7 +229,12 @@ def test_calibrate_on_the_testbed_then_predict(tmp_path, capsys):
     eng = doc["calibration"]["engine"]
     assert doc["op_overhead"] >= 0 and doc["step_overhead"] >= 0 and doc["op_overhead"] + doc["step_overhead"] > 0
     assert eng["micro_batches"] == [4, 16] and min(eng["measured_s"]) > 0
-    assert eng["simulated_s"] == pytest.approx(eng["measured_s"], rel=0.02)
+    # the fit (its exact recovery of known overheads is tests/test_overhead.py's) never does worse than no
+    # overhead; it reproduces the measured times exactly only where neither overhead was clamped at 0, and
+    # whether one is depends on the machine's timing: an exact match is the benchmark's figure, not a test's
+    def err(sims):
+        return sum((m - s) ** 2 for m, s in zip(eng["measured_s"], sims))
+    assert err(eng["simulated_s"]) <= err(eng["simulated_without_s"]) * (1 + 1e-9)
     assert "runtime: " in capsys.readouterr().out
     # the file drives the cost model: the bench testbed's cases predicted at 400 Mbit/s
     cases = [{"kind": "transfer", "case": name, "what": "send_recv", "measured": 1.0} for name in testbed.TRANSFERS]

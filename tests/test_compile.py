@@ -387,9 +387,10 @@ def test_compile_cli_writes_the_output(tmp_path):
     ("a: [1,\n", "cannot read DeepSpeed overrides file 'ds.yaml'", "ds.yaml:2:1"),
     ("- a\n- b\n", "must be a mapping of DeepSpeed config keys, got list", "ds.yaml:1:1"),
     ("zero_optimization: {stage: 3}\n", "ZeRO stage 3 cannot run", "ds.yaml:1:28"),
-    ("zero_optimization:\n  stage: 1\n", "ZeRO stage 1 is not supported", "ds.yaml:2:10"),
+    ("zero_optimization:\n  stage: 1\n", "write 'zero = 1' in the train block", "ds.yaml:2:10"),
     ("steps_per_print: 1\npipeline:\n  grad_partitioned: true\n", "grad_partitioned must stay false", "ds.yaml:3:21"),
-    ("gradient_clipping: 1.0\n", "gradient_clipping 1.0 is not supported", "ds.yaml:1:20")])
+    ("gradient_clipping: 1.0\n", "write 'clip = 1.0' in the train block", "ds.yaml:1:20"),
+    ("bf16:\n  enabled: true\n", "write 'precision = bf16' in the train block", "ds.yaml:2:12")])
 def test_bad_deepspeed_overrides_are_user_errors(tmp_path, content, needle, where):
     """Refused by `planc check` as by the compile, at the YAML node (or the plan line when unreadable)."""
     p = _variant(tmp_path, "  synthesis  { max_size = 5 }", '  synthesis  { max_size = 5 }\n  deepspeed "ds.yaml"')

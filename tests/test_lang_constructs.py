@@ -396,9 +396,9 @@ reduce gradients over data
 
 def test_each_optimizer_takes_its_own_keys():
     base = CLUSTER + "parallel { data = 8 }\ntrain { optimizer = OPT }\n"
-    assert ok(base.replace('OPT', "adam(lr = 0.1, beta1 = 0.8, beta2 = 0.9, eps = 1e-6, weight_decay = 0.01)")).train.optimizer
+    assert ok(base.replace('OPT', "adam(lr = 0.1, betas = (0.8, 0.9), eps = 1e-6, weight_decay = 0.01)")).train.optimizer
     assert ok(base.replace('OPT', "sgd(lr = 0.1, momentum = 0.9, weight_decay = 0.01)")).train.optimizer
     for opt, key in [("adam(lr = 0.1, momentum = 0.9)", "momentum"), ("sgd(lr = 0.1, beta1 = 0.5)", "beta1"),
-                     ("sgd(lr = 0.1, eps = 1e-8)", "eps")]:
+                     ("sgd(lr = 0.1, betas = (0.5, 0.5))", "betas"), ("sgd(lr = 0.1, eps = 1e-8)", "eps")]:
         text = err(base.replace('OPT', opt))
         assert key in text and "error" in text, text

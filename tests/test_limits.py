@@ -32,9 +32,18 @@ def _one(e: PlanError, bound: str):
 def test_a_million_devices_stop_in_the_front_end():
     text = "cluster {\n  level node x 1024 : bandwidth 100 Gb/s\n  level gpu x 1024 : bandwidth 150 GB/s\n}\n"
     d = _one(_error(text), "devices")
-    assert "1048576 devices, over the budget of 4096" in d.message
+    assert "1048576 devices, over the budget of 65536" in d.message
     assert d.hint.startswith("raise it with --budget devices=1048576")
     assert load_text(text, "limits.plan", budget="devices=1048576").cluster.devices == 1 << 20
+
+
+def test_the_devices_default_is_65536():
+    """65,536 devices pass the front end with the default budget; one more does not."""
+    ok = "cluster {\n  level node x 8192 : bandwidth 100 Gb/s\n  level gpu x 8 : bandwidth 150 GB/s\n}\n"
+    assert budget.DEFAULT["devices"] == 65536
+    assert load_text(ok, "limits.plan").cluster.devices == 65536
+    over = "cluster {\n  level node x 65537 : bandwidth 100 Gb/s\n}\n"
+    assert "65537 devices, over the budget of 65536" in _one(_error(over), "devices").message
 
 
 def test_hundreds_of_levels():
@@ -134,11 +143,11 @@ def test_budget_parsing():
 
 def test_cli_budget_option(tmp_path, capsys):
     plan = tmp_path / "big.plan"
-    plan.write_text("cluster {\n  level node x 100 : bandwidth 1 GB/s\n  level gpu x 50 : bandwidth 10 GB/s\n}\n")
+    plan.write_text("cluster {\n  level node x 100 : bandwidth 1 GB/s\n  level gpu x 700 : bandwidth 10 GB/s\n}\n")
     assert main(["check", str(plan)]) == 2
     err = capsys.readouterr().err
-    assert "5000 devices, over the budget of 4096 (bound 'devices')" in err and "--budget devices=5000" in err
-    assert main(["check", "--budget", "devices=5000", str(plan)]) == 0
+    assert "70000 devices, over the budget of 65536 (bound 'devices')" in err and "--budget devices=70000" in err
+    assert main(["check", "--budget", "devices=70000", str(plan)]) == 0
     capsys.readouterr()
     with pytest.raises(SystemExit) as ei:
         main(["compile", "--budget", "widgets=3", str(plan)])

@@ -71,7 +71,8 @@ def test_json_round_trip_and_contract():
     assert data == {"schedule": "eager_1f1b", "micro_batches": 3,
                     "per_stage": [["F0", "F1", "F2", "B0", "B1", "B2"], ["F0", "B0", "F1", "B1", "F2", "B2"]],
                     "predicted_iteration": None,
-                    "stages": [{"stage": i, "busy": None, "bubble": None, "peak_activation_bytes": None}
+                    "stages": [{"stage": i, "busy": None, "bubble": None, "peak_activation_bytes": None,
+                                    "memory": None}
                                for i in range(2)]}   # PLAN_FORMAT.md's per-stage figures: none simulated
     assert PipelinePlan.from_json(data) == plan
 

@@ -216,3 +216,50 @@ def test_collective_semantics(steps, ok):
     """DESIGN.md's collective semantics, on the checker's own simulator."""
     why = plan_contract.simulate_program([{"collective": c, "groups": g} for c, g in steps], [[0, 1, 2, 3]])
     assert (why is None) == ok, why
+
+
+def _zero_plan(tmp_path) -> Path:
+    """plans/gpt-2x4.plan (data 2 across the hosts) with ``zero = 1``: each stage's gradients reduce-scattered,
+    its parameters all-gathered."""
+    src = spelled(ROOT / "plans" / "gpt-2x4.plan")
+    text = src.read_text().replace("train {", "train {\n    zero = 1", 1)
+    path = src.parent / f"zero-contract-{tmp_path.name}.plan"   # beside it: the model path is relative
+    out = tmp_path / "out"
+    try:
+        path.write_text(text)
+        _compile(path, out)
+    finally:
+        path.unlink(missing_ok=True)
+    return out
+
+
+def test_zero_reduce_scatter_and_all_gather_targets_meet_the_contract(tmp_path):
+    out = _zero_plan(tmp_path)
+    violations, warnings = _check(out)
+    assert violations == [], "\n".join(violations)
+    plan = json.loads((out / "plan.json").read_text())
+    targets = sorted(r.get("target", "allreduce") for r in plan["reductions"])
+    assert targets.count("reduce_scatter") == targets.count("all_gather") >= 1
+
+
+@pytest.mark.parametrize("mutation, message", [
+    # two members swap the pieces they own: the steps leave each with the other's piece
+    ("swap_scatter", "does not reach its target reduce_scatter"),
+    # the all-gather starts from another assignment than the reduce-scatter left
+    ("swap_gather", "do not pair up"),
+    # owned ranges that overlap
+    ("overlap", "does not give each group's members equal, disjoint ranges"),
+])
+def test_the_checker_rejects_broken_zero_targets(tmp_path, mutation, message):
+    out = _zero_plan(tmp_path)
+    plan = json.loads((out / "plan.json").read_text())
+    kind = "all_gather" if mutation == "swap_gather" else "reduce_scatter"
+    r = next(r for r in plan["reductions"] if r.get("target") == kind and r["groups"])
+    ranges = r["owned"][0]
+    if mutation == "overlap":
+        ranges[1] = list(ranges[0])
+    else:
+        ranges[0], ranges[1] = ranges[1], ranges[0]
+    (out / "plan.json").write_text(json.dumps(plan))
+    violations, _ = plan_contract.check(out)
+    assert any(message in v for v in violations), violations

@@ -174,7 +174,7 @@ def test_predicted_iteration_in_compiled_bundled_plan_and_auto_follows_it(unet):
     assert runs[plan["pipeline"]["schedule"]]["iteration"] == best
     assert plan["train"]["schedule"] == plan["pipeline"]["schedule"]
     assert plan["choices"]["schedule"].startswith(f"{plan['pipeline']['schedule']}: the fastest predicted")
-    # a memory limit only gpipe's simulated peak breaks leaves gpipe out
+    # a memory limit only gpipe's need (the memory model, pipeline.stages[i].memory) breaks leaves gpipe out
     need = {s: _need(compile_program(dataclasses.replace(
         program, cluster=slow, train=dataclasses.replace(program.train, schedule=ir.PipeSchedule(s))), probe),
         probe) for s in SCHEDULES}
@@ -186,11 +186,8 @@ def test_predicted_iteration_in_compiled_bundled_plan_and_auto_follows_it(unet):
 
 
 def _need(compiled, probe):
-    """Per device, the most a stage needs: parameters, gradients, optimizer state + simulated activations."""
-    from planc.pipeline.choose import stage_memory
-    pipe = compiled.plan_json["pipeline"]["predicted"]["stages"]
-    static = [s for _, s, _ in stage_memory(compiled.program, compiled.program.stages, probe)]
-    return max(a + s["peak_activation_bytes"] for a, s in zip(static, pipe))
+    """Per device, the most a stage needs: parameters, gradients, optimizer state + activations in flight."""
+    return max(s["memory"]["total"] for s in compiled.plan_json["pipeline"]["stages"])
 
 
 def test_pipeline_stages_of_the_contract(unet):
@@ -202,7 +199,8 @@ def test_pipeline_stages_of_the_contract(unet):
     pipe = compile_program(program, probe).plan_json["pipeline"]
     assert [s["stage"] for s in pipe["stages"]] == [0, 1, 2]
     for st, sim in zip(pipe["stages"], pipe["predicted"]["stages"]):
-        assert set(st) == {"stage", "busy", "bubble", "peak_activation_bytes"}
+        assert set(st) == {"stage", "busy", "bubble", "peak_activation_bytes", "memory"}
+        assert set(st["memory"]) == {"parameters", "gradients", "optimizer", "activations", "total"}
         assert (st["busy"], st["bubble"], st["peak_activation_bytes"]) == \
             (sim["busy"], sim["bubble"], sim["peak_activation_bytes"])
         assert st["busy"] + st["bubble"] == pytest.approx(1.0) and st["peak_activation_bytes"] > 0
@@ -210,8 +208,8 @@ def test_pipeline_stages_of_the_contract(unet):
     from e2e_util import spelled
     bare = compile_program(load(spelled("unet-skip.plan")), None).plan_json["pipeline"]
     assert bare["predicted_iteration"] is None and "predicted" not in bare
-    assert bare["stages"] == [{"stage": i, "busy": None, "bubble": None, "peak_activation_bytes": None}
-                              for i in range(3)]
+    assert bare["stages"] == [{"stage": i, "busy": None, "bubble": None, "peak_activation_bytes": None,
+                               "memory": None} for i in range(3)]
 
 
 def test_gantt_chart_has_a_bar_per_interval(tmp_path, unet):

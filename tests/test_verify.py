@@ -141,3 +141,49 @@ def test_assemble_checks_the_records_cross_references():
     with pytest.raises(planfile.PlanFileError, match=rf"reductions\[{i}\]\.program\.steps\[0\]: group .* is not "
                                                      "listed in groups"):
         unlisted.check()
+
+
+# ---------------------------------------------------------------- ZeRO-1's pair of programs
+
+def _zero_unet():
+    """The bundled U-shaped plan with ``train { zero = 1 }`` set on the checked program."""
+    from planc.lang import load
+
+    program = load(UNET)
+    return dataclasses.replace(program, train=dataclasses.replace(program.train, zero=1))
+
+
+def _swap_owned(r):
+    """The first group's first two members trade pieces: still a partition, no longer what the steps leave."""
+    (a, b, *rest), *others = r.owned
+    return _set(r, owned=((b, a, *rest),) + tuple(others))
+
+
+def test_verify_checks_zero_pairs_after_the_reductions_pass(monkeypatch):
+    compiled = driver.compile_program(_zero_unet(), None, verify=True)
+    targets = [(r["name"], r.get("target")) for r in compiled.plan_json["reductions"]]
+    assert targets == [("gradients", "reduce_scatter"), ("parameters", "all_gather")]
+    real = driver.reductions_pass
+    for i in (0, 1):   # the gradients' owned (not what its steps leave), the parameters' (another start)
+        monkeypatch.setattr(driver, "reductions_pass", lambda value, ctx, i=i: tuple(
+            _swap_owned(r) if j == i else r for j, r in enumerate(real(value, ctx))))
+        with pytest.raises(VerifyError) as e:
+            driver.compile_program(_zero_unet(), None, verify=True)
+        msg = str(e.value)
+        assert msg.startswith("--verify: the output of pass 'reductions' is invalid:")
+        assert ("owned says" if i == 0 else "the all-gather starts device") in msg, msg
+
+
+def test_the_assemble_verifier_replays_zero_pairs_from_the_records():
+    from planc.verify import verify
+
+    plan = driver.compile_program(_zero_unet(), None, verify=True).plan
+    verify("assemble", plan, None)
+    ag = plan.reductions[1]
+    bad = dataclasses.replace(plan, reductions=(plan.reductions[0], _swap_owned(ag)))
+    with pytest.raises(VerifyError) as e:
+        verify("assemble", bad, None)
+    msg = str(e.value)
+    assert "plan.json reduction 'parameters': step 1 (all_gather) on [0, 1]: pieces not consecutive" in msg
+    assert ("plan.json reduction 'gradients' and reduction 'parameters': the all-gather starts device 0 from "
+            "[1, 2) of 1/2, but the reduce-scatter leaves it [0, 1)") in msg

@@ -62,7 +62,8 @@ def cores_available() -> int:
 
 def write_yaml(doc: dict, path: Path, command: str) -> None:
     head = (f"# planc cluster file, written by `{command}` (docs/calibrate.md)\n"
-            "# bandwidth: bytes/s per direction; latency: seconds; flops: one device's FLOP/s\n"
+            "# bandwidth: bytes/s per direction; latency: seconds; flops: one device's FLOP/s, measured in fp32 and\n"
+            "# used for every precision (or one per precision: flops: {fp32: ..., bf16: ...}, docs/language.md)\n"
             + ("# cores: the CPU cores the devices of each 'cores_per' unit share\n" if "cores" in doc else "")
             + ("# op_overhead, step_overhead: seconds of a device the training runtime spends on each instruction "
                "and each step\n" if "op_overhead" in doc else ""))
@@ -106,7 +107,10 @@ def summary(doc: dict) -> str:
             lines.append(f"  {level['name']} x {level['fanout']}: one unit, nothing to measure")
     rec = doc.get("calibration") or {}
     peak = rec.get("matmul_flops")
-    lines.append(f"  device: {doc['flops'] / 1e9:.4g} GFLOP/s ({rec.get('flops_from', 'matmul')}, median over ranks, "
+    flops = doc["flops"]   # a FLOP rate, or one per precision ({fp32: ..., bf16: ...}) in an edited file
+    rate = (f"{flops / 1e9:.4g} GFLOP/s" if not isinstance(flops, dict) else
+            ", ".join(f"{v / 1e9:.4g} GFLOP/s in {k}" for k, v in sorted(flops.items())))
+    lines.append(f"  device: {rate} ({rec.get('flops_from', 'matmul')}, median over ranks, "
                  f"{rec.get('ranks_measured', 'all at once')})"
                  + (f"; matmul peak {peak / 1e9:.4g} GFLOP/s" if peak else ""))
     if doc.get("cores") is not None:

@@ -60,7 +60,15 @@ class ListValue:
     span: Span
 
 
-Value = Num | Name | Str | Quantity | Call | ListValue
+@dataclass(frozen=True, slots=True)
+class TupleValue:
+    """``(0.9, 0.999)``: a fixed-size group of values (``betas``); the checker says how many a key takes."""
+
+    items: tuple["Value", ...]
+    span: Span
+
+
+Value = Num | Name | Str | Quantity | Call | ListValue | TupleValue
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,6 +103,8 @@ class ClusterBlock:
     memory: Quantity | Num | None = None   # `memory = 80 GB`
     cores: Quantity | Num | None = None    # `cores = 2 per cluster` (a quantity: reported, a count takes no unit)
     cores_per: Name | None = None          # the word after `per` (a level or `cluster`); None: not written
+    # `flops bf16 = 989 TFLOP/s`: (the precision as written, its value), in source order
+    flops_by: tuple[tuple[Name, "Quantity | Num"], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,6 +152,7 @@ class StageDecl:
     mesh: tuple[MeshDim, ...]
     span: Span
     auto: Span | None = None   # `layers auto`: where `auto` is written
+    recompute: Span | None = None   # `... recompute` at the end of the line: where it is written
 
 
 @dataclass(frozen=True, slots=True)

@@ -55,6 +55,13 @@ def _value(v) -> str:
     raise TypeError(v)
 
 
+def _arg(v) -> str:
+    """An optimizer argument: a number, or a pair in parentheses (``betas = (0.9, 0.999)``)."""
+    if isinstance(v, tuple):
+        return "(" + ", ".join(_num(x) for x in v) + ")"
+    return _num(v)
+
+
 def _spec(spec: ir.ShardingSpec) -> str:
     return str(spec)
 
@@ -72,6 +79,8 @@ def to_text(p: ir.Program) -> str:
     out.append(f"    host = {p.cluster.host_level}")
     if p.cluster.flops is not None:
         out.append(f"    flops = {_num(p.cluster.flops)} FLOP/s")
+    for precision, rate in p.cluster.flops_by_precision:
+        out.append(f"    flops {precision} = {_num(rate)} FLOP/s")
     if p.cluster.memory is not None:
         out.append(f"    memory = {_num(p.cluster.memory)} B")
     if p.cluster.cores is not None:   # `per cluster` (None) reads back as a level named `cluster`, if one is
@@ -93,11 +102,13 @@ def to_text(p: ir.Program) -> str:
         ref = getattr(p, kind)
         if ref is not None:
             out.append(f'  {kind} "{ref.path}:{ref.function}"')
-    pipe_auto = p.stage_mode is ir.StageMode.PIPE_AXIS and any(s.auto_layers for s in p.stages)
+    # stages = auto(N) has no stage lines: a stage's `recompute` needs its `layers auto` line
+    pipe_auto = (p.stage_mode is ir.StageMode.PIPE_AXIS and any(s.auto_layers for s in p.stages)
+                 and not any(s.recompute for s in p.stages))
     if pipe_auto:
         out.append(f"  stages = auto({len(p.stages)})")
     for s in p.stages:
-        if p.stage_mode is ir.StageMode.PIPE_AXIS and (s.layers is None or pipe_auto):
+        if p.stage_mode is ir.StageMode.PIPE_AXIS and ((s.layers is None and not s.auto_layers) or pipe_auto):
             continue
         line = f"  stage {s.index}"
         if s.auto_layers:
@@ -107,6 +118,8 @@ def to_text(p: ir.Program) -> str:
         if s.first_device is not None:
             dims = ", ".join(f"{n} = {m}" for n, m in zip(s.mesh_axes, s.mesh_shape))
             line += f" on devices {s.first_device}..{s.first_device + len(s.explicit_devices)} as ({dims})"
+        if s.recompute:
+            line += " recompute"
         out.append(line)
     for t in p.transfers:   # an omitted type or spec (measured / derived at compile time) stays omitted
         layer = f" layer {t.src_layer}" if t.src_layer is not None else ""
@@ -131,11 +144,17 @@ def to_text(p: ir.Program) -> str:
     out.append(f"  resharding {{ strategy = {rs.strategy}, chunks = {rs.chunks}, schedule = {sched} }}")
     out.append(f"  synthesis {{ max_size = {p.synthesis.max_size}, collectives = [{', '.join(map(str, p.synthesis.collectives))}] }}")
     t = p.train
-    opt_args = ", ".join([f"lr = {_num(t.optimizer.lr)}"] + [f"{k} = {_num(v)}" for k, v in t.optimizer.params])
+    opt_args = ", ".join([f"lr = {_num(t.optimizer.lr)}"] + [f"{k} = {_arg(v)}" for k, v in t.optimizer.params])
     out.append("  train {")
     out.append(f"    micro_batch = {t.micro_batch}, micro_batches = {t.micro_batches}, steps = {t.steps}")
     out.append(f"    schedule = {t.schedule}, optimizer = {t.optimizer.name}({opt_args})")
-    out.append(f"    precision = {t.precision}, seed = {t.seed}")
+    ls = t.lr_schedule
+    out.append("    lr_schedule = " + (str(ls.name) if ls.name == "constant" else
+                                       f"{ls.name}(warmup = {ls.warmup}, total = {ls.total}, "
+                                       f"min_ratio = {_num(ls.min_ratio)})"))
+    out.append(f"    precision = {t.precision}, zero = {t.zero}, recompute = {t.recompute}, seed = {t.seed}")
+    if t.clip is not None:
+        out.append(f"    clip = {_num(t.clip)}")
     if t.timeout is not None:
         out.append(f"    timeout = {_num(t.timeout)} s")
     if t.save_every is not None:
@@ -152,8 +171,9 @@ def summary(p: ir.Program) -> str:
     lines = [f"{p.name}: ok ({p.source_path})"]
     lines.append(f"  devices    {c.devices} on {c.num_hosts} host(s) of {c.devices_per_host} "
                  f"({' x '.join(f'{l.name} {l.fanout}' for l in c.levels)}; host = {c.host_level})")
-    if c.flops is not None or c.memory is not None:
+    if c.flops is not None or c.memory is not None or c.flops_by_precision:
         each = [f"{c.flops / 1e12:g} TFLOP/s" if c.flops is not None else None,
+                *(f"{rate / 1e12:g} TFLOP/s in {precision}" for precision, rate in c.flops_by_precision),
                 f"{c.memory / 1e9:g} GB memory" if c.memory is not None else None]
         lines.append(f"  device     {', '.join(x for x in each if x)} each")
     if c.cores is not None:
@@ -169,7 +189,8 @@ def summary(p: ir.Program) -> str:
         layers = (f"layers {s.layers[0]}..{s.layers[1]}" if s.layers else "layers auto (cut at compile time)"
                   if s.auto_layers else "all layers" if p.model else "no layers")
         where = f" on devices {s.explicit_devices[0]}..{s.explicit_devices[-1] + 1} as {s.mesh_shape}" if s.explicit_devices else ""
-        lines.append(f"  stage {s.index}    {layers}, {n} device(s){where}, mesh axes ({', '.join(s.mesh_axes)})")
+        again = ", recomputes its forward" if s.recompute or p.train.recompute is ir.Recompute.FULL else ""
+        lines.append(f"  stage {s.index}    {layers}, {n} device(s){where}, mesh axes ({', '.join(s.mesh_axes)}){again}")
     for t in p.transfers:
         ttype = f"{t.dtype}{list(t.shape)}" if t.shape is not None else "(type measured on the model)"
         src = t.src_spec if t.src_spec is not None else "derived"

@@ -11,6 +11,7 @@ reported with the checker's errors.
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from functools import cache
 
 import lark
@@ -223,7 +224,15 @@ class _ToAst(Transformer):
         levels: list[ast.LevelDecl] = []
         host = None
         device: dict[str, object] = {}   # flops, memory, cores (its value and the `per` name)
+        by_precision: dict[str, tuple[ast.Name, object]] = {}   # `flops bf16 = ...`
         for it in items:
+            if isinstance(it, tuple) and it and it[0] == "flops_at":
+                _, name, value, span = it
+                if name.value in by_precision:   # the first one stands
+                    self.found.append(Diagnostic(f"'flops {name.value}' is set twice in this cluster", span))
+                else:
+                    by_precision[name.value] = (name, value)
+                continue
             if isinstance(it, tuple) and it and it[0] in ("flops", "memory", "cores"):
                 key, value, span = it
                 if key in device:   # the first one stands
@@ -247,7 +256,7 @@ class _ToAst(Transformer):
                 host = it
         cores, per = device.get("cores", (None, None))
         return ast.ClusterBlock(tuple(levels), host, None, self._span(meta), device.get("flops"),
-                                device.get("memory"), cores, per)
+                                device.get("memory"), cores, per, tuple(by_precision.values()))
 
     def cluster_file(self, meta, path):
         return ast.ClusterBlock((), None, self._str(path), self._span(meta))
@@ -264,8 +273,10 @@ class _ToAst(Transformer):
     def host(self, meta, name):
         return self._name(name)
 
-    def cluster_flops(self, meta, value):
-        return ("flops", value, self._span(meta))
+    def cluster_flops(self, meta, *rest):
+        if len(rest) == 2:   # `flops bf16 = ...`: one precision's
+            return ("flops_at", self._name(rest[0]), rest[1], self._span(meta))
+        return ("flops", rest[0], self._span(meta))
 
     def cluster_memory(self, meta, value):
         return ("memory", value, self._span(meta))
@@ -302,21 +313,27 @@ class _ToAst(Transformer):
         return ast.CodeBlock("data", self._str(path), (), self._span(meta))
 
     # -- stages
-    def stage_layers(self, meta, index, layers, placement=None):
+    def stage_layers(self, meta, index, layers, *rest):
+        placement = next((r for r in rest if isinstance(r, tuple)), None)
+        recompute = next((r for r in rest if isinstance(r, _Recompute)), None)
         devices, mesh = placement if placement else (None, ())
-        if isinstance(layers, Span):   # `layers auto`
-            return ast.StageDecl(self._num(index), None, devices, mesh, self._span(meta), layers)
-        return ast.StageDecl(self._num(index), layers, devices, mesh, self._span(meta))
+        auto = layers if isinstance(layers, Span) else None   # `layers auto`
+        return ast.StageDecl(self._num(index), None if auto else layers, devices, mesh, self._span(meta), auto,
+                             recompute.span if recompute else None)
 
     def layers_auto(self, meta):
         return self._span(meta)
 
+    def recompute(self, meta):
+        return _Recompute(self._span(meta))
+
     def stages(self, meta, count=None):
         return ast.StagesAuto(self._num(count) if count is not None else None, self._span(meta))
 
-    def stage_bare(self, meta, index, placement):
+    def stage_bare(self, meta, index, placement, recompute=None):
         devices, mesh = placement
-        return ast.StageDecl(self._num(index), None, devices, mesh, self._span(meta))
+        return ast.StageDecl(self._num(index), None, devices, mesh, self._span(meta),
+                             recompute=recompute.span if recompute else None)
 
     def placement(self, meta, devices, *dims):
         return (devices, tuple(dims))
@@ -424,6 +441,16 @@ class _ToAst(Transformer):
 
     def list(self, meta, *items):
         return ast.ListValue(tuple(items), self._span(meta))
+
+    def tuple_value(self, meta, *items):
+        return ast.TupleValue(tuple(items), self._span(meta))
+
+
+@dataclass(frozen=True, slots=True)
+class _Recompute:
+    """A stage line's trailing ``recompute`` (a Span alone would read as ``layers auto``)."""
+
+    span: Span
 
 
 def parse_collecting(text: str, file: str = "<plan>") -> tuple[ast.PlanFile, tuple[Diagnostic, ...]]:

@@ -18,7 +18,7 @@ from planc.span import Span
 __all__ = ["unit_typo", "enum_typo", "keyword_hint"]
 
 
-_QUANTITY = re.compile(r"(?:\b(bandwidth|latency|flops|memory)\s*=?\s*)?\d[\d.]*(?:[eE][+-]?\d+)?\s*([A-Za-z/][^\s,}#]*)")
+_QUANTITY = re.compile(r"(?:\b(bandwidth|latency|flops|memory)(?:\s+(?:fp32|bf16|fp16))?\s*=?\s*)?\d[\d.]*(?:[eE][+-]?\d+)?\s*([A-Za-z/][^\s,}#]*)")
 _KIND_OF_KEY = {"bandwidth": "bandwidth", "latency": "time", "flops": "FLOP rate", "memory": "size"}
 
 

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 from planc import ir
-from planc.plan import Backend, InHost, Precision
+from planc.plan import Backend, InHost, Precision, Recompute
 
 __all__ = ["ENUM_SETTINGS"]
 
 ENUM_SETTINGS: dict[str, tuple[str, ...]] = {
     "schedule": tuple(s.value for s in ir.PipeSchedule),
     "precision": tuple(p.value for p in Precision),
+    "recompute": tuple(r.value for r in Recompute),
     "strategy": tuple(s.value for s in ir.Strategy),
     "backend": tuple(b.value for b in Backend),
     "in_host": tuple(h.value for h in InHost),

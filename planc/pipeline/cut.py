@@ -32,8 +32,11 @@ from typing import Iterable, Sequence
 
 from planc import ir
 from planc.lang.errors import Diagnostic, PlanError
+from planc.pipeline.memory import StageMemory, layer_bytes, optimizer_states, recomputes
+from planc.pipeline.schedules import peak_in_flight
 
-__all__ = ["cut_layers", "layer_costs", "stage_speeds", "apply_auto_stages"]
+__all__ = ["cut_layers", "layer_costs", "stage_speeds", "apply_auto_stages", "memory_allowed", "cut_memory",
+           "more_stages_fit"]
 
 
 def _integers(values: Sequence[Fraction]) -> list[int]:
@@ -45,7 +48,7 @@ def _integers(values: Sequence[Fraction]) -> list[int]:
 
 
 def cut_layers(layer_costs: Sequence[float], n: int, *, speeds: Sequence[float] | None = None,
-               holds: Iterable[tuple[int, int]] = ()) -> list[tuple[int, int]]:
+               holds: Iterable[tuple[int, int]] = (), allowed=None) -> list[tuple[int, int]]:
     """Cut ``len(layer_costs)`` layers into ``n`` contiguous, non-empty half-open ranges ``(a, b)``.
 
     Minimises ``max_s sum(layer_costs[a_s:b_s]) / speeds[s]`` (``speeds`` default all 1) exactly
@@ -53,7 +56,9 @@ def cut_layers(layer_costs: Sequence[float], n: int, *, speeds: Sequence[float] 
     lexicographically smallest (the earliest cut). ``holds``: ``(stage, layer)`` pairs, each
     requiring that stage to contain that layer. Dynamic programming over (stage, first layer),
     O(n · L²) at worst. ``ValueError`` when no cut exists (``n`` outside ``1..L``, a negative or
-    non-finite cost or speed, unsatisfiable ``holds``).
+    non-finite cost or speed, unsatisfiable ``holds``). ``allowed(s, a, b)``: whether stage ``s`` may
+    hold layers ``a..b`` (the memory limit, :func:`memory_allowed`); the cut is optimal among those
+    whose every stage is allowed.
     """
     L = len(layer_costs)
     if n < 1 or n > L:
@@ -112,7 +117,7 @@ def cut_layers(layer_costs: Sequence[float], n: int, *, speeds: Sequence[float] 
                 if best is not None and t > best:
                     break   # a stage only grows with b
                 rest = nxt[b]
-                if rest is None:
+                if rest is None or (allowed is not None and not allowed(s, a, b)):
                     continue
                 v = t if t > rest else rest
                 if best is None or v < best:
@@ -121,13 +126,15 @@ def cut_layers(layer_costs: Sequence[float], n: int, *, speeds: Sequence[float] 
     target = suf[0][0]
     if target is None:
         raise ValueError("no cut satisfies the pinned layers " + ", ".join(f"(stage {t}, layer {l})"
-                                                                          for t, l in holds))
+                                                                          for t, l in holds)
+                         + (" within the memory limit" if allowed is not None else ""))
     out, a = [], 0
     for s in range(n):
         w = weight[s]
         for b in range(max(a + 1, lo_b[s]), hi_b[s] + 1):
             rest = suf[s + 1][b]
-            if rest is not None and rest <= target and (prefix[b] - prefix[a]) * w <= target:
+            if (rest is not None and rest <= target and (prefix[b] - prefix[a]) * w <= target
+                    and (allowed is None or allowed(s, a, b))):
                 out.append((a, b))
                 a = b
                 break
@@ -193,6 +200,98 @@ def _layers_text(idx: list[int]) -> str:
     return ("layer " if len(idx) == 1 else "layers ") + ", ".join(map(str, idx))
 
 
+# ---------------------------------------------------------------- the memory limit
+
+def cut_memory(program: ir.Program, probe, cut, meshes=None) -> list[StageMemory]:
+    """The memory model (``planc.pipeline.memory``) of each stage of ``cut`` (``(a, b)`` per stage, index
+    order), as the compiled plan will have it for a chain: a stage's received input is the previous
+    layer's output. ``meshes``: per stage its mesh (default the program's stages')."""
+    stages = sorted(program.stages, key=lambda s: s.index)
+    meshes = meshes or [program.stage_mesh(s.index) for s in stages]
+    t = program.train
+    out = []
+    for i, (a, b) in enumerate(cut):
+        tensor, data = ir.axis_size(meshes[i], ir.MeshAxis.TENSOR), ir.axis_size(meshes[i], ir.MeshAxis.DATA)
+        try:
+            counts = probe.params_per_device(tensor)
+        except KeyError:
+            counts = probe.layer_params
+        index = stages[i].index if i < len(stages) else i
+        out.append(StageMemory(index, sum(counts[a:b]), data, t.micro_batch,
+                               sum(layer_bytes(probe, j, t.precision) for j in range(a, b)),
+                               layer_bytes(probe, a - 1, t.precision) if a > 0 else 0, t.precision,
+                               optimizer_states(t.optimizer), t.zero,
+                               recomputes(program, index) if i < len(stages) else t.recompute is ir.Recompute.FULL))
+    return out
+
+
+def _in_flight_schedule(program: ir.Program) -> ir.PipeSchedule:
+    """The schedule a cut must fit under: the pinned one, for ``auto`` the fewest in flight (1f1b)."""
+    s = program.train.schedule
+    return ir.PipeSchedule.ONE_F_ONE_B if s is ir.PipeSchedule.AUTO else s
+
+
+def memory_allowed(program: ir.Program, probe, n: int, meshes=None):
+    """``allowed(s, a, b)`` for :func:`cut_layers`: stage ``s`` of ``n`` holding layers ``a..b`` fits
+    ``cluster.memory`` under the schedule (:func:`_in_flight_schedule`) by the memory model; None
+    without a limit or a training plan."""
+    limit = program.cluster.memory
+    if limit is None or program.train is None or program.model is None:
+        return None
+    schedule, B = _in_flight_schedule(program), program.train.micro_batches
+    cache: dict = {}
+
+    def allowed(s: int, a: int, b: int) -> bool:
+        key = (s, a, b)
+        if key not in cache:
+            stages = [(0, 0)] * s + [(a, b)]
+            m = cut_memory(program, probe, stages, meshes)[s] if meshes else _one(program, probe, s, a, b)
+            cache[key] = m.total(peak_in_flight(schedule, n, s, B)) <= limit
+        return cache[key]
+    return allowed
+
+
+def _one(program, probe, s, a, b) -> StageMemory:
+    stages = sorted(program.stages, key=lambda x: x.index)
+    cut = [(0, 0)] * s + [(a, b)]
+    return cut_memory(program, probe, cut, [program.stage_mesh(x.index) for x in stages[:s + 1]])[s]
+
+
+def more_stages_fit(program: ir.Program, probe):
+    """For a plan whose stages planc cuts (``stages = auto(N)``, every stage on one mesh with a ``data``
+    axis) and a memory limit: ``more(ok)``, ``(N', data')``: the smallest ``N' > N`` for which the same
+    devices, ``data`` scaled to ``data x N / N'`` (a whole number), hold a cut that fits the limit and
+    that ``ok`` (a predicate on the cut's memory, ``planc.pipeline.fit``) accepts; None otherwise."""
+    if (probe is None or program.cluster.memory is None or program.train is None
+            or not program.stages or not all(s.auto_layers for s in program.stages)):
+        return None
+    meshes = [program.stage_mesh(s.index) for s in program.stages]
+    if meshes[0] is None or len(set(meshes)) != 1 or ir.MeshAxis.DATA not in meshes[0][1]:
+        return None
+    shape, axes = meshes[0]
+    at = axes.index(ir.MeshAxis.DATA)
+    L, n = len(probe.layer_params), len(program.stages)
+    costs = layer_costs(probe, program.train.micro_batch)[0]
+
+    def more(ok):
+        for k in range(n + 1, L + 1):
+            if (shape[at] * n) % k:
+                continue
+            data = shape[at] * n // k
+            if program.train.micro_batch % data:
+                continue
+            mesh = (shape[:at] + (data,) + shape[at + 1:], axes)
+            allowed = memory_allowed(program, probe, k, [mesh] * k)
+            try:
+                cut = cut_layers(costs, k, allowed=allowed)
+            except ValueError:
+                continue
+            if ok(cut_memory(program, probe, cut, [mesh] * k)):
+                return k, data
+        return None
+    return more
+
+
 def apply_auto_stages(program: ir.Program, probe) -> tuple[ir.Program, str]:
     """The program with every ``auto`` stage's layer range cut (``ir.Stage.auto_layers`` stays set),
     and the reason, for ``planc explain``. A program without auto stages comes back unchanged with
@@ -232,11 +331,20 @@ def apply_auto_stages(program: ir.Program, probe) -> tuple[ir.Program, str]:
     costs, by_params, free = layer_costs(probe, program.train.micro_batch)
     speeds = stage_speeds(program, probe)
     try:
-        cut = cut_layers(costs, n, speeds=speeds, holds=holds)
+        fastest = cut_layers(costs, n, speeds=speeds, holds=holds)
     except ValueError:
         pins = ", ".join(f"layer {l} in stage {s}" for s, l in holds)
         raise PlanError(Diagnostic(f"no cut of the model's {L} layers into {n} stages keeps what the transfers pin "
                                    f"({pins})", at)) from None
+    allowed = memory_allowed(program, probe, n) if program.train is not None else None
+    cut, memory_note = fastest, None
+    if allowed is not None and not all(allowed(i, a, b) for i, (a, b) in enumerate(fastest)):
+        try:   # the fastest cut does not fit the memory: the fastest of those that do
+            cut = cut_layers(costs, n, speeds=speeds, holds=holds, allowed=allowed)
+            memory_note = (f"memory = {program.cluster.memory:g} B shaped the cut: the fastest, "
+                           f"{' | '.join(f'{a}..{b}' for a, b in fastest)}, does not fit")
+        except ValueError:   # none fits: the fastest, and the schedule pass says what would fit
+            memory_note = "no cut into this many stages fits memory: cut by compute alone"
     new = tuple(dataclasses.replace(s, layers=cut[i]) for i, s in enumerate(stages))
     per_device = [sum(costs[a:b]) / speeds[i] for i, (a, b) in enumerate(cut)]
     slowest = max(range(n), key=lambda i: per_device[i])
@@ -259,4 +367,6 @@ def apply_auto_stages(program: ir.Program, probe) -> tuple[ir.Program, str]:
         parts.append(f"FLOPs not counted for {probe.flop_errors[0]}")
     if holds:
         parts.append("pinned by transfers: " + ", ".join(f"layer {l} in stage {s}" for s, l in sorted(set(holds))))
+    if memory_note:
+        parts.append(memory_note)
     return dataclasses.replace(program, stages=new), "; ".join(parts)

@@ -1,20 +1,43 @@
-"""One device's memory under a pipeline schedule, estimated: what certainly stays.
+"""The memory model: one device's bytes per stage, by part, in the plan's dtypes (docs/memory.md).
 
-``stage_memory`` gives, per stage, the static bytes (parameters, gradients and optimizer state) and
-the activation bytes one micro-batch leaves until its backward; ``planc.pipeline.choose`` weighs them
-against ``cluster.memory`` (its module docstring has the model) and the simulator's input
-(``planc.pipeline.siminput``) carries the activations of each stage.
+:func:`stage_memory` gives, per stage, a :class:`StageMemory`: what one device of the stage (its
+largest) holds of parameters, gradients and optimizer state, and the activation bytes one micro-batch
+slice leaves on it. :meth:`StageMemory.parts` adds the activations of ``k`` micro-batches in flight
+(the schedule's bound, :func:`planc.pipeline.schedules.peak_in_flight`) and gives the five figures
+plan.json writes as ``pipeline.stages[i].memory``; ``planc.pipeline.choose`` weighs their total against
+``cluster.memory`` and ``planc.pipeline.cut`` cuts the layers so that every stage fits.
+
+Per device of a stage holding ``P`` parameters (its tensor-parallel shard of the stage's layers),
+data degree ``d``, ``p`` bytes per element of the precision (fp32 4, bf16/fp16 2):
+
+* parameters ``P x p``;
+* gradients ``P x 4``: the runtime accumulates over the micro-batches and reduces in fp32;
+* optimizer ``(4 s + m) x P'``: ``s`` fp32 states per parameter (sgd with momentum 1, without 0; adam and
+  adamw 2), ``m`` = 4 for bf16/fp16's fp32 master copy (0 in fp32 plans); ``P' = ceil(P / d)`` with
+  ``zero = 1`` (ZeRO-1 shards master weights and optimizer state over the data group), else ``P``;
+* activations of ``k`` micro-batches in flight: ``k x (I + O)``, or with the stage's ``recompute``
+  ``k x I + O``, where ``I`` are the bytes of the stage's received inputs and ``O`` of every tensor its
+  layers return, for one micro-batch slice (``micro_batch / d`` rows) in the precision's dtype (float
+  tensors at ``p`` bytes an element, others at their own): a recomputing stage keeps only its inputs
+  per micro-batch in flight, plus the full activations of the one micro-batch it recomputes.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from dataclasses import dataclass
 
 from planc import ir
 
-__all__ = ["PRECISION_BYTES", "degree", "stage_memory"]
+__all__ = ["PRECISION_BYTES", "GRADIENT_BYTES", "FLOAT_DTYPES", "PARTS", "StageMemory", "degree", "stage_memory",
+           "recomputes", "optimizer_states", "activation_itemsize", "layer_bytes", "saved"]
 
 PRECISION_BYTES = {ir.Precision.FP32: 4, ir.Precision.FP16: 2, ir.Precision.BF16: 2}
+GRADIENT_BYTES = 4   # fp32 accumulation buffers, whatever the precision
+STATE_BYTES = 4      # optimizer states and the master copy are fp32
+FLOAT_DTYPES = frozenset({"f64", "f32", "f16", "bf16"})
+PARTS = ("parameters", "gradients", "optimizer", "activations", "total")
 
 
 def degree(program: ir.Program, st, axis: str) -> int:
@@ -24,46 +47,158 @@ def degree(program: ir.Program, st, axis: str) -> int:
     return ir.axis_size(program.stage_mesh(st.index), axis)
 
 
-def _optimizer_states(opt: ir.Optimizer) -> int:
-    if opt.name == "adam":
+def optimizer_states(opt: ir.Optimizer) -> int:
+    """fp32 states per parameter: adam and adamw 2 (the moments), sgd 1 with momentum > 0, else 0."""
+    if opt.name in ("adam", "adamw"):
         return 2
-    return 1 if dict(opt.params).get("momentum", 0.0) else 0
+    return 1 if float(dict(opt.params).get("momentum", 0.0) or 0.0) > 0 else 0
 
 
-def _layer_bytes(probe, i: int) -> int:
-    if i < len(probe.layer_output_bytes) and probe.layer_output_bytes[i] is not None:
-        return probe.layer_output_bytes[i]
-    shape = probe.layer_shapes[i] if i < len(probe.layer_shapes) else None
+def recomputes(program: ir.Program, index: int) -> bool:
+    """Whether stage ``index`` recomputes: its own ``recompute`` if written, else the train block's
+    (as ``planc.assemble.train_record`` writes plan.json's ``train.recompute``)."""
+    try:
+        own = program.stage(index).recompute
+    except KeyError:
+        own = None
+    return own if own is not None else program.train.recompute is ir.Recompute.FULL
+
+
+def activation_itemsize(dtype: str | None, precision: ir.Precision) -> int | None:
+    """Bytes of one element of an activation of ``dtype`` in a plan of ``precision``: float tensors are
+    held in the precision's dtype, others in their own (None: unknown dtype)."""
+    if dtype in FLOAT_DTYPES:
+        return PRECISION_BYTES[precision]
+    return ir.DTYPE_BYTES.get(dtype)
+
+
+def layer_bytes(probe, i: int, precision: ir.Precision) -> int:
+    """Bytes of what layer ``i`` returns for the whole micro-batch, in the plan's dtypes (the probe
+    runs the model in fp32; every tensor a layer returns is taken in its first tensor's dtype)."""
     dtype = probe.layer_dtypes[i] if i < len(probe.layer_dtypes) else None
-    if shape is None or dtype not in ir.DTYPE_BYTES:
+    size = activation_itemsize(dtype, precision)
+    measured = probe.layer_output_bytes[i] if i < len(probe.layer_output_bytes) else None
+    if measured is not None:
+        own = ir.DTYPE_BYTES.get(dtype)
+        return measured * size // own if size and own else measured
+    shape = probe.layer_shapes[i] if i < len(probe.layer_shapes) else None
+    if shape is None or size is None:
         return 0
-    return math.prod(shape) * ir.DTYPE_BYTES[dtype]
+    return math.prod(shape) * size
 
 
-def _transfer_bytes(t: ir.Transfer, probe) -> int:
-    if t.shape is not None and t.dtype is not None:
-        return t.nbytes
-    m = probe.measured(t.name)
-    if m is None or m.shape is None or m.dtype not in ir.DTYPE_BYTES:
-        return 0
-    return math.prod(m.shape) * ir.DTYPE_BYTES[m.dtype]
+def _transfer_bytes(t: ir.Transfer, probe, precision: ir.Precision) -> int:
+    shape, dtype = t.shape, t.dtype
+    if shape is None or dtype is None:
+        m = probe.measured(t.name)
+        if m is None or m.shape is None:
+            return 0
+        shape, dtype = m.shape, m.dtype
+    size = activation_itemsize(dtype, precision)
+    return math.prod(shape) * size if size else 0
 
 
-def stage_memory(program: ir.Program, stages, probe) -> list[tuple[int, float, float]]:
-    """Per stage (index order): ``(index, static bytes, activation bytes per micro-batch)`` of one device
-    (see ``planc.pipeline.choose``'s docstring)."""
-    ordered = sorted(stages, key=lambda s: s.index)
+@dataclass(frozen=True, slots=True)
+class StageMemory:
+    """What one device of a stage holds: ``params`` parameters (its tensor shard of the stage's layers),
+    and for one whole micro-batch of ``micro_batch`` rows the bytes of the layers' outputs and of the
+    stage's received inputs, in the plan's dtypes; ``data`` the stage's data degree (its rows split
+    over it). The settings that size the parts are kept so a what-if (:meth:`with_`) is one replace."""
+
+    stage: int
+    params: int
+    data: int
+    micro_batch: int
+    outputs: int            # the whole micro-batch's layer outputs, bytes
+    inputs: int             # the whole micro-batch's received inputs, bytes
+    precision: ir.Precision
+    states: int
+    zero: int = 0
+    recompute: bool = False
+
+    def with_(self, **changes) -> "StageMemory":
+        """The same stage under other settings (``zero``, ``recompute``, ``micro_batch``: the activation
+        bytes scale with the rows, as the probe's shapes do)."""
+        m = changes.get("micro_batch", self.micro_batch)
+        if m != self.micro_batch:
+            changes.update(outputs=self.outputs * m // self.micro_batch, inputs=self.inputs * m // self.micro_batch)
+        return dataclasses.replace(self, **changes)
+
+    def _slice(self, whole: int) -> int:
+        """One device's share of a whole micro-batch's bytes: its rows, ``ceil(micro_batch / data)``."""
+        rows = -(-self.micro_batch // max(self.data, 1))
+        return -(-whole * rows // max(self.micro_batch, 1))
+
+    @property
+    def slice_outputs(self) -> int:
+        return self._slice(self.outputs)
+
+    @property
+    def slice_inputs(self) -> int:
+        return self._slice(self.inputs)
+
+    @property
+    def parameters(self) -> int:
+        return self.params * PRECISION_BYTES[self.precision]
+
+    @property
+    def gradients(self) -> int:
+        return self.params * GRADIENT_BYTES
+
+    @property
+    def optimizer(self) -> int:
+        master = STATE_BYTES if self.precision is not ir.Precision.FP32 else 0
+        held = -(-self.params // self.data) if self.zero else self.params
+        return (self.states * STATE_BYTES + master) * held
+
+    @property
+    def static(self) -> int:
+        return self.parameters + self.gradients + self.optimizer
+
+    def activations(self, in_flight: int) -> int:
+        """Activation bytes with ``in_flight`` micro-batches whose forward ran and backward has not."""
+        if self.recompute:
+            return in_flight * self.slice_inputs + self.slice_outputs
+        return in_flight * (self.slice_inputs + self.slice_outputs)
+
+    def total(self, in_flight: int) -> int:
+        return self.static + self.activations(in_flight)
+
+    def parts(self, in_flight: int) -> dict:
+        """plan.json's ``pipeline.stages[i].memory``: bytes per device by part, and their total."""
+        act = self.activations(in_flight)
+        return {"parameters": self.parameters, "gradients": self.gradients, "optimizer": self.optimizer,
+                "activations": act, "total": self.static + act}
+
+
+def saved(m: StageMemory, in_flight: int) -> dict:
+    """What the stage's ``zero = 1`` and ``recompute`` save against the same stage without them (bytes
+    per device; only those it uses)."""
+    out = {}
+    if m.zero:
+        out["zero"] = m.with_(zero=0).optimizer - m.optimizer
+    if m.recompute:
+        out["recompute"] = m.with_(recompute=False).activations(in_flight) - m.activations(in_flight)
+    return out
+
+
+def stage_memory(program: ir.Program, stages, probe) -> tuple[StageMemory, ...]:
+    """Per stage (index order) the memory model of its largest device (module docstring): ``stages``
+    are the placed ``ir.StageLayout``s or the program's ``ir.Stage``s with their layer ranges cut."""
+    train = program.train
+    precision = train.precision
     n = len(probe.layer_params)
-    per_param = PRECISION_BYTES[program.train.precision] * (2 + _optimizer_states(program.train.optimizer))
     out = []
-    for st in ordered:
+    for st in sorted(stages, key=lambda s: s.index):
         a, b = st.layers if st.layers is not None else (0, n)
         tensor = degree(program, st, ir.MeshAxis.TENSOR)
         try:
             params = sum(probe.params_per_device(tensor)[a:b])
         except KeyError:   # not probed at this degree: the unsplit count, an upper bound
             params = sum(probe.layer_params[a:b])
-        act = sum(_layer_bytes(probe, i) for i in range(a, min(b, n)))
-        act += sum(_transfer_bytes(t, probe) for t in program.transfers if t.dst_stage == st.index)
-        out.append((st.index, float(params * per_param), act / degree(program, st, ir.MeshAxis.DATA)))
-    return out
+        outputs = sum(layer_bytes(probe, i, precision) for i in range(a, min(b, n)))
+        inputs = sum(_transfer_bytes(t, probe, precision) for t in program.transfers if t.dst_stage == st.index)
+        out.append(StageMemory(st.index, params, degree(program, st, ir.MeshAxis.DATA), train.micro_batch,
+                               outputs, inputs, precision, optimizer_states(train.optimizer), train.zero,
+                               recomputes(program, st.index)))
+    return tuple(out)

@@ -86,6 +86,8 @@ class PipelinePlan:
     predicted: dict | None = field(default=None, compare=False)   # the simulator's figures (docs/simulator.md)
     # per host, its cross-host sends one at a time in this order: ((host, ((rank, transfer, direction, m), ...)), ...)
     nic_order: tuple = ()
+    # per stage (index order) the memory model's bytes per device by part (planc.pipeline.memory); None: no probe
+    memory: tuple | None = field(default=None, compare=False)
 
     def __post_init__(self):
         if self.micro_batches < 1:
@@ -129,11 +131,19 @@ class PipelinePlan:
 
     def _stage_figures(self) -> list[dict]:
         """PLAN_FORMAT.md's ``pipeline.stages``: per stage the simulated ``busy``, ``bubble`` and
-        ``peak_activation_bytes`` (one device, the stage's worst), from ``predicted``; ``null`` figures
-        where nothing was simulated (no probe, or a plan the runtime cannot train)."""
+        ``peak_activation_bytes`` (one device, the stage's worst), from ``predicted``, and ``memory``: the
+        memory model's bytes per device of its largest device by part (docs/memory.md), with
+        ``memory_saved`` (``zero``, ``recompute``: the bytes each saves) where the stage uses them; ``null`` figures
+        where nothing was simulated (no probe, or a plan the runtime cannot train) or sized (no probe)."""
         sim = {int(st["stage"]): st for st in (self.predicted or {}).get("stages") or ()}
-        return [{"stage": i, **{k: sim.get(i, {}).get(k) for k in ("busy", "bubble", "peak_activation_bytes")}}
-                for i in range(self.num_stages)]
+        mem = self.memory or ()
+        out = []
+        for i in range(self.num_stages):
+            m = dict(mem[i]) if i < len(mem) and mem[i] is not None else None
+            saved = m.pop("saved", None) if m else None
+            out.append({"stage": i, **{k: sim.get(i, {}).get(k) for k in ("busy", "bubble", "peak_activation_bytes")},
+                        "memory": m, **({"memory_saved": dict(saved)} if saved else {})})
+        return out
 
     @staticmethod
     def from_json(data: dict) -> "PipelinePlan":
@@ -145,6 +155,9 @@ class PipelinePlan:
             predicted=data.get("predicted"),
             nic_order=tuple((int(e["host"]), tuple((int(r), str(t), str(d), int(m)) for r, t, d, m in e["sends"]))
                             for e in data.get("nic_order") or ()),
+            memory=(tuple(dict(st["memory"], **({"saved": st["memory_saved"]} if st.get("memory_saved") else {}))
+                          if st.get("memory") else None for st in data["stages"])
+                    if any(st.get("memory") for st in data.get("stages") or ()) else None),
         )
 
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from planc import ir
 from planc.cost.collectives import collective_time
 from planc.cost.network import Network
-from planc.pipeline.memory import PRECISION_BYTES, degree, stage_memory
+from planc.pipeline.memory import GRADIENT_BYTES, PRECISION_BYTES, degree, stage_memory
 from planc.plan import DEFAULT_GRAD_BUCKET_BYTES, DEFAULT_RECV_AHEAD
 
 DEFAULT_FLOPS = 100e12   # FLOP/s of one device when the cluster gives no `flops` (docs/simulator.md)
@@ -24,22 +24,30 @@ BUCKET_BYTES = DEFAULT_GRAD_BUCKET_BYTES        # plan.json runtime.grad_bucket_
 
 @dataclass(frozen=True, slots=True)
 class StageCompute:
-    """One device of a stage, per micro-batch: each layer's forward and backward seconds and gradient
-    bytes (layer order), and the activation bytes the micro-batch leaves until its backward."""
+    """One device of a stage, per micro-batch: each layer's forward and backward seconds (a recomputing
+    stage's backward includes its forward once more) and gradient bytes (fp32: the runtime reduces in
+    fp32), in layer order; the activation bytes one micro-batch holds from its forward until its backward
+    ends (a recomputing stage: only its inputs), the bytes its backward holds on top while it recomputes
+    (``recompute_bytes``), and each layer's parameter bytes in the plan's precision (what ZeRO-1's
+    all-gather moves; empty: as ``grad_bytes``)."""
 
     forward: tuple[float, ...]
     backward: tuple[float, ...]
     grad_bytes: tuple[float, ...]
     activation_bytes: float = 0.0
+    recompute_bytes: float = 0.0
+    param_bytes: tuple[float, ...] = ()
 
     def to_json(self) -> dict:
         return {"layer_forward": list(self.forward), "layer_backward": list(self.backward),
-                "layer_grad_bytes": list(self.grad_bytes), "activation_bytes": self.activation_bytes}
+                "layer_grad_bytes": list(self.grad_bytes), "activation_bytes": self.activation_bytes,
+                "recompute_bytes": self.recompute_bytes, "layer_param_bytes": list(self.param_bytes)}
 
     @staticmethod
     def from_json(d: dict) -> "StageCompute":
         return StageCompute(tuple(map(float, d["layer_forward"])), tuple(map(float, d["layer_backward"])),
-                            tuple(map(float, d["layer_grad_bytes"])), float(d.get("activation_bytes", 0.0)))
+                            tuple(map(float, d["layer_grad_bytes"])), float(d.get("activation_bytes", 0.0)),
+                            float(d.get("recompute_bytes", 0.0)), tuple(map(float, d.get("layer_param_bytes", ()))))
 
 
 def stage_compute(program: ir.Program, stages, probe) -> tuple[tuple[StageCompute, ...], float]:
@@ -49,16 +57,19 @@ def stage_compute(program: ir.Program, stages, probe) -> tuple[tuple[StageComput
     forward when the count gives none); a layer the probe counted 0 for (or did not count: the cluster
     gives no ``flops``) but that holds parameters costs ``2 x parameters x rows`` forward (rows: its
     output's elements over the last dimension), as in ``planc.pipeline.cut``. One device does
-    1 / (data degree x tensor degree) of it (the tensor degree only for models that split over it).
+    1 / (data degree x tensor degree) of it (the tensor degree only for models that split over it), at
+    the cluster's FLOP/s for the plan's precision (``ir.Cluster.flops_for``). A recomputing stage
+    (``recompute``) runs each layer's forward again in its backward.
     A tensor-parallel stage whose all-reduces the probe measured (``probe.tensor_traffic``) adds their
     ring all-reduce times over its tensor groups (``planc.cost.collectives``), spread over its layers
     in proportion to their compute.
     """
-    rate = float(program.cluster.flops or DEFAULT_FLOPS)
+    precision = program.train.precision
+    rate = float(program.cluster.flops_for(precision) or DEFAULT_FLOPS)
     net = Network(program.cluster)
     traffic = {t.stage: (t.forward, t.backward) for t in getattr(probe, "tensor_traffic", ())
                if t.forward or t.backward}
-    memory = {i: act for i, _, act in stage_memory(program, stages, probe)}
+    memory = {m.stage: m for m in stage_memory(program, stages, probe)}
     n = len(probe.layer_params)
     out = []
     for st in sorted(stages, key=lambda s: s.index):
@@ -69,7 +80,8 @@ def stage_compute(program: ir.Program, stages, probe) -> tuple[tuple[StageComput
             params = probe.params_per_device(tensor)
         except KeyError:
             params = probe.layer_params
-        fwd, bwd, grads = [], [], []
+        mem = memory[st.index]
+        fwd, bwd, grads, pbytes = [], [], [], []
         for i in range(a, min(b, n)):
             f = probe.layer_flops[i] if i < len(probe.layer_flops) else None
             if f is not None and f[0] > 0:
@@ -80,14 +92,17 @@ def stage_compute(program: ir.Program, stages, probe) -> tuple[tuple[StageComput
                 ff = 2 * probe.layer_params[i] * rows
                 bf = 2 * ff
             fwd.append(ff / share / rate)
-            bwd.append(bf / share / rate)
-            grads.append(float(params[i] * PRECISION_BYTES[program.train.precision]))
+            bwd.append((bf + (ff if mem.recompute else 0)) / share / rate)
+            grads.append(float(params[i] * GRADIENT_BYTES))
+            pbytes.append(float(params[i] * PRECISION_BYTES[precision]))
         tp = traffic.get(st.index)
         if tp is not None and tensor > 1 and hasattr(st, "position"):   # Megatron's all-reduces block compute
             groups = _tensor_groups(st)
             extra = [sum(collective_time(net, ir.Collective.ALLREDUCE, groups, x) for x in side) for side in tp]
-            fwd, bwd = _spread(fwd, extra[0]), _spread(bwd, extra[1])
-        out.append(StageCompute(tuple(fwd), tuple(bwd), tuple(grads), memory.get(st.index, 0.0)))
+            fwd, bwd = _spread(fwd, extra[0]), _spread(bwd, extra[1] + (extra[0] if mem.recompute else 0.0))
+        held = mem.slice_inputs + (0 if mem.recompute else mem.slice_outputs)
+        out.append(StageCompute(tuple(fwd), tuple(bwd), tuple(grads), float(held),
+                                float(mem.slice_outputs if mem.recompute else 0), tuple(pbytes)))
     return tuple(out), rate
 
 
@@ -132,11 +147,17 @@ class SimTransfer:
 
 @dataclass(frozen=True, slots=True)
 class SimReduction:
-    """One stage's gradient program: ``steps`` (collective, groups of the stage's devices)."""
+    """One stage's reduction program: ``steps`` (collective, groups of the stage's devices). The
+    gradients' (target allreduce or, with ``zero = 1``, reduce_scatter) run in buckets as the last
+    backward fills them; ``after_step``: ZeRO-1's all-gather of the parameters, after the optimizer
+    step, over the stage's parameter bytes. ``held``: per step, the fraction of the buffer each member
+    holds before it (from the program's regions; empty: the whole buffer, then ``held_after``)."""
 
     stage: int
     steps: tuple[tuple[str, tuple[tuple[int, ...], ...]], ...]
     overlapped: bool = True     # False: DeepSpeed's all-reduce, after the last backward
+    after_step: bool = False
+    held: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -184,26 +205,45 @@ def sim_input(cluster: ir.Cluster, stages: list[dict], transfers: list[dict], re
                                _tasks(t.get("backward"), size, cluster)))
     reds = []
     for r in reductions:
-        if r["name"] != "gradients":
+        gather = str(r.get("target", "allreduce")) == "all_gather"
+        if r["name"] != "gradients" and not gather:
             continue
         for k, devs in enumerate(devices):
             if r.get("stage") is not None and r["stage"] != k:
                 continue
             mine = set(devs)
-            if str(r.get("mode")) == "allreduce":
+            if str(r.get("mode")) == "allreduce" and not gather:
                 steps = (("allreduce", tuple(tuple(g) for g in r["groups"] if set(g) <= mine and len(g) > 1)),)
-                overlapped = False
+                held, overlapped = (1.0,), False
             else:
+                prog = r["program"]
                 steps = tuple((st["collective"], tuple(tuple(g) for g in st["groups"] if set(g) <= mine)) for
-                              st in r["program"]["steps"])
-                overlapped = True
-            steps = tuple((c, gs) for c, gs in steps if any(len(g) > 1 for g in gs))
-            if steps:
-                reds.append(SimReduction(k, steps, overlapped))
+                              st in prog["steps"])
+                held, overlapped = _held(prog), True
+            keep = [i for i, (c, gs) in enumerate(steps) if any(len(g) > 1 for g in gs)]
+            if keep:
+                reds.append(SimReduction(k, tuple(steps[i] for i in keep), overlapped, gather,
+                                         tuple(held[i] for i in keep) if held else ()))
     return SimInput(cluster, devices, tuple(compute), tuple(trs), tuple(reds),
                     bucket_bytes=float(runtime.get("grad_bucket_bytes", BUCKET_BYTES)),
                     ahead=int(runtime.get("recv_ahead", RECV_AHEAD)),
                     op_overhead=float(cluster.op_overhead or 0.0), step_overhead=float(cluster.step_overhead or 0.0))
+
+
+def _held(program: dict) -> tuple[float, ...]:
+    """Per step of a plan.json reduction program, the fraction of the buffer each member holds before it:
+    its region's share of the buffer (an all-gather's region is what it gathers: each member holds one
+    piece of it). Empty when a step has no regions (older plan files)."""
+    unit = program.get("unit", 1)
+    out = []
+    for st in program["steps"]:
+        regions = st.get("regions")
+        if not regions or not st["groups"]:
+            return ()
+        a, b = regions[0]
+        frac = (b - a) / unit
+        out.append(frac / len(st["groups"][0]) if st["collective"] == "all_gather" else frac)
+    return tuple(out)
 
 
 def compiled_input(program: ir.Program, stages, probe, reductions, routes):
@@ -220,5 +260,8 @@ def compiled_input(program: ir.Program, stages, probe, reductions, routes):
                               dst={"stage": t.dst_stage}, backward=backward[i].to_json() if backward else None))
     modes = {r.name: str(r.mode) for r in program.reductions}
     reds = [dict(r.to_json(), mode=modes.get(r.name)) for r in reductions]
+    for r, d in zip(reductions, reds):   # ZeRO-1's reduce-scatter and all-gather programs say what they leave
+        if getattr(r, "target", None) is not None:
+            d.setdefault("target", str(r.target))
     st = [{"index": s.index, "devices": sorted(s.devices)} for s in stages]
     return sim_input(program.cluster, st, transfers, reds, compute, program.train.runtime.to_json()), rate

@@ -263,35 +263,13 @@ def _simulate(sim: SimInput, per_stage, free: bool, keep: bool, nic_order: tuple
     # gradient reductions: buckets in backward order, released as the stage's last backward fills them
     red_last: dict[int, int] = {}
     for red in sim.reductions:
+        if red.after_step:
+            continue
         c = sim.compute[red.stage]
-        devs = sim.stage_devices[red.stage]
-        buckets = []      # (bytes, layer whose backward completes it)
-        fill, last_j = 0.0, 0
-        for j in range(len(c.grad_bytes) - 1, -1, -1):
-            left = c.grad_bytes[j]
-            while left > 0:
-                take = min(left, sim.bucket_bytes - fill)
-                fill, left, last_j = fill + take, left - take, j
-                if fill >= sim.bucket_bytes:
-                    buckets.append((fill, j))
-                    fill = 0.0
-        if fill > 0:
-            buckets.append((fill, last_j))
-        last = {d: comp_end[d, len(per_stage[red.stage]) - 1] for d in devs}
-        for bi, (nbytes, j) in enumerate(buckets):
-            held = nbytes
-            for collective, groups in red.steps:
-                coll = ir.Collective(collective)
-                for grp in groups:
-                    if len(grp) < 2:
-                        continue
-                    ready = [(layer_end[d, j] if red.overlapped and (d, j) in layer_end else last[d]) for d in grp]
-                    fl = ring_flows(coll, sorted(grp), held)
-                    lat = step_coefficients(net, coll, [grp])[1]
-                    node = comm(ready + [red_last.get(d) for d in grp], ("reduce", red.stage, bi, collective), fl, lat)
-                    for d in grp:
-                        red_last[d] = node
-                held = held_after(coll, max(len(x) for x in groups), held)
+        last = {d: comp_end[d, len(per_stage[red.stage]) - 1] for d in sim.stage_devices[red.stage]}
+        for bi, (nbytes, j) in enumerate(_buckets(c.grad_bytes, sim.bucket_bytes)):
+            ready = {d: layer_end[d, j] if red.overlapped and (d, j) in layer_end else last[d] for d in last}
+            _program(g, net, comm, red, nbytes, ready, red_last, ("reduce", red.stage, bi))
     # the host NIC order: a host's send k starts when its send k - 1 has finished (all its tasks)
     for _, keys in nic_order:
         for prev, key in zip(keys, keys[1:]):
@@ -306,12 +284,61 @@ def _simulate(sim: SimInput, per_stage, free: bool, keep: bool, nic_order: tuple
             ends[d] = g.add([last, red_last.get(d)] + sends.get(d, []), tag=("end", s, d))
             if sim.step_overhead > 0:   # the optimizer and the step's own time, after the reductions
                 ends[d] = g.add([ends[d]], duration=sim.step_overhead, tag=("step", s, d), pool=pool_of.get(d))
+    # ZeRO-1: each owner's updated parameters all-gathered after the step, in buckets
+    gathered: dict[int, int] = {}
+    for red in sim.reductions:
+        if not red.after_step:
+            continue
+        c = sim.compute[red.stage]
+        ready = {d: ends[d] for d in sim.stage_devices[red.stage]}
+        for bi, (nbytes, _) in enumerate(_buckets(c.param_bytes or c.grad_bytes, sim.bucket_bytes)):
+            _program(g, net, comm, red, nbytes, ready, gathered, ("gather", red.stage, bi))
+    for d, node in gathered.items():
+        ends[d] = g.add([ends[d], node], tag=("end", stage_of[d], d, "gathered"))
     trace = events.run(g, net)
     ready = tuple(sorted((min(trace.start[n] for n in nodes), key) for key, nodes in items.items()))
     iteration = max((trace.finish[e] for e in ends.values()), default=0.0)
     return dataclasses.replace(
         _figures(sim, per_stage, g, trace, iteration, begin, comp_end, comp_nodes, begin_jobs, recv_sources,
                  ends, marks, keep), ready=ready)
+
+
+def _buckets(layer_bytes, bucket: float) -> list[tuple[float, int]]:
+    """``(bytes, layer)`` buckets of ``layer_bytes`` filled last layer first, each with the layer whose
+    backward completes it (the runtime's gradient buckets)."""
+    out = []
+    fill, last_j = 0.0, 0
+    for j in range(len(layer_bytes) - 1, -1, -1):
+        left = layer_bytes[j]
+        while left > 0:
+            take = min(left, bucket - fill)
+            fill, left, last_j = fill + take, left - take, j
+            if fill >= bucket:
+                out.append((fill, j))
+                fill = 0.0
+    if fill > 0:
+        out.append((fill, last_j))
+    return out
+
+
+def _program(g, net, comm, red: SimReduction, nbytes: float, ready: dict, last: dict, tag) -> None:
+    """One bucket of ``nbytes`` through ``red``'s steps: each group's step after its members are
+    ``ready`` and done with their previous one (``last``, updated)."""
+    held = nbytes
+    for k, (collective, groups) in enumerate(red.steps):
+        coll = ir.Collective(collective)
+        if red.held:
+            held = nbytes * red.held[k]
+        for grp in groups:
+            if len(grp) < 2:
+                continue
+            fl = ring_flows(coll, sorted(grp), held)
+            lat = step_coefficients(net, coll, [grp])[1]
+            node = comm([ready[d] for d in grp] + [last.get(d) for d in grp], tag + (collective,), fl, lat)
+            for d in grp:
+                last[d] = node
+        if not red.held:
+            held = held_after(coll, max(len(x) for x in groups), held)
 
 
 def _figures(sim, per_stage, g, trace, iteration, begin, comp_end, comp_nodes, begin_jobs, recv_sources, ends,
@@ -339,8 +366,10 @@ def _figures(sim, per_stage, g, trace, iteration, begin, comp_end, comp_nodes, b
                         got = _job_bytes(g, j, d)
                         events_.append((fin[j], 1, got, 0))
                         events_.append((st[b], 0, -got, 0))
-                else:
-                    events_.append((fin[comp_end[d, i]], 0, -c.activation_bytes, -1))
+                else:   # a recomputing stage holds the micro-batch's activations again while it runs backward
+                    if c.recompute_bytes:
+                        events_.append((st[b], 1, c.recompute_bytes, 0))
+                    events_.append((fin[comp_end[d, i]], 0, -c.activation_bytes - c.recompute_bytes, -1))
             if ops:
                 wait += fin[ends[d]] - fin[comp_end[d, len(ops) - 1]]
             held = k = peak = peak_k = 0.0

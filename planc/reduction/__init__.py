@@ -2,115 +2,41 @@
 
 Entry points: :func:`plan_reductions` (the compiler pass), :func:`plan_reduction`
 (one reduction on explicit groups), :func:`best_time` (cheap, for placement
-ranking) and :func:`reduction_groups` / :func:`stage_reduction_groups`.
-See docs/reduction.md.
+ranking) and :func:`reduction_groups` / :func:`stage_reduction_groups`. With
+``train { zero = 1 }`` the gradients get ZeRO-1's pair of programs instead
+(``zero.plan_zero``: a reduce-scatter of the gradients, an all-gather of the
+parameters). See docs/reduction.md.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from functools import lru_cache
 from typing import Mapping, Sequence
 
-from planc import ir, plan as planfile
-from planc.cost import Network, collective_time, held_after, step_coefficients
-from planc.lang.errors import Diagnostic, PlanError, did_you_mean
-from planc.reduction import check, semantics
-from planc.reduction.hierarchy import (Hierarchy, group_positions, hierarchy_from_matrix,
-                                       matrix_positions)
+from planc import ir
+from planc.cost import Network, collective_time
+from planc.reduction import check
+from planc.reduction.costs import (TIE_ABSOLUTE, TIE_RELATIVE, groups_of as _groups_of,  # noqa: F401
+                                   hierarchy_coefficients as _program_coefficients, lowered as _lowered,
+                                   program_coefficients, rank_programs)
+from planc.reduction.hierarchy import (Hierarchy, hierarchy_from_matrix, layout_for, matrix_positions)
 from planc.reduction.language import parse_program
-from planc.reduction.regions import program_regions
-from planc.reduction.lower import LoweringError, lower, lower_program, resolve
+from planc.reduction.lower import LoweringError, lower_program, resolve
+from planc.reduction.pinned import validate_pinned as _validate_pinned
+from planc.reduction.plan import MAX_ALTERNATIVES, ReductionPlan
 from planc.reduction.synthesize import synthesize
+from planc.reduction.zero import PARAMETERS, plan_zero
 
 __all__ = [
     "ReductionPlan", "plan_reduction", "plan_reductions", "best_time", "reduction_groups",
     "stage_reduction_groups", "Hierarchy", "hierarchy_from_matrix", "synthesize", "parse_program",
     "FLAT_ALLREDUCE", "reduction_bytes", "pinned_time", "rank_programs", "TIE_RELATIVE", "resolve",
-    "program_coefficients",
+    "program_coefficients", "plan_zero", "PARAMETERS",
 ]
 
 Groups = tuple[tuple[int, ...], ...]
 FLAT_ALLREDUCE = (ir.Instruction(ir.Collective.ALLREDUCE, ir.ROOT_LEVEL, ir.FormKind.INSIDE),)
-MAX_ALTERNATIVES = 10
-# Predictions within this relative distance of the cheapest program of their tie class are equal
-# for ranking (the cost model is far coarser; sums of the same terms in another order differ by ulps).
-TIE_RELATIVE = 1e-9
-TIE_ABSOLUTE = 1e-15     # seconds: predictions of zero-byte, zero-latency reductions all tie
-
-
-@dataclass(frozen=True, slots=True)
-class ReductionPlan:
-    """The decision for one reduction; ``to_json`` is its plan.json entry."""
-
-    name: str
-    axes: tuple[str, ...]
-    nbytes: int
-    groups: Groups
-    program: tuple[ir.Instruction, ...]
-    steps: tuple[tuple[ir.Collective, Groups], ...]
-    predicted: float
-    allreduce_predicted: float
-    candidates: int
-    alternatives: tuple[tuple[str, float], ...] = ()
-    hierarchy: Hierarchy = Hierarchy(())
-    per_stage_bytes: tuple[tuple[int, int], ...] | None = None
-    stage: int | None = None     # explicit stages: the stage whose gradients this plan reduces
-
-    def __post_init__(self) -> None:
-        if len(self.alternatives) > MAX_ALTERNATIVES:
-            raise ValueError("at most 10 alternatives")
-        if any(b[1] < a[1] for a, b in zip(self.alternatives, self.alternatives[1:])):
-            raise ValueError(f"reduction plan {self.name!r}: alternatives not in non-decreasing predicted time")
-        why = check.check_program([(str(c), g) for c, g in self.steps], self.groups)
-        if self.groups and why is not None:
-            where = "" if self.stage is None else f" (stage {self.stage})"
-            raise ValueError(f"reduction plan {self.name!r}{where} does not reduce its groups: {why}")
-
-    @property
-    def text(self) -> str:
-        return ir.program_text(self.program)
-
-    def to_json(self) -> dict:
-        out = {"name": self.name}
-        if self.stage is not None:
-            out["stage"] = self.stage
-        unit, regions = program_regions(self.steps, self.groups)   # what the runtime executes
-        out.update({
-            "axes": list(self.axes),
-            "bytes": self.nbytes,
-            "groups": [list(g) for g in self.groups],
-            "program": {
-                "text": self.text,
-                "unit": unit,
-                "steps": [{"collective": str(c), "groups": [list(g) for g in gs],
-                           "regions": [list(r) for r in rs]} for (c, gs), rs in zip(self.steps, regions)],
-                "predicted": self.predicted,
-            },
-        })
-        out.update(self._figures())
-        return out
-
-    def _figures(self) -> tuple[tuple[str, object], ...]:
-        """What plan.json carries beyond the program the runtime runs: the ranking's figures, in order."""
-        out = (("allreduce_predicted", self.allreduce_predicted), ("candidates", self.candidates),
-               ("alternatives", [{"text": t, "predicted": p} for t, p in self.alternatives]),
-               ("hierarchy", [{"name": n, "factor": f} for n, f in self.hierarchy.levels]))
-        if self.per_stage_bytes is not None:
-            out += (("per_stage_bytes", [{"stage": s, "bytes": b} for s, b in self.per_stage_bytes]),)
-        return out
-
-    def record(self, mode: ir.ReductionMode, collectives) -> planfile.Reduction:
-        """The plan file's entry (``planc.plan.Reduction``): the typed steps with their regions
-        (``planc.reduction.regions``); the ranking's figures and the ``collectives`` the synthesis
-        could use in ``extra`` (plan.json carries them; the runtime does not read them)."""
-        unit, regions = program_regions(self.steps, self.groups)
-        steps = tuple(planfile.Step(c, tuple(tuple(g) for g in gs), tuple(tuple(r) for r in rs))
-                      for (c, gs), rs in zip(self.steps, regions))
-        return planfile.Reduction(self.name, tuple(self.axes), self.nbytes, tuple(tuple(g) for g in self.groups),
-                                  self.text, steps, self.predicted, planfile.ReductionMode(mode), unit, self.stage,
-                                  self._figures() + (("collectives", [str(c) for c in collectives]),))
 
 
 # ---------------------------------------------------------------- reduction groups
@@ -146,77 +72,6 @@ def stage_reduction_groups(stages: Sequence[ir.StageLayout], reduction_axes: Seq
 
 # ---------------------------------------------------------------- costs
 
-_STEP_CACHE: dict[tuple, tuple[float, float]] = {}
-_STEP_CACHE_DEVICES = 1 << 22    # bound on the devices listed in the keys (memory)
-_step_cache_devices = 0
-
-
-def _step_coefficients(net: Network, collective: ir.Collective, groups: Groups) -> tuple[float, float]:
-    """:func:`step_coefficients`, cached across matrices by the exact lowered groups.
-
-    Different matrices often lower an instruction to the same groups; the
-    cost depends only on the cluster, the collective and the groups.
-    """
-    global _step_cache_devices
-    key = (net.cluster, collective, groups)
-    hit = _STEP_CACHE.get(key)
-    if hit is None:
-        hit = step_coefficients(net, collective, groups)
-        n = sum(len(g) for g in groups)
-        if _step_cache_devices + n > _STEP_CACHE_DEVICES:
-            _STEP_CACHE.clear()
-            _step_cache_devices = 0
-        _STEP_CACHE[key] = hit
-        _step_cache_devices += n
-    return hit
-
-
-def _program_coefficients(net: Network, hierarchy: Hierarchy, positions, programs, cache: dict
-                          ) -> list[tuple[float, float]]:
-    """Per program ``(a, b)`` with predicted time ``a·S + b`` for S bytes.
-
-    Every cost term is linear in the held size, so one evaluation per
-    instruction (:func:`step_coefficients`, = the times at 1 and 0 bytes)
-    serves every program and every size. An instruction's groups depend only
-    on its slice and form, not on its collective, so they are lowered once
-    per ``(slice, form level, master?)``.
-    """
-    groups_of: dict[tuple, tuple] = cache.setdefault("groups", {})
-
-    def step(instr):
-        s, t = resolve(instr, hierarchy)
-        key = (s, t, instr.form is ir.FormKind.MASTER)
-        groups = groups_of.get(key)
-        if groups is None:
-            groups = groups_of[key] = lower(instr, hierarchy, positions)
-        bw, lat = _step_coefficients(net, instr.collective, groups)
-        return bw, lat, len(groups[0])
-
-    return program_coefficients(programs, step, cache)
-
-
-def program_coefficients(programs, step, memo: dict | None = None) -> list[tuple[float, float]]:
-    """Per program ``(a, b)``, its time ``a·S + b`` for S bytes: over its instructions, each step's
-    bandwidth coefficient times the fraction of S held at that step, plus its latency.
-    ``step(instr)`` gives an instruction's ``(bandwidth coefficient, latency, group size)``; it is
-    called once per instruction (memoised in ``memo``, shared across calls when given)."""
-    memo = {} if memo is None else memo
-    out = []
-    for program in programs:
-        a = b = 0.0
-        frac = 1.0
-        for instr in program:
-            hit = memo.get(instr)
-            if hit is None:
-                hit = memo[instr] = step(instr)
-            bw, lat, k = hit
-            a += frac * bw
-            b += lat
-            frac = held_after(instr.collective, k, frac)
-        out.append((a, b))
-    return out
-
-
 @lru_cache(maxsize=1024)
 def _matrix_costs(cluster: ir.Cluster, matrix, axis_names, reduction_axes, synthesis: ir.Synthesis):
     hier, positions = matrix_positions(cluster, matrix, axis_names, reduction_axes)
@@ -235,27 +90,6 @@ def best_time(cluster: ir.Cluster, matrix: Sequence[Sequence[int]], axis_names: 
     coeffs = _matrix_costs(cluster, tuple(tuple(r) for r in matrix), tuple(axis_names),
                            tuple(reduction_axes), synthesis)
     return min(a * nbytes + b for a, b in coeffs)
-
-
-def _lowered(program, hierarchy: Hierarchy, positions, cache: dict) -> tuple:
-    """:func:`lower_program` with the groups :func:`_program_coefficients` lowered reused from ``cache``."""
-    groups_of = cache.setdefault("groups", {})
-    out = []
-    for instr in program:
-        s, t = resolve(instr, hierarchy)
-        key = (s, t, instr.form is ir.FormKind.MASTER)
-        groups = groups_of.get(key)
-        if groups is None:
-            groups = groups_of[key] = lower(instr, hierarchy, positions)
-        out.append((instr.collective, groups))
-    return tuple(out)
-
-
-def _groups_of(positions) -> Groups:
-    by_gid: dict[int, list[int]] = {}
-    for d, (gid, _) in positions.items():
-        by_gid.setdefault(gid, []).append(d)
-    return tuple(sorted(tuple(sorted(g)) for g in by_gid.values()))
 
 
 @lru_cache(maxsize=4096)
@@ -280,64 +114,7 @@ def pinned_time(cluster: ir.Cluster, matrix: Sequence[Sequence[int]], axis_names
     return None if coeffs is None else coeffs[0] * nbytes + coeffs[1]
 
 
-# ---------------------------------------------------------------- ranking
-
-def rank_programs(programs: Sequence[Sequence[ir.Instruction]], predictions: Sequence[float]
-                  ) -> list[tuple[int, float]]:
-    """``(index, rounded prediction)`` of every program, best first: a total, deterministic order.
-
-    Predictions are rounded to tie classes: the cheapest prediction not yet in a class opens one,
-    and every prediction within ``TIE_RELATIVE`` of it (relative; plus ``TIE_ABSOLUTE``) joins it,
-    with that cheapest prediction as its rounded value. Programs are ordered by rounded
-    prediction, then length (shorter first), then program text. So the order is non-decreasing
-    in the rounded prediction, predictions that differ by float noise always tie (a class spans
-    ``TIE_RELATIVE`` from its cheapest member, not a fixed grid whose boundaries noise can
-    straddle), and a later program's prediction is never below an earlier one's by more than
-    ``TIE_RELATIVE`` of it.
-    """
-    texts = [ir.program_text(p) for p in programs]
-    by_value = sorted(range(len(programs)), key=lambda i: (predictions[i], len(programs[i]), texts[i]))
-    rounded: dict[int, float] = {}
-    lead: float | None = None
-    for i in by_value:
-        p = predictions[i]
-        if lead is None or p > lead + TIE_RELATIVE * abs(lead) + TIE_ABSOLUTE:
-            lead = p
-        rounded[i] = lead
-    order = sorted(range(len(programs)), key=lambda i: (rounded[i], len(programs[i]), texts[i]))
-    return [(i, rounded[i]) for i in order]
-
-
 # ---------------------------------------------------------------- one reduction
-
-def _invalid(reduction: ir.Reduction, reason: str, hint: str | None = None, stage: int | None = None) -> PlanError:
-    where = "" if stage is None else f" on stage {stage}"
-    return PlanError(Diagnostic(f"reduction program for '{reduction.name}' is invalid{where}: {reason}",
-                                reduction.program_span, hint))
-
-
-def _validate_pinned(reduction: ir.Reduction, hierarchy: Hierarchy, positions, groups: Groups,
-                     stage: int | None = None):
-    program = reduction.program or ()
-    if not program:
-        raise _invalid(reduction, "the program is empty", stage=stage)
-    for i, instr in enumerate(program, 1):
-        try:
-            resolve(instr, hierarchy)
-        except LoweringError as e:
-            bad = instr.slice if instr.slice not in hierarchy.names else instr.form_level
-            hint = did_you_mean(bad, hierarchy.names) if bad not in hierarchy.names else None
-            if stage is not None and hint is None:
-                hint = ("every stage runs the pinned program on its own reduction groups; without `using`, "
-                        "planc synthesizes a program for each stage")
-            raise _invalid(reduction, f"step {i} {instr}: {e.reason}", hint, stage) from None
-    try:
-        steps = lower_program(program, hierarchy, positions)
-        semantics.run(steps, groups)
-    except (LoweringError, semantics.SemanticsError) as e:
-        raise _invalid(reduction, e.reason, stage=stage) from None
-    return steps
-
 
 def plan_reduction(cluster: ir.Cluster, reduction: ir.Reduction, groups: Sequence[Sequence[int]],
                    nbytes: int, synthesis: ir.Synthesis = ir.Synthesis(),
@@ -356,17 +133,11 @@ def plan_reduction(cluster: ir.Cluster, reduction: ir.Reduction, groups: Sequenc
     groups = tuple(sorted(tuple(sorted(g)) for g in groups if len(g) > 1))
     net = Network(cluster)
     common = dict(name=reduction.name, axes=tuple(reduction.axes), nbytes=int(nbytes), groups=groups,
-                  per_stage_bytes=per_stage_bytes, stage=stage)
+                  per_stage_bytes=per_stage_bytes, stage=stage, mode=reduction.mode)
     if not groups:  # nothing to reduce (reduction axes of size 1)
         return ReductionPlan(program=(), steps=(), predicted=0.0, allreduce_predicted=0.0,
                              candidates=0, **common)
-    regular = True
-    if layout is None:
-        layout = group_positions(cluster, groups)
-        if layout is None:
-            regular = False
-            layout = (Hierarchy(()), {d: (gid, ()) for gid, g in enumerate(groups) for d in g})
-    hierarchy, positions = layout
+    hierarchy, positions, regular = layout_for(cluster, groups, layout)
     flat_time = collective_time(net, ir.Collective.ALLREDUCE, groups, nbytes)
     common["hierarchy"] = hierarchy
     if reduction.mode is ir.ReductionMode.ALLREDUCE:
@@ -446,18 +217,25 @@ def plan_reductions(program: ir.Program, coords: Sequence[Sequence[int] | None] 
       listed in ``per_stage_bytes``.
 
     Standalone reductions (a declared shape) are one plan each.
+
+    With ``train { zero = 1 }`` every gradients plan above becomes ZeRO-1's pair
+    (``zero.plan_zero``): the ``gradients`` reduce-scatter, then the ``parameters``
+    all-gather over the same groups (per stage for explicit stages).
     """
     cluster = program.cluster
     explicit = program.stage_mode is ir.StageMode.EXPLICIT or coords is None or program.parallel is None
     axis_names = program.parallel.axis_names() if program.parallel is not None else ()
-    out = []
+    out: list[ReductionPlan] = []
+    zero = program.train is not None and program.train.zero == 1
     for red in program.reductions:
+        # ZeRO-1 shards the gradients' optimizer: a reduce-scatter and an all-gather instead of an allreduce
+        plan = plan_zero if zero and red.name == "gradients" and red.shape is None else plan_reduction
         if explicit and red.name == "gradients" and red.shape is None:
             sizes = param_bytes or {}
             for st in sorted(stages, key=lambda s: s.index):
                 groups = stage_reduction_groups((st,), red.axes)
-                out.append(plan_reduction(cluster, red, groups, int(sizes.get(st.index, 0)), program.synthesis,
-                                          stage=st.index))
+                _add(out, plan(cluster, red, groups, int(sizes.get(st.index, 0)), program.synthesis,
+                               stage=st.index))
             continue
         if explicit:
             groups = stage_reduction_groups(stages, red.axes)
@@ -475,5 +253,10 @@ def plan_reductions(program: ir.Program, coords: Sequence[Sequence[int] | None] 
             nbytes = reduction_bytes(red, sizes) or 0
         else:
             nbytes = reduction_bytes(red, None) or 0
-        out.append(plan_reduction(cluster, red, groups, nbytes, program.synthesis, layout, per_stage))
+        _add(out, plan(cluster, red, groups, nbytes, program.synthesis, layout, per_stage))
     return tuple(out)
+
+
+def _add(out: list, planned) -> None:
+    """One plan, or ZeRO-1's pair (gradients then parameters), in that order."""
+    out.extend(planned if isinstance(planned, tuple) else (planned,))

@@ -3,9 +3,12 @@
 It re-implements DESIGN.md's collective semantics on its own terms and shares
 no code with ``semantics.py`` (the synthesizer's state machinery): intervals
 are integers in ``[0, D)`` with ``D`` the product over reduce_scatter steps of the
-lcm of their group sizes (so every cut is exact), contributor sets are int bitmasks. It also
+lcm of their group sizes (times the plan's ``unit`` where owned ranges are given, so every cut
+is exact), contributor sets are int bitmasks. It also
 checks the structural invariants of PLAN_FORMAT.md (groups of a step disjoint,
-members sorted, no one-device groups, no empty step).
+members sorted, no one-device groups, no empty step), the three targets (allreduce,
+reduce_scatter, all_gather: ZeRO-1's two programs) and, for a pair of ZeRO-1 programs
+(:func:`check_pair`), that the all-gather starts where the reduce-scatter's steps end.
 """
 
 from __future__ import annotations
@@ -14,25 +17,50 @@ import math
 from typing import Sequence
 
 _SUMMING = ("allreduce", "reduce_scatter", "reduce")
+_TARGETS = ("allreduce", "reduce_scatter", "all_gather")
 
 
 def check_program(steps: Sequence[tuple[str, Sequence[Sequence[int]]]],
                   reduction_groups: Sequence[Sequence[int]], unit: int | None = None,
-                  regions: Sequence[Sequence[tuple[int, int]]] | None = None) -> str | None:
-    """None if the lowered ``steps`` reduce exactly over ``reduction_groups``; else why not.
+                  regions: Sequence[Sequence[tuple[int, int]]] | None = None, target: str = "allreduce",
+                  owned: Sequence[Sequence[tuple[int, int]]] | None = None) -> str | None:
+    """None if the lowered ``steps`` meet ``target`` on ``reduction_groups``; else why not.
+
+    Targets (DESIGN.md "Collective semantics"): ``allreduce``, every member ends with the whole sum;
+    ``reduce_scatter``, the k members of a group end with one piece each of length 1/k, summed over the
+    group, pairwise disjoint (with ``owned``, per group per member its range in units of ``1/unit``,
+    each member's piece must be exactly that range); ``all_gather``, starting from member r of group g
+    holding ``owned[g][r]`` (required) summed over the group, every member ends with the whole sum.
 
     With ``regions`` (plan.json's, in units of ``1/unit``), also that each step's group works on the
     interval the semantics give it: what its members hold before a summing step, what they hold
     after an all_gather, what the first member holds before a broadcast (one interval each)."""
+    target = str(target)
+    if target not in _TARGETS:
+        return f"unknown target {target!r}"
     D = 1
     for collective, groups in steps:
         if str(collective) == "reduce_scatter" and groups:
             # groups of one step may differ in size (stages of different shapes): every size must cut exactly
             D *= math.lcm(*(len(g) for g in groups))
+    if owned is not None or target == "all_gather":
+        if not unit:
+            return "owned ranges without a unit"
+        D *= unit
     held: dict[int, list[tuple[int, int, int]]] = {}
-    for g in reduction_groups:
-        for d in g:
-            held[d] = [(0, D, 1 << d)]
+    if target == "all_gather":
+        why = _owned_shape(reduction_groups, unit, owned)
+        if why:
+            return why
+        scale = D // unit
+        for g, row in zip(reduction_groups, owned):
+            mask = _mask(g)
+            for d, (a, b) in zip(g, row):
+                held[d] = [(a * scale, b * scale, mask)]
+    else:
+        for g in reduction_groups:
+            for d in g:
+                held[d] = [(0, D, 1 << d)]
     for n, (collective, groups) in enumerate(steps, 1):
         name = str(collective)
         where = f"step {n} ({name})"
@@ -60,13 +88,129 @@ def check_program(steps: Sequence[tuple[str, Sequence[Sequence[int]]]],
                     return f"{where} on {list(g)}: {bad}"
             for d, s in zip(g, why):
                 held[d] = s
+    if target == "reduce_scatter":
+        return _scattered(held, reduction_groups, D, unit, owned)
     for g in reduction_groups:
-        mask = 0
-        for d in g:
-            mask |= 1 << d
+        mask = _mask(g)
         for d in g:
             if held[d] != [(0, D, mask)]:
                 return f"device {d} does not end with the full sum over its group"
+    return None
+
+
+def final_owned(steps: Sequence[tuple[str, Sequence[Sequence[int]]]], reduction_groups: Sequence[Sequence[int]],
+                unit: int) -> list[list[tuple[int, int]]] | str:
+    """What a reduce-scatter program leaves: per group, per member, its piece in units of ``1/unit``;
+    or why it is not a valid reduce-scatter program, or its pieces are not whole units."""
+    why = check_program(steps, reduction_groups, target="reduce_scatter")
+    if why is not None:
+        return why
+    D = 1
+    for collective, groups in steps:
+        if str(collective) == "reduce_scatter" and groups:
+            D *= math.lcm(*(len(g) for g in groups))
+    held = _replay(steps, reduction_groups, D)
+    out = []
+    for g in reduction_groups:
+        row = []
+        for d in g:
+            (a, b, _), = held[d]
+            if (a * unit) % D or (b * unit) % D:
+                return f"device {d}'s piece [{a}, {b}) of 1/{D} is not a whole number of units of 1/{unit}"
+            row.append((a * unit // D, b * unit // D))
+        out.append(row)
+    return out
+
+
+def check_pair(scatter, gather) -> str | None:
+    """ZeRO-1's two programs over the same groups: each ``(steps, groups, unit, owned)`` as plan.json has
+    them (``unit`` and ``owned`` in units of ``1/unit``). None when the reduce-scatter program is valid
+    and leaves exactly its ``owned``, the all-gather program starts from exactly the pieces the
+    reduce-scatter's *steps* leave (recomputed here, not read from its ``owned``), both use the same
+    unit and ranges, and the all-gather ends with every member holding the whole buffer."""
+    rs_steps, rs_groups, rs_unit, rs_owned = scatter
+    ag_steps, ag_groups, ag_unit, ag_owned = gather
+    if [list(g) for g in rs_groups] != [list(g) for g in ag_groups]:
+        return "the all-gather runs over other groups than the reduce-scatter"
+    if rs_unit != ag_unit:
+        return f"the reduce-scatter's unit 1/{rs_unit} differs from the all-gather's 1/{ag_unit}"
+    why = check_program(rs_steps, rs_groups, unit=rs_unit, target="reduce_scatter", owned=rs_owned)
+    if why is not None:
+        return f"reduce-scatter: {why}"
+    left = final_owned(rs_steps, rs_groups, rs_unit)
+    if isinstance(left, str):
+        return f"reduce-scatter: {left}"
+    got = [[tuple(r) for r in row] for row in ag_owned]
+    if len(got) != len(left) or any(len(x) != len(y) for x, y in zip(got, left)):
+        return "the all-gather's owned ranges do not match the reduce-scatter's groups"
+    for g, want_row, got_row in zip(rs_groups, left, got):
+        for d, want, have in zip(g, want_row, got_row):
+            if want != have:
+                return (f"the all-gather starts device {d} from [{have[0]}, {have[1]}) of 1/{ag_unit}, but the "
+                        f"reduce-scatter leaves it [{want[0]}, {want[1]})")
+    why = check_program(ag_steps, ag_groups, unit=ag_unit, target="all_gather", owned=ag_owned)
+    return None if why is None else f"all-gather: {why}"
+
+
+def _replay(steps, reduction_groups, D):
+    held = {d: [(0, D, 1 << d)] for g in reduction_groups for d in g}
+    for collective, groups in steps:
+        for g in groups:
+            for d, s in zip(g, _one(str(collective), [held[d] for d in g])):
+                held[d] = s
+    return held
+
+
+def _span(a: int, b: int, D: int, unit: int) -> str:
+    """``[a, b)`` of 1/D, in units of 1/unit where they are whole."""
+    if (a * unit) % D == 0 and (b * unit) % D == 0:
+        return f"[{a * unit // D}, {b * unit // D}) of 1/{unit}"
+    return f"[{a}, {b}) of 1/{D}"
+
+
+def _mask(g) -> int:
+    mask = 0
+    for d in g:
+        mask |= 1 << d
+    return mask
+
+
+def _owned_shape(groups, unit, owned) -> str | None:
+    """Why ``owned`` is not, per group and member, equally long disjoint ranges covering [0, unit)."""
+    if owned is None:
+        return "an all-gather program needs the pieces its members start from (owned)"
+    if len(owned) != len(groups):
+        return f"owned has {len(owned)} lists for {len(groups)} groups"
+    for g, row in zip(groups, owned):
+        if len(row) != len(g):
+            return f"owned gives {len(row)} ranges for group {list(g)}"
+        spans = sorted((int(a), int(b)) for a, b in row)
+        if any(b - a != unit // len(g) for a, b in spans) or unit % len(g) or spans[0][0] != 0 or any(
+                x[1] != y[0] for x, y in zip(spans, spans[1:])) or spans[-1][1] != unit:
+            return f"owned ranges {[list(r) for r in row]} of group {list(g)} are not its 1/{len(g)} pieces of [0, {unit})"
+    return None
+
+
+def _scattered(held, groups, D: int, unit: int | None, owned) -> str | None:
+    """The reduce-scatter target on the final state (and each member's piece = its ``owned`` range)."""
+    for gi, g in enumerate(groups):
+        mask, k = _mask(g), len(g)
+        spans = []
+        for r, d in enumerate(g):
+            s = held[d]
+            if len(s) != 1 or s[0][2] != mask or (s[0][1] - s[0][0]) * k != D:
+                return f"device {d} does not end with one piece of 1/{k} of the sum over its group"
+            spans.append((s[0][0], s[0][1], d))
+            if owned is not None:
+                if gi >= len(owned) or r >= len(owned[gi]):
+                    return f"owned gives no range for device {d}"
+                x, y = owned[gi][r]
+                if (s[0][0] * unit, s[0][1] * unit) != (x * D, y * D):
+                    return f"device {d} ends with {_span(s[0][0], s[0][1], D, unit)}, but owned says [{x}, {y}) of 1/{unit}"
+        spans.sort()
+        for (_, b, d), (a2, _, d2) in zip(spans, spans[1:]):
+            if a2 < b:
+                return f"devices {d} and {d2} end with overlapping pieces"
     return None
 
 

@@ -166,3 +166,16 @@ def group_positions(cluster: ir.Cluster, groups: Sequence[Sequence[int]]
     for d, (gid, _) in list(out.items()):
         out[d] = (gid, tuple(digits_of[d][j] for j in kept))
     return hier, out
+
+
+def layout_for(cluster: ir.Cluster, groups: Sequence[Sequence[int]],
+               layout: tuple[Hierarchy, Positions] | None = None) -> tuple[Hierarchy, Positions, bool]:
+    """``(hierarchy, positions, regular)`` for reduction ``groups``: ``layout`` (the matrix's) when given,
+    else the groups' geometry (:func:`group_positions`); irregular groups get the root-only hierarchy
+    (``regular`` False: synthesis then offers only the flat collective)."""
+    if layout is not None:
+        return layout[0], layout[1], True
+    found = group_positions(cluster, groups)
+    if found is None:
+        return Hierarchy(()), {d: (gid, ()) for gid, g in enumerate(groups) for d in g}, False
+    return found[0], found[1], True

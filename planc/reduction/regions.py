@@ -9,7 +9,8 @@ the group works on, and the runtime derives each member's slice by the collectiv
 - all_gather: ``[a, b)`` is what every member holds after it; member ``r`` brings the ``r``-th piece;
 - broadcast: ``[a, b)`` is what the first member holds and every member holds after it.
 
-``unit`` is the least common denominator of every cut the program makes, so every piece is a whole
+An all-gather program (ZeRO-1's parameters) starts from the pieces a reduce-scatter program left
+(``start``). ``unit`` is the least common denominator of every cut the program makes (and starts from), so every piece is a whole
 number of units and a buffer padded to a multiple of ``unit`` elements splits into whole elements.
 The states come from the synthesizer's semantics (``semantics.py``); ``check.check_program``
 re-derives the regions independently when verification is on.
@@ -34,11 +35,17 @@ class RegionError(ValueError):
 
 
 def program_regions(steps: Sequence[tuple[ir.Collective, Sequence[Sequence[int]]]],
-                    groups: Sequence[Sequence[int]]) -> tuple[int, tuple[tuple[Range, ...], ...]]:
-    """``(unit, regions)``: ``regions[i][j]`` the interval of step ``i``'s group ``j`` in units."""
-    state = semantics.initial_state(d for g in groups for d in g)
+                    groups: Sequence[Sequence[int]], start: semantics.State | None = None
+                    ) -> tuple[int, tuple[tuple[Range, ...], ...]]:
+    """``(unit, regions)``: ``regions[i][j]`` the interval of step ``i``'s group ``j`` in units.
+
+    ``start``: the state the program starts from when it is not the initial one (an all-gather
+    program's, ``semantics.assigned_state``); its cuts count towards ``unit``."""
+    state = dict(start) if start is not None else semantics.initial_state(d for g in groups for d in g)
     spans: list[list[tuple[Fraction, Fraction]]] = []
     cuts: set[Fraction] = {Fraction(0), Fraction(1)}
+    for pieces in state.values():
+        cuts.update(x for a, b, _ in pieces for x in (a, b))
     for i, (collective, step_groups) in enumerate(steps, 1):
         collective = ir.Collective(collective)
         before = state

@@ -7,6 +7,11 @@ summed over the devices in ``contributors`` (a frozenset). Initially device
 precondition and either returns the members' new states or raises
 :class:`SemanticsError` whose ``reason`` says why (used in error messages).
 
+:func:`goal_reason` checks a final state against a target: ``allreduce`` (and ``all_gather``,
+which starts from :func:`assigned_state`) — every member holds [0, 1) summed over its group;
+``reduce_scatter`` — each member one disjoint piece of 1/k summed over its group
+(:func:`assignment` reads who owns which).
+
 This module is the synthesizer's state machinery; ``check.py`` is a separate
 simulator used to re-verify what the synthesizer emits.
 """
@@ -162,8 +167,17 @@ def apply_step(state: State, collective: ir.Collective, groups: Iterable[Sequenc
     return new
 
 
-def goal_reason(state: Mapping[int, DeviceState], groups: Iterable[Sequence[int]]) -> str | None:
-    """None when every device holds [0, 1) summed over exactly its reduction group."""
+def goal_reason(state: Mapping[int, DeviceState], groups: Iterable[Sequence[int]],
+                target: ir.Collective = C.ALLREDUCE) -> str | None:
+    """None when ``state`` meets ``target`` (DESIGN.md "Collective semantics"), else why not.
+
+    ``allreduce`` and ``all_gather``: every device holds [0, 1) summed over exactly its reduction
+    group. ``reduce_scatter``: the k members of each group hold one piece each, summed over the whole
+    group, of length 1/k, pairwise disjoint (so together they cover [0, 1)); which member owns which
+    piece is free.
+    """
+    if C(target) is C.REDUCE_SCATTER:
+        return _scattered_reason(state, groups)
     for g in groups:
         want = ((ZERO, ONE, frozenset(g)),)
         for d in g:
@@ -173,16 +187,47 @@ def goal_reason(state: Mapping[int, DeviceState], groups: Iterable[Sequence[int]
     return None
 
 
+def _scattered_reason(state: Mapping[int, DeviceState], groups: Iterable[Sequence[int]]) -> str | None:
+    for g in groups:
+        full, k = frozenset(g), len(g)
+        taken: list[tuple[Fraction, Fraction, int]] = []
+        for d in g:
+            s = state[d]
+            if len(s) != 1 or s[0][2] != full or s[0][1] - s[0][0] != ONE / k:
+                return (f"device {d} ends holding {describe(s)}, not one piece of length 1/{k} summed over "
+                        f"{{{', '.join(map(str, sorted(full)))}}}")
+            taken.append((s[0][0], s[0][1], d))
+        taken.sort()
+        for (_, b, d), (a2, _, d2) in zip(taken, taken[1:]):
+            if a2 < b:
+                return f"devices {d} and {d2} end holding overlapping pieces"
+    return None
+
+
+def assignment(state: Mapping[int, DeviceState], groups: Sequence[Sequence[int]]
+               ) -> tuple[tuple[tuple[Fraction, Fraction], ...], ...]:
+    """Per group, per member (group order): the one interval it holds (a reduce-scatter's final state)."""
+    return tuple(tuple((state[d][0][0], state[d][0][1]) for d in g) for g in groups)
+
+
+def assigned_state(groups: Sequence[Sequence[int]],
+                   owned: Sequence[Sequence[tuple[Fraction, Fraction]]]) -> State:
+    """An all-gather's starting state: member r of group g holds ``owned[g][r]`` summed over the group."""
+    return {d: ((Fraction(a), Fraction(b), frozenset(g)),) for g, row in zip(groups, owned) for d, (a, b) in zip(g, row)}
+
+
 def run(steps: Sequence[tuple[ir.Collective, Sequence[Sequence[int]]]],
-        groups: Sequence[Sequence[int]]) -> State:
-    """Run lowered steps from the initial state; SemanticsError names the failing step (1-based)."""
-    state = initial_state(d for g in groups for d in g)
+        groups: Sequence[Sequence[int]], target: ir.Collective = C.ALLREDUCE,
+        start: State | None = None) -> State:
+    """Run lowered steps from the initial state (or ``start``: an all-gather's, :func:`assigned_state`)
+    and check the final state against ``target``; SemanticsError names the failing step (1-based)."""
+    state = dict(start) if start is not None else initial_state(d for g in groups for d in g)
     for i, (collective, step_groups) in enumerate(steps, 1):
         try:
             state = apply_step(state, collective, step_groups)
         except SemanticsError as e:
             raise SemanticsError(f"step {i} {e.reason}") from None
-    why = goal_reason(state, groups)
+    why = goal_reason(state, groups, target)
     if why:
         raise SemanticsError(f"after step {len(steps)}: {why}")
     return state

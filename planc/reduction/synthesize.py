@@ -12,17 +12,25 @@ out canonically on the hierarchy. A prefix is pruned when
   reduce (to drop it) and then a broadcast. The fewest allowed collectives
   that meet these needs bound the steps still needed.
 
+Targets (DESIGN.md "Collective semantics"): allreduce programs (``synthesize``), ZeRO-1's
+reduce-scatter programs (``synthesize_reduce_scatter``: each member ends with its own 1/k piece,
+the bound being 0 at the goal, 1 before it, and no way on once a device holds a piece summed over
+the whole group that is too long or beside a partial sum) and all-gather programs from a given
+assignment (``synthesize_all_gather``: the allreduce goal from that start).
+
 Search is depth-first with the suffixes of each ``(state, steps left)``
 memoized, so equal states reached by different prefixes are expanded once.
 Every program found is re-verified by the independent ``check.py`` on its
-lowered groups before it is returned. Results are cached per
-``(hierarchy, max_size, collectives)``: synthesis depends only on the
+lowered groups before it is returned, against its target. Results are cached per
+``(hierarchy, max_size, collectives, target, start)``: synthesis depends only on the
 hierarchy, not on the matrix that produced it.
 """
 
 from __future__ import annotations
 
 import itertools
+import math
+from fractions import Fraction
 from functools import lru_cache
 
 from planc import ir
@@ -34,6 +42,7 @@ C = ir.Collective
 _SUMMING = frozenset((C.ALLREDUCE, C.REDUCE_SCATTER, C.REDUCE))
 
 Program = tuple[ir.Instruction, ...]
+Assignment = tuple[tuple[Fraction, Fraction], ...]   # canonical device -> the piece it owns
 
 # Bounds that keep synthesis (and ranking its programs under every matrix) fast on any hierarchy.
 # The state space grows exponentially with the hierarchy's depth and ``max_size``: six levels of
@@ -85,13 +94,42 @@ def _min_steps_table(allowed: frozenset) -> dict:
 
 def synthesize(hierarchy: Hierarchy, max_size: int = 5,
                collectives: tuple[ir.Collective, ...] = tuple(C)) -> tuple[Program, ...]:
-    """Every valid program of at most ``max_size`` steps, shortest first, then in instruction order."""
-    return _named(hierarchy, max_size, tuple(ir.Collective(c) for c in collectives))
+    """Every valid allreduce program of at most ``max_size`` steps, shortest first, then in instruction order."""
+    return _named(hierarchy, max_size, tuple(ir.Collective(c) for c in collectives), C.ALLREDUCE, None)
 
 
-@lru_cache(maxsize=256)
-def _named(hierarchy: Hierarchy, max_size: int, collectives: tuple[ir.Collective, ...]) -> tuple[Program, ...]:
-    return _rename(_synthesize(hierarchy.factors, max_size, collectives), hierarchy.names)
+def synthesize_reduce_scatter(hierarchy: Hierarchy, max_size: int = 5,
+                              collectives: tuple[ir.Collective, ...] = tuple(C)) -> tuple[Program, ...]:
+    """Every valid reduce-scatter program (DESIGN.md: each member ends with its own 1/k of the sum,
+    the program choosing who owns which piece) of at most ``max_size`` steps, shortest first."""
+    return _named(hierarchy, max_size, tuple(ir.Collective(c) for c in collectives), C.REDUCE_SCATTER, None)
+
+
+def synthesize_all_gather(hierarchy: Hierarchy, start: Assignment, max_size: int = 5,
+                          collectives: tuple[ir.Collective, ...] = tuple(C)) -> tuple[Program, ...]:
+    """Every valid all-gather program from ``start`` (canonical device ``d`` of the hierarchy holds
+    ``start[d]``, summed over the whole group: a reduce-scatter program's final assignment, see
+    :func:`canonical_assignment`) to every device holding [0, 1), of at most ``max_size`` steps."""
+    start = tuple((Fraction(a), Fraction(b)) for a, b in start)
+    if len(start) != hierarchy.size:
+        raise ValueError(f"an assignment of {len(start)} pieces for a hierarchy of {hierarchy.size} devices")
+    return _named(hierarchy, max_size, tuple(ir.Collective(c) for c in collectives), C.ALL_GATHER, start)
+
+
+def canonical_assignment(program: Program, hierarchy: Hierarchy) -> Assignment:
+    """The piece each canonical device owns after a reduce-scatter program (raises SemanticsError or
+    LoweringError when it is not one)."""
+    positions = hierarchy.canonical_positions()
+    group = (tuple(range(hierarchy.size)),)
+    state = semantics.run(lower_program(program, hierarchy, positions), group, C.REDUCE_SCATTER)
+    return semantics.assignment(state, group)[0]
+
+
+@lru_cache(maxsize=1024)
+def _named(hierarchy: Hierarchy, max_size: int, collectives: tuple[ir.Collective, ...], target: ir.Collective,
+           start: Assignment | None) -> tuple[Program, ...]:
+    found = _synthesize(hierarchy.factors, max_size, collectives, target, start)
+    return _rename(found, hierarchy.names)
 
 
 def _abstract_hierarchy(factors: tuple[int, ...]) -> Hierarchy:
@@ -110,9 +148,9 @@ def _rename(programs: tuple[Program, ...], names: tuple[str, ...]) -> tuple[Prog
 
 
 @lru_cache(maxsize=256)
-def _synthesize(factors: tuple[int, ...], max_size: int, collectives: tuple[ir.Collective, ...]
-                ) -> tuple[Program, ...]:
-    """Synthesis on the abstract hierarchy of ``factors``.
+def _synthesize(factors: tuple[int, ...], max_size: int, collectives: tuple[ir.Collective, ...],
+                target: ir.Collective = C.ALLREDUCE, start: Assignment | None = None) -> tuple[Program, ...]:
+    """Synthesis on the abstract hierarchy of ``factors`` for ``target`` (from ``start`` for all_gather).
 
     Lowering, the search and the checker depend on the factors only, never on
     the level names, so hierarchies with equal factors share one search; the
@@ -126,8 +164,11 @@ def _synthesize(factors: tuple[int, ...], max_size: int, collectives: tuple[ir.C
     hierarchy = _abstract_hierarchy(factors)
     if len(instructions(hierarchy, collectives)) * hierarchy.size > SEARCH_BUDGET:
         return ()   # too deep and wide even to lower every instruction once: callers use the flat allreduce
+    if target is C.REDUCE_SCATTER and C.REDUCE_SCATTER not in collectives:
+        return ()   # only a reduce_scatter makes members hold different non-empty pieces
     devices = tuple(range(hierarchy.size))
     full = frozenset(devices)
+    piece = semantics.ONE / len(devices)
     lowered = distinct_instructions(hierarchy, collectives)
     table = _min_steps_table(frozenset(collectives))
 
@@ -141,8 +182,9 @@ def _synthesize(factors: tuple[int, ...], max_size: int, collectives: tuple[ir.C
             states.append(ds)
         return i
 
-    init = semantics.initial_state(devices)
-    start = tuple(intern(init[d]) for d in devices)
+    init = (semantics.initial_state(devices) if start is None
+            else semantics.assigned_state((devices,), (start,)))
+    start_ids = tuple(intern(init[d]) for d in devices)
     goal_id = intern(((semantics.ZERO, semantics.ONE, full),))
     goal = (goal_id,) * len(devices)
 
@@ -172,6 +214,43 @@ def _synthesize(factors: tuple[int, ...], max_size: int, collectives: tuple[ir.C
             acc[1] |= n[1]
             acc[2] |= n[2]
         return table[tuple(acc)]
+
+    scattered_of: dict[int, int] = {}   # device-state id -> 0: one whole piece of 1/k; 1: not yet; -1: never
+
+    def scattered(i: int) -> int:
+        hit = scattered_of.get(i)
+        if hit is None:
+            ds = states[i]
+            if len(ds) == 1 and ds[0][2] == full and ds[0][1] - ds[0][0] == piece:
+                hit = 0
+            elif any(c == full for _, _, c in ds) and (
+                    sum((b - a for a, b, _ in ds), semantics.ZERO) > piece or any(c != full for _, _, c in ds)):
+                # a piece summed over the whole group can never be summed again (its contributors
+                # overlap every member's), so its holder can neither shrink nor finish its sum
+                hit = -1
+            else:
+                hit = 1
+            scattered_of[i] = hit
+        return hit
+
+    def need_scattered(state: tuple[int, ...]) -> int | None:
+        """Reduce-scatter target: 0 at the goal, None when it is out of reach, else 1 (a lower bound)."""
+        marks = [scattered(i) for i in set(state)]
+        if -1 in marks:
+            return None
+        if any(marks):
+            return 1
+        if len(set(state)) < len(state):
+            return None   # two devices hold the same whole piece: a summing step can never split them
+        pieces = sorted(states[i][0][:2] for i in state)
+        return 0 if all(x[1] <= y[0] for x, y in zip(pieces, pieces[1:])) else None
+
+    if target is C.REDUCE_SCATTER:
+        lower_bound = need_scattered
+        is_goal = lambda state: need_scattered(state) == 0   # noqa: E731
+    else:
+        lower_bound = need
+        is_goal = goal.__eq__
 
     trans: dict[tuple, list[tuple[int, tuple[int, ...]]]] = {}
     per_state = sum(len(groups) for _, groups in lowered)   # group applications to expand one state
@@ -205,8 +284,8 @@ def _synthesize(factors: tuple[int, ...], max_size: int, collectives: tuple[ir.C
         key = (state, left)
         if key in memo:
             return memo[key]
-        found: list[tuple[int, ...]] = [()] if state == goal else []
-        n = need(state)
+        found: list[tuple[int, ...]] = [()] if is_goal(state) else []
+        n = lower_bound(state)
         if left > 0 and n is not None and n <= left:
             for i, new in transitions(state):
                 for rest in suffixes(new, left - 1):
@@ -220,13 +299,19 @@ def _synthesize(factors: tuple[int, ...], max_size: int, collectives: tuple[ir.C
     found: tuple[tuple[int, ...], ...] = ()
     for size in range(1, max_size + 1):
         try:
-            found = suffixes(start, size)
+            found = suffixes(start_ids, size)
         except _OverBudget:
             break
         if len(found) >= MAX_PROGRAMS:
             break
     programs = sorted(found, key=lambda p: (len(p), p))[:MAX_PROGRAMS]
     group = [devices]
+    owned = None
+    if start is not None:
+        unit = math.lcm(*(x.denominator for ab in start for x in ab))
+        owned = [[(int(a * unit), int(b * unit)) for a, b in start]]
+    else:
+        unit = None
     out = []
     for p in programs:
         if not p:
@@ -234,7 +319,7 @@ def _synthesize(factors: tuple[int, ...], max_size: int, collectives: tuple[ir.C
         program = tuple(lowered[i][0] for i in p)
         # lowered[i][1] are lower(instr, hierarchy, positions): the canonical lowering
         steps = [(str(lowered[i][0].collective), lowered[i][1]) for i in p]
-        why = check.check_program(steps, group)
+        why = check.check_program(steps, group, unit=unit, target=str(target), owned=owned)
         if why is not None:  # the synthesizer and the checker disagree: a bug in planc
             raise AssertionError(f"synthesized program {ir.program_text(program)} fails the checker: {why}")
         out.append(program)

@@ -153,12 +153,15 @@ def check_transfer(entry: dict, plan: dict) -> list[str]:
     received: dict[int, list] = {d: [] for d in dst}
     nic_use: dict[int, list[tuple[float, float]]] = {}
     end = 0.0
+    by_region: dict[tuple, list[int]] = {}   # source devices by region: a scan per task over distinct regions
+    for d, r in src.items():
+        by_region.setdefault(tuple(map(tuple, r)), []).append(d)
     for i, t in enumerate(entry["tasks"]):
         box = [tuple(r) for r in t["slice"]]
         if len(box) != len(shape) or any(not (0 <= lo < hi <= n) for (lo, hi), n in zip(box, shape)):
             err(f"task {i}: bad slice {t['slice']}")
             continue
-        holders = sorted(d for d, r in src.items() if _inside(box, r))
+        holders = sorted(d for r, ds in by_region.items() if _inside(box, r) for d in ds)
         if sorted(t["holders"]) != holders:
             err(f"task {i}: holders {t['holders']} but the source devices holding it are {holders}")
         if t["sender"] not in t["holders"] or t["sender"] not in src or not _inside(box, src[t["sender"]]):

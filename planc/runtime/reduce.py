@@ -7,20 +7,39 @@ semantics of DESIGN.md (planc.reduction.regions) and its independent checker rep
 executor derives each member's slice by the collective's rule (``Step.slices``) and re-derives
 nothing: it holds no copy of the semantics.
 
-Public API (stable; used by engine.py and main.py):
+Public API (stable; used by engine.py and main.py, and by the training regime for ZeRO-1):
 
+    ReductionExecutor.for_plan(plan, reduction, groups, rank) -> ReductionExecutor
+        the executor as plan.json says to run it (its runtime's bucket size and in-host path)
     ReductionExecutor(reduction, groups, rank, bucket_bytes=None, impl=None, backend=None, host_of=None,
                       shared_memory=True)
         .run(flat: Tensor) -> Tensor
-            every rank of a reduction group returns the full SUM over its group
-            (in place in `flat` when possible; the returned tensor is the result);
-            ranks in no group of the program return `flat` unchanged.
+            executes the program on `flat` (in place when possible; the returned tensor is the
+            result); what it leaves depends on the reduction's target (plan.json `target`):
+              allreduce       every rank of a reduction group holds the full SUM over its group;
+              reduce_scatter  (ZeRO-1's gradients) the SUM over the group in this rank's
+                              owned_slices(n); the rest of the buffer is unspecified;
+              all_gather      (ZeRO-1's parameters) reads this rank's owned_slices(n) (the rest is
+                              ignored) and leaves every member the whole buffer.
+            Ranks in no group of the program return `flat` unchanged.
+        .owned_slices(n: int) -> list[(start, end)]
+            the element ranges of a flat buffer of n elements this rank owns after the
+            reduce_scatter program, which is where the all_gather program reads it: plan.json
+            `owned` (units of 1/unit of each bucket) mapped through the bucket chunking and the
+            padding below, clipped to n, empty ranges left out, in increasing order. The gradients'
+            and the parameters' executors of a stage give the same slices (their plan.json entries
+            share `unit` and `owned`, and the chunking does not depend on the dtype). A rank in no
+            group, or an allreduce target, owns the whole buffer: [(0, n)] (n > 0).
+        .target         the reduction's target (planc.plan.Collective)
         .granule        the program's unit: a bucket is padded to a multiple of it
     ReductionError(ValueError)
 
 Buckets: the buffer is processed in buckets of `bucket_bytes` (plan.json
 runtime.reduce_bucket_bytes, default 32 MiB); each bucket is zero-padded to a multiple of the
-program's ``unit`` so every cut is whole. Collectives, per backend (`impl` overrides):
+program's ``unit`` so every cut is whole. For the allreduce target a bucket holds
+`bucket_bytes` of the buffer's own dtype; for reduce_scatter and all_gather targets it holds
+`bucket_bytes` ÷ 4 elements whatever the dtype (fp32 gradients and bf16 parameters are cut alike,
+so the owned slices agree). Collectives, per backend (`impl` overrides):
   allreduce       all_reduce SUM on the step's group
   reduce_scatter  gloo: all_reduce of the held region, then keep the piece
                   (measured faster than gloo's reduce_scatter, see docs/runtime.md);
@@ -45,6 +64,7 @@ from planc.plan import DEFAULT_REDUCE_BUCKET_BYTES, Collective, InHost, Reductio
 __all__ = ["ReductionExecutor", "ReductionError", "DEFAULT_BUCKET_BYTES"]
 
 DEFAULT_BUCKET_BYTES = DEFAULT_REDUCE_BUCKET_BYTES   # the contract's default (plan.json runtime)
+TARGET_ELEMENT_BYTES = 4   # reduce_scatter / all_gather targets count a bucket in 4-byte elements
 
 
 class ReductionError(ValueError):
@@ -56,6 +76,8 @@ class ReductionExecutor:
                  impl: dict | None = None, backend: str | None = None, host_of=None, shared_memory: bool = True):
         self.name = reduction.name
         self.rank = int(rank)
+        self.target = reduction.target
+        self.owned = reduction.owned_by(self.rank) if self.target is not Collective.ALLREDUCE else None
         self.red_groups = list(reduction.groups)
         self.granule = reduction.unit
         self.backend = backend or (dist.get_backend() if dist.is_initialized() else "gloo")
@@ -95,12 +117,39 @@ class ReductionExecutor:
         """The in-host groups whose steps go through shared memory."""
         return sorted(g for g, seg in self.segments.items() if seg is not None)
 
+    def _per_bucket(self, element_size: int) -> int:
+        """Elements per bucket, a multiple of the unit (target programs: counted as 4-byte elements)."""
+        size = element_size if self.target is Collective.ALLREDUCE else TARGET_ELEMENT_BYTES
+        return max(self.granule, (self.bucket_bytes // size) // self.granule * self.granule)
+
+    def owned_slices(self, n: int) -> list[tuple[int, int]]:
+        """The element ranges of a flat buffer of ``n`` elements this rank owns after the reduce-scatter
+        program (where the all-gather reads it); see the module docstring."""
+        n = int(n)
+        if n < 0:
+            raise ValueError(f"reduction {self.name!r}: a buffer of {n} elements")
+        if self.owned is None:
+            return [(0, n)] if n else []
+        u0, u1 = self.owned
+        per = self._per_bucket(TARGET_ELEMENT_BYTES)
+        out = []
+        for a in range(0, n, per):
+            b = min(n, a + per)
+            scale = -(-(b - a) // self.granule)        # elements per unit in this (padded) bucket
+            lo, hi = min(b, a + u0 * scale), min(b, a + u1 * scale)
+            if hi > lo:
+                if out and out[-1][1] == lo:
+                    out[-1] = (out[-1][0], hi)
+                else:
+                    out.append((lo, hi))
+        return out
+
     def run(self, flat: torch.Tensor) -> torch.Tensor:
         if not self.active:
             return flat
         if flat.dim() != 1:
             raise ValueError(f"reduction {self.name!r}: expected a flat 1-d buffer, got shape {tuple(flat.shape)}")
-        per = max(self.granule, (self.bucket_bytes // flat.element_size()) // self.granule * self.granule)
+        per = self._per_bucket(flat.element_size())
         n = flat.numel()
         for a in range(0, n, per):
             b = min(n, a + per)

@@ -56,11 +56,37 @@ def check_cluster(errs: Diagnostics, block: ast.ClusterBlock | None, file: Clust
     host = _host_level(errs, levels, block.host.value if block.host else None,
                        block.host.span if block.host else block.span)
     flops = _device_value(errs, block.flops, "flops")
+    by_precision = _flops_by_precision(errs, block.flops_by)
     memory = _device_value(errs, block.memory, "memory")
     cores = _cores(errs, block.cores, block.cores_per, levels, host)
-    if host is None or len(levels) != len(block.levels) or cores is False:
+    if host is None or len(levels) != len(block.levels) or cores is False or by_precision is None:
         return None
-    return _sized(errs, ir.Cluster(tuple(levels), host, flops, memory, *(cores or (None, None))), block.span)
+    return _sized(errs, ir.Cluster(tuple(levels), host, flops, memory, *(cores or (None, None)),
+                                   flops_by_precision=by_precision), block.span)
+
+
+PRECISIONS = tuple(p.value for p in ir.Precision)
+
+
+def _flops_by_precision(errs: Diagnostics, items) -> tuple[tuple[str, float], ...] | None:
+    """``flops bf16 = 989 TFLOP/s`` lines as ``ir.Cluster.flops_by_precision`` (sorted by precision);
+    None after an error."""
+    out, ok = {}, True
+    for name, value in items:
+        if name.value not in PRECISIONS:
+            near = [p for p in PRECISIONS if p.lower() == name.value.lower()]
+            errs.add(f"'flops {name.value}': '{name.value}' is not a precision; expected one of "
+                     f"{', '.join(PRECISIONS)} (or 'flops = ...' for every precision)", name.span,
+                     f"did you mean '{near[0]}'? (spellings are lower case)" if near
+                     else did_you_mean(name.value, PRECISIONS))
+            ok = False
+            continue
+        v = _device_value(errs, value, "flops")
+        if v is None:
+            ok = False
+        else:
+            out[name.value] = v
+    return tuple(sorted(out.items())) if ok else None
 
 
 def _cores(errs: Diagnostics, v: ast.Quantity | ast.Num | None, per: ast.Name | None,
@@ -238,7 +264,13 @@ def _from_file(errs: Diagnostics, file: ast.Str, contents: ClusterFile | None) -
         return None
     host = _host_level(errs, levels, host, at("host"))
     device = {}
+    by_precision = _yaml_flops_by_precision(errs, doc.get("flops"), file.value, at)
+    if by_precision is None:
+        return None
     for key, kind in (("flops", "FLOP rate"), ("memory", "size")):
+        if key == "flops" and isinstance(doc.get(key), dict):   # one per precision, read above
+            device[key] = None
+            continue
         try:
             v = _yaml_quantity(doc.get(key), kind)
         except ValueError as e:
@@ -266,7 +298,35 @@ def _from_file(errs: Diagnostics, file: ast.Str, contents: ClusterFile | None) -
     if cores is False:
         return None
     return _sized(errs, ir.Cluster(tuple(levels), host, device["flops"], device["memory"], *(cores or (None, None)),
-                                   device["op_overhead"], device["step_overhead"]), at("levels"))
+                                   device["op_overhead"], device["step_overhead"], by_precision), at("levels"))
+
+
+def _yaml_flops_by_precision(errs: Diagnostics, flops, file: str, at) -> tuple[tuple[str, float], ...] | None:
+    """A cluster file's ``flops: {fp32: ..., bf16: ...}`` (each as a plain ``flops``) sorted by precision;
+    ``()`` for a plain ``flops`` or none; None after an error."""
+    if not isinstance(flops, dict):
+        return ()
+    if not flops:
+        errs.add(f"cluster file '{file}', flops: an empty mapping; give a FLOP rate, or one per precision "
+                 f"({', '.join(PRECISIONS)})", at("flops"))
+        return None
+    out = {}
+    for key, value in flops.items():
+        if key not in PRECISIONS:
+            errs.add(f"cluster file '{file}', flops: {_short(key)} is not a precision; expected "
+                     f"{', '.join(PRECISIONS)}", at("flops", key), did_you_mean(str(key), PRECISIONS))
+            return None
+        try:
+            v = _yaml_quantity(value, "FLOP rate")
+        except ValueError as e:
+            errs.add(f"cluster file '{file}', flops.{key}: {e}", at("flops", key))
+            return None
+        if v is None or v <= 0:
+            errs.add(f"cluster file '{file}', flops.{key}: must be a positive FLOP rate, got {_short(value)}",
+                     at("flops", key))
+            return None
+        out[key] = v
+    return tuple(sorted(out.items()))
 
 
 def _yaml_cores(errs: Diagnostics, doc: dict, file: str, names: list[str], host: str, at):

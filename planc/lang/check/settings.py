@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from planc import budget, ir
 from planc.lang import ast
+from planc.lang.check.training import check_clip, check_lr_schedule, check_optimizer, check_zero
 from planc.lang.check.values import Diagnostics, did_you_mean, int_of, quantity
 from planc.lang.units import SIZE, TIME
 from planc.plan import Backend, InHost, Runtime
@@ -173,35 +174,26 @@ def check_synthesis(errs: Diagnostics, block: ast.SettingsBlock | None) -> ir.Sy
 def check_train(errs: Diagnostics, block: ast.SettingsBlock | None, parallel: ir.Parallel | None,
                 stages: tuple[ir.Stage, ...], has_model: bool = False) -> ir.Train:
     """Training settings; ``micro_batch`` must divide over every stage's data axis."""
-    s = _settings(errs, block, ["micro_batch", "micro_batches", "steps", "schedule", "optimizer", "precision",
-                                "seed", "save_every", "timeout", *RUNTIME_KEYS])
-    opt = ir.Optimizer()
-    kv = s.get("optimizer")
-    if kv is not None:
-        v = kv.value
-        if not isinstance(v, (ast.Call, ast.Name)) or (v.name.value if isinstance(v, ast.Call) else v.value) not in ("adam", "sgd"):
-            errs.add("optimizer must be adam(lr = ...) or sgd(lr = ...)", v.span)
-        else:
-            name = v.name.value if isinstance(v, ast.Call) else v.value
-            # each optimizer's own keys (torch's names, beta1/beta2 for Adam's betas): a key of the other
-            # optimizer is an error here, not a TypeError on every rank at launch
-            allowed = ({"lr": "float", "momentum": "float", "weight_decay": "float"} if name == "sgd" else
-                       {"lr": "float", "beta1": "float", "beta2": "float", "eps": "float", "weight_decay": "float"})
-            args = _call_args(errs, v, allowed) if isinstance(v, ast.Call) else {}
-            lr = float(args.pop("lr", 1e-3))
-            opt = ir.Optimizer(name, lr, tuple(sorted((k, float(x)) for k, x in args.items())))
+    s = _settings(errs, block, ["micro_batch", "micro_batches", "steps", "schedule", "optimizer", "lr_schedule",
+                                "precision", "zero", "recompute", "clip", "seed", "save_every", "timeout",
+                                *RUNTIME_KEYS])
     seed = _int_setting(errs, s.get("seed"), 1234, minimum=0)
+    steps = _int_setting(errs, s.get("steps"), 10)
     train = ir.Train(
         micro_batch=_int_setting(errs, s.get("micro_batch"), 8),
         micro_batches=_int_setting(errs, s.get("micro_batches"), 4),
-        steps=_int_setting(errs, s.get("steps"), 10),
+        steps=steps,
         schedule=_enum_value(errs, s.get("schedule"), ir.PipeSchedule, ir.PipeSchedule.ONE_F_ONE_B),
-        optimizer=opt,
+        optimizer=check_optimizer(errs, s.get("optimizer")),
         precision=_enum_value(errs, s.get("precision"), ir.Precision, ir.Precision.FP32),
         seed=seed,
         timeout=_timeout(errs, s.get("timeout")),
         save_every=_int_setting(errs, s["save_every"], 1) if "save_every" in s else None,
         runtime=_runtime(errs, s),
+        lr_schedule=check_lr_schedule(errs, s.get("lr_schedule"), steps),
+        zero=check_zero(errs, s.get("zero")),
+        recompute=_enum_value(errs, s.get("recompute"), ir.Recompute, ir.Recompute.NONE),
+        clip=check_clip(errs, s.get("clip")),
         schedule_span=s["schedule"].value.span if "schedule" in s else (block.span if block else ir.Train().schedule_span),
     )
     if train.micro_batches > (most := int(budget.limit("micro_batches"))):
@@ -299,20 +291,32 @@ def check_deepspeed(errs: Diagnostics, block: ast.DeepspeedDecl | None, file=Non
         errs.add(f"{where} must be a mapping of DeepSpeed config keys, got {type(doc).__name__}",
                  file.at(fallback=block.path.span))
         return None
+    # the training regime is the train block's (the planc runtime executes plan.json, not ds_config.json):
+    # each DeepSpeed key that would set it names the train setting to write instead
     zero = doc.get("zero_optimization")
     stage = zero.get("stage", 0) if isinstance(zero, dict) else 0
     if stage not in (0, None, False):
         at = file.at("zero_optimization", "stage", fallback=block.path.span)
         if stage == 1:
-            errs.add(f"{where}: ZeRO stage 1 is not supported by the planc engine (stage 0 only: gradients are "
-                     "reduced by the plan's program, not by ZeRO)", at)
+            errs.add(f"{where}: ZeRO stage 1 is set in the plan, not in the DeepSpeed overrides: write "
+                     "'zero = 1' in the train block (and leave zero_optimization out)", at,
+                     "train { zero = 1 }")
         else:
-            errs.add(f"{where}: ZeRO stage {stage!r} cannot run with pipeline parallelism (stage 0 only)", at)
+            errs.add(f"{where}: ZeRO stage {stage!r} cannot run with pipeline parallelism (0 or 1 only: "
+                     "'zero = 1' in the train block)", at)
     clip = doc.get("gradient_clipping")
     if clip not in (None, 0, 0.0, False):
-        errs.add(f"{where}: gradient_clipping {clip!r} is not supported: DeepSpeed would clip each pipeline "
-                 "stage by its own gradients' norm, not the model's (leave it out or 0)",
-                 file.at("gradient_clipping", fallback=block.path.span))
+        clip = clip if isinstance(clip, (int, float)) and not isinstance(clip, bool) and clip > 0 else "X"
+        errs.add(f"{where}: gradient clipping is set in the plan, not in the DeepSpeed overrides: write "
+                 f"'clip = {clip}' in the train block (it bounds the whole model's gradient norm; leave "
+                 "gradient_clipping out or 0)", file.at("gradient_clipping", fallback=block.path.span),
+                 f"train {{ clip = {clip} }}")
+    for key, precision in (("bf16", "bf16"), ("bfloat16", "bf16"), ("fp16", "fp16")):
+        section = doc.get(key)
+        if isinstance(section, dict) and section.get("enabled") not in (None, False):
+            errs.add(f"{where}: the precision is set in the plan, not in the DeepSpeed overrides: write "
+                     f"'precision = {precision}' in the train block (and leave {key} out)",
+                     file.at(key, "enabled", fallback=block.path.span), f"train {{ precision = {precision} }}")
     pipe = doc.get("pipeline")
     for key in ("pipe_partitioned", "grad_partitioned"):
         if isinstance(pipe, dict) and pipe.get(key):

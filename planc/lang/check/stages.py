@@ -72,7 +72,8 @@ def check_stages(errs: Diagnostics, decls: list[ast.StageDecl], cluster: ir.Clus
             first, shape, axes = _explicit_mesh(errs, d, cluster)
         elif parallel is not None:
             axes = ir.derived_mesh(parallel)[1]
-        out.append(ir.Stage(idx, layers, first, shape, axes, d.span, auto_layers=cut))
+        out.append(ir.Stage(idx, layers, first, shape, axes, d.span, auto_layers=cut,
+                            recompute=True if d.recompute is not None else None))
     out.sort(key=lambda s: s.index)
     if not out and decls:
         return mode, ()

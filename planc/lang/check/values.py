@@ -66,14 +66,14 @@ def quantity(errs: Diagnostics, q: ast.Quantity, table: dict, kind: str) -> floa
 
 
 def plain_value(errs: Diagnostics, v: ast.Value):
-    """A model argument as Python data: numbers, strings, true/false/none, names, lists, quantities."""
+    """A model argument as Python data: numbers, strings, true/false/none, names, lists and tuples, quantities."""
     if isinstance(v, ast.Num):
         return v.int_value if v.is_int and len(v.text) <= MAX_DIGITS else v.value
     if isinstance(v, ast.Str):
         return v.value
     if isinstance(v, ast.Name):
         return {"true": True, "false": False, "none": None}.get(v.value, v.value)
-    if isinstance(v, ast.ListValue):
+    if isinstance(v, (ast.ListValue, ast.TupleValue)):
         return tuple(plain_value(errs, x) for x in v.items)
     if isinstance(v, ast.Quantity):
         for table in (SIZE, TIME, BANDWIDTH, FLOPS):

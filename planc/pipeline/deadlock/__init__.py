@@ -55,19 +55,21 @@ runs them under these semantics until nothing moves, and ``report`` says where t
 from __future__ import annotations
 
 from planc.pipeline.deadlock.build import Builder
+from planc.pipeline.deadlock.classes import check_mode as _check_by_classes
 from planc.pipeline.deadlock.events import Sim
 from planc.pipeline.deadlock.report import Hang, Wait, find_hangs
 from planc import plan as planfile
 from planc.runtime.comm import DEFAULT_AHEAD
 
-__all__ = ["check_rendezvous", "Hang", "Wait", "BACKENDS", "MODES"]
+__all__ = ["check_rendezvous", "Hang", "Wait", "BACKENDS", "MODES", "METHODS"]
 
 BACKENDS = ("nccl", "gloo")
 MODES = ("train", "comm_only")
+METHODS = ("classes", "full")
 
 
 def check_rendezvous(plan: planfile.Plan, ahead: int = DEFAULT_AHEAD, backend: str = "nccl", mode: str = "auto",
-                     tensor_parallel: bool = True, limit: int = 8) -> list[Hang]:
+                     tensor_parallel: bool = True, limit: int = 8, method: str = "classes") -> list[Hang]:
     """The hangs of ``plan`` under rendezvous semantics (empty: it cannot hang).
 
     ``ahead``: how many operations the receive thread runs ahead (plan.json
@@ -77,8 +79,12 @@ def check_rendezvous(plan: planfile.Plan, ahead: int = DEFAULT_AHEAD, backend: s
     ``"comm_only"`` (one ``--comm-only`` step) or ``"auto"``: ``comm_only``, and
     ``train`` too when the plan trains. ``tensor_parallel``: model a tensor-parallel
     all_reduce in every F and B of ranks with a tensor group. At most ``limit`` hangs
-    per mode are returned.
+    per mode are returned. ``method``: ``"classes"`` (default: one representative per class of
+    pipeline replicas, then the collectives-only tail of every rank; ``planc.pipeline.deadlock.classes``,
+    the same verdict) or ``"full"`` (every rank simulated at once; also where classes cannot be formed).
     """
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {list(METHODS)}, got {method!r}")
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {list(BACKENDS)}, got {backend!r}")
     if ahead < 0:
@@ -94,6 +100,10 @@ def check_rendezvous(plan: planfile.Plan, ahead: int = DEFAULT_AHEAD, backend: s
         raise ValueError(f"mode must be 'auto' or one of {list(MODES)}, got {mode!r}")
     out: list[Hang] = []
     for m in modes:
+        found = _check_by_classes(plan, m, backend, ahead, tensor_parallel, limit) if method == "classes" else None
+        if found is not None:
+            out += found
+            continue
         b = Builder(plan, backend, ahead, tensor_parallel)
         threads = []
         for rank in range(plan.cluster.devices):

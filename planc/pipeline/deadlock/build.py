@@ -30,11 +30,37 @@ class Builder:
             if backend == "gloo" else {}
         self.turns: dict = {}
         self.index_of = {t.name: i for i, t in enumerate(plan.transfers)}
+        # per (transfer, direction): each rank's tasks as sender and as receiver, in schedule order;
+        # and every per-rank lookup as a map built once (a scan per rank would be quadratic in the devices)
+        self.sending: dict = {}
+        self.receiving: dict = {}
         for i, t in enumerate(plan.transfers):
             for d in Direction:
                 route = t.forward if d is Direction.FORWARD else t.backward
                 if route is not None:
-                    self.ordered[(i, d)] = route.ordered_tasks()
+                    self.ordered[(i, d)] = ordered = route.ordered_tasks()
+                    by_sender, by_receiver = {}, {}
+                    for k, task in ordered:
+                        by_sender.setdefault(task.sender, []).append((k, task))
+                        for r in dict.fromkeys(task.receivers):
+                            by_receiver.setdefault(r, []).append((k, task))
+                    self.sending[(i, d)], self.receiving[(i, d)] = by_sender, by_receiver
+        self.stage_by_rank = {}
+        for st in plan.stages:
+            for dev in st.devices:
+                self.stage_by_rank.setdefault(dev, st)
+        self.host_by_rank = {dev: h for h, devs in enumerate(plan.cluster.hosts) for dev in devs}
+        self.tp_by_rank: dict = {}
+        for g in plan.tensor_groups:
+            for dev in g:
+                self.tp_by_rank.setdefault(dev, g)
+        self.gradients_of: dict = {}    # rank -> (the gradients reduction holding it, its group there)
+        for red in plan.reductions:
+            if red.name == "gradients":
+                for g in red.groups:
+                    for dev in g:
+                        self.gradients_of.setdefault(dev, (red, g))
+        self.destinations = [frozenset(dev for dev, _ in t.forward.dst_regions) for t in plan.transfers]
 
     # ---- communicators
     def _p2p(self, d: Direction, a: int, b: int):
@@ -97,14 +123,12 @@ class Builder:
     def emit_send(self, prog, rank, ti, d, m, where) -> list:
         """The sends ``TransferExecutor.send`` starts; returns them (the caller waits on them later)."""
         t = self.plan.transfers[ti]
-        ordered = self.ordered.get((ti, d))
-        if ordered is None:
+        by_sender = self.sending.get((ti, d))
+        if by_sender is None:
             return []
         strategy = t.route(d).strategy
         out = []
-        for k, task in ordered:
-            if task.sender != rank:
-                continue
+        for k, task in by_sender.get(rank, ()):
             key = (ti, d, m, k)
             if strategy is Strategy.BROADCAST:
                 if self.nccl:
@@ -127,11 +151,11 @@ class Builder:
     def emit_recv(self, prog, rank, ti, d, m, where) -> None:
         """``TransferExecutor.recv`` for one rank: posts, relays, gathers and waits, in the code's order."""
         t = self.plan.transfers[ti]
-        ordered = self.ordered.get((ti, d))
-        if ordered is None:
+        by_receiver = self.receiving.get((ti, d))
+        if by_receiver is None:
             return
         strategy = t.route(d).strategy
-        mine = [(k, task) for k, task in ordered if rank in task.receivers]
+        mine = by_receiver.get(rank, ())
         name = t.name
         if self.nccl:
             pending = []
@@ -216,17 +240,21 @@ class Builder:
                 self.emit_collective(prog, rank, self._plan_group(g), ("reduce", red.name, red.stage, i),
                                      f"{label} step {i} ({step.collective})", where)
 
+    def host_of(self, rank: int) -> int:
+        h = self.host_by_rank.get(rank)
+        return h if h is not None else self.plan.cluster.host_of(rank)   # its error: a device on no host
+
     def turn(self, rank, name, direction, m):
         key = (rank, name, str(direction), m)
         ev = self.turns.get(key)
         if ev is None:
-            ev = self.turns[key] = Turn(rank, self.plan.cluster.host_of(rank), f"send {name} {direction} m{m}")
+            ev = self.turns[key] = Turn(rank, self.host_of(rank), f"send {name} {direction} m{m}")
         return ev
 
     def nic_thread(self, rank: int, submitted: dict) -> Thread | None:
         """``nicorder.NicOrder``'s thread: its rank's listed sends in the host's order, each after the
         compute thread handed it over and the host's previous send was sent."""
-        host = self.plan.cluster.host_of(rank)
+        host = self.host_of(rank)
         order = self.nic.get(host, ())
         prog = []
         for i, (r, name, direction, m) in enumerate(order):
@@ -244,18 +272,26 @@ class Builder:
 
     # ---- one rank, training step
     def train_threads(self, rank: int) -> list[Thread]:
+        """The rank's threads for one training step: :meth:`train_pipeline`, then :meth:`train_tail` on the
+        compute thread."""
+        threads = self.train_pipeline(rank)
+        self.train_tail(rank, threads[0].prog)
+        return threads
+
+    def train_pipeline(self, rank: int) -> list[Thread]:
+        """The rank's threads up to the end of its pipeline part: the compute thread through the ops and the
+        wait for its sends (the gradient reduction and the loss not yet), the receive and NIC threads.
+        Communicators: transfers' (p2p, broadcast and all_gather groups), the tensor group, NIC turns."""
         plan = self.plan
-        world = self._world()
-        stage = plan.stage_of(rank)
+        stage = self.stage_by_rank.get(rank)
         compute: list = []
         if stage is None:
-            self.emit_collective(compute, rank, world, ("loss",), "loss all_reduce", "after its step (idle rank)")
             return [Thread(rank, "compute", compute)]
         s = stage.index
         ops = plan.pipeline.per_stage[s]
         incoming = [i for i, t in enumerate(plan.transfers) if t.dst_stage == s]
         outgoing = [i for i, t in enumerate(plan.transfers) if t.src_stage == s]
-        tp = next((g for g in plan.tensor_groups if rank in g), None) if self.tp else None
+        tp = self.tp_by_rank.get(rank) if self.tp else None
         tp_comm = self._plan_group(tp) if tp is not None and len(tp) > 1 else None
         begun = [Event() for _ in ops]
         done = {}
@@ -272,7 +308,7 @@ class Builder:
                 done[(ti, d, m)] = ev = Event()
                 receive.append((SIGNAL, ev, where))
         sends = []
-        host = plan.cluster.host_of(rank)
+        host = self.host_of(rank)
         listed = {(self.index_of[n], Direction(d), m) for r, n, d, m in self.nic.get(host, ()) if r == rank}
         submitted = {k: Event() for k in listed}
         for j, text in enumerate(ops):
@@ -296,10 +332,22 @@ class Builder:
             compute.append((WAIT, op, where))
         for ti, d, m in sorted(submitted, key=lambda k: (k[2], k[0], str(k[1]))):
             compute.append((WAIT, self.turn(rank, plan.transfers[ti].name, d, m), where))
-        red = plan.gradient_reduction(rank)
+        nic = self.nic_thread(rank, submitted)
+        return [Thread(rank, "compute", compute), Thread(rank, "receive", receive)] + ([nic] if nic else [])
+
+    def train_tail(self, rank: int, compute: list) -> None:
+        """The rest of the rank's compute thread: its gradient reduction, then the world all_reduce of the
+        loss. Communicators: the reduction's groups (or DeepSpeed's grid group), the world."""
+        plan = self.plan
+        world = self._world()
+        stage = self.stage_by_rank.get(rank)
+        if stage is None:
+            self.emit_collective(compute, rank, world, ("loss",), "loss all_reduce", "after its step (idle rank)")
+            return
+        s = stage.index
+        red, g = self.gradients_of.get(rank, (None, None))
         where = f"stage {s} gradient reduction"
         if red is not None and red.mode is planfile.ReductionMode.ALLREDUCE:
-            g = red.group_of(rank)
             if len(g) > 1:   # DeepSpeed's data-parallel all-reduce on the grid group (the plan's if listed)
                 comm = self._plan_group(g) if g in plan.groups else self._group(("grid", g), g, f"grid {list(g)}")
                 self.emit_collective(compute, rank, comm, ("deepspeed", g), "DeepSpeed's data-parallel all_reduce",
@@ -307,29 +355,38 @@ class Builder:
         elif red is not None:
             self.emit_steps(compute, rank, red, "gradient reduction", where)
         self.emit_collective(compute, rank, world, ("loss",), "loss all_reduce", f"stage {s}, after its step")
-        nic = self.nic_thread(rank, submitted)
-        return [Thread(rank, "compute", compute), Thread(rank, "receive", receive)] + ([nic] if nic else [])
 
     # ---- one rank, --comm-only step
     def comm_only_threads(self, rank: int) -> list[Thread]:
-        plan = self.plan
-        world = self._world()
         prog: list = []
-        self.emit_collective(prog, rank, world, ("barrier", 0), "barrier", "start of the step")
+        self.comm_only_head(rank, prog)
+        self.comm_only_transfers(rank, prog)
+        self.comm_only_tail(rank, prog)
+        return [Thread(rank, "main", prog)]
+
+    def comm_only_head(self, rank: int, prog: list) -> None:
+        """The world barrier that starts the step."""
+        self.emit_collective(prog, rank, self._world(), ("barrier", 0), "barrier", "start of the step")
+
+    def comm_only_transfers(self, rank: int, prog: list) -> None:
+        """Per transfer, in declaration order: the forward sends, the receives, the wait for the sends."""
         d = Direction.FORWARD
-        for ti, t in enumerate(plan.transfers):
+        for ti, t in enumerate(self.plan.transfers):
             where = f"transfer {t.name!r}"
             works = self.emit_send(prog, rank, ti, d, 0, where)
-            if t.forward.region("dst", rank) is not None:
+            if rank in self.destinations[ti]:
                 self.emit_recv(prog, rank, ti, d, 0, where)
             for op in works:
                 prog.append((WAIT, op, where))
-        for r in plan.reductions:
+
+    def comm_only_tail(self, rank: int, prog: list) -> None:
+        """Every reduction holding the rank, then the barrier and the all_gather_object that end the step."""
+        world = self._world()
+        for r in self.plan.reductions:
             if self.group_holding(r.groups, rank) is not None:
                 self.emit_steps(prog, rank, r, f"reduction {r.name!r}", f"reduction {r.name!r}")
         self.emit_collective(prog, rank, world, ("barrier", 1), "barrier", "end of the step")
         self.emit_collective(prog, rank, world, ("gather",), "all_gather_object of the problems", "end of the step")
-        return [Thread(rank, "main", prog)]
 
 
 def _chain(task) -> tuple[int, ...]:

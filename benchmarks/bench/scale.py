@@ -1,0 +1,95 @@
+"""`python -m benchmarks bench scale`: a whole `planc compile` of a GPT plan at cluster scale.
+
+The plan (issue 36): ``pipe 8 x data D x tensor 8`` over ``pod 4 x node N x gpu 8`` (``N = devices /
+32``, ``D = devices / 64``), ``stages = auto(8)`` with 7 transfers between consecutive stages, 32
+micro-batches, ``1f1b``, the bundled GPT (``examples/gpt.py``: 8 blocks, hidden 64, 8 heads), gradients
+reduced over ``data``. Each size is one ``python -m planc compile PLAN --profile --no-cache`` process,
+probe included (cold: ``--no-cache``), timed from outside; its ``--profile`` table gives the
+compiler process's peak memory, the probe subprocess's, and the slowest passes. The machine's load
+average is printed with every row (a shared machine: a benchmark, never a test assertion).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from planc.ui import progress
+
+ROOT = Path(__file__).resolve().parents[2]
+SIZES = (1024, 4096, 16384, 65536)
+
+
+def plan_text(devices: int, verify: bool = True) -> str:
+    gpt = ROOT / "examples" / "gpt.py"
+    nodes, data = devices // 32, devices // 64
+    transfers = "".join(f"  transfer h{i} from stage {i} to stage {i + 1}\n" for i in range(7))
+    return f"""plan gpt_scale_{devices} {{
+  cluster {{
+    level pod  x 4 : bandwidth 2.5 GB/s, latency 50 us
+    level node x {nodes} : bandwidth 12.5 GB/s, latency 20 us
+    level gpu  x 8 : bandwidth 150 GB/s, latency 2 us
+    host = node
+    flops = 100 TFLOP/s
+  }}
+  parallel {{ pipe = 8, data = {data}, tensor = 8, place = auto }}
+  model "{gpt}:build" {{ layers = 8, hidden = 64, heads = 8, seq = 16, vocab = 256 }}
+  loss  "{gpt}:loss"
+  data  "{gpt}:batches"
+  stages = auto(8)
+{transfers}
+  reduce gradients over data
+  train {{
+    micro_batch = {max(data, 64)}, micro_batches = 32, steps = 10
+    schedule = 1f1b, optimizer = sgd(lr = 0.01), precision = fp32, seed = 1
+  }}
+}}
+"""
+
+
+ROW = re.compile(r"^(\S[^\n]*?)\s{2,}(\d+)?\s+([0-9.]+)\s+(\d+%)\s+(\d+)(?: \((\d+) child\))?\s*$", re.M)
+
+
+def compile_once(devices: int, folder: Path, verify: bool = True) -> dict:
+    plan = folder / f"gpt-{devices}.plan"
+    plan.write_text(plan_text(devices))
+    cmd = [sys.executable, "-m", "planc", "compile", str(plan), "-o", str(folder / f"out-{devices}"), "--profile",
+           "--no-cache", "--budget", f"devices={max(devices, 65536)}"] + ([] if verify else ["--no-verify"])
+    load = os.getloadavg()[0]
+    t0 = time.perf_counter()
+    r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    seconds = time.perf_counter() - t0
+    if r.returncode != 0:
+        return {"devices": devices, "error": (r.stderr.strip().splitlines() or ["?"])[-1][:160], "load": load}
+    passes = {m.group(1).strip(): (float(m.group(3)), int(m.group(5)), m.group(6)) for m in ROW.finditer(r.stdout)}
+    total = passes.pop("total", (seconds, 0, None))
+    child = max((int(c) for _, _, c in passes.values() if c), default=0)
+    slowest = sorted(((s, n) for n, (s, _, _) in passes.items()), reverse=True)[:3]
+    size = (folder / f"out-{devices}" / "plan.json").stat().st_size
+    return {"devices": devices, "seconds": seconds, "peak_mb": total[1], "probe_mb": child, "load": load,
+            "plan_mb": size / 1e6, "slowest": slowest, "verify": verify}
+
+
+def run(sizes=SIZES, verify: bool = True) -> str:
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="planc-scale-") as tmp:
+        for devices in progress(sizes, "compiling"):
+            rows.append(compile_once(devices, Path(tmp), verify))
+    lines = ["| devices | wall s (whole compile, probe included) | compiler peak MB | probe peak MB | plan.json MB "
+             "| slowest passes (s) | load avg (1 min) |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['devices']:,} | failed: {r['error']} | | | | | {r['load']:.2f} |")
+            continue
+        slow = ", ".join(f"{n} {s:.2f}" for s, n in r["slowest"])
+        lines.append(f"| {r['devices']:,} | {r['seconds']:.2f} | {r['peak_mb']} | {r['probe_mb']} | "
+                     f"{r['plan_mb']:.1f} | {slow} | {r['load']:.2f} |")
+    head = (f"`python -m benchmarks bench scale` on this machine ({os.cpu_count()} cores), "
+            f"{'with' if verify else 'without'} the independent checkers (`--no-verify`: {not verify}); "
+            "each row one `python -m planc compile PLAN --profile --no-cache` process.")
+    return "\n".join([head, ""] + lines)
