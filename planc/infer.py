@@ -2,17 +2,18 @@
 
 ``infer_transfers(program, probe) -> program`` is pure. In a plan with a model
 a transfer may omit its type (taken from the model probe, which ran the plan's
-stage dataflow on one whole micro-batch). In a bf16 or fp16 plan every floating
-transfer, measured or declared (``f32[...]`` names the activation as the model
-builds it), is sent in the plan's precision: its dtype becomes bf16 or f16, since
-the stages run in it while the probe runs the model as built and either sharding spec (derived from
+stage dataflow on one whole micro-batch) and either sharding spec (derived from
 the stage's mesh: the batch dimension, dim 0, split over the mesh axis named
 ``data`` when it has size > 1, replicated over every other mesh axis; every
 other tensor dimension replicated). A plan with a model and no transfer line at
-all gets the chain (``chain_transfers``: each stage's output to the next stage). That derived layout is what a stage of a
-training plan computes, so a written spec must be it (written forms that
-describe the same layout, such as ``S(data)`` or a split over an axis of size
-1, are equal). A plan without a model is returned unchanged: the front end has
+all gets the chain (``chain_transfers``: each stage's output to the next stage).
+That derived layout is what a stage of a training plan computes, so a written
+spec must be it (written forms that describe the same layout, such as
+``S(data)`` or a split over an axis of size 1, are equal). In a bf16 or fp16
+plan every floating transfer, measured or declared (``f32[...]`` names the
+activation as the model builds it), is sent in the plan's precision: its dtype
+becomes bf16 or f16, since the stages run in it while the probe runs the model
+as built. A plan without a model is returned unchanged: the front end has
 already required everything.
 """
 

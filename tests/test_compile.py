@@ -341,15 +341,15 @@ def test_stages_of_different_sizes_train(tmp_path):
 
 
 def test_untrainable_plan_still_compiles_for_comm_only(tmp_path):
-    """Stages no activation flows between: located error, exit 2, output written."""
+    """A transfer that flows back to an earlier stage: located error, exit 2, output written."""
     src = tmp_path / "uneven.plan"
-    src.write_text(UNEVEN.replace("ROWS", "8").replace("  transfer h : f32[8, 16] from stage 0 as S0 R to stage 1 as S0 R\n",
-                                                       ""))
+    src.write_text(UNEVEN.replace("ROWS", "8").replace(
+        "  reduce gradients", "  transfer back : f32[8, 16] from stage 1 as S0 R to stage 0 as S0 R\n  reduce gradients"))
     r = subprocess.run([sys.executable, "-m", "planc", "compile", str(src), "--no-probe", "-o", str(tmp_path / "o")],
                        capture_output=True, text=True)
     assert r.returncode == 2 and "Traceback" not in r.stderr
-    assert "stage 1 receives no activation from an earlier stage" in r.stderr
-    assert f"{src}:9:3: error:" in r.stderr and "--comm-only" in r.stderr
+    assert "transfer 'back' goes from stage 1 back to stage 0" in r.stderr
+    assert f"{src}:11:3: error:" in r.stderr and "--comm-only" in r.stderr
     plan = json.loads((tmp_path / "o" / "plan.json").read_text())      # written for communication-only use
     assert plan["train"]["trainable"] is False and (tmp_path / "o" / "train.py").is_file()
     # the same plan without a model is a communication-only plan and compiles

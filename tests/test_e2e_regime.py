@@ -5,20 +5,22 @@ torch.nn.utils.clip_grad_norm_ on the whole model, the micro-batch mean; always 
 One plan, unequal meshes and tensor parallelism: 5 ranks, stage 0 (embedding, block 1) on a data-2
 mesh {0, 1} (gradients reduced by the synthesized program), stage 1 (block 2, head) on a tensor-2 mesh
 {2, 3} (GPT opts in: block 2 really is sharded), device 4 idle. Each launch is ``python OUT/train.py``
-per rank (``e2e_util.start_ranks``); the settings the front end does not write yet (optimizer adamw,
-lr_schedule, clip, recompute, zero, loss_scale) are set in the compiled plan.json through the contract
-(``e2e_util.edit_plan``). Precision comes from the plan text.
+per rank (``e2e_util.start_ranks``). The settings are written in the plan text (the train block,
+``recompute`` on a stage line); only fp16's loss scale, which the language does not set, is edited
+into the compiled plan.json through the contract (``e2e_util.edit_plan``).
 
 - clip + recompute, SGD (gradient-scale errors are not hidden by Adam's normalisation): losses at
   rtol 1e-4, every printed rate and norm, every parameter at atol 1e-6 (recompute changes no number);
-- everything together in fp32 (AdamW, warmup_cosine, clip, recompute) at rtol 1e-4;
+- zero = 1 alone, SGD: the same bounds (sharding changes no number), the gradients reduce-scattered;
+- everything together in fp32 (AdamW, warmup_cosine, clip, recompute on one stage, zero = 1) at rtol 1e-4;
 - bf16 and fp16 (SGD): the update every parameter received (final - initial, the fp32 masters) within
   UPDATE_TOL of the reference's; the same run against a reference with lr x 1.05 must fail it;
-- fp16 with a loss scale far too large: overflowing steps skipped on every rank, the printed line, the
-  scale halved and grown by the rule, the reference skipping the same steps; a checkpoint of that run
-  resumed continues its losses, rates, scales and parameters (masters, loss scale, schedule step).
+- fp16 with zero = 1 and a loss scale far too large: overflowing steps skipped on every rank, the
+  printed line, the scale halved and grown by the rule, the reference skipping the same steps; a
+  checkpoint of that run (each data rank holding its half of the masters) resumed continues its
+  losses, rates, scales and parameters (master shards, optimizer state, loss scale, schedule step).
 
-Slow: 5 launches of 5 ranks (~10-25 s each, mostly start-up).
+Slow: 6 launches of 5 ranks (~10-25 s each, mostly start-up).
 """
 from __future__ import annotations
 
@@ -50,23 +52,28 @@ plan regime_unequal {
   model "EXAMPLES/gpt.py:build" { layers = 2, hidden = 16, heads = 2, seq = 8, vocab = 32 }
   loss  "EXAMPLES/gpt.py:loss"
   data  "EXAMPLES/gpt.py:batches"
-  stage 0 : layers 0..2 on devices 0..2 as (data = 2)
+  stage 0 : layers 0..2 on devices 0..2 as (data = 2) RECOMPUTE0
   stage 1 : layers 2..4 on devices 2..4 as (tensor = 2)
   transfer h : f32[8, 8, 16] from stage 0 as S0 R R to stage 1 as R R R
   reduce gradients over data
   train {
     micro_batch = 8, micro_batches = 2, steps = STEPS, save_every = 2, timeout = 30 s
-    schedule = 1f1b, optimizer = sgd(lr = 0.2, momentum = 0.9), precision = PRECISION, seed = 3
+    schedule = 1f1b, precision = PRECISION, seed = 3
+    SETTINGS
   }
 }
 """
+SGD = "optimizer = sgd(lr = 0.2, momentum = 0.9)"
 
 
-def build(tmp_path, name: str, precision: str = "fp32", steps: int = STEPS, **train):
-    """The plan compiled (the model probed) into tmp_path/name, plan.json edited with ``train``."""
+def build(tmp_path, name: str, settings: str = SGD, precision: str = "fp32", steps: int = STEPS,
+          recompute0: bool = False, **train):
+    """The plan with ``settings`` in its train block compiled (the model probed) into tmp_path/name;
+    plan.json edited with ``train`` (what the language does not write)."""
     src = tmp_path / f"{name}.plan"
     src.write_text(PLAN.replace("EXAMPLES", str(EXAMPLES)).replace("PRECISION", precision)
-                   .replace("STEPS", str(steps)))
+                   .replace("STEPS", str(steps)).replace("SETTINGS", settings)
+                   .replace("RECOMPUTE0", "recompute" if recompute0 else ""))
     c = compile_file(src)
     assert not c.untrainable, "; ".join(d.message for d in c.untrainable)
     out = tmp_path / name
@@ -113,7 +120,8 @@ def check_lines(lines, ref_losses, record, rtol):
 
 @pytest.mark.slow
 def test_clip_and_recompute_with_sgd_match_the_reference(tmp_path):
-    out, plan = build(tmp_path, "clip", clip=0.3, recompute=(True, True))
+    out, plan = build(tmp_path, "clip", SGD + ", clip = 0.3, recompute = full")
+    assert (plan["train"]["clip"], plan["train"]["recompute"]) == (0.3, [True, True])
     text = run(out, "--dump-params", tmp_path / "dump")
     record = {}
     ref_losses, ref_state = independent_reference(plan, out, STEPS, record=record)
@@ -124,13 +132,16 @@ def test_clip_and_recompute_with_sgd_match_the_reference(tmp_path):
 
 
 @pytest.mark.slow
-def test_adamw_warmup_cosine_clip_recompute_together_match_the_reference(tmp_path):
+def test_adamw_warmup_cosine_clip_recompute_zero_together_match_the_reference(tmp_path):
     # eps 1e-5: GPT's key biases get gradients that are zero up to rounding, which Adam with eps 1e-8 would
     # turn into full-size steps of any sign (no two summation orders agree)
-    adamw = P.Optimizer.make("adamw", 0.01, weight_decay=0.1, eps=1e-5, betas=(0.8, 0.99))
-    out, plan = build(tmp_path, "together", optimizer=adamw,
-                      lr_schedule=P.LrSchedule("warmup_cosine", 2, STEPS, 0.1), clip=0.5, recompute=(True, True))
+    settings = ("optimizer = adamw(lr = 0.01, weight_decay = 0.1, eps = 1e-5, betas = (0.8, 0.99))\n"
+                "lr_schedule = warmup_cosine(warmup = 2, min_ratio = 0.1), clip = 0.5, zero = 1")
+    out, plan = build(tmp_path, "together", settings, recompute0=True)
+    assert plan["train"]["lr_schedule"] == {"name": "warmup_cosine", "warmup": 2, "total": STEPS, "min_ratio": 0.1}
+    assert (plan["train"]["zero"], plan["train"]["recompute"]) == (1, [True, False])
     text = run(out, "--dump-params", tmp_path / "dump")
+    assert "gradients: planc program reduce_scatter" in text
     record = {}
     ref_losses, ref_state = independent_reference(plan, out, STEPS, record=record)
     assert record["lr"][0] == pytest.approx(0.005) and len(set(record["lr"])) == 3   # warm-up, peak, decay
@@ -141,11 +152,24 @@ def test_adamw_warmup_cosine_clip_recompute_together_match_the_reference(tmp_pat
     compare_dumps(tmp_path / "dump", stage_ranks(plan), ref_state, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.slow
+def test_zero1_alone_with_sgd_changes_no_number(tmp_path):
+    out, plan = build(tmp_path, "zero", SGD + ", zero = 1")
+    programs = {(r["name"], r["stage"]): r for r in plan["reductions"]}
+    assert programs[("gradients", 0)]["target"] == "reduce_scatter" and programs[("parameters", 0)]["target"] == "all_gather"
+    text = run(out, "--dump-params", tmp_path / "dump")
+    assert "gradients: planc program reduce_scatter" in text and "ZeRO-1" in text, text
+    record = {}
+    ref_losses, ref_state = independent_reference(plan, out, STEPS, record=record)
+    check_lines(step_lines(text), ref_losses, record, rtol=1e-4)
+    compare_dumps(tmp_path / "dump", stage_ranks(plan), ref_state, rtol=1e-5, atol=1e-6)
+
+
 # ---------------------------------------------------------------- bf16, fp16
 
 @pytest.mark.slow
 def test_bf16_trains_within_tolerance_and_a_five_percent_rate_error_does_not(tmp_path):
-    out, plan = build(tmp_path, "bf16", precision="bf16")
+    out, plan = build(tmp_path, "bf16", precision="bf16")   # the transfer is declared f32: sent in bf16
     assert plan["train"]["precision"] == "bf16" and [t["dtype"] for t in plan["transfers"]] == ["bf16"]
     text = run(out, "--dump-params", tmp_path / "dump")
     ref_losses, ref_state = independent_reference(plan, out, STEPS)
@@ -177,8 +201,8 @@ def expected_scales(skipped: list[bool], scale: P.LossScale) -> list[float]:
 def test_fp16_skips_overflowing_steps_and_resumes_with_its_loss_scale(tmp_path):
     steps = 6
     scale = P.LossScale(initial=2.0 ** 19, window=2)   # far too large: this model's gradients overflow fp16
-    out, plan = build(tmp_path, "fp16", precision="fp16", steps=steps, loss_scale=scale,
-                      lr_schedule=P.LrSchedule("warmup_cosine", 1, steps, 0.0))
+    out, plan = build(tmp_path, "fp16", SGD + ", lr_schedule = warmup_cosine(warmup = 1), zero = 1",
+                      precision="fp16", steps=steps, loss_scale=scale)
     assert [t["dtype"] for t in plan["transfers"]] == ["f16"]
     text = run(out, "--save", tmp_path / "ck", "--dump-params", tmp_path / "dump")
     lines = step_lines(text)
@@ -198,6 +222,14 @@ def test_fp16_skips_overflowing_steps_and_resumes_with_its_loss_scale(tmp_path):
     taken = [lines[s]["lr"] for s in range(steps) if not skipped[s]]   # t counts the steps taken
     assert taken == pytest.approx(record["lr"], rel=1e-5)
     assert update_error(tmp_path / "dump", plan, ref_state, init) < UPDATE_TOL
+
+    # each data rank of stage 0 keeps its half of the masters; the tensor ranks of stage 1 (no data peers) all
+    masters = {r: sum(m.numel() for m in torch.load(tmp_path / "ck" / "step2" / f"rank{r}.pt",
+                                                     weights_only=False)["engine"]["regime"]["masters"])
+               for r in stage_ranks(plan)}
+    held = {r: sum(v.numel() for v in torch.load(tmp_path / "dump" / f"rank{r}.pt").values()) for r in stage_ranks(plan)}
+    assert masters[0] + masters[1] == held[0] == held[1] and 0 < masters[0] < held[0]
+    assert masters[2] == held[2] and masters[3] == held[3]
 
     # resumed from the step-2 checkpoint: the same lines, the same parameters
     again = run(out, "--resume", tmp_path / "ck" / "step2", "--dump-params", tmp_path / "dump2")

@@ -207,6 +207,8 @@ class PlanEngine(PipelineEngine):
                 raise EngineError(f"rank {rank}: zero = 1 but plan.json has no parameters all-gather over its "
                                   f"gradient group {list(red.group_of(rank))}")
             gather = ReductionExecutor.for_plan(plan, params, groups, rank)
+            self.reduce_description += (f"; ZeRO-1: fp32 master weights and optimizer state sharded over the data "
+                                        f"group, parameters all-gathered by {params.text}")
         members = plan.train.norm_group
         norm_group = lookup_group(groups, members) if len(members) > 1 and rank in members else None
         if plan.train.clip is not None or plan.train.precision is Precision.FP16:
@@ -407,7 +409,7 @@ class PlanEngine(PipelineEngine):
 
     def plan_named_parameters(self):
         """``layers.<global index>.<name>`` -> CPU tensor (the single-process model's names): the fp32 master
-        where this rank holds it whole (bf16/fp16 without ZeRO), else the parameter."""
+        in bf16/fp16 plans (zero = 1: all-gathered, so collective over the data group), else the parameter."""
         masters = self.regime.whole_masters()
         return OrderedDict((f"layers.{k}", masters.get(id(v), v).detach().cpu())
                            for k, v in self.module.named_parameters())

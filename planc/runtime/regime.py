@@ -229,9 +229,27 @@ class Regime:
             for pbuf in self.pbufs:
                 self.gather.run(pbuf)
 
+    @torch.no_grad()
     def whole_masters(self) -> dict:
-        """``{id(param): fp32 master}`` for the parameters whose master this rank holds whole."""
-        return {id(f.param): f.master for f in self.fragments if f.whole}
+        """``{id(param): fp32 master}``, whole: the masters this rank holds whole, or (zero = 1 in bf16/fp16;
+        collective over the data group) every parameter's, its fragments all-gathered by the plan's
+        ``parameters`` program into an fp32 buffer of the bucket's layout. Empty where the parameters
+        are their masters' exact values (fp32)."""
+        if not self.sharded:
+            return {id(f.param): f.master for f in self.fragments if f.whole}
+        if all(pbuf.dtype == torch.float32 for pbuf in self.pbufs):
+            return {}
+        out = {}
+        for b, (buf, placed) in enumerate(self.buckets.buckets):
+            flat = torch.zeros(buf.numel(), dtype=torch.float32, device=self.device)
+            for f in self.fragments:
+                if f.bucket == b:
+                    flat[f.offset + f.lo:f.offset + f.hi] = f.master
+            if self.gather is not None:
+                self.gather.run(flat)
+            for p, off in placed:
+                out[id(p)] = flat[off:off + p.numel()].view(p.shape)
+        return out
 
     # ---- checkpoints
     def state_dict(self) -> dict:
