@@ -365,3 +365,25 @@ def edit_plan(out, transfer_dtype: str | None = None, **train) -> dict:
     plan = dataclasses.replace(plan, train=t, groups=groups, transfers=transfers).check()
     (Path(out) / "plan.json").write_text(P.dumps(plan))
     return json.loads((Path(out) / "plan.json").read_text())
+
+
+def update_error(dump, plan: dict, ref_state: dict, init_state: dict) -> float:
+    """|| dumped - reference || / || reference - initial || over every parameter every stage rank dumped
+    (``--dump-params``: the fp32 masters of bf16/fp16 plans; tensor-parallel shards against their slice):
+    how far the run's update is from the reference's."""
+    import json
+    import torch
+    num = den = 0.0
+    for rank in stage_ranks(plan):
+        mine = torch.load(Path(dump) / f"rank{rank}.pt")
+        info_path = Path(dump) / f"rank{rank}.shards.json"
+        info = json.loads(info_path.read_text()) if info_path.exists() else {}
+        for k, v in mine.items():
+            ref, init = ref_state[k], init_state[k]
+            if k in info:
+                dim, index, parts, blocks = info[k]
+                ref, init = shard_of(ref, dim, index, parts, blocks), shard_of(init, dim, index, parts, blocks)
+            assert v.dtype == torch.float32, f"{k}: dumped {v.dtype}, not the fp32 master"
+            num += float((v - ref).pow(2).sum())
+            den += float((ref - init).pow(2).sum())
+    return (num / den) ** 0.5

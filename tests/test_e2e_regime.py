@@ -33,8 +33,8 @@ from planc import plan as P
 from planc.codegen import write_output
 from planc.compile import compile_file
 
-from e2e_util import (ROOT, compare_dumps, edit_plan, independent_reference, shard_of, stage_ranks, start_ranks,
-                      step_lines)
+from e2e_util import (ROOT, compare_dumps, edit_plan, independent_reference, stage_ranks, start_ranks, step_lines,
+                      update_error)
 
 EXAMPLES = ROOT / "examples"
 WORLD = 5
@@ -87,25 +87,6 @@ def run(out, *args):
     assert rc == 0, every[-4000:]
     assert "Traceback" not in every, every[-4000:]
     return text
-
-
-def update_error(dump, plan, ref_state, init_state) -> float:
-    """|| dumped - reference || / || reference - initial || over every parameter every stage rank holds
-    (tensor-parallel shards against their slice): how far the run's update is from the reference's."""
-    num = den = 0.0
-    for rank in stage_ranks(plan):
-        mine = torch.load(dump / f"rank{rank}.pt")
-        info_path = dump / f"rank{rank}.shards.json"
-        info = json.loads(info_path.read_text()) if info_path.exists() else {}
-        for k, v in mine.items():
-            ref, init = ref_state[k], init_state[k]
-            if k in info:
-                dim, index, parts, blocks = info[k]
-                ref, init = shard_of(ref, dim, index, parts, blocks), shard_of(init, dim, index, parts, blocks)
-            assert v.dtype == torch.float32, f"{k}: dumped {v.dtype}, not the fp32 master"
-            num += float((v - ref).pow(2).sum())
-            den += float((ref - init).pow(2).sum())
-    return (num / den) ** 0.5
 
 
 def check_lines(lines, ref_losses, record, rtol):
