@@ -2,10 +2,10 @@
 [--resume DIR]``.
 
 Reads OUT/plan.json (every decision of the compiler, the model, loss and data
-functions and the train settings included) and OUT/ds_config.json (optimizer), initializes the
-process group, runs the start-up checks, builds the DeepSpeed pipeline engine
+functions and the training regime included) and OUT/ds_config.json (batch sizes for DeepSpeed),
+initializes the process group, runs the start-up checks, builds the DeepSpeed pipeline engine
 (``PlanEngine``, a ``PipelineEngine`` subclass) from the copied model file and
-trains; rank 0 prints ``step N loss X``. With ``--save DIR`` every rank checkpoints every
+trains; rank 0 prints ``step N loss X ... lr L`` (docs/training.md). With ``--save DIR`` every rank checkpoints every
 ``train.save_every`` steps and at the end; ``--resume DIR`` continues from a checkpoint
 (``checkpoint``; docs/runtime.md "Checkpoints").
 """
