@@ -1,11 +1,12 @@
 """Gradient buckets reduced while the last backward still runs, in place.
 
-Gradients accumulate and are reduced in fp32 whatever the parameters' dtype. An fp32 parameter's
-``.grad`` is a view into one of a few flat fp32 bucket buffers (filled in backward order: the last
-layer's parameters first), so autograd accumulates straight into the buffers and the reduction
-program runs on them with no concatenated copy and no per-parameter clone. A bf16 or fp16
-parameter's ``.grad`` is autograd's own (in its dtype) for one micro-batch only: its
-post-accumulate hook adds it into the parameter's fp32 slot of the bucket and drops it. During the
+Gradients accumulate and are reduced in fp32 (fp64 for fp64 parameters) whatever the parameters'
+dtype. An fp32 parameter's ``.grad`` is a view into one of a few flat bucket buffers (filled in
+backward order: the last layer's parameters first; one dtype per bucket), so autograd accumulates
+straight into the buffers and the reduction program runs on them with no concatenated copy and no
+per-parameter clone. A bf16 or fp16 parameter's ``.grad`` is autograd's own (in its dtype) for one
+micro-batch only: its post-accumulate hook adds it into the parameter's fp32 slot of the bucket and
+drops it. During the
 micro-batch that is the stage's last backward, a hook counts the parameters
 whose gradient is final; when a bucket is complete its reduction starts at once
 in a thread of its own, on communicators used by nothing else, while autograd
@@ -43,6 +44,12 @@ DEFAULT_BUCKET_BYTES = DEFAULT_GRAD_BUCKET_BYTES   # the contract's default (pla
 GRAD_DTYPE = torch.float32     # gradients accumulate and reduce in fp32 (LANGUAGE.md, "Training settings")
 
 
+def grad_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype a parameter's gradient accumulates and is reduced in: fp32 for bf16/fp16 parameters,
+    the parameter's own for fp32 and fp64 ones."""
+    return GRAD_DTYPE if dtype.itemsize < GRAD_DTYPE.itemsize else dtype
+
+
 class GradientBuckets:
     def __init__(self, params, executor, device, bucket_bytes: int | None = None, tracer=None):
         self.tracer = tracer
@@ -57,7 +64,8 @@ class GradientBuckets:
         for p in reversed(self.params):            # backward order
             if not p.dtype.is_floating_point:
                 raise TypeError(f"a trainable parameter of dtype {p.dtype}: gradients are floating point")
-            if members and (size + p.numel()) * GRAD_DTYPE.itemsize > limit:
+            # a bucket is one flat buffer of one dtype: a parameter of another dtype starts the next bucket
+            if members and ((size + p.numel()) * grad_dtype(p.dtype).itemsize > limit or p.dtype != members[0].dtype):
                 self._add(members, granule, device)
                 members, size = [], 0
             members.append(p)
@@ -81,7 +89,7 @@ class GradientBuckets:
     def _add(self, members, granule, device):
         n = sum(p.numel() for p in members)
         padded = -(-(n + len(members)) // granule) * granule    # the gradients, then one flag per parameter
-        buf = torch.zeros(padded, dtype=GRAD_DTYPE, device=device)
+        buf = torch.zeros(padded, dtype=grad_dtype(members[0].dtype), device=device)
         placed, off = [], 0
         for p in members:
             placed.append((p, off))
@@ -97,7 +105,7 @@ class GradientBuckets:
         for buf, placed in self.buckets:
             buf.zero_()
             for p, off in placed:
-                p.grad = buf[off:off + p.numel()].view_as(p) if p.dtype == GRAD_DTYPE else None
+                p.grad = buf[off:off + p.numel()].view_as(p) if p.dtype == buf.dtype else None
 
     def view(self, p) -> torch.Tensor:
         """``p``'s fp32 gradient slot in its bucket, shaped like ``p``."""
@@ -113,7 +121,7 @@ class GradientBuckets:
     def _hook(self, p) -> None:
         self._used.add(id(p))
         b, off = self.slot[id(p)]
-        if p.dtype == GRAD_DTYPE:
+        if p.dtype == self.buckets[b][0].dtype:
             self._keep_view(p, b, off)
         else:     # this micro-batch's bf16/fp16 gradient, added into the fp32 slot and dropped
             self.buckets[b][0][off:off + p.numel()].add_(p.grad.reshape(-1))
@@ -127,9 +135,9 @@ class GradientBuckets:
     def _keep_view(self, p, b: int, off: int) -> None:
         """Autograd accumulates into the view in place; should it ever have replaced ``.grad``,
         put the gradient back into the bucket before the bucket is reduced."""
-        if p.dtype != GRAD_DTYPE:
-            return
         view = self.buckets[b][0][off:off + p.numel()]
+        if p.dtype != view.dtype:
+            return
         if p.grad is None:
             p.grad = view.view_as(p)
         elif p.grad.data_ptr() != view.data_ptr():

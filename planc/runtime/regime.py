@@ -111,10 +111,10 @@ class Regime:
                     if lo >= hi:
                         continue
                     whole = (lo, hi) == (0, n) and not self.sharded
-                    if whole and source is None and p.dtype == torch.float32:
-                        master = p                    # fp32, not sharded: the parameter is its own master
+                    if whole and source is None and p.dtype == buf.dtype:
+                        master = p     # fp32 (fp64), not sharded: the parameter is its own master
                     else:
-                        src = (source if source is not None else p.detach()).to(device, torch.float32)
+                        src = (source if source is not None else p.detach()).to(device, buf.dtype)
                         master = src.clone() if whole else src.reshape(-1)[lo:hi].clone()
                     self.fragments.append(Fragment(p, b, off, lo, hi, master, whole))
             if self.sharded:   # the parameters become views of a flat buffer with the bucket's layout
@@ -178,7 +178,7 @@ class Regime:
         coef = None
         if self.needs_norm:
             if self.counted:
-                sumsq = torch.stack([torch.linalg.vector_norm(v) for v in self.counted]).pow(2).sum()
+                sumsq = torch.stack([torch.linalg.vector_norm(v).float() for v in self.counted]).pow(2).sum()
             else:
                 sumsq = torch.zeros((), dtype=torch.float32, device=self.device)
             if self.norm_group is not None:
@@ -194,9 +194,12 @@ class Regime:
             if self.fp16:
                 coef = coef / self.scale if coef is not None else torch.tensor(1.0 / self.scale, device=self.device)
         if coef is not None:
-            grads = [f.master.grad for f in self.fragments if f.master.grad is not None]
-            if grads:
-                torch._foreach_mul_(grads, coef)
+            by_dtype: dict = {}
+            for f in self.fragments:
+                if f.master.grad is not None:
+                    by_dtype.setdefault(f.master.grad.dtype, []).append(f.master.grad)
+            for dtype, grads in by_dtype.items():
+                torch._foreach_mul_(grads, coef.to(dtype))
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.optimizer.step()
@@ -237,11 +240,11 @@ class Regime:
         are their masters' exact values (fp32)."""
         if not self.sharded:
             return {id(f.param): f.master for f in self.fragments if f.whole}
-        if all(pbuf.dtype == torch.float32 for pbuf in self.pbufs):
+        if all(pbuf.dtype == buf.dtype for pbuf, (buf, _) in zip(self.pbufs, self.buckets.buckets)):
             return {}
         out = {}
         for b, (buf, placed) in enumerate(self.buckets.buckets):
-            flat = torch.zeros(buf.numel(), dtype=torch.float32, device=self.device)
+            flat = torch.zeros(buf.numel(), dtype=buf.dtype, device=self.device)
             for f in self.fragments:
                 if f.bucket == b:
                     flat[f.offset + f.lo:f.offset + f.hi] = f.master
