@@ -20,7 +20,10 @@ into the compiled plan.json through the contract (``e2e_util.edit_plan``).
   checkpoint of that run (each data rank holding its half of the masters) resumed continues its
   losses, rates, scales and parameters (master shards, optimizer state, loss scale, schedule step).
 
-Slow: 6 launches of 5 ranks (~10-25 s each, mostly start-up).
+- a U-Net of 3 stages (4 ranks) recomputing every stage, whose skips tap inner layers (one tensor feeding
+  two transfers), with ZeRO-1 and clip, SGD: the same bounds as above.
+
+Slow: 6 launches of 5 ranks and one of 4 (~10-25 s each, mostly start-up).
 """
 from __future__ import annotations
 
@@ -226,3 +229,49 @@ def test_fp16_skips_overflowing_steps_and_resumes_with_its_loss_scale(tmp_path):
         assert set(got_p) == set(want_p)
         for k in want_p:
             torch.testing.assert_close(got_p[k], want_p[k], rtol=1e-6, atol=1e-7, msg=f"rank {rank} {k}")
+
+
+UNET = """
+plan regime_unet {
+  cluster {
+    level node x 1 : bandwidth 1 GB/s, latency 20 us
+    level gpu  x 4 : bandwidth 10 GB/s, latency 2 us
+  }
+  model "EXAMPLES/unet.py:build" { channels = 4, inputs = 2, length = 16 }
+  loss  "EXAMPLES/unet.py:loss"
+  data  "EXAMPLES/unet.py:batches"
+  stage 0 : layers 0..2 on devices 0..2 as (data = 2)   # Enc1, Enc2
+  stage 1 : layers 2..3 on devices 2..3 as (data = 1)   # Mid
+  stage 2 : layers 3..6 on devices 3..4 as (data = 1)   # Dec2, Dec1, Head
+  transfer down : f32[8, 8, 8]  from stage 0 as S0 R R to stage 1 as R R R
+  transfer mid  : f32[8, 8, 8]  from stage 1 as R R R to stage 2 as R R R
+  transfer e2   : f32[8, 8, 8]  from stage 0 layer 1 as S0 R R to stage 2 as R R R   # skip: down's tensor too
+  transfer e1   : f32[8, 4, 16] from stage 0 layer 0 as S0 R R to stage 2 as R R R   # skip
+  reduce gradients over data
+  train {
+    micro_batch = 8, micro_batches = 2, steps = 3, timeout = 30 s, schedule = 1f1b, seed = 15
+    optimizer = sgd(lr = 0.05, momentum = 0.9), precision = fp32, recompute = full, zero = 1, clip = 0.5
+  }
+}
+"""
+
+
+@pytest.mark.slow
+def test_recompute_keeps_the_skip_taps_of_a_unet(tmp_path):
+    """Recomputing stages whose skips tap inner layers (e1 from layer 0; e2 from layer 1, whose output
+    is also ``down``'s: one tensor, two transfers, its gradients summed), with ZeRO-1 and clip."""
+    src = tmp_path / "unet.plan"
+    src.write_text(UNET.replace("EXAMPLES", str(EXAMPLES)))
+    c = compile_file(src)
+    assert not c.untrainable, "; ".join(d.message for d in c.untrainable)
+    out = tmp_path / "out"
+    write_output(c.plan_json, c.program, out)
+    plan = json.loads((out / "plan.json").read_text())
+    assert plan["train"]["recompute"] == [True, True, True]
+    rc, text, every = start_ranks(out, 4, "--dump-params", tmp_path / "dump")
+    assert rc == 0 and "Traceback" not in every, every[-4000:]
+    record = {}
+    ref_losses, ref_state = independent_reference(plan, out, 3, record=record)
+    assert max(record["grad_norm"]) > 0.5   # clipped at least once
+    check_lines(step_lines(text), ref_losses, record, rtol=1e-4)
+    compare_dumps(tmp_path / "dump", stage_ranks(plan), ref_state, rtol=1e-5, atol=1e-6)
