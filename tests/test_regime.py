@@ -192,3 +192,32 @@ def test_deepspeed_leaves_precision_zero_and_clipping_to_the_engine(tmp_path):
     program = dataclasses.replace(c.program, deepspeed_overrides="ds.yaml", source_dir=str(tmp_path))
     with pytest.raises(CodegenError, match="bf16.enabled: the precision is the plan's"):
         write_output(c.plan_json, program, tmp_path / "out")
+
+
+def test_zero1_leaves_a_parameter_no_member_used_alone(tmp_path):
+    """zero = 1: the no-gradient flags are summed over the data group (here a gloo group of one, in this
+    process); an owner leaves the fragments of a parameter nobody produced a gradient for untouched,
+    as torch leaves a parameter whose .grad is None (AdamW's weight decay would move it)."""
+    import torch.distributed as dist
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        m, unused = model(), torch.nn.Linear(3, 3)
+        params = list(m.parameters()) + list(unused.parameters())
+        buckets = GradientBuckets(params, None, torch.device("cpu"))
+        owned = [[(0, buf.numel() // 2 + 1)] for buf, _ in buckets.buckets]
+        train = train_record(optimizer=P.Optimizer.make("adamw", 0.05, weight_decay=0.5))
+        regime = Regime(train, buckets, torch.device("cpu"), owned=owned, gather=NoGather())
+        held = {id(f.param) for f in regime.fragments}
+        assert id(unused.weight) in held and id(m[2].weight) in held
+        before = {id(p): p.detach().clone() for p in params}
+        x, y = batches(1)[0]
+        buckets.attach()
+        torch.nn.functional.mse_loss(m(x), y).backward()
+        buckets.finish(flags_group=dist.group.WORLD)
+        assert buckets.no_gradient == {id(p) for p in unused.parameters()}
+        regime.step()
+        for p in unused.parameters():
+            assert torch.equal(p, before[id(p)])
+        assert not torch.equal(m[2].weight, before[id(m[2].weight)])
+    finally:
+        dist.destroy_process_group()
