@@ -140,7 +140,8 @@ def test_adamw_warmup_cosine_clip_recompute_zero_together_match_the_reference(tm
 def test_zero1_alone_with_sgd_changes_no_number(tmp_path):
     out, plan = build(tmp_path, "zero", SGD + ", zero = 1")
     programs = {(r["name"], r["stage"]): r for r in plan["reductions"]}
-    assert programs[("gradients", 0)]["target"] == "reduce_scatter" and programs[("parameters", 0)]["target"] == "all_gather"
+    assert programs[("gradients", 0)]["target"] == "reduce_scatter"
+    assert programs[("parameters", 0)]["target"] == "all_gather"
     text = run(out, "--dump-params", tmp_path / "dump")
     assert "gradients: planc program reduce_scatter" in text and "ZeRO-1" in text, text
     record = {}
@@ -211,7 +212,8 @@ def test_fp16_skips_overflowing_steps_and_resumes_with_its_loss_scale(tmp_path):
     masters = {r: sum(m.numel() for m in torch.load(tmp_path / "ck" / "step2" / f"rank{r}.pt",
                                                      weights_only=False)["engine"]["regime"]["masters"])
                for r in stage_ranks(plan)}
-    held = {r: sum(v.numel() for v in torch.load(tmp_path / "dump" / f"rank{r}.pt").values()) for r in stage_ranks(plan)}
+    held = {r: sum(v.numel() for v in torch.load(tmp_path / "dump" / f"rank{r}.pt").values())
+            for r in stage_ranks(plan)}
     assert masters[0] + masters[1] == held[0] == held[1] and 0 < masters[0] < held[0]
     assert masters[2] == held[2] and masters[3] == held[3]
 
