@@ -89,20 +89,21 @@ def ds_config(plan: dict, program: ir.Program) -> dict:
         "train_batch_size": train.micro_batch * train.micro_batches,
         "train_micro_batch_size_per_gpu": per_device,
         "gradient_accumulation_steps": train.micro_batches,
-        "optimizer": {"type": {"adam": "Adam", "sgd": "SGD"}.get(train.optimizer.name, train.optimizer.name),
+        # the optimizer as written, for tools that build a torch optimizer from ds_config (the lab's
+        # stock-DeepSpeed and compute-only workers); the runtime builds plan.json's train.optimizer (every
+        # argument, defaults filled in) and never reads this section
+        "optimizer": {"type": {"adam": "Adam", "adamw": "AdamW", "sgd": "SGD"}.get(train.optimizer.name,
+                                                                                 train.optimizer.name),
                       "params": opt_params},
+        # planc's engine runs the plan's precision (fp32 master weights, fp16 loss scaling), ZeRO-1 and
+        # clipping itself (planc/runtime/regime.py): DeepSpeed's own must stay off. Its clipping defaults
+        # to norm 1.0 and would clip each stage by its own gradients' norm, a silent gradient change.
         "zero_optimization": {"stage": 0},
         "pipeline": {"pipe_partitioned": False, "grad_partitioned": False},
         "steps_per_print": 1,
         "seed": train.seed,
-        # DeepSpeed clips to norm 1.0 unless told otherwise, and its norm would be each stage's own: the
-        # plan has no clipping, so the generated program must not clip (a silent gradient change)
         "gradient_clipping": 0.0,
     }
-    if train.precision is ir.Precision.FP16:
-        cfg["fp16"] = {"enabled": True}
-    elif train.precision is ir.Precision.BF16:
-        cfg["bf16"] = {"enabled": True}
     if program.deepspeed_overrides:
         path = Path(program.source_dir) / program.deepspeed_overrides
         try:
@@ -116,6 +117,11 @@ def ds_config(plan: dict, program: ir.Program) -> dict:
         if not isinstance(extra, dict):
             raise CodegenError(f"{path}: DeepSpeed overrides must be a mapping of config keys")
         cfg = _merge(cfg, extra)   # its keys were checked with the plan (planc.lang.check.settings)
+        for key in ("fp16", "bf16"):
+            if isinstance(cfg.get(key), dict) and cfg[key].get("enabled"):
+                raise CodegenError(f"DeepSpeed overrides '{program.deepspeed_overrides}': {key}.enabled: the "
+                                   f"precision is the plan's (train {{ precision = ... }}), which planc's engine "
+                                   f"runs itself with fp32 master weights; leave {key} out", program.source_path)
     return cfg
 
 

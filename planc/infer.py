@@ -6,10 +6,14 @@ stage dataflow on one whole micro-batch) and either sharding spec (derived from
 the stage's mesh: the batch dimension, dim 0, split over the mesh axis named
 ``data`` when it has size > 1, replicated over every other mesh axis; every
 other tensor dimension replicated). A plan with a model and no transfer line at
-all gets the chain (``chain_transfers``: each stage's output to the next stage). That derived layout is what a stage of a
-training plan computes, so a written spec must be it (written forms that
-describe the same layout, such as ``S(data)`` or a split over an axis of size
-1, are equal). A plan without a model is returned unchanged: the front end has
+all gets the chain (``chain_transfers``: each stage's output to the next stage).
+That derived layout is what a stage of a training plan computes, so a written
+spec must be it (written forms that describe the same layout, such as
+``S(data)`` or a split over an axis of size 1, are equal). In a bf16 or fp16
+plan every floating transfer, measured or declared (``f32[...]`` names the
+activation as the model builds it), is sent in the plan's precision: its dtype
+becomes bf16 or f16, since the stages run in it while the probe runs the model
+as built. A plan without a model is returned unchanged: the front end has
 already required everything.
 """
 
@@ -20,7 +24,7 @@ import dataclasses
 from planc import ir
 from planc.lang.check import spec_divide_error, spec_length_error
 from planc.lang.errors import Diagnostic, PlanError, Span
-from planc.probe import ModelProbe
+from planc.probe import ModelProbe, activation_dtype
 
 DATA_AXIS = ir.MeshAxis.DATA
 
@@ -85,9 +89,11 @@ def _spec_errors(t: ir.Transfer, side: str, spec: ir.ShardingSpec, shape, mesh: 
     return []
 
 
-def _type(t: ir.Transfer, probe: ModelProbe | None, errs: list[Diagnostic]):
-    if t.shape is not None:
-        return t.dtype, t.shape
+
+
+def _type(t: ir.Transfer, probe: ModelProbe | None, errs: list[Diagnostic], precision=ir.Precision.FP32):
+    if t.shape is not None:   # a declared floating type is the activation's, sent in the plan's precision
+        return activation_dtype(t.dtype, precision), t.shape
     span = _at(t.type_span, t.span)
     if t.src_stage > t.dst_stage:   # nothing to measure: the model's activations flow to later stages only
         errs.append(Diagnostic(f"transfer '{t.name}' goes from stage {t.src_stage} back to stage {t.dst_stage}: "
@@ -110,7 +116,8 @@ def _type(t: ir.Transfer, probe: ModelProbe | None, errs: list[Diagnostic]):
         errs.append(Diagnostic(f"transfer '{t.name}': stage {t.src_stage} produces a tensor of dtype {m.dtype}, "
                                f"which planc cannot send (dtypes: {', '.join(ir.DTYPE_BYTES)})", span))
         return None, None
-    return m.dtype, tuple(m.shape)
+    # the probe runs the model as built (fp32); the stage runs in the plan's precision
+    return activation_dtype(m.dtype, precision), tuple(m.shape)
 
 
 def chain_name(src: int, dst: int) -> str:
@@ -145,7 +152,7 @@ def infer_transfers(program: ir.Program, probe: ModelProbe | None) -> ir.Program
     errs: list[Diagnostic] = []
     out = []
     for t in program.transfers:
-        dtype, shape = _type(t, probe, errs)
+        dtype, shape = _type(t, probe, errs, program.train.precision)
         if shape is None:
             continue
         specs = {}

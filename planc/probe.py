@@ -335,6 +335,19 @@ def _type_text(dtype: str | None, shape) -> str:
     return f"{dtype}[{', '.join(map(str, shape))}]"
 
 
+FLOATING_DTYPES = ("f64", "f32", "f16", "bf16")
+PRECISION_DTYPES = {"fp32": "f32", "bf16": "bf16", "fp16": "f16"}
+
+
+def activation_dtype(dtype: str | None, precision) -> str | None:
+    """What a stage of a ``precision`` plan sends for a tensor the model as built (the probe runs it so,
+    in fp32) gives as ``dtype``: in a bf16 or fp16 plan a floating tensor is in the plan's precision
+    (LANGUAGE.md, "Training settings"); fp32 plans send what the model computes."""
+    if str(precision) == "fp32" or dtype not in FLOATING_DTYPES:
+        return dtype
+    return PRECISION_DTYPES[str(precision)]
+
+
 def check_against_model(program: ir.Program, probe: ModelProbe) -> None:
     """Stage ranges cover the model's layers; every transfer's declared type is what its layer produces."""
     if program.auto_stages:   # the driver cuts them first: planc.pipeline.cut.apply_auto_stages
@@ -358,10 +371,12 @@ def check_against_model(program: ir.Program, probe: ModelProbe) -> None:
         got = probe.measured(t.name)
         if got is None or got.shape is None or layer >= n:
             continue
-        if tuple(got.shape) != tuple(t.shape) or (got.dtype is not None and got.dtype != t.dtype):
+        precision = program.train.precision
+        dtype = activation_dtype(got.dtype, precision)
+        if tuple(got.shape) != tuple(t.shape) or (dtype is not None and dtype != activation_dtype(t.dtype, precision)):
             span = t.type_span if t.type_span.line else t.span
             errs.append(Diagnostic(f"transfer '{t.name}' declares {_type_text(t.dtype, t.shape)} but stage "
-                                   f"{t.src_stage} layer {layer} produces {_type_text(got.dtype, got.shape)} for a "
+                                   f"{t.src_stage} layer {layer} produces {_type_text(dtype, got.shape)} for a "
                                    f"micro-batch of {program.train.micro_batch}", span))
     if errs:
         raise PlanError(errs)

@@ -21,10 +21,6 @@ def check_trainable(program: ir.Program, stages: tuple[ir.StageLayout, ...]) -> 
     ``planc compile`` reports these as errors (exit 2) after writing it.
     """
     errs = []
-    if program.train.precision is not ir.Precision.FP32:
-        errs.append(Diagnostic(f"training in {program.train.precision} is not yet supported by the planc runtime "
-                               "(fp32 only); use precision = fp32",
-                               program.train.span_of("precision", program.model.span)))
     rows = program.train.micro_batch
     for st in stages:
         data = stage_data_degree(st)

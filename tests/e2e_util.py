@@ -131,7 +131,22 @@ def _load_callable(folder: Path, entry: dict):
     return getattr(mod, entry["function"])
 
 
-def independent_reference(plan: dict, model_dir: Path, steps: int, micro_batches: int | None = None):
+def schedule_factor(schedule: dict, t: int) -> float:
+    """LANGUAGE.md's learning-rate factor of optimizer step t, written again from its text (not planc's):
+    constant 1; warmup_cosine: (t + 1) / W while t < W, then r + (1 - r) / 2 * (1 + cos(pi * p)) with
+    p = min(1, (t - W) / max(1, T - W))."""
+    import math
+    if schedule.get("name", "constant") == "constant":
+        return 1.0
+    w, total, r = schedule["warmup"], schedule["total"], schedule["min_ratio"]
+    if t < w:
+        return (t + 1) / w
+    p = min(1.0, (t - w) / max(1, total - w))
+    return r + (1 - r) * 0.5 * (1 + math.cos(math.pi * p))
+
+
+def independent_reference(plan: dict, model_dir: Path, steps: int, micro_batches: int | None = None,
+                          lr_factor: float = 1.0, record: dict | None = None, skip=()):
     """Train the whole model in this process with plain torch, knowing nothing of planc's runtime.
 
     ``plan`` is a compiled plan.json: its ``train`` block names the model, loss and data files (found
@@ -144,10 +159,16 @@ def independent_reference(plan: dict, model_dir: Path, steps: int, micro_batches
       stage's first layer its incoming transfers as positional arguments in declaration order; a layer
       returning a tuple hands it on as positional arguments; a transfer sends the output of its
       ``src.layer`` (default the stage's last layer); the last stage's output goes to the loss;
-    - loss / micro_batches is back-propagated per micro-batch; after the last micro-batch one
-      optimizer step (torch.optim.SGD, or Adam, with the plan's lr) and zero_grad.
+    - loss / micro_batches is back-propagated per micro-batch (the micro-batch mean); after the last
+      micro-batch, with ``train.clip`` = X, ``torch.nn.utils.clip_grad_norm_`` on the whole model;
+      then one optimizer step (torch.optim.SGD, Adam or AdamW with every argument plan.json writes),
+      the rate lr * ``schedule_factor`` of ``train.lr_schedule`` at step t (times ``lr_factor``: a test
+      that must tell a wrong rate apart), and zero_grad. Everything in fp32, whatever the precision.
+      The steps listed in ``skip`` (fp16 overflows) draw their data and take no optimizer step: t counts
+      the steps taken.
 
-    Returns (loss sum per step, ``{"layers.<i>.<param>": tensor}``).
+    Returns (loss sum per step, ``{"layers.<i>.<param>": tensor}``); ``record``, when given, gets the
+    rate (``"lr"``) and, with clipping, the norm before clipping (``"grad_norm"``) of every step.
     """
     import torch
     train = plan["train"]
@@ -161,12 +182,16 @@ def independent_reference(plan: dict, model_dir: Path, steps: int, micro_batches
 
     opt_cfg = dict(train["optimizer"])
     kind, lr = opt_cfg.pop("name").lower(), opt_cfg.pop("lr")
-    if "beta1" in opt_cfg or "beta2" in opt_cfg:   # the plan's beta1/beta2 are torch's betas (docs/language.md)
-        opt_cfg["betas"] = (opt_cfg.pop("beta1", 0.9), opt_cfg.pop("beta2", 0.999))
+    if "betas" in opt_cfg:
+        opt_cfg["betas"] = tuple(opt_cfg["betas"])
     params = [p for layer in layers for p in layer.parameters()]
-    optimizers = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam}
-    assert kind in optimizers, f"independent_reference: optimizer {kind!r} (sgd or adam)"
+    optimizers = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}
+    assert kind in optimizers, f"independent_reference: optimizer {kind!r} (sgd, adam or adamw)"
     optimizer = optimizers[kind](params, lr=lr, **opt_cfg)
+    schedule = train.get("lr_schedule") or {"name": "constant"}
+    clip = train.get("clip")
+    if record is not None:
+        record.update(lr=[], grad_norm=[])
 
     stages = sorted(plan["stages"], key=lambda st: st["index"])
     transfers = plan["transfers"]
@@ -180,7 +205,8 @@ def independent_reference(plan: dict, model_dir: Path, steps: int, micro_batches
         return layer
 
     losses = []
-    for _ in range(steps):
+    taken = 0
+    for step in range(steps):
         total = 0.0
         for _ in range(micro_batches):
             x, y = next(data)
@@ -206,6 +232,20 @@ def independent_reference(plan: dict, model_dir: Path, steps: int, micro_batches
             loss = loss_fn(out, y) / micro_batches
             loss.backward()
             total += float(loss.detach())
+        if step in skip:
+            optimizer.zero_grad()
+            losses.append(total)
+            continue
+        if clip is not None:
+            norm = torch.nn.utils.clip_grad_norm_(params, clip)
+            if record is not None:
+                record["grad_norm"].append(float(norm))
+        rate = lr * schedule_factor(schedule, taken) * lr_factor
+        taken += 1
+        for group in optimizer.param_groups:
+            group["lr"] = rate
+        if record is not None:
+            record["lr"].append(rate)
         optimizer.step()
         optimizer.zero_grad()
         losses.append(total)
@@ -253,3 +293,97 @@ def schedule_bound(ops) -> int:
             raise ValueError(f"unknown pipeline instruction {op!r}")
         peak = max(peak, live)
     return peak
+
+
+# ---------------------------------------------------------------- launches by hand, plan.json variants
+
+def start_ranks(out, world: int, *args, env=None, timeout=240):
+    """``python OUT/train.py ARGS`` once per rank, env:// rendezvous on a free port, as a per-host
+    launcher does (CPU/gloo; the program launch.sh starts through the `deepspeed` launcher, without the
+    launcher's start-up time); returns (the worst return code, rank 0's output, every rank's output)."""
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs, extra = [], env
+    for rank in range(world):
+        env = dict(launch_env(), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                   WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+        env.pop("PLANC_COLLECTIVE_TIMEOUT_S")   # the plan's train { timeout }
+        env.update(extra or {})
+        procs.append(subprocess.Popen([PY, str(Path(out) / "train.py"), *map(str, args)], env=env, cwd=out,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    texts = []
+    try:
+        for p in procs:
+            texts.append(p.communicate(timeout=timeout)[0])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    return max(abs(p.returncode) for p in procs), texts[0], "\n".join(texts)
+
+
+STEP_LINE = (r"^step (\d+) loss ([-0-9.e+]+) time [0-9.]+ s [0-9.]+ samples/s lr ([-0-9.e+]+)"
+             r"(?: grad_norm ([-0-9.e+a-z]+))?(?: loss_scale ([0-9.e+]+))?$")
+
+
+def step_lines(stdout: str) -> dict[int, dict]:
+    """Rank 0's ``step N loss X time T s R samples/s lr L [grad_norm G] [loss_scale S]`` lines by step
+    (docs/training.md), and ``skipped``: the steps whose ``step N skipped: overflow, loss scale S`` line
+    was printed, with S."""
+    import re
+    out = {}
+    for m in re.finditer(STEP_LINE, stdout, re.M):
+        out[int(m[1])] = {"loss": float(m[2]), "lr": float(m[3]),
+                          "grad_norm": float(m[4]) if m[4] else None, "loss_scale": float(m[5]) if m[5] else None}
+    for m in re.finditer(r"^step (\d+) skipped: overflow, loss scale ([0-9.e+]+)$", stdout, re.M):
+        out.setdefault(int(m[1]), {})["skipped"] = float(m[2])
+    return out
+
+
+def edit_plan(out, transfer_dtype: str | None = None, **train) -> dict:
+    """The compiled output's plan.json with ``train`` settings replaced, through the contract
+    (``planc.plan``: load, dataclasses.replace, dumps), as the front end will write them from plan text;
+    clip or fp16 get the norm group the compiler gives them (every stage device, listed in ``groups``).
+    ``transfer_dtype``: every floating transfer's dtype. Returns the new plan.json as a dict."""
+    import dataclasses
+    import json
+    from planc import plan as P
+    plan = P.load(Path(out) / "plan.json")
+    t = dataclasses.replace(plan.train, **train)
+    groups = plan.groups
+    if (t.clip is not None or str(t.precision) == "fp16") and not t.norm_group:
+        members = tuple(sorted(d for st in plan.stages for d in st.devices))
+        t = dataclasses.replace(t, norm_group=members)
+        if len(members) > 1 and members not in groups:
+            groups = groups + (members,)
+    transfers = plan.transfers
+    if transfer_dtype is not None:
+        transfers = tuple(dataclasses.replace(x, dtype=transfer_dtype) if x.dtype in ("f32", "bf16", "f16") else x
+                          for x in transfers)
+    plan = dataclasses.replace(plan, train=t, groups=groups, transfers=transfers).check()
+    (Path(out) / "plan.json").write_text(P.dumps(plan))
+    return json.loads((Path(out) / "plan.json").read_text())
+
+
+def update_error(dump, plan: dict, ref_state: dict, init_state: dict) -> float:
+    """|| dumped - reference || / || reference - initial || over every parameter every stage rank dumped
+    (``--dump-params``: the fp32 masters of bf16/fp16 plans; tensor-parallel shards against their slice):
+    how far the run's update is from the reference's."""
+    import json
+    import torch
+    num = den = 0.0
+    for rank in stage_ranks(plan):
+        mine = torch.load(Path(dump) / f"rank{rank}.pt")
+        info_path = Path(dump) / f"rank{rank}.shards.json"
+        info = json.loads(info_path.read_text()) if info_path.exists() else {}
+        for k, v in mine.items():
+            ref, init = ref_state[k], init_state[k]
+            if k in info:
+                dim, index, parts, blocks = info[k]
+                ref, init = shard_of(ref, dim, index, parts, blocks), shard_of(init, dim, index, parts, blocks)
+            assert v.dtype == torch.float32, f"{k}: dumped {v.dtype}, not the fp32 master"
+            num += float((v - ref).pow(2).sum())
+            den += float((ref - init).pow(2).sum())
+    return (num / den) ** 0.5

@@ -341,16 +341,15 @@ def test_stages_of_different_sizes_train(tmp_path):
 
 
 def test_untrainable_plan_still_compiles_for_comm_only(tmp_path):
-    """A precision the runtime does not train: located error, exit 2, output written."""
+    """A transfer that flows back to an earlier stage: located error, exit 2, output written."""
     src = tmp_path / "uneven.plan"
-    src.write_text(UNEVEN.replace("ROWS", "8").replace("micro_batches = 2", "micro_batches = 2, precision = fp16"))
+    src.write_text(UNEVEN.replace("ROWS", "8").replace(
+        "  reduce gradients", "  transfer back : f32[8, 16] from stage 1 as S0 R to stage 0 as S0 R\n  reduce gradients"))
     r = subprocess.run([sys.executable, "-m", "planc", "compile", str(src), "--no-probe", "-o", str(tmp_path / "o")],
                        capture_output=True, text=True)
     assert r.returncode == 2 and "Traceback" not in r.stderr
-    assert "training in fp16 is not yet supported by the planc runtime (fp32 only)" in r.stderr
-    row = next(i for i, l in enumerate(src.read_text().splitlines(), 1) if "precision = fp16" in l)
-    col = src.read_text().splitlines()[row - 1].index("fp16") + 1   # at the setting, not the model line
-    assert f"{src}:{row}:{col}: error:" in r.stderr and "--comm-only" in r.stderr
+    assert "transfer 'back' goes from stage 1 back to stage 0" in r.stderr
+    assert f"{src}:11:3: error:" in r.stderr and "--comm-only" in r.stderr
     plan = json.loads((tmp_path / "o" / "plan.json").read_text())      # written for communication-only use
     assert plan["train"]["trainable"] is False and (tmp_path / "o" / "train.py").is_file()
     # the same plan without a model is a communication-only plan and compiles
@@ -426,11 +425,15 @@ def test_auto_placement_honours_a_pinned_program(tmp_path):
     check_plan_json(c.plan_json)
 
 
-def test_half_precision_training_is_not_yet_supported(tmp_path):
-    p = _variant(tmp_path, "precision = fp32", "precision = bf16")
-    c = compile_file(p, probe=False)
-    assert [d.message.split(";")[0] for d in c.untrainable] == ["training in bf16 is not yet supported by the planc runtime (fp32 only)"]
-    assert c.plan_json["train"]["trainable"] is False
+def test_half_precision_plans_train_and_send_in_their_precision(tmp_path):
+    """bf16 and fp16 plans are trainable; their floating transfers, declared f32 (the activation as the
+    model builds it), are sent in the plan's precision (LANGUAGE.md, "Training settings")."""
+    for precision, dtype in (("bf16", "bf16"), ("fp16", "f16")):
+        p = _variant(tmp_path, "precision = fp32", f"precision = {precision}")
+        c = compile_file(p, probe=False)
+        assert not c.untrainable and c.plan_json["train"]["trainable"] is True
+        assert c.plan_json["train"]["precision"] == precision
+        assert {t["dtype"] for t in c.plan_json["transfers"]} == {dtype}
 
 
 @pytest.mark.parametrize("old,new,line_of,needle", [

@@ -5,8 +5,10 @@ Layout (docs/runtime.md "Checkpoints")::
     DIR/step<N>/manifest.json   written last: format, plan name, plan digest, step, world size, and
                                 every rank file's size and sha256
     DIR/step<N>/rank<R>.pt      one per rank of the world: its stage's parameters (its tensor-parallel
-                                shards), optimizer state and DeepSpeed step counters, RNG states,
-                                data position; an idle rank's holds its RNG states only
+                                shards), optimizer state, its fp32 master weights (those that are not
+                                the parameters: bf16/fp16, or its ZeRO-1 shard), the schedule's step
+                                and the loss scale, DeepSpeed step counters, RNG states, data
+                                position; an idle rank's holds its RNG states only
     DIR/latest                  "step<N>", the newest complete checkpoint (replaced atomically)
 
 A save is collective over the world (idle ranks take part). Every rank writes its file into
@@ -95,6 +97,7 @@ def engine_state(engine) -> dict:
     return {"module": engine.module.state_dict(),
             "optimizer": engine.optimizer.state_dict() if engine.optimizer is not None else None,
             "lr_scheduler": sched.state_dict() if sched is not None and hasattr(sched, "state_dict") else None,
+            "regime": engine.regime.state_dict(),
             "counters": {"global_steps": engine.global_steps, "global_samples": engine.global_samples,
                          "skipped_steps": engine.skipped_steps}}
 
@@ -105,6 +108,7 @@ def load_engine_state(engine, state: dict) -> None:
         engine.optimizer.load_state_dict(state["optimizer"])
     if state["lr_scheduler"] is not None:
         engine.lr_scheduler.load_state_dict(state["lr_scheduler"])
+    engine.regime.load_state_dict(state["regime"])
     for k, v in state["counters"].items():
         setattr(engine, k, v)
 

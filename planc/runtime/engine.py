@@ -26,64 +26,29 @@ the single-process reference; send completion is in ``sends``.
 """
 from __future__ import annotations
 
-import contextlib
 from collections import OrderedDict
 
 import torch
 import torch.distributed as dist
 from deepspeed.runtime.engine import DeepSpeedEngine
-from deepspeed.runtime.pipe import module as ds_module
-from deepspeed.runtime.pipe import p2p as ds_p2p
 from deepspeed.runtime.pipe import schedule as ds_schedule
 from deepspeed.runtime.pipe.engine import PipelineEngine
 from deepspeed.runtime.pipe.module import PipelineModule
 
 from .dataflow import (EngineError, StageGraph, apply_layers, build_optimizer, check_stage_shapes,  # noqa: F401
                        run_reference)
-from planc.plan import Direction, Plan, Stage
+from planc.plan import Direction, Plan, Precision, Stage
 from .reduce import ReductionExecutor
+from .regime import Regime, make_optimizer, param_dtype, zero_sharding
 from .reshard import DTYPES, TransferExecutor
 from .comm import RecvAhead, receive_jobs
-from .grads import GradientBuckets
+from .dsplan import BeginOp, PlanSchedule, check_ds_config, deepspeed_on_plan
+from .grads import GradientBuckets, GroupAllReduce
 from .sends import SendReaper
-from .topology import PlanGrid, StageTopology, reduce_groups
+from .topology import StageTopology, lookup_group, reduce_groups
 
 __all__ = ["StageGraph", "PlanPipelineModule", "PlanSchedule", "PlanEngine", "EngineError",
            "run_reference", "build_optimizer", "check_stage_shapes", "apply_layers", "SendReaper", "DTYPES"]
-
-
-# ---------------------------------------------------------------- schedule
-
-class BeginOp(ds_schedule.PipeInstruction):
-    """Marks the start of operation ``index`` of the stage's list (lets receives run ahead of it)."""
-
-
-class PlanSchedule(ds_schedule.PipeSchedule):
-    """DeepSpeed instructions for one stage, from its plan.json ``per_stage`` list."""
-
-    def __init__(self, ops, micro_batches, stages, stage_id, incoming, outgoing, loads_data):
-        super().__init__(micro_batches, stages, stage_id)
-        self.ops, self.incoming, self.outgoing, self.loads_data = list(ops), incoming, outgoing, loads_data
-
-    def steps(self):
-        for index, text in enumerate(self.ops):
-            kind, m = text[0], int(text[1:])
-            cmds = [BeginOp(index=index)]
-            if kind == "F":
-                if self.loads_data:
-                    cmds.append(ds_schedule.LoadMicroBatch(buffer_id=m))
-                cmds += [ds_schedule.RecvActivation(buffer_id=m, transfer=t) for t in self.incoming]
-                cmds.append(ds_schedule.ForwardPass(buffer_id=m))
-                cmds += [ds_schedule.SendActivation(buffer_id=m, transfer=t) for t in self.outgoing]
-            else:
-                cmds += [ds_schedule.RecvGrad(buffer_id=m, transfer=t) for t in self.outgoing]
-                cmds.append(ds_schedule.BackwardPass(buffer_id=m))
-                cmds += [ds_schedule.SendGrad(buffer_id=m, transfer=t) for t in self.incoming]
-            yield cmds
-        yield [ds_schedule.ReduceGrads(), ds_schedule.OptimizerStep()]
-
-    def num_pipe_buffers(self):
-        return 1    # the engine keeps its own per-micro-batch buffers and frees each one early
 
 
 # ---------------------------------------------------------------- module and construction
@@ -116,36 +81,6 @@ class PlanPipelineModule(PipelineModule):
         return apply_layers(self.forward_funcs, self._local_start, inputs, taps)
 
 
-@contextlib.contextmanager
-def deepspeed_on_plan(plan: Plan, rank: int, groups: dict, timeout):
-    """While DeepSpeed builds the module and engine: its grid is the plan's, its groups are the plan's.
-
-    - ``PipelineParallelGrid`` (which would create a world-spanning pipe x data x
-      model grid) is replaced by ``PlanGrid`` for this rank's stage;
-    - ``dist.new_group`` returns the world group for the world and refuses any
-      other group (all of the plan's were created up front, collectively, so idle
-      ranks need not enter DeepSpeed);
-    - the engine's start-up p2p handshake between neighbouring stages is skipped:
-      planc's transfers are not neighbour-only and need no warm-up.
-    """
-    grid = PlanGrid(plan, rank, groups)
-    world = tuple(range(dist.get_world_size()))
-    saved = (ds_module.PipelineParallelGrid, dist.new_group, ds_p2p.send, ds_p2p.recv)
-
-    def new_group(ranks=None, *args, **kwargs):
-        if ranks is None or tuple(sorted(ranks)) == world:
-            return dist.GroupMember.WORLD
-        raise EngineError(f"DeepSpeed asked for a process group {sorted(ranks)} that the plan does not list")
-
-    ds_module.PipelineParallelGrid = lambda process_group=None, topology=None: grid
-    dist.new_group = new_group
-    ds_p2p.send = ds_p2p.recv = lambda *a, **k: None
-    try:
-        yield grid
-    finally:
-        ds_module.PipelineParallelGrid, dist.new_group, ds_p2p.send, ds_p2p.recv = saved
-
-
 # ---------------------------------------------------------------- engine
 
 class PlanEngine(PipelineEngine):
@@ -163,7 +98,7 @@ class PlanEngine(PipelineEngine):
     with sends in flight.
     """
 
-    def __init__(self, *ds_args, plan: Plan, groups: dict, data_iter=None, tracer=None, **ds_kwargs):
+    def __init__(self, *ds_args, plan: Plan, groups: dict, data_iter=None, tracer=None, initial=None, **ds_kwargs):
         super().__init__(*ds_args, **ds_kwargs)
         self.tracer = tracer
         rank = self.global_rank
@@ -190,11 +125,16 @@ class PlanEngine(PipelineEngine):
                         signal=plan.runtime.signal_transfers)
         red = plan.gradient_reduction(rank)
         self.reduction = None
-        self.deepspeed_reduce = red is not None and str(red.mode) == "allreduce"
+        self.dtype = param_dtype(plan.train.precision)
+        low = self.dtype != torch.float32
+        self.deepspeed_reduce = red is not None and str(red.mode) == "allreduce" and not low
         if red is None:
             self.reduce_description = "none (no data-parallel peers)"
         elif self.deepspeed_reduce:
             self.reduce_description = "DeepSpeed's data-parallel all-reduce"
+        elif str(red.mode) == "allreduce":   # bf16/fp16: the fp32 buckets, on the same group
+            self.reduction = GroupAllReduce(self.grid.get_data_parallel_group())
+            self.reduce_description = "data-parallel all-reduce of the fp32 gradient buckets"
         else:
             self.reduce_description = f"planc program {red.text}, bucketed, overlapped with the last backward"
             self.reduction = ReductionExecutor.for_plan(plan, red, reduce_groups(groups), rank)
@@ -210,8 +150,11 @@ class PlanEngine(PipelineEngine):
         self.held = {k: {} for k in ("inputs", "outputs", "labels", "losses", "grads")}
         self.last_backward = int(next(op for op in reversed(self.ops) if op[0] == "B")[1:])
         self.grads = GradientBuckets(self.module.parameters(), self.reduction, self.device,
-                                     bucket_bytes=plan.runtime.grad_bucket_bytes, tracer=tracer) \
-            if self.reduction is not None else None
+                                     bucket_bytes=plan.runtime.grad_bucket_bytes, tracer=tracer)
+        self.regime = self._regime(plan, groups, red, initial)
+        self.optimizer = self.regime.optimizer   # DeepSpeed was built with a placeholder (see build)
+        self.recompute = plan.train.recomputes(self.stage_id)
+        self.step_report: dict = {}
         self.sends = SendReaper(tracer=tracer)
         self.nic = None   # the host NIC order (nicorder.py): attach_nic, when the plan has one for this host
         self.nic_bytes: dict = {}   # (transfer, direction) -> bytes this rank sends off its host per micro-batch
@@ -220,9 +163,11 @@ class PlanEngine(PipelineEngine):
         self.stats = {"stage": self.stage_id, "peak_live_micro_batches": 0, "peak_pending_sends": 0}
 
     @classmethod
-    def build(cls, plan: Plan, groups: dict, layers, loss_fn, data_iter, ds_config: dict, timeout=None, tracer=None):
+    def build(cls, plan: Plan, groups: dict, layers, loss_fn, data_iter, ds_config: dict, timeout=None, tracer=None,
+              initial=None):
         """Construct the engine the way ``deepspeed.initialize`` does for a ``PipelineModule``
-        (module, mpu = module.mpu(), DeepSpeedConfig), on the plan's grid and groups."""
+        (module, mpu = module.mpu(), DeepSpeedConfig), on the plan's grid and groups. ``initial``: the
+        stage's fp32 weights from before ``regime.cast_stage`` (bf16/fp16 plans), the masters' start."""
         import deepspeed
         from deepspeed.runtime.config import DeepSpeedConfig
         from .dist_util import collective_timeout
@@ -232,17 +177,48 @@ class PlanEngine(PipelineEngine):
         a, b = stage.rows_of(rank)
         cfg = dict(ds_config, train_micro_batch_size_per_gpu=b - a, gradient_accumulation_steps=plan.pipeline.micro_batches,
                    train_batch_size=(b - a) * plan.pipeline.micro_batches * len(stage.group_of("data", rank)))
+        check_ds_config(cfg)
+        cfg.pop("optimizer", None)   # the optimizer is plan.json's (regime.py), never ds_config's
         deepspeed.init_distributed(dist_backend=dist.get_backend(), dist_init_required=False, timeout=timeout)
         with deepspeed_on_plan(plan, rank, groups, timeout):
             module = PlanPipelineModule(plan, layers, loss_fn=loss_fn)
-            optimizer = build_optimizer(module.parameters(), cfg)
+            # a placeholder: DeepSpeed needs an optimizer to build the engine; the engine's own (over the
+            # master weights, regime.py) replaces it once the gradient buckets exist
+            optimizer = make_optimizer(plan.train.optimizer, [])
             mpu = module.mpu()
             config_class = DeepSpeedConfig(cfg, mpu)
             engine = cls(args=None, model=module, optimizer=optimizer, model_parameters=None,
                          training_data=None, lr_scheduler=None, mpu=mpu, dist_init_required=False,
                          collate_fn=None, config=cfg, config_class=config_class,
-                         plan=plan, groups=groups, data_iter=data_iter, tracer=tracer)
+                         plan=plan, groups=groups, data_iter=data_iter, tracer=tracer, initial=initial)
         return engine
+
+    def _regime(self, plan: Plan, groups: dict, red, initial) -> Regime:
+        """The optimizer step as plan.json train says (regime.py), on this rank's buckets and groups."""
+        rank, stage = self.rank, self.stage
+        try:
+            owned = zero_sharding(plan, red, self.reduction, self.grads)
+        except (ValueError, AttributeError) as e:
+            raise EngineError(f"rank {rank}: {e}") from None
+        gather = None
+        if owned is not None:
+            params = next((r for r in plan.reductions if r.name == "parameters" and r.group_of(rank) is not None),
+                          None)
+            if params is None or params.group_of(rank) != red.group_of(rank):
+                raise EngineError(f"rank {rank}: zero = 1 but plan.json has no parameters all-gather over its "
+                                  f"gradient group {list(red.group_of(rank))}")
+            gather = ReductionExecutor.for_plan(plan, params, groups, rank)
+            self.reduce_description += (f"; ZeRO-1: fp32 master weights and optimizer state sharded over the data "
+                                        f"group, parameters all-gathered by {params.text}")
+        members = plan.train.norm_group
+        norm_group = lookup_group(groups, members) if len(members) > 1 and rank in members else None
+        if plan.train.clip is not None or plan.train.precision is Precision.FP16:
+            if rank not in members:
+                raise EngineError(f"rank {rank}: plan.json train.norm_group {list(members)} does not hold it")
+        tensor_index = stage.position(rank)[stage.mesh_axes.index("tensor")] if "tensor" in stage.mesh_axes else 0
+        group = red.group_of(rank) if red is not None else (rank,)
+        return Regime(plan.train, self.grads, self.device, initial=initial, owned=owned, gather=gather,
+                      norm_group=norm_group, tensor_index=tensor_index, share=(group.index(rank), len(group)))
 
     # ---- buffer bookkeeping
     def _note(self) -> None:
@@ -262,7 +238,8 @@ class PlanEngine(PipelineEngine):
         x, y = self._next_batch()
         a, b = self.rows
         if self.is_first_stage():
-            self.held["inputs"][buffer_id] = {"x": x[a:b].to(self.device)}
+            x = x[a:b].to(self.device)
+            self.held["inputs"][buffer_id] = {"x": x.to(self.dtype) if x.is_floating_point() else x}
         if self.is_last_stage():
             self.held["labels"][buffer_id] = y[a:b].to(self.device)
         self._note()
@@ -281,12 +258,24 @@ class PlanEngine(PipelineEngine):
         held = self.held["inputs"][buffer_id]
         inputs = [held["x"]] if self.is_first_stage() else [held[n] for n in self.incoming]
         taps = {self.graph.src_layer(self.graph.by_name[n]) for n in self.outgoing}
-        out, tapped = self.module(*inputs, taps=taps)
+        if self.recompute:   # keeps only the inputs; the forward reruns in backward
+            order = sorted(taps)
+
+            def run(*xs):
+                last, got = self.module(*xs, taps=taps)
+                return last, tuple(got[t] for t in order)
+            out, values = torch.utils.checkpoint.checkpoint(run, *inputs, use_reentrant=False)
+            tapped = dict(zip(order, values))
+        else:
+            out, tapped = self.module(*inputs, taps=taps)
         self.held["outputs"][buffer_id] = {n: tapped[self.graph.src_layer(self.graph.by_name[n])]
                                            for n in self.outgoing}
         if self.is_last_stage():
-            # this device's rows' share of the micro-batch loss; DeepSpeedEngine.backward divides by
-            # gradient_accumulation_steps, so gradients are those of the global mean loss
+            # this device's rows' share of the micro-batch loss, in fp32 from the upcast output;
+            # DeepSpeedEngine.backward divides by gradient_accumulation_steps, so gradients are those of
+            # the global mean loss
+            if self.dtype != torch.float32:
+                out = tuple(o.float() for o in out) if isinstance(out, tuple) else out.float()
             loss = self.module.loss_fn(out, self.held["labels"][buffer_id]) * self.loss_weight
             self.held["losses"][buffer_id] = loss
             self.total_loss = loss.detach() if self.total_loss is None else self.total_loss + loss.detach()
@@ -321,12 +310,13 @@ class PlanEngine(PipelineEngine):
         self._note()
 
     def _exec_backward_pass(self, buffer_id):
-        if self.grads is not None and buffer_id == self.last_backward:
+        if buffer_id == self.last_backward:
             self.grads.arm()   # gradients become final during this backward: reduce buckets as they fill
         if self.is_last_stage():
             # DeepSpeedEngine.backward (PipelineEngine.backward raises): loss / gradient_accumulation_steps
             self.loss = self.held["losses"][buffer_id]
-            DeepSpeedEngine.backward(self, self.loss)
+            scale = self.regime.loss_scale    # fp16's dynamic loss scale (1 otherwise)
+            DeepSpeedEngine.backward(self, self.loss * scale if scale != 1.0 else self.loss)
         else:
             # one output may feed several transfers (a skip and the main path): sum its gradients
             outs, grads = self.held["outputs"][buffer_id], self.held["grads"][buffer_id]
@@ -369,15 +359,22 @@ class PlanEngine(PipelineEngine):
             left = {k: sorted(v) for k, v in self.held.items() if v}
             raise EngineError(f"rank {self.rank}: micro-batch buffers still held after the schedule: {left}")
         params = [p for p in self.module.parameters() if p.requires_grad]
+        # buckets released during the last backward, the rest now; all waited for. zero = 1: the
+        # no-gradient flags summed over the stage's data group (each member holds only its own slices)
+        self.grads.finish(flags_group=self.grid.get_data_parallel_group() if self.regime.sharded else None)
         if self.deepspeed_reduce:
             # DeepSpeed averages over the data group; our gradients are partial sums
             for p in params:
                 if p.grad is not None:
                     p.grad.mul_(self.reduce_size)
             PipelineEngine._exec_reduce_grads(self)
-            return
-        if self.grads is not None:
-            self.grads.finish()   # buckets released during the last backward, the rest now; all waited for
+
+    def _exec_optimizer_step(self):
+        """The plan's optimizer step (regime.py), and DeepSpeed's step counters (kept in checkpoints)."""
+        self.step_report = self.regime.step()
+        self.global_steps += 1
+        self.global_samples += self.train_batch_size()
+        self.skipped_steps += int(self.step_report["skipped"])
 
     def _peers(self, instruction: str, transfer: str | None) -> list[int]:
         """The ranks an instruction exchanges data with: where a failure came from."""
@@ -402,8 +399,7 @@ class PlanEngine(PipelineEngine):
             self.set_dataiterator(data_iter)
         self.module.train()
         self.total_loss = None
-        if self.grads is not None:
-            self.grads.attach()
+        self.grads.attach()
         self.recvs.start_step()
         if self.nic is not None:
             self.nic.begin_step()
@@ -413,8 +409,11 @@ class PlanEngine(PipelineEngine):
         return float(self.total_loss) / self.micro_batches
 
     def plan_named_parameters(self):
-        """``layers.<global index>.<name>`` -> CPU tensor (the single-process model's names)."""
-        return OrderedDict((f"layers.{k}", v.detach().cpu()) for k, v in self.module.named_parameters())
+        """``layers.<global index>.<name>`` -> CPU tensor (the single-process model's names): the fp32 master
+        in bf16/fp16 plans (zero = 1: all-gathered, so collective over the data group), else the parameter."""
+        masters = self.regime.whole_masters()
+        return OrderedDict((f"layers.{k}", masters.get(id(v), v).detach().cpu())
+                           for k, v in self.module.named_parameters())
 
 
 def _named(instruction: str, fn):
@@ -454,5 +453,5 @@ PlanEngine._INSTRUCTION_MAP = {cls: _named(cls.__name__, fn) for cls, fn in {
     ds_schedule.BackwardPass: PlanEngine._exec_backward_pass,
     ds_schedule.SendGrad: PlanEngine._exec_send_grads,
     ds_schedule.ReduceGrads: PlanEngine._exec_reduce_grads,
-    ds_schedule.OptimizerStep: PipelineEngine._exec_optimizer_step,   # DeepSpeed's _take_model_step
+    ds_schedule.OptimizerStep: PlanEngine._exec_optimizer_step,
 }.items()}

@@ -1,9 +1,12 @@
 """Gradient buckets reduced while the last backward still runs, in place.
 
-Each trainable parameter's ``.grad`` is a view into one of a few flat bucket
-buffers (filled in backward order: the last layer's parameters first), so
-autograd accumulates straight into the buffers and the reduction program runs
-on them with no concatenated copy and no per-parameter clone. During the
+Gradients accumulate and are reduced in fp32 (fp64 for fp64 parameters) whatever the parameters'
+dtype. An fp32 parameter's ``.grad`` is a view into one of a few flat bucket buffers (filled in
+backward order: the last layer's parameters first; one dtype per bucket), so autograd accumulates
+straight into the buffers and the reduction program runs on them with no concatenated copy and no
+per-parameter clone. A bf16 or fp16 parameter's ``.grad`` is autograd's own (in its dtype) for one
+micro-batch only: its post-accumulate hook adds it into the parameter's fp32 slot of the bucket and
+drops it. During the
 micro-batch that is the stage's last backward, a hook counts the parameters
 whose gradient is final; when a bucket is complete its reduction starts at once
 in a thread of its own, on communicators used by nothing else, while autograd
@@ -19,7 +22,12 @@ the same collectives, so a zero after the reduction means no rank did.
 
 Buckets are ``bucket_bytes`` (plan.json ``runtime.grad_bucket_bytes``, default 8 MiB),
 each padded to a whole number of the program's cuts (``ReductionExecutor.granule``)
-so every collective runs on the buffer itself.
+so every collective runs on the buffer itself. Without an executor (a stage with no data-parallel
+peers, or DeepSpeed's own all-reduce) the buckets only accumulate.
+
+With a reduce-scatter program (zero = 1) a member holds the summed flags only where it owns them, so
+``finish(flags_group=...)`` sums every member's flags with one all-reduce over the stage's data group
+instead of reading them from the buckets (see docs/runtime.md, "ZeRO-1").
 """
 from __future__ import annotations
 
@@ -33,6 +41,13 @@ from planc.plan import DEFAULT_GRAD_BUCKET_BYTES
 __all__ = ["GradientBuckets", "DEFAULT_BUCKET_BYTES"]
 
 DEFAULT_BUCKET_BYTES = DEFAULT_GRAD_BUCKET_BYTES   # the contract's default (plan.json runtime.grad_bucket_bytes)
+GRAD_DTYPE = torch.float32     # gradients accumulate and reduce in fp32 (LANGUAGE.md, "Training settings")
+
+
+def grad_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype a parameter's gradient accumulates and is reduced in: fp32 for bf16/fp16 parameters,
+    the parameter's own for fp32 and fp64 ones."""
+    return GRAD_DTYPE if dtype.itemsize < GRAD_DTYPE.itemsize else dtype
 
 
 class GradientBuckets:
@@ -41,14 +56,16 @@ class GradientBuckets:
         self.executor = executor
         self.params = [p for p in params if p.requires_grad]
         limit = bucket_bytes or DEFAULT_BUCKET_BYTES   # the engine passes plan.json's runtime.grad_bucket_bytes
-        granule = executor.granule
+        granule = executor.granule if executor is not None else 1
         self.buckets: list[tuple[torch.Tensor, list[tuple[torch.nn.Parameter, int]]]] = []
         self.flags_at: list[int] = []     # per bucket: where its parameters' flags start in its buffer
         members: list[torch.nn.Parameter] = []
         size = 0
         for p in reversed(self.params):            # backward order
+            if not p.dtype.is_floating_point:
+                raise TypeError(f"a trainable parameter of dtype {p.dtype}: gradients are floating point")
             # a bucket is one flat buffer of one dtype: a parameter of another dtype starts the next bucket
-            if members and ((size + p.numel()) * p.element_size() > limit or p.dtype != members[0].dtype):
+            if members and ((size + p.numel()) * grad_dtype(p.dtype).itemsize > limit or p.dtype != members[0].dtype):
                 self._add(members, granule, device)
                 members, size = [], 0
             members.append(p)
@@ -57,22 +74,22 @@ class GradientBuckets:
             self._add(members, granule, device)
         self.slot = {id(p): (b, off) for b, (_, ps) in enumerate(self.buckets) for p, off in ps}
         self._used: set[int] = set()     # ids of the parameters autograd produced a gradient for this step
+        self.no_gradient: set[int] = set()   # after finish(): ids of the parameters no rank of the group had one for
         self._left: list[int] = []
+        self._released: list[bool] = [False] * len(self.buckets)
         self._armed = False
         self._queue: queue.Queue = queue.Queue()
         self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name="planc-reduce", daemon=True)
-        self._thread.start()
+        if executor is not None:
+            self._thread = threading.Thread(target=self._run, name="planc-reduce", daemon=True)
+            self._thread.start()
         for p in self.params:
             p.register_post_accumulate_grad_hook(self._hook)
 
     def _add(self, members, granule, device):
         n = sum(p.numel() for p in members)
         padded = -(-(n + len(members)) // granule) * granule    # the gradients, then one flag per parameter
-        dtype = members[0].dtype
-        if any(p.dtype != dtype for p in members):
-            raise TypeError("a gradient bucket holds parameters of one dtype")
-        buf = torch.zeros(padded, dtype=dtype, device=device)
+        buf = torch.zeros(padded, dtype=grad_dtype(members[0].dtype), device=device)
         placed, off = [], 0
         for p in members:
             placed.append((p, off))
@@ -84,10 +101,16 @@ class GradientBuckets:
         """Zero the buffers and make every ``.grad`` a view into its bucket (at each step's start:
         the optimizer's ``zero_grad`` sets gradients to None)."""
         self._used.clear()
+        self.no_gradient = set()
         for buf, placed in self.buckets:
             buf.zero_()
             for p, off in placed:
-                p.grad = buf[off:off + p.numel()].view_as(p)
+                p.grad = buf[off:off + p.numel()].view_as(p) if p.dtype == buf.dtype else None
+
+    def view(self, p) -> torch.Tensor:
+        """``p``'s fp32 gradient slot in its bucket, shaped like ``p``."""
+        b, off = self.slot[id(p)]
+        return self.buckets[b][0][off:off + p.numel()].view(p.shape)
 
     def arm(self) -> None:
         """The next backward is this stage's last one of the step: release buckets as they fill."""
@@ -98,7 +121,11 @@ class GradientBuckets:
     def _hook(self, p) -> None:
         self._used.add(id(p))
         b, off = self.slot[id(p)]
-        self._keep_view(p, b, off)
+        if p.dtype == self.buckets[b][0].dtype:
+            self._keep_view(p, b, off)
+        else:     # this micro-batch's bf16/fp16 gradient, added into the fp32 slot and dropped
+            self.buckets[b][0][off:off + p.numel()].add_(p.grad.reshape(-1))
+            p.grad = None
         if not self._armed:
             return
         self._left[b] -= 1
@@ -109,6 +136,8 @@ class GradientBuckets:
         """Autograd accumulates into the view in place; should it ever have replaced ``.grad``,
         put the gradient back into the bucket before the bucket is reduced."""
         view = self.buckets[b][0][off:off + p.numel()]
+        if p.dtype != view.dtype:
+            return
         if p.grad is None:
             p.grad = view.view_as(p)
         elif p.grad.data_ptr() != view.data_ptr():
@@ -125,7 +154,8 @@ class GradientBuckets:
                 buf[at:at + len(placed)].fill_(1.0)
             else:
                 buf[at:at + len(placed)].copy_(torch.tensor(used, dtype=buf.dtype))
-            self._queue.put(b)
+            if self.executor is not None:
+                self._queue.put(b)
 
     def _run(self) -> None:
         while True:
@@ -144,8 +174,10 @@ class GradientBuckets:
             finally:
                 self._queue.task_done()
 
-    def finish(self) -> None:
-        """Reduce every bucket not released yet, in bucket order, and wait for all of them."""
+    def finish(self, flags_group=None) -> None:
+        """Reduce every bucket not released yet, in bucket order, and wait for all of them; then work out
+        ``no_gradient``: from the reduced flags, or (``flags_group``: a reduce-scatter program, whose
+        members hold the flags they own only) from every member's flags summed over that group."""
         if not self._armed:
             self.arm()
         for b, (_, placed) in enumerate(self.buckets):
@@ -158,16 +190,47 @@ class GradientBuckets:
         if self._error is not None:
             e, self._error = self._error, None
             raise RuntimeError(f"gradient reduction failed: {e}") from e
-        self._drop_unused()
+        if flags_group is not None:
+            self._vote_unused(flags_group)
+        else:
+            self._read_unused()
+        for p in self.params:
+            if id(p) in self.no_gradient:
+                p.grad = None
 
-    def _drop_unused(self) -> None:
-        """``.grad = None`` for the parameters no rank of the group produced a gradient for. A bucket
-        whose parameters all got a gradient here is not read (no device-to-host copy in the usual step):
-        its summed flags are at least this rank's ones."""
+    def _read_unused(self) -> None:
+        """The parameters no rank of the group produced a gradient for, from the summed flags (an
+        executor's all-reduce summed them; without one they are this rank's own). A bucket whose
+        parameters all got a gradient here is not read (no device-to-host copy in the usual step): its
+        summed flags are at least this rank's ones."""
         for b, (buf, placed) in enumerate(self.buckets):
             if all(id(p) in self._used for p, _ in placed):
                 continue
             at = self.flags_at[b]
             for (p, _), flag in zip(placed, buf[at:at + len(placed)].tolist()):
                 if flag == 0:
-                    p.grad = None
+                    self.no_gradient.add(id(p))
+
+    def _vote_unused(self, group) -> None:
+        """Every member's flags summed with one all-reduce over ``group`` (the stage's data group)."""
+        import torch.distributed as dist
+        flags = torch.tensor([float(id(p) in self._used) for p in self.params], dtype=GRAD_DTYPE,
+                             device=self.buckets[0][0].device if self.buckets else None)
+        dist.all_reduce(flags, group=group)
+        if bool((flags == 0).any()):
+            self.no_gradient = {id(p) for p, f in zip(self.params, flags.tolist()) if f == 0}
+
+
+class GroupAllReduce:
+    """``using allreduce`` for bf16/fp16 plans: the fp32 buckets summed by one all-reduce over the stage's
+    data group (DeepSpeed's own all-reduce reads ``.grad``, which bf16 parameters do not keep)."""
+
+    granule = 1
+
+    def __init__(self, group):
+        self.group = group
+
+    def run(self, flat: torch.Tensor) -> torch.Tensor:
+        import torch.distributed as dist
+        dist.all_reduce(flat, group=self.group)
+        return flat

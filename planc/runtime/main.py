@@ -2,10 +2,10 @@
 [--resume DIR]``.
 
 Reads OUT/plan.json (every decision of the compiler, the model, loss and data
-functions and the train settings included) and OUT/ds_config.json (optimizer), initializes the
-process group, runs the start-up checks, builds the DeepSpeed pipeline engine
+functions and the training regime included) and OUT/ds_config.json (batch sizes for DeepSpeed),
+initializes the process group, runs the start-up checks, builds the DeepSpeed pipeline engine
 (``PlanEngine``, a ``PipelineEngine`` subclass) from the copied model file and
-trains; rank 0 prints ``step N loss X``. With ``--save DIR`` every rank checkpoints every
+trains; rank 0 prints ``step N loss X ... lr L`` (docs/training.md). With ``--save DIR`` every rank checkpoints every
 ``train.save_every`` steps and at the end; ``--resume DIR`` continues from a checkpoint
 (``checkpoint``; docs/runtime.md "Checkpoints").
 """
@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import sys
 import time
@@ -31,6 +32,7 @@ from .engine import EngineError, PlanEngine, check_stage_shapes
 from .failwatch import FailureWatch, report_failure
 from planc.plan import Collective, Direction, Plan, PlanFileError
 from .reduce import ReductionError, ReductionExecutor
+from .regime import cast_stage, param_dtype
 from .reshard import TransferExecutor
 from .tensor_parallel import context_from_plan, shard_info
 from .topology import create_groups
@@ -247,6 +249,22 @@ def gradient_summary(described: list) -> str:
                      for text, ss in groups.items()) or "no stage trains"
 
 
+def step_vector(share: float, engine, reports: bool, device) -> torch.Tensor:
+    """This rank's part of the step's one world all-reduce: [loss share, lr, gradient norm (-1: not
+    computed), loss scale used, skipped, next loss scale]; only the reporter adds the figures every stage
+    rank shares (one of them: ``reports``)."""
+    out = torch.zeros(6, dtype=torch.float64, device=device)
+    out[0] = share
+    if reports:
+        r = engine.step_report
+        out[1] = r["lr"]
+        out[2] = r["norm"].to(out) if r["norm"] is not None else -1.0
+        out[3] = r["scale"]
+        out[4] = float(r["skipped"])
+        out[5] = r["next_scale"]
+    return out
+
+
 def plan_micro_batches(plan: Plan) -> int:
     return plan.pipeline.micro_batches if plan.pipeline is not None else 1
 
@@ -334,7 +352,7 @@ def _main(argv=None, out_dir: str | None = None) -> int:
     deepspeed.init_distributed(dist_backend=dist.get_backend(), dist_init_required=False,
                                timeout=collective_timeout(plan))
     stage = plan.stage_of(rank)
-    engine, problems, data = None, [], None
+    engine, problems, data, initial = None, [], None, None
     if stage is not None:
         t = plan.train
         model_args, seed, micro_batch = dict(t.model.args), t.seed, t.micro_batch
@@ -362,11 +380,15 @@ def _main(argv=None, out_dir: str | None = None) -> int:
                                   f"{e}") from None
             # what needs the real world is checked before DeepSpeed builds anything, and gathered so that
             # all ranks stop together with one message
+            lo, hi = stage.layers
+            initial = cast_stage(layers[lo:hi], t.precision)   # bf16/fp16: the stage's layers in it
             try:
-                lo, hi = stage.layers
                 x, _ = next(batches(micro_batch, seed, **model_args))
                 a, b = stage.rows_of(rank)
-                problems = check_stage_shapes(plan, rank, layers[lo:hi], x[a:b])
+                x = x[a:b]
+                if x.is_floating_point():   # float inputs enter stage 0 in the plan's precision
+                    x = x.to(param_dtype(t.precision))
+                problems = check_stage_shapes(plan, rank, layers[lo:hi], x)
             except (EngineError, ValueError, KeyError) as e:
                 problems = [f"rank {rank}: {e}"]
     _fail_together(problems)
@@ -379,7 +401,8 @@ def _main(argv=None, out_dir: str | None = None) -> int:
     hold_rate = nicorder.host_bandwidth(plan)     # bytes/s a NIC turn is held for: the compiled host link
     if stage is not None:
         data = CountingIterator(batches(micro_batch, seed, **model_args))   # counted: the position a checkpoint keeps
-        engine = PlanEngine.build(plan, groups, layers, loss_fn, data, ds_config, tracer=tracer)
+        engine = PlanEngine.build(plan, groups, layers, loss_fn, data, ds_config, tracer=tracer, initial=initial)
+        initial = None
         host = plan.cluster.host_of(rank)
         order = plan.pipeline.nic_order_of(host)
         if counter is not None and any(k[0] == rank for k in order):
@@ -411,6 +434,8 @@ def _main(argv=None, out_dir: str | None = None) -> int:
     device = engine.device if engine is not None else (
         torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu"))
     samples = plan.train.micro_batch * plan.train.micro_batches
+    reporter = min(d for st in plan.stages for d in st.devices)   # every stage rank knows the step's figures
+    fp16 = str(plan.train.precision) == "fp16"
     total = 0.0
     save_every = plan.train.save_every
     if rank == 0 and first >= steps:
@@ -424,22 +449,30 @@ def _main(argv=None, out_dir: str | None = None) -> int:
                 share = engine.train_batch()
         else:
             share = 0.0   # idle ranks only add nothing
-        loss = torch.tensor([share], dtype=torch.float64, device=device)
+        report = step_vector(share, engine, rank == reporter, device)
         try:
-            dist.all_reduce(loss)   # the loss devices' shares add up to the step's mean loss
+            # the loss devices' shares add up to the step's mean loss; the reporter adds the step's rate,
+            # gradient norm, loss scale and whether it was skipped (the same on every stage rank)
+            dist.all_reduce(report)
         except RuntimeError as e:
             raise EngineError(f"rank {rank} failed in the step {step} loss all-reduce over every rank: "
                               f"{str(e).splitlines()[0]}") from e
-        if not torch.isfinite(loss).all():   # every rank sees it: they name the micro-batch together
-            raise non_finite_loss(step, float(loss), rank, stage.index if stage is not None else None,
+        loss, lr, norm, scale, skipped, next_scale = report.tolist()
+        # every rank sees it and they name the micro-batch together; an fp16 step skipped for overflow is not
+        # the user's (its loss scale halves and the next step goes on)
+        if not math.isfinite(loss) and not skipped:
+            raise non_finite_loss(step, loss, rank, stage.index if stage is not None else None,
                                   loss_fn if engine is not None else None)
         elapsed = time.perf_counter() - t0
         if tracer is not None:
             tracer.complete(f"step {step}", t0_trace, tracer.now(), "main", step=step)
         total += elapsed
         if rank == 0:
-            print(f"step {step} loss {float(loss):.6f} time {elapsed:.4f} s {samples / elapsed:.1f} samples/s",
-                  flush=True)
+            print(f"step {step} loss {loss:.6f} time {elapsed:.4f} s {samples / elapsed:.1f} samples/s"
+                  f" lr {lr:.6g}" + (f" grad_norm {norm:.6g}" if norm != -1.0 else "")
+                  + (f" loss_scale {scale:.12g}" if fp16 else ""), flush=True)
+            if skipped:   # with the scale the next step uses
+                print(f"step {step} skipped: overflow, loss scale {next_scale:.12g}", flush=True)
         if args.save and (step + 1 == steps or (save_every and (step + 1) % save_every == 0)):
             saved = checkpoint.save(args.save, step + 1, plan, digest, engine, data)
             if rank == 0:
