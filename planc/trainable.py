@@ -26,7 +26,8 @@ def check_trainable(program: ir.Program, stages: tuple[ir.StageLayout, ...]) -> 
         data = stage_data_degree(st)
         if rows % data:
             errs.append(Diagnostic(f"micro_batch = {rows} rows do not split evenly over stage {st.index}'s "
-                                   f"data = {data}; use a multiple of {data}", program.stage(st.index).span))
+                                   f"data = {data}; use a multiple of {data}",
+                                   program.train.span_of("micro_batch", program.stage(st.index).span)))
     ordered = sorted(program.stages, key=lambda s: s.index)
     for prev, s in zip(ordered, ordered[1:]):
         if prev.layers is not None and s.layers is not None and prev.layers[1] != s.layers[0]:
