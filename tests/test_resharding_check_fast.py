@@ -90,7 +90,6 @@ def test_holders_through_the_corner_index_equal_a_scan(seed):
 
 def test_planned_transfers_check_clean_and_bounds_agree():
     """A planned plan's transfers (from the planner) check clean, and both lower bounds agree on them."""
-    from planc.compile import compile_program   # noqa: F401  (the planner's path, for the plan dict)
     from planc.placement import place
     from planc.resharding import plan_transfers
 
