@@ -25,13 +25,18 @@ from planc.cost.collectives import _edge_bytes_and_rounds
 __all__ = ["repeated_sum", "axis_digits", "stage_indices", "transfer_time", "tensor_coefficients",
            "tensor_predictions", "applies"]
 
-_PARTIALS: dict[float, list[float]] = {}
+_PARTIALS: dict[float, list[float]] = {}   # x -> its partial sums so far (0, x, x + x, ...)
+_PARTIALS_KEPT = 256
 
 
 def repeated_sum(x: float, n: int) -> float:
     """``0.0 + x + x + ... + x`` (``n`` terms, left to right): what a link's load is after ``n``
     equal flows were added to it one by one (not always ``n * x`` in floating point)."""
-    sums = _PARTIALS.setdefault(x, [0.0])
+    sums = _PARTIALS.get(x)
+    if sums is None:
+        if len(_PARTIALS) >= _PARTIALS_KEPT:   # a long-lived process: keep the table small
+            _PARTIALS.clear()
+        sums = _PARTIALS[x] = [0.0]
     while len(sums) <= n:
         sums.append(sums[-1] + x)
     return sums[n]
