@@ -265,6 +265,10 @@ class StageLayout:
     shape: tuple[int, ...]
     axes: tuple[str, ...]
     devices: tuple[int, ...]  # row-major over shape: devices[i*shape[1]+j] = mesh[i][j]
+    _offset: dict = field(init=False, repr=False, compare=False)   # device -> its index in devices
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_offset", {d: i for i, d in enumerate(self.devices)})
 
     def mesh(self):
         """Nested tuples, shape ``shape`` (a 0-d mesh is the single device)."""
@@ -281,7 +285,10 @@ class StageLayout:
 
     def position(self, device: int) -> tuple[int, ...]:
         """Mesh coordinates of a device of this stage."""
-        return level_coords(self.devices.index(device), self.shape)
+        i = self._offset.get(device)
+        if i is None:
+            raise ValueError(f"device {device} is not in stage {self.index}")
+        return level_coords(i, self.shape)
 
 
 # ---------------------------------------------------------------- statements

@@ -72,7 +72,8 @@ def compile_once(devices: int, folder: Path, verify: bool = True) -> dict:
     slowest = sorted(((s, n) for n, (s, _, _) in passes.items()), reverse=True)[:3]
     size = (folder / f"out-{devices}" / "plan.json").stat().st_size
     return {"devices": devices, "seconds": seconds, "peak_mb": total[1], "probe_mb": child, "load": load,
-            "plan_mb": size / 1e6, "slowest": slowest, "verify": verify}
+            "plan_mb": size / 1e6, "slowest": slowest, "verify": verify,
+            "passes": {n: s for n, (s, _, _) in passes.items()}}
 
 
 def run(sizes=SIZES, verify: bool = True) -> str:
@@ -92,4 +93,22 @@ def run(sizes=SIZES, verify: bool = True) -> str:
     head = (f"`python -m benchmarks bench scale` on this machine ({os.cpu_count()} cores), "
             f"{'with' if verify else 'without'} the independent checkers (`--no-verify`: {not verify}); "
             "each row one `python -m planc compile PLAN --profile --no-cache` process.")
-    return "\n".join([head, ""] + lines)
+    return "\n".join([head, ""] + lines + ["", *pass_table(rows)])
+
+
+def pass_table(rows: list[dict]) -> list[str]:
+    """Seconds per pass (``--profile``) at every size, and the growth of the last step (the devices
+    grow 4x a step: a linear pass grows about 4x, more is super-linear, noise aside)."""
+    done = [r for r in rows if "passes" in r]
+    if not done:
+        return []
+    names = [n for n in done[0]["passes"] if any(r["passes"].get(n, 0.0) >= 0.1 for r in done)]
+    sizes = [f"{r['devices']:,}" for r in done]
+    last = f"growth, last step ({done[-1]['devices'] // done[-2]['devices']}x devices)" if len(done) > 1 else "growth"
+    out = ["Seconds per pass (`--profile`; passes under 0.1 s at every size left out):", "",
+           f"| pass | {' | '.join(sizes)} | {last} |", "|---" * (len(sizes) + 2) + "|"]
+    for n in names:
+        t = [r["passes"].get(n, 0.0) for r in done]
+        growth = f"{t[-1] / t[-2]:.1f}" if len(t) > 1 and t[-2] > 0 else "—"
+        out.append(f"| {n} | {' | '.join(f'{x:.2f}' for x in t)} | {growth} |")
+    return out

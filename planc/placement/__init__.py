@@ -16,6 +16,7 @@ from typing import Any
 from planc import ir
 from planc.cost import Network, step_coefficients
 from planc.lang.errors import Diagnostic, PlanError
+from planc.placement import closed
 from planc.placement.mapping import (
     Coords, coords_for, device_of, level_coords, program_costs, reduction_factors, reduction_lower_bound,
     stage_layouts,
@@ -89,11 +90,22 @@ def _region_bytes(nbytes: int, spec: ir.ShardingSpec, layout: ir.StageLayout) ->
     return nbytes / math.prod(parts_per_dim(layout.shape, spec))
 
 
+METHODS = ("closed", "devices")
+
+
 class _Costing:
-    """Predicted communication seconds of one iteration under a matrix."""
+    """Predicted communication seconds of one iteration under a matrix.
+
+    ``method``: ``closed`` counts the transfers' and tensor groups' link loads from the matrix's
+    digits (``planc.placement.closed``: per matrix, work independent of the devices); ``devices``
+    lays the stages out and walks every device (the reference the closed forms equal, bit for bit).
+    """
 
     def __init__(self, program: ir.Program, param_bytes: dict[int, int] | None, honour_pinned: bool = True,
-                 tensor_traffic=None):
+                 tensor_traffic=None, method: str = "closed"):
+        if method not in METHODS:
+            raise ValueError(f"unknown costing method {method!r} (one of {', '.join(METHODS)})")
+        self.method = method
         self.program = program
         self.tensor_traffic = dict(tensor_traffic or {})   # stage -> (forward, backward) all-reduce bytes
         self.cluster = program.cluster
@@ -133,7 +145,9 @@ class _Costing:
                 coeffs = program_costs(self.cluster, reduction_factors(matrix, rows), syn)
                 t = min(a * nbytes + b for a, b in coeffs)
             parts.append((f"reduce {name}", t))
-        if self.program.transfers or self.tensor_traffic:
+        if (self.program.transfers or self.tensor_traffic) and self.method == "closed" and closed.applies(self.program):
+            self._closed_parts(matrix, parts)
+        elif self.program.transfers or self.tensor_traffic:
             coords = coords_for(matrix, self.fanouts, self.sizes)
             layouts = stage_layouts(self.program, coords)
             if self.program.transfers:
@@ -146,6 +160,22 @@ class _Costing:
         self.cache[matrix] = t
         self.parts[matrix] = tuple(parts)
         return t
+
+    def _closed_parts(self, matrix: Matrix, parts: list) -> None:
+        """The parts ``transfers`` and ``tensor traffic`` from the matrix's digits (same floats)."""
+        if self.program.transfers:
+            t = closed.transfer_time(self.program, self.net, matrix, self._region)
+            if t is None:   # a transfer inside one stage: walk the devices
+                t = self.transfer_time(stage_layouts(self.program, coords_for(matrix, self.fanouts, self.sizes)))
+            parts.append(("transfers", t))
+        if self.tensor_traffic:
+            parts.append(("tensor traffic", max(closed.tensor_predictions(
+                self.program, self.net, self.tensor_traffic, matrix))))
+
+    def _region(self, tr: ir.Transfer) -> float:
+        """One destination device's bytes of ``tr`` (every derived stage has the same mesh shape)."""
+        shape, _ = ir.derived_mesh(self.program.parallel)
+        return tr.nbytes / math.prod(parts_per_dim(shape, tr.dst_spec))
 
     def key(self, matrix: Matrix) -> tuple[tuple[int, ...], ...]:
         """What the reduction parts of the cost depend on: each reduction's per-level factors."""
@@ -255,7 +285,7 @@ def _branch_and_bound(cost: _Costing, fanouts: tuple[int, ...], sizes: tuple[int
 
 
 def place(program: ir.Program, param_bytes: dict[int, int] | None = None, *,
-          tensor_traffic=None) -> Placement:
+          tensor_traffic=None, method: str = "closed") -> Placement:
     """Choose the parallelism matrix and lay out devices and stages (a pure pass).
 
     ``param_bytes`` maps a stage index to its parameter-gradient bytes; it
@@ -263,6 +293,8 @@ def place(program: ir.Program, param_bytes: dict[int, int] | None = None, *,
     ``tensor_traffic`` maps a stage index to ``(forward, backward)``, the bytes of each all-reduce
     one device of it issues over its tensor group per micro-batch (measured by the probe); it is
     costed as the part ``tensor traffic`` of every matrix, with no declaration in the plan.
+    ``method`` (``closed`` or ``devices``) picks how ranking counts those two parts (:class:`_Costing`);
+    both give the same placement.
     """
     par = program.parallel
     if par is None or program.stage_mode is ir.StageMode.EXPLICIT:
@@ -274,7 +306,7 @@ def place(program: ir.Program, param_bytes: dict[int, int] | None = None, *,
     sizes = tuple(a.size for a in par.axes)
     axes = tuple((a.name, a.size) for a in par.axes)
     candidates = count_matrices(fanouts, sizes)
-    cost = _Costing(program, param_bytes, tensor_traffic=tensor_traffic)
+    cost = _Costing(program, param_bytes, tensor_traffic=tensor_traffic, method=method)
 
     if par.matrix is not None:
         matrix = tuple(tuple(r) for r in par.matrix)
@@ -284,7 +316,7 @@ def place(program: ir.Program, param_bytes: dict[int, int] | None = None, *,
                              for p in problems])
         t = cost(matrix)
         if not math.isfinite(t):    # the reduction pass explains why the pinned program cannot run here
-            cost = _Costing(program, param_bytes, honour_pinned=False, tensor_traffic=tensor_traffic)
+            cost = _Costing(program, param_bytes, honour_pinned=False, tensor_traffic=tensor_traffic, method=method)
             t = cost(matrix)
         ranked = ((matrix, t),)
         search, evaluated = "pinned", 1
@@ -297,7 +329,7 @@ def place(program: ir.Program, param_bytes: dict[int, int] | None = None, *,
         if not ranked:
             # no matrix admits the pinned program(s): rank as if synthesized, and let the
             # reduction pass explain, for the best matrix, which step fails and why
-            cost = _Costing(program, param_bytes, honour_pinned=False, tensor_traffic=tensor_traffic)
+            cost = _Costing(program, param_bytes, honour_pinned=False, tensor_traffic=tensor_traffic, method=method)
             table = {mx: cost(mx) for mx in table}
             ranked = _rank(table)
         matrix = ranked[0][0]

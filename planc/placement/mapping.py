@@ -23,16 +23,25 @@ Coords = tuple[tuple[int, ...], ...]
 
 
 def coords_for(matrix: Sequence[Sequence[int]], fanouts: Sequence[int], axis_sizes: Sequence[int]) -> Coords:
-    """Per device (global rank), its coordinate on every axis, in axis order."""
+    """Per device (global rank), its coordinate on every axis, in axis order.
+
+    Device ``d``'s level coordinates ``c_0..c_n`` run row-major, and ``c_j`` runs over column ``j``'s
+    digits ``d_{0,j}..d_{m,j}`` row-major too; axis ``i``'s coordinate is ``Σ_j d_{i,j}·inner[i][j]``.
+    So the coordinates in device order are the sums of one contribution per level, levels nested
+    outermost first: built level by level, one tuple per device (no per-device decoding).
+    """
     m, n = len(axis_sizes), len(fanouts)
-    columns = [tuple(matrix[i][j] for i in range(m)) for j in range(n)]
     # inner[i][j]: product of M[i][j+1..n] (the weight of digit d_{i,j} inside x_i)
     inner = [[math.prod(matrix[i][k] for k in range(j + 1, n)) for j in range(n)] for i in range(m)]
-    out = []
-    for d in range(math.prod(fanouts)):
-        # digits[j][i] = d_{i,j}: level coordinate c_j split over column j, axis 0 most significant
-        digits = [level_coords(c, col) for c, col in zip(level_coords(d, fanouts), columns)]
-        out.append(tuple(sum(digits[j][i] * inner[i][j] for j in range(n)) for i in range(m)))
+    out: list[tuple[int, ...]] = [(0,) * m]
+    for j in range(n):
+        column = tuple(matrix[i][j] for i in range(m))
+        # per value of c_j: what its digits add to each axis coordinate
+        adds = [tuple(x * inner[i][j] for i, x in enumerate(level_coords(c, column))) for c in range(fanouts[j])]
+        if all(not any(a) for a in adds):
+            out = [x for x in out for _ in adds]
+            continue
+        out = [tuple(map(int.__add__, x, a)) for x in out for a in adds]
     return tuple(out)
 
 
@@ -77,9 +86,12 @@ def stage_layouts(program: ir.Program, coords: Coords) -> tuple[ir.StageLayout, 
     rest = tuple(k for k in range(len(names)) if k != p)
     sizes = tuple(a.size for a in program.parallel.axes)
     indices = sorted(declared) if declared else list(range(sizes[p]))
+    by_stage: dict[int, list[int]] = {}
+    for d, c in enumerate(coords):   # one pass: devices by pipe coordinate, in device order
+        by_stage.setdefault(c[p], []).append(d)
     out = []
     for index in indices:
-        members = [d for d, c in enumerate(coords) if c[p] == index]
+        members = by_stage.get(index, [])
         members.sort(key=lambda d: tuple(coords[d][k] for k in rest))
         layers = declared[index].layers if index in declared else None
         out.append(ir.StageLayout(index, layers, shape, axes, tuple(members)))

@@ -4,6 +4,7 @@ Frozen, slotted, validated once in their ``read``; stdlib only (the contract pac
 """
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 
 from .jsonpath import At, Group, PlanFileError, Region, device_key, extra, inside, lists, region_json, with_extra
@@ -86,7 +87,11 @@ class Route:
                      extra(at, Route.KEYS + tuple(known)))
 
     def region(self, side: str, device: int) -> Region | None:
-        for d, r in (self.src_regions if side == "src" else self.dst_regions):
+        regions = self.src_regions if side == "src" else self.dst_regions
+        i = bisect.bisect_left(regions, device, key=lambda dr: dr[0])   # read() sorts them by device
+        if i < len(regions) and regions[i][0] == device:
+            return regions[i][1]
+        for d, r in regions:   # a route built unsorted
             if d == device:
                 return r
         return None

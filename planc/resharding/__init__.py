@@ -16,8 +16,8 @@ from planc import budget, ir, plan as planfile
 from planc.ir import Cluster, SchedulerKind, StageLayout, Strategy, Transfer
 from planc.resharding.bounds import lower_bound
 from planc.resharding.schedulers import Job, Schedule
-from planc.resharding.strategies import build_jobs, choose_strategy, run_scheduler
-from planc.resharding.tiles import UnitTask, _dim_cells, device_region, parts_per_dim, unit_tasks
+from planc.resharding.strategies import build_jobs, choose_strategy_jobs, run_scheduler
+from planc.resharding.tiles import UnitTask, _dim_cells, device_region, device_regions, parts_per_dim, unit_tasks
 
 __all__ = ["TaskPlan", "TransferPlan", "plan_transfers", "groups_used", "transfer_estimate",
            "unit_tasks", "UnitTask", "plan_routes", "parts_per_dim", "device_region", "transfer_records"]
@@ -105,8 +105,7 @@ def _parts(strategy: planfile.Strategy, receivers: tuple[int, ...], cluster: Clu
 
 def _regions(shape, layout: StageLayout, spec: ir.ShardingSpec) -> tuple:
     """Every device's region of the tensor on one mesh (half-open global ranges), devices in order."""
-    return tuple((d, tuple(tuple(r) for r in device_region(tuple(shape), layout, spec, d)))
-                 for d in sorted(layout.devices))
+    return tuple(device_regions(tuple(shape), layout, spec))
 
 
 def transfer_records(program: ir.Program, stages: Sequence[StageLayout], forward: Sequence[TransferPlan],
@@ -159,11 +158,13 @@ def plan_group(transfers: Sequence[Transfer], layouts: Sequence[tuple[StageLayou
         itemsize = ir.DTYPE_BYTES[tr.dtype]
         strategy = config.strategy
         if strategy is Strategy.AUTO:
-            strategy = choose_strategy(tasks, itemsize, cluster, config.chunks)
+            strategy, jobs = choose_strategy_jobs(tasks, itemsize, cluster, config.chunks)
+        else:
+            jobs = build_jobs(tasks, itemsize, strategy, cluster, config.chunks)
         strategies.append(strategy)
         bounds.append(lower_bound(tasks, itemsize, cluster))
         all_tasks.extend(tasks)
-        all_jobs.extend(build_jobs(tasks, itemsize, strategy, cluster, config.chunks))
+        all_jobs.extend(jobs)
         owner.extend([i] * len(tasks))
     sched = run_scheduler(all_jobs, config)
     naive_sched = run_scheduler(all_jobs, ir.Resharding(scheduler=SchedulerKind.NAIVE))

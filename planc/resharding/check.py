@@ -10,6 +10,7 @@ Both return a list of error strings, empty when the plan is valid.
 
 from __future__ import annotations
 
+import bisect
 import itertools
 from math import prod
 
@@ -92,8 +93,66 @@ def _host_bandwidth(cluster: dict) -> float | None:
     raise ValueError("host level not among the levels")
 
 
+def _cells(shape, *sides) -> list[list[int]]:
+    """Per dim, the cuts of the elementary grid: 0, n and every region boundary on either side."""
+    return [sorted({0, n} | {r[k][0] for side in sides for r in side.values()}
+                   | {r[k][1] for side in sides for r in side.values()}) for k, n in enumerate(shape)]
+
+
+def _hosts_per_cell(regions, cuts, host_of) -> dict[tuple[int, ...], set[int]]:
+    """Elementary cell (an index per dim) -> the hosts of the devices whose region holds it.
+
+    Devices with the same region are taken together; a region holds the cells between its
+    boundaries (cut indices), so the work is the (cell, distinct region) pairs, not cells x devices."""
+    by_box: dict[tuple, set[int]] = {}
+    for d, r in regions.items():
+        by_box.setdefault(tuple(tuple(x) for x in r), set()).add(host_of[d])
+    index = [{c: i for i, c in enumerate(cs)} for cs in cuts]
+    out: dict[tuple[int, ...], set[int]] = {}
+    for box, hosts in by_box.items():
+        ranges = [range(ix[lo], ix[hi]) for (lo, hi), ix in zip(box, index)]
+        for cell in itertools.product(*ranges):
+            hit = out.get(cell)
+            if hit is None:
+                out[cell] = set(hosts)
+            else:
+                hit |= hosts
+    return out
+
+
 def recompute_lower_bound(entry: dict, src_regions, dst_regions, cluster: dict) -> float:
-    """max over hosts of max(bytes in, bytes out) ÷ host bandwidth, over an elementary grid."""
+    """max over hosts of max(bytes in, bytes out) ÷ host bandwidth, over an elementary grid.
+
+    A host takes in every cell some device of it needs and none of it holds; it must send out
+    every cell that only its devices hold and some device elsewhere needs."""
+    bw = _host_bandwidth(cluster)
+    if bw is None:
+        return 0.0
+    shape = entry["shape"]
+    itemsize = {"f64": 8, "f32": 4, "f16": 2, "bf16": 2, "i64": 8, "i32": 4,
+                "i16": 2, "i8": 1, "u8": 1, "bool": 1}[entry["dtype"]]
+    host_of = {d: h for h, devs in enumerate(cluster["hosts"]) for d in devs}
+    cuts = _cells(shape, src_regions, dst_regions)
+    held = _hosts_per_cell(src_regions, cuts, host_of)
+    needed = _hosts_per_cell(dst_regions, cuts, host_of)
+    load_in: dict[int, int] = {}
+    load_out: dict[int, int] = {}
+    nothing: set[int] = set()
+    for cell, receivers in needed.items():
+        nbytes = prod(cs[i + 1] - cs[i] for cs, i in zip(cuts, cell)) * itemsize
+        holders = held.get(cell, nothing)
+        for h in receivers - holders:
+            load_in[h] = load_in.get(h, 0) + nbytes
+        if len(holders) == 1:
+            (h,) = holders
+            if receivers - holders:
+                load_out[h] = load_out.get(h, 0) + nbytes
+    return max((*load_in.values(), *load_out.values()), default=0) / bw
+
+
+def recompute_lower_bound_masks(entry: dict, src_regions, dst_regions, cluster: dict) -> float:
+    """:func:`recompute_lower_bound` by device bit masks, cell by cell and host by host (cells x hosts
+    x devices: the reference the grouped count above is tested against)."""
     bw = _host_bandwidth(cluster)
     if bw is None:
         return 0.0
@@ -104,9 +163,7 @@ def recompute_lower_bound(entry: dict, src_regions, dst_regions, cluster: dict) 
     src_devs, dst_devs = sorted(src_regions), sorted(dst_regions)
     bit = {d: 1 << i for i, d in enumerate(src_devs + dst_devs)}
     per_dim = []  # per dim: list of (length, holder mask, receiver mask)
-    for k, n in enumerate(shape):
-        cuts = sorted({0, n} | {r[k][0] for r in src_regions.values()} | {r[k][1] for r in src_regions.values()}
-                      | {r[k][0] for r in dst_regions.values()} | {r[k][1] for r in dst_regions.values()})
+    for k, cuts in enumerate(_cells(shape, src_regions, dst_regions)):
         cells = []
         for lo, hi in zip(cuts, cuts[1:]):
             hm = sum(bit[d] for d in src_devs if src_regions[d][k][0] <= lo and hi <= src_regions[d][k][1])
@@ -117,9 +174,10 @@ def recompute_lower_bound(entry: dict, src_regions, dst_regions, cluster: dict) 
     for d in src_devs + dst_devs:
         host_mask[host_of[d]] = host_mask.get(host_of[d], 0) | bit[d]
     load = {h: [0, 0] for h in host_mask}
-    all_bits = (1 << len(bit)) - 1
+    all_src = sum({bit[d] for d in src_devs})   # (a device on both sides has one bit, its last)
+    all_dst = sum({bit[d] for d in dst_devs})
     for combo in itertools.product(*per_dim):
-        vol, hm, rm = 1, all_bits, all_bits
+        vol, hm, rm = 1, all_src, all_dst
         for length, h_, r_ in combo:
             vol, hm, rm = vol * length, hm & h_, rm & r_
         if not rm:
@@ -130,6 +188,27 @@ def recompute_lower_bound(entry: dict, src_regions, dst_regions, cluster: dict) 
             if hm and not hm & ~m and rm & ~m:
                 load[h][1] += vol * itemsize
     return max((max(v) for v in load.values()), default=0) / bw
+
+
+class _Holding:
+    """Which source devices hold a box: the regions that contain its first corner (found through
+    the elementary grid of the source regions), those that contain all of it, their devices sorted.
+    Any region that holds the box holds that corner, so no task scans every region."""
+
+    def __init__(self, regions: dict[int, list[tuple[int, int]]], shape):
+        self.by_box: dict[tuple, list[int]] = {}
+        for d, r in regions.items():
+            self.by_box.setdefault(tuple(tuple(x) for x in r), []).append(d)
+        self.cuts = _cells(shape, regions)
+        index = [{c: i for i, c in enumerate(cs)} for cs in self.cuts]
+        self.at: dict[tuple[int, ...], list[tuple]] = {}   # elementary cell -> the regions holding it
+        for box in self.by_box:
+            for cell in itertools.product(*(range(ix[lo], ix[hi]) for (lo, hi), ix in zip(box, index))):
+                self.at.setdefault(cell, []).append(box)
+
+    def of(self, box) -> list[int]:
+        corner = tuple(bisect.bisect_right(cs, lo) - 1 for cs, (lo, _) in zip(self.cuts, box))
+        return sorted(d for r in self.at.get(corner, ()) if _inside(box, r) for d in self.by_box[r])
 
 
 def check_transfer(entry: dict, plan: dict) -> list[str]:
@@ -153,15 +232,13 @@ def check_transfer(entry: dict, plan: dict) -> list[str]:
     received: dict[int, list] = {d: [] for d in dst}
     nic_use: dict[int, list[tuple[float, float]]] = {}
     end = 0.0
-    by_region: dict[tuple, list[int]] = {}   # source devices by region: a scan per task over distinct regions
-    for d, r in src.items():
-        by_region.setdefault(tuple(map(tuple, r)), []).append(d)
+    holding = _Holding(src, shape)
     for i, t in enumerate(entry["tasks"]):
         box = [tuple(r) for r in t["slice"]]
         if len(box) != len(shape) or any(not (0 <= lo < hi <= n) for (lo, hi), n in zip(box, shape)):
             err(f"task {i}: bad slice {t['slice']}")
             continue
-        holders = sorted(d for r, ds in by_region.items() if _inside(box, r) for d in ds)
+        holders = holding.of(box)
         if sorted(t["holders"]) != holders:
             err(f"task {i}: holders {t['holders']} but the source devices holding it are {holders}")
         if t["sender"] not in t["holders"] or t["sender"] not in src or not _inside(box, src[t["sender"]]):

@@ -37,14 +37,20 @@ def build_jobs(tasks: Sequence[UnitTask], itemsize: int, strategy: Strategy,
 
 def choose_strategy(tasks: Sequence[UnitTask], itemsize: int, cluster: Cluster, chunks: int) -> Strategy:
     """``auto``: the strategy whose load-balanced makespan is least (ties: the simpler strategy)."""
+    return choose_strategy_jobs(tasks, itemsize, cluster, chunks)[0]
+
+
+def choose_strategy_jobs(tasks: Sequence[UnitTask], itemsize: int, cluster: Cluster, chunks: int
+                         ) -> tuple[Strategy, tuple[Job, ...]]:
+    """:func:`choose_strategy` and the chosen strategy's jobs (built once, not again by the caller)."""
     best = None
     for s in CONCRETE:
         jobs = build_jobs(tasks, itemsize, s, cluster, chunks)
         ms = schedulers.makespan(jobs, schedulers.load_balance(jobs))
         if best is None or ms < best[0]:
-            best = (ms, s)
+            best = (ms, s, jobs)
     assert best is not None
-    return best[1]
+    return best[1], best[2]
 
 
 def run_scheduler(jobs: Sequence[Job], config: ir.Resharding) -> Schedule:

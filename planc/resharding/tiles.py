@@ -70,6 +70,20 @@ def device_region(shape: tuple[int, ...], layout: StageLayout, spec: ShardingSpe
     return tuple(piece(n, c, i) for n, c, i in zip(shape, counts, idx))
 
 
+def device_regions(shape: tuple[int, ...], layout: StageLayout, spec: ShardingSpec) -> list[tuple[int, Box]]:
+    """``(device, device_region(...))`` for every device of the layout, devices ascending (the spec
+    checked and the piece counts found once)."""
+    if not layout.devices:
+        return []
+    _check_spec(shape, layout, spec)
+    counts = parts_per_dim(layout.shape, spec)
+    out = []
+    for d in sorted(layout.devices):
+        idx = part_index(layout.shape, spec, layout.position(d))
+        out.append((d, tuple(piece(n, c, i) for n, c, i in zip(shape, counts, idx))))
+    return out
+
+
 def _check_spec(shape: tuple[int, ...], layout: StageLayout, spec: ShardingSpec) -> None:
     if len(spec.dims) != len(shape):
         raise ValueError(f"spec {spec} has {len(spec.dims)} entries for a {len(shape)}-d tensor")
