@@ -109,7 +109,7 @@ def test_huge_numbers_are_plan_errors():
     for text, msg in [("cluster { level a x 1e999 }", "must be a whole number, got 1e999"),
                       ("cluster { level a x " + "9" * 30 + " }", "is too large (30 digits)"),
                       ("cluster { level a x 2048 : bandwidth 1 GB/s\n level b x 1024 : bandwidth 1 GB/s }",
-                       "the cluster has 2097152 devices, over the budget of 4096 (bound 'devices')"),
+                       "the cluster has 2097152 devices, over the budget of 65536 (bound 'devices')"),
                       ("cluster { level a x 2 : bandwidth 1e999 GB/s }", "1e999 GB/s is too large")]:
         with pytest.raises(PlanError, match=re.escape(msg)):
             load_text(text)
