@@ -26,6 +26,7 @@ the single-process reference; send completion is in ``sends``.
 """
 from __future__ import annotations
 
+import contextlib
 from collections import OrderedDict
 
 import torch
@@ -161,6 +162,7 @@ class PlanEngine(PipelineEngine):
         self.recvs = RecvAhead(self.executors, receive_jobs(self.ops, self.incoming, self.outgoing),
                                ahead=plan.runtime.recv_ahead, tracer=tracer, ops=self.ops)
         self.stats = {"stage": self.stage_id, "peak_live_micro_batches": 0, "peak_pending_sends": 0}
+        self.saved = None   # --memory-stats: per micro-batch in flight, the bytes autograd saved in its forward
 
     @classmethod
     def build(cls, plan: Plan, groups: dict, layers, loss_fn, data_iter, ds_config: dict, timeout=None, tracer=None,
@@ -258,16 +260,17 @@ class PlanEngine(PipelineEngine):
         held = self.held["inputs"][buffer_id]
         inputs = [held["x"]] if self.is_first_stage() else [held[n] for n in self.incoming]
         taps = {self.graph.src_layer(self.graph.by_name[n]) for n in self.outgoing}
-        if self.recompute:   # keeps only the inputs; the forward reruns in backward
-            order = sorted(taps)
+        with self._saved_bytes(buffer_id):
+            if self.recompute:   # keeps only the inputs; the forward reruns in backward
+                order = sorted(taps)
 
-            def run(*xs):
-                last, got = self.module(*xs, taps=taps)
-                return last, tuple(got[t] for t in order)
-            out, values = torch.utils.checkpoint.checkpoint(run, *inputs, use_reentrant=False)
-            tapped = dict(zip(order, values))
-        else:
-            out, tapped = self.module(*inputs, taps=taps)
+                def run(*xs):
+                    last, got = self.module(*xs, taps=taps)
+                    return last, tuple(got[t] for t in order)
+                out, values = torch.utils.checkpoint.checkpoint(run, *inputs, use_reentrant=False)
+                tapped = dict(zip(order, values))
+            else:
+                out, tapped = self.module(*inputs, taps=taps)
         self.held["outputs"][buffer_id] = {n: tapped[self.graph.src_layer(self.graph.by_name[n])]
                                            for n in self.outgoing}
         if self.is_last_stage():
@@ -280,6 +283,42 @@ class PlanEngine(PipelineEngine):
             self.held["losses"][buffer_id] = loss
             self.total_loss = loss.detach() if self.total_loss is None else self.total_loss + loss.detach()
         self._note()
+
+    def _saved_bytes(self, m: int):
+        """--memory-stats only (a measurement, no change to what is computed): count the bytes of the distinct
+        tensors autograd saves for micro-batch ``m``'s backward (a recomputing stage's checkpoint saves none
+        of its own: it keeps the inputs, which the engine holds in every mode, and reruns the forward)."""
+        if self.saved is None:
+            return contextlib.nullcontext()
+        seen: dict = {}
+
+        def pack(t):
+            if t.device.type != "meta":
+                seen[(t.untyped_storage().data_ptr(), t.dtype)] = t.untyped_storage().nbytes()
+            return t
+
+        self.saved[m] = seen
+        return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+
+    def memory_report(self) -> dict:
+        """``stats`` with what this rank holds (for --memory-stats): its parameters, gradient buckets, fp32
+        masters kept apart from the parameters, optimizer state, and the peak of autograd's saved bytes
+        over the micro-batches in flight."""
+        def nbytes(tensors):
+            return sum(t.numel() * t.element_size() for t in tensors)
+        opt = [v for st in self.optimizer.state.values() for v in st.values() if torch.is_tensor(v) and v.dim() > 0]
+        self.stats.update(
+            parameter_bytes=nbytes(p for p in self.module.parameters()),
+            gradient_bytes=nbytes(buf for buf, _ in self.grads.buckets),
+            master_bytes=nbytes(f.master for f in self.regime.separate),
+            optimizer_state_bytes=nbytes(opt))
+        return self.stats
+
+    def _note_saved(self, m: int) -> None:
+        if self.saved is not None:
+            live = sum(sum(d.values()) for d in self.saved.values())
+            self.stats["peak_saved_activation_bytes"] = max(self.stats.get("peak_saved_activation_bytes", 0), live)
+            self.saved.pop(m, None)
 
     def attach_nic(self, nic) -> None:
         """Run the sends the host's NIC order lists through ``nic`` (a ``nicorder.NicOrder``); what each
@@ -338,6 +377,7 @@ class PlanEngine(PipelineEngine):
                     torch.autograd.backward(tensors, sums)
             finally:
                 self._running_engine_backward = False
+        self._note_saved(buffer_id)   # (--memory-stats) the peak counted before this micro-batch's is freed
         self._drop(buffer_id, "outputs", "grads", "losses", "labels")
         if self.is_first_stage():
             self._drop(buffer_id, "inputs")

@@ -75,8 +75,9 @@ def parse_args(argv):
                    help="after training, save each rank's stage parameters to DIR/rank<R>.pt "
                         "(and its tensor-parallel shards' positions to DIR/rank<R>.shards.json)")
     p.add_argument("--memory-stats", default=None, metavar="DIR",
-                   help="after training, write each stage rank's peak held micro-batches and pending sends "
-                        "to DIR/rank<R>.json")
+                   help="after training, write each stage rank's peak held micro-batches and pending sends, "
+                        "the bytes of its parameters, gradient buckets, masters and optimizer state, and the peak "
+                        "of autograd's saved bytes to DIR/rank<R>.json")
     p.add_argument("--trace", default=None, metavar="DIR",
                    help="record every instruction, receive, send and gradient bucket of every step with its "
                         "wall-clock times and write DIR/trace-rank<R>.json (Chrome trace format; "
@@ -402,6 +403,8 @@ def _main(argv=None, out_dir: str | None = None) -> int:
     if stage is not None:
         data = CountingIterator(batches(micro_batch, seed, **model_args))   # counted: the position a checkpoint keeps
         engine = PlanEngine.build(plan, groups, layers, loss_fn, data, ds_config, tracer=tracer, initial=initial)
+        if args.memory_stats:
+            engine.saved = {}
         initial = None
         host = plan.cluster.host_of(rank)
         order = plan.pipeline.nic_order_of(host)
@@ -488,7 +491,7 @@ def _main(argv=None, out_dir: str | None = None) -> int:
     if engine is not None and args.memory_stats:
         os.makedirs(args.memory_stats, exist_ok=True)
         with open(os.path.join(args.memory_stats, f"rank{rank}.json"), "w") as f:
-            json.dump(engine.stats, f, sort_keys=True)
+            json.dump(engine.memory_report(), f, sort_keys=True)
     _WATCH.stop()              # the last collective: a finished rank 0 takes the store with it
     dist.barrier()
     dist.destroy_process_group()
