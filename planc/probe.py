@@ -92,6 +92,9 @@ class ModelProbe:
     stage_tensor: tuple[tuple[int, int], ...] = ()
     graph_errors: tuple[str, ...] = ()
     layer_output_bytes: tuple[int | None, ...] = ()
+    # per layer, ((storage, bytes, is_float), ...) autograd saves for backward in one run of the dataflow on the
+    # whole micro-batch (runtime probe's saved_by_layer); empty: not measured
+    layer_saved: tuple = ()
     layer_flops: tuple[tuple[int, int] | None, ...] = ()
     flop_errors: tuple[str, ...] = ()
     chain: bool = False
@@ -315,6 +318,7 @@ def probe_from_json(doc: dict, micro_batch: int, stage_tensor=(), chain: bool = 
         stage_tensor=tuple(stage_tensor),
         graph_errors=tuple(doc.get("graph_errors") or ()),
         layer_output_bytes=tuple(int(b) if b is not None else None for b in doc.get("layer_output_bytes") or ()),
+        layer_saved=tuple(tuple((int(sid), int(n), bool(f)) for sid, n, f in lay) for lay in doc.get("layer_saved") or ()),
         layer_flops=tuple((int(f[0]), int(f[1])) if f is not None else None for f in flops) if flops else (),
         flop_errors=tuple(doc.get("flop_errors") or ()),
         chain=chain,

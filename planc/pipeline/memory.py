@@ -13,13 +13,17 @@ data degree ``d``, ``p`` bytes per element of the precision (fp32 4, bf16/fp16 2
 * parameters ``P x p``;
 * gradients ``P x 4``: the runtime accumulates over the micro-batches and reduces in fp32;
 * optimizer ``(4 s + m) x P'``: ``s`` fp32 states per parameter (sgd with momentum 1, without 0; adam and
-  adamw 2), ``m`` = 4 for bf16/fp16's fp32 master copy (0 in fp32 plans); ``P' = ceil(P / d)`` with
+  adamw 2), ``m`` = 4 for the fp32 master copy of bf16/fp16 plans and of ``zero = 1`` plans (0 in fp32 without
+  ZeRO: the parameters are their own masters); ``P' = ceil(P / d)`` with
   ``zero = 1`` (ZeRO-1 shards master weights and optimizer state over the data group), else ``P``;
 * activations of ``k`` micro-batches in flight: ``k x (I + O)``, or with the stage's ``recompute``
-  ``k x I + O``, where ``I`` are the bytes of the stage's received inputs and ``O`` of every tensor its
-  layers return, for one micro-batch slice (``micro_batch / d`` rows) in the precision's dtype (float
+  ``k x I + O``, where ``I`` are the bytes of the stage's received inputs and ``O`` what its layers keep
+  for backward — the distinct tensors autograd saved when the probe ran each layer on the whole
+  micro-batch (``layer_saved_bytes``, parameters left out; where not measured, every tensor the layers
+  return) —, for one micro-batch slice (``micro_batch / d`` rows) in the precision's dtype (float
   tensors at ``p`` bytes an element, others at their own): a recomputing stage keeps only its inputs
-  per micro-batch in flight, plus the full activations of the one micro-batch it recomputes.
+  per micro-batch in flight, plus the full activations of the one micro-batch it recomputes. ``O``
+  includes the first layer's input where that layer saves it, so ``I + O`` may count the inputs twice.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ from dataclasses import dataclass
 from planc import ir
 
 __all__ = ["PRECISION_BYTES", "GRADIENT_BYTES", "FLOAT_DTYPES", "PARTS", "StageMemory", "degree", "stage_memory",
-           "recomputes", "optimizer_states", "activation_itemsize", "layer_bytes", "saved"]
+           "recomputes", "optimizer_states", "activation_itemsize", "layer_bytes", "kept_bytes", "saved"]
 
 PRECISION_BYTES = {ir.Precision.FP32: 4, ir.Precision.FP16: 2, ir.Precision.BF16: 2}
 GRADIENT_BYTES = 4   # fp32 accumulation buffers, whatever the precision
@@ -85,6 +89,18 @@ def layer_bytes(probe, i: int, precision: ir.Precision) -> int:
     if shape is None or size is None:
         return 0
     return math.prod(shape) * size
+
+
+def kept_bytes(probe, a: int, b: int, precision: ir.Precision) -> int:
+    """Bytes layers ``a..b`` keep for their backward per whole micro-batch: the distinct storages autograd
+    saved when the probe ran the dataflow with gradients (``layer_saved``: float tensors at the precision's
+    size, others at their own; parameters left out), or, where that was not measured, every tensor the
+    layers return (:func:`layer_bytes`)."""
+    saved = getattr(probe, "layer_saved", ())
+    if len(saved) < b:
+        return sum(layer_bytes(probe, i, precision) for i in range(a, min(b, len(probe.layer_params))))
+    seen = {sid: (n, f) for i in range(a, b) for sid, n, f in saved[i]}
+    return sum(n * PRECISION_BYTES[precision] // 4 if f else n for n, f in seen.values())
 
 
 def _transfer_bytes(t: ir.Transfer, probe, precision: ir.Precision) -> int:
@@ -147,7 +163,9 @@ class StageMemory:
 
     @property
     def optimizer(self) -> int:
-        master = STATE_BYTES if self.precision is not ir.Precision.FP32 else 0
+        # a separate fp32 master: bf16/fp16, and ZeRO-1 in fp32 too (the parameters are all-gathered
+        # replicas; the shard the optimizer updates is its own copy)
+        master = STATE_BYTES if self.precision is not ir.Precision.FP32 or self.zero else 0
         held = -(-self.params // self.data) if self.zero else self.params
         return (self.states * STATE_BYTES + master) * held
 
@@ -196,7 +214,7 @@ def stage_memory(program: ir.Program, stages, probe) -> tuple[StageMemory, ...]:
             params = sum(probe.params_per_device(tensor)[a:b])
         except KeyError:   # not probed at this degree: the unsplit count, an upper bound
             params = sum(probe.layer_params[a:b])
-        outputs = sum(layer_bytes(probe, i, precision) for i in range(a, min(b, n)))
+        outputs = kept_bytes(probe, a, min(b, n), precision)
         inputs = sum(_transfer_bytes(t, probe, precision) for t in program.transfers if t.dst_stage == st.index)
         out.append(StageMemory(st.index, params, degree(program, st, ir.MeshAxis.DATA), train.micro_batch,
                                outputs, inputs, precision, optimizer_states(train.optimizer), train.zero,

@@ -7,7 +7,7 @@
         "tensor_degrees": [2], "tensor_stages": [{"stage": 1, "layers": [3, 6], "degree": 2, "rows": 4}],
         "flops": true}'
         -> {"layer_params": [...], "layer_outputs": [{"shape": [8, 32, 64], "dtype": "f32"}, ..., null],
-            "layer_output_bytes": [65536, ..., null],
+            "layer_output_bytes": [65536, ..., null], "layer_saved": [[[storage, bytes, is_float], ...], ...],
             "layer_flops": [[fwd, bwd], ..., null], "flop_errors": [],
             "transfers": [{"name": "hidden", "shape": [8, 32, 64], "dtype": "f32", "error": null}],
             "tensor_parallel": true, "sharded_layer_params": {"2": [...]}, "shard_errors": {},
@@ -38,7 +38,8 @@ stand-in, whose Megatron f/g operators log every all-reduce: ``tensor_traffic`` 
 bytes of each all-reduce one device issues per micro-batch, ``"forward"`` (g) and ``"backward"`` (f),
 with ``"errors"`` for layers that could not be measured. A layer that fails, or a stage whose inputs never
 arrived, is listed in ``graph_errors`` and its transfers get ``error``.
-``layer_output_bytes`` sums every tensor a layer returns. With ``"flops": true``
+``layer_output_bytes`` sums every tensor a layer returns; ``layer_saved`` lists per layer the storages
+autograd saves for its backward in one run of the dataflow with gradients (``saved_by_layer``). With ``"flops": true``
 each layer that ran is run once more on the inputs it got, with gradients, under
 ``torch.utils.flop_counter.FlopCounterMode``: ``layer_flops[i]`` = [forward,
 backward] FLOPs for the whole micro-batch (the backward from all-ones output
@@ -126,7 +127,7 @@ def _layer_params(layers) -> list[int]:
     return [sum(p.numel() for p in layer.parameters()) for layer in layers]
 
 
-def run_graph(layers, x, stages, transfers, inputs_of: dict | None = None):
+def run_graph(layers, x, stages, transfers, inputs_of: dict | None = None, on_layer=None):
     """Run the stage dataflow once (no gradients).
 
     ``stages``: (lo, hi) per stage in index order; ``transfers``: dicts with name, src_stage,
@@ -138,7 +139,7 @@ def run_graph(layers, x, stages, transfers, inputs_of: dict | None = None):
     outputs: dict[int, object] = {}
     sent: dict[str, object] = {}
     errors: list[str] = []
-    with torch.no_grad():
+    with torch.no_grad() if on_layer is None else torch.enable_grad():
         for s, (lo, hi) in enumerate(stages):
             if hi > len(layers):
                 errors.append(f"stage {s} has layers {lo}..{hi} but the model has {len(layers)}")
@@ -158,6 +159,8 @@ def run_graph(layers, x, stages, transfers, inputs_of: dict | None = None):
             for i in range(lo, hi):
                 if inputs_of is not None:
                     inputs_of[i] = a
+                if on_layer is not None:
+                    on_layer(i)
                 try:
                     out = layers[i](*a)
                 except Exception as e:  # noqa: BLE001 - the plan feeds it the wrong inputs; say which
@@ -178,6 +181,33 @@ def run_graph(layers, x, stages, transfers, inputs_of: dict | None = None):
 
 def _nbytes(out) -> int:
     return sum(t.numel() * t.element_size() for t in _tensors(out) if torch.is_tensor(t))
+
+
+def saved_by_layer(layers, x, stages, transfers) -> list:
+    """Per layer, the tensors autograd saves for backward when the plan's dataflow runs once with gradients
+    on the whole micro-batch: ``[[storage, bytes, is_float], ...]`` (parameters left out: they are held
+    anyway), storages numbered in the order first saved, so that a tensor one layer returns and the next
+    saves again (tanh's output, the next Linear's input) is one storage; ``planc.pipeline.memory`` counts
+    the distinct storages of a stage's layers. A layer that did not run gets an empty list."""
+    params = {p.untyped_storage().data_ptr() for layer in layers for p in layer.parameters()}
+    ids: dict = {}
+    per_layer: list[dict] = [{} for _ in layers]
+    current = [None]
+
+    def pack(t):
+        key = t.untyped_storage().data_ptr()
+        if key not in params and current[0] is not None:
+            sid = ids.setdefault(key, len(ids))
+            per_layer[current[0]][sid] = [sid, t.untyped_storage().nbytes(), bool(t.is_floating_point())]
+        return t
+
+    def at(i):
+        current[0] = i
+
+    xs = x.detach().requires_grad_(x.is_floating_point()) if torch.is_tensor(x) else x
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        run_graph(layers, xs, stages, transfers, on_layer=at)
+    return [sorted(d.values()) for d in per_layer]
 
 
 def _sdpa_cpu_mapping() -> dict:
@@ -412,6 +442,7 @@ def _request(req: dict) -> dict:
                 traffic.append({"stage": int(st["stage"]), "degree": k, "rows": int(st["rows"]), **rec})
     return {"layer_params": _layer_params(layers), "layer_outputs": layer_outputs,
             "layer_output_bytes": [_nbytes(outputs[i]) if i in outputs else None for i in range(len(layers))],
+            "layer_saved": saved_by_layer(layers, x, stages, transfers) if not errors else [],
             "layer_flops": flops, "flop_errors": flop_errors, "transfers": measured,
             "tensor_parallel": opts_in, "sharded_layer_params": sharded, "shard_errors": shard_errors,
             "tensor_traffic": sorted(traffic, key=lambda t: t["stage"]), "graph_errors": errors}
