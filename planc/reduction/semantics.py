@@ -116,19 +116,36 @@ def _cut(state: DeviceState, k: int) -> list[DeviceState]:
     return [_merge(p) for p in parts]
 
 
+SUMMING = frozenset((C.ALLREDUCE, C.REDUCE_SCATTER, C.REDUCE))
+
+
+def group_sum(members: Sequence[DeviceState]) -> DeviceState:
+    """What a summing collective (allreduce, reduce_scatter, reduce) sums over a group: the members'
+    pieces summed, or SemanticsError(reason) when the members cannot be summed (its precondition)."""
+    why = _summable(members)
+    if why:
+        raise SemanticsError(why)
+    return _sum(members)
+
+
+def summed(collective: ir.Collective, total: DeviceState, k: int) -> tuple[DeviceState, ...]:
+    """The k members' new states after a summing collective whose group sum is ``total``
+    (:func:`group_sum`): every member holds it (allreduce), the first member (reduce), or member r
+    its r-th of k equal consecutive parts (reduce_scatter)."""
+    if collective is C.ALLREDUCE:
+        return (total,) * k
+    if collective is C.REDUCE:
+        return (total,) + ((),) * (k - 1)
+    if collective is C.REDUCE_SCATTER:
+        return tuple(_cut(total, k))
+    raise SemanticsError(f"{collective} does not sum")
+
+
 def apply(collective: ir.Collective, members: Sequence[DeviceState]) -> tuple[DeviceState, ...]:
     """New states of a group's members (in rank order), or SemanticsError(reason)."""
     k = len(members)
-    if collective in (C.ALLREDUCE, C.REDUCE_SCATTER, C.REDUCE):
-        why = _summable(members)
-        if why:
-            raise SemanticsError(why)
-        total = _sum(members)
-        if collective is C.ALLREDUCE:
-            return (total,) * k
-        if collective is C.REDUCE:
-            return (total,) + ((),) * (k - 1)
-        return tuple(_cut(total, k))
+    if collective in SUMMING:
+        return summed(collective, group_sum(members), k)
     if collective is C.ALL_GATHER:
         if any(not s for s in members):
             raise SemanticsError("some members hold nothing")
