@@ -307,13 +307,14 @@ def _synthesize(factors: tuple[int, ...], max_size: int, collectives: tuple[ir.C
         return out
 
     memo: dict[tuple, tuple[tuple[int, ...], ...]] = {}
+    bounds: dict[tuple[int, ...], int | None] = {}   # state -> lower_bound(state), however many steps are left
 
     def suffixes(state: tuple[int, ...], left: int) -> tuple[tuple[int, ...], ...]:
         key = (state, left)
         if key in memo:
             return memo[key]
         found: list[tuple[int, ...]] = [()] if is_goal(state) else []
-        n = lower_bound(state)
+        n = bounds[state] if state in bounds else bounds.setdefault(state, lower_bound(state))
         if left > 0 and n is not None and n <= left:
             for i, new in transitions(state):
                 for rest in suffixes(new, left - 1):
