@@ -7,6 +7,8 @@
 * ``synthesize.disagreement`` (the checker replay that left the compile path) accepts the synthesizer's
   output and names a program the checker rejects;
 * reduce-scatter synthesis equals brute force (every instruction sequence, the checker deciding);
+* a program's regions computed once per reduction-group shape and mapped (``regions.program_regions``)
+  equal running every device (``regions._whole``), and a failure still names its devices;
 * the synthesizer's shared group sum (``semantics.group_sum`` + ``semantics.summed``) equals
   ``semantics.apply`` per collective, and the integer cut equals cutting with Fractions.
 """
@@ -21,7 +23,7 @@ from fractions import Fraction
 from hypothesis import given, settings, strategies as st
 
 from planc import ir
-from planc.reduction import check, semantics
+from planc.reduction import check, regions, semantics
 from planc.reduction.hierarchy import Hierarchy, matrix_positions
 from planc.reduction.lower import distinct_instructions, lower_program
 from planc.reduction.synthesize import (canonical_assignment, disagreement, synthesize, synthesize_all_gather,
@@ -145,3 +147,44 @@ def test_group_sum_and_cut_equal_apply_and_a_fraction_reference(points, k, seed)
         raise AssertionError("overlapping contributors summed")
     except semantics.SemanticsError as e:
         assert "overlap" in e.reason
+
+
+@settings(max_examples=20, deadline=None)
+@given(FACTORS, st.integers(1, 3), st.integers(0, 10 ** 6))
+def test_regions_by_group_shape_equal_running_every_device(factors, max_size, seed):
+    rnd = random.Random(seed)
+    cluster, matrix = _cluster_and_matrix(factors, rnd)
+    hier, positions = matrix_positions(cluster, matrix, ("rest", "data"), ("data",))
+    by_gid: dict[int, list[int]] = {}
+    for d, (gid, _) in positions.items():
+        by_gid.setdefault(gid, []).append(d)
+    groups = [tuple(sorted(g)) for _, g in sorted(by_gid.items())]
+    programs = list(synthesize(hier, max_size)) + list(synthesize_reduce_scatter(hier, max_size))
+    for program in rnd.sample(programs, min(len(programs), 12)):
+        steps = lower_program(program, hier, positions)
+        assert regions.program_regions(steps, groups) == regions._whole(steps, groups, None)
+    for program in synthesize_reduce_scatter(hier, max_size)[:3]:
+        start = canonical_assignment(program, hier)
+        state = semantics.assigned_state(groups, [start] * len(groups))
+        for back in synthesize_all_gather(hier, start, max_size)[:5]:
+            steps = lower_program(back, hier, positions)
+            assert regions.program_regions(steps, groups, state) == regions._whole(steps, groups, state)
+    # a program that is not one on these groups fails with the devices of the whole run
+    bad = lower_program(synthesize_reduce_scatter(hier, max_size)[0], hier, positions) * 2
+    try:
+        regions.program_regions(bad, groups)
+        raise AssertionError("a reduce-scatter run twice has regions")
+    except (semantics.SemanticsError, regions.RegionError) as e:
+        try:
+            regions._whole(bad, groups, None)
+        except type(e) as whole:
+            assert str(e) == str(whole)
+
+
+def test_regions_of_groups_of_different_sizes_are_scaled_to_one_unit():
+    """Groups of 4 and 9 members: per shape the units are 4 and 9, written in their lcm 36."""
+    groups = [tuple(range(4)), tuple(range(4, 13))]
+    steps = [(C.REDUCE_SCATTER, groups), (C.ALL_GATHER, groups)]
+    found = regions.program_regions(steps, groups)
+    assert found == regions._whole(steps, groups, None)
+    assert found == (36, (((0, 36), (0, 36)), ((0, 36), (0, 36))))
