@@ -188,3 +188,54 @@ def test_regions_of_groups_of_different_sizes_are_scaled_to_one_unit():
     found = regions.program_regions(steps, groups)
     assert found == regions._whole(steps, groups, None)
     assert found == (36, (((0, 36), (0, 36)), ((0, 36), (0, 36))))
+
+
+def _D(steps, unit=None):
+    D = 1
+    for c, groups in steps:
+        if str(c) == "reduce_scatter" and groups:
+            D *= math.lcm(*(len(g) for g in groups))
+    return D * (unit or 1)
+
+
+@settings(max_examples=20, deadline=None)
+@given(FACTORS, st.integers(1, 3), st.integers(0, 10 ** 6))
+def test_checking_once_per_group_shape_gives_the_verdict_of_checking_every_device(factors, max_size, seed):
+    """check.check_program (per shape, the whole on failure) against check._check (every device at
+    once) on real layouts: synthesized programs, programs cut short or reordered, tampered regions."""
+    rnd = random.Random(seed)
+    cluster, matrix = _cluster_and_matrix(factors, rnd)
+    hier, positions = matrix_positions(cluster, matrix, ("rest", "data"), ("data",))
+    by_gid: dict[int, list[int]] = {}
+    for d, (gid, _) in positions.items():
+        by_gid.setdefault(gid, []).append(d)
+    groups = [tuple(sorted(g)) for _, g in sorted(by_gid.items())]
+    programs = list(synthesize(hier, max_size)) + list(synthesize_reduce_scatter(hier, max_size))
+    for program in rnd.sample(programs, min(len(programs), 8)):
+        steps = [(str(c), g) for c, g in lower_program(program, hier, positions)]
+        variants = [steps, steps[:-1], steps[::-1], steps + steps[:1]]
+        unit, spans = regions.program_regions(lower_program(program, hier, positions), groups)
+        for target in ("allreduce", "reduce_scatter"):
+            for v in variants:
+                if v:
+                    assert check.check_program(v, groups, target=target) == check._check(
+                        v, groups, None, None, target, None, _D(v))
+            tampered = [list(row) for row in spans]
+            i = rnd.randrange(len(tampered))
+            j = rnd.randrange(len(tampered[i]))
+            tampered[i][j] = (tampered[i][j][0], tampered[i][j][1] + 1)
+            for r in (spans, tampered):
+                assert check.check_program(steps, groups, unit=unit, regions=r, target=target) == check._check(
+                    steps, groups, unit, r, target, None, _D(steps))
+    for program in synthesize_reduce_scatter(hier, max_size)[:2]:
+        rs = [(str(c), g) for c, g in lower_program(program, hier, positions)]
+        start = canonical_assignment(program, hier)
+        unit = math.lcm(*(x.denominator for ab in start for x in ab))
+        owned = check.final_owned(rs, groups, unit)
+        wrong = [list(row) for row in owned]
+        wrong[-1] = wrong[-1][1:] + wrong[-1][:1]
+        for back in synthesize_all_gather(hier, start, max_size)[:3]:
+            ag = [(str(c), g) for c, g in lower_program(back, hier, positions)]
+            for o in (owned, wrong):
+                assert check.check_program(ag, groups, unit=unit, target="all_gather", owned=o) == check._check(
+                    ag, groups, unit, None, "all_gather", o, _D(ag, unit))
