@@ -47,6 +47,57 @@ def check_program(steps: Sequence[tuple[str, Sequence[Sequence[int]]]],
         if not unit:
             return "owned ranges without a unit"
         D *= unit
+    if _by_shape(steps, reduction_groups, unit, regions, target, owned, D):
+        return None
+    return _check(steps, reduction_groups, unit, regions, target, owned, D)
+
+
+def _by_shape(steps, reduction_groups, unit, regions, target, owned, D) -> bool:
+    """Whether the program passes when checked once per distinct reduction-group shape (its size, each
+    step's groups in member indices, their regions, its owned row), every check on the same ``D``.
+    Reduction groups never exchange data when every step's group lies inside one, so their checks
+    are independent, and a group's verdict depends only on its shape; False when the steps do not
+    split so, or a shape fails (the caller then checks the whole, for the message with devices)."""
+    if owned is not None and len(owned) != len(reduction_groups):
+        return False
+    where: dict[int, tuple[int, int]] = {}
+    for gi, g in enumerate(reduction_groups):
+        if list(g) != sorted(g):
+            return False
+        for r, d in enumerate(g):
+            if d in where:
+                return False
+            where[d] = (gi, r)
+    n_groups = len(reduction_groups)
+    local_steps: list[list[list[tuple[int, ...]]]] = [[[] for _ in steps] for _ in range(n_groups)]
+    local_regions: list[list[list]] = [[[] for _ in steps] for _ in range(n_groups)]
+    for n, (_, groups) in enumerate(steps):
+        row = regions[n] if regions is not None and n < len(regions) else ()
+        for j, g in enumerate(groups):
+            hit = [where.get(d) for d in g]
+            if not hit or None in hit or any(h[0] != hit[0][0] for h in hit):
+                return False
+            gi = hit[0][0]
+            local_steps[gi][n].append(tuple(r for _, r in hit))
+            local_regions[gi][n].append(tuple(row[j]) if j < len(row) else None)
+    names = tuple(str(c) for c, _ in steps)
+    done: set = set()
+    for gi, g in enumerate(reduction_groups):
+        mine = tuple(tuple(x) for x in local_steps[gi])
+        spans = None if regions is None else tuple(tuple(x) for x in local_regions[gi])
+        row = None if owned is None else tuple(tuple(r) for r in owned[gi])
+        key = (len(g), mine, spans, row)
+        if key in done:
+            continue
+        if _check(tuple(zip(names, mine)), (tuple(range(len(g))),), unit, spans, target,
+                  None if row is None else (row,), D) is not None:
+            return False
+        done.add(key)
+    return True
+
+
+def _check(steps, reduction_groups, unit, regions, target, owned, D) -> str | None:
+    """:func:`check_program` on every device at once, with the interval denominator ``D``."""
     held: dict[int, list[tuple[int, int, int]]] = {}
     if target == "all_gather":
         why = _owned_shape(reduction_groups, unit, owned)

@@ -18,6 +18,7 @@ simulator used to re-verify what the synthesizer emits.
 
 from __future__ import annotations
 
+import math
 from fractions import Fraction
 from typing import Iterable, Mapping, Sequence
 
@@ -98,37 +99,65 @@ def _sum(states: Sequence[DeviceState]) -> DeviceState:
 
 
 def _cut(state: DeviceState, k: int) -> list[DeviceState]:
-    """Cut the held region into k equal consecutive parts (by length)."""
-    total = sum((b - a for a, b, _ in state), ZERO)
-    size = total / k
-    parts: list[list[Piece]] = [[] for _ in range(k)]
-    offset = ZERO  # position along the concatenated region
-    for a, b, c in state:
+    """Cut the held region into k equal consecutive parts (by length).
+
+    Exact, in integers: every endpoint times ``D`` (a common denominator times k) is an integer,
+    and so is the part length."""
+    unit = math.lcm(*(x.denominator for a, b, _ in state for x in (a, b))) * k
+    ends = [(a.numerator * (unit // a.denominator), b.numerator * (unit // b.denominator), c) for a, b, c in state]
+    size = sum(b - a for a, b, _ in ends) // k
+    parts: list[list[tuple[int, int, frozenset]]] = [[] for _ in range(k)]
+    offset = 0  # position along the concatenated region
+    for a, b, c in ends:
         lo = a
         while lo < b:
-            r = min(int((offset + (lo - a)) // size), k - 1)
+            r = min((offset + (lo - a)) // size, k - 1)
             # end of part r, mapped back into this piece
-            end_in_region = size * (r + 1)
-            hi = min(b, a + (end_in_region - offset))
+            hi = min(b, a + (size * (r + 1) - offset))
             parts[r].append((lo, hi, c))
             lo = hi
         offset += b - a
-    return [_merge(p) for p in parts]
+    frac: dict[int, Fraction] = {}
+
+    def f(x: int) -> Fraction:
+        hit = frac.get(x)
+        if hit is None:
+            hit = frac[x] = Fraction(x, unit)
+        return hit
+
+    return [_merge([(f(lo), f(hi), c) for lo, hi, c in p]) for p in parts]
+
+
+SUMMING = frozenset((C.ALLREDUCE, C.REDUCE_SCATTER, C.REDUCE))
+
+
+def group_sum(members: Sequence[DeviceState]) -> DeviceState:
+    """What a summing collective (allreduce, reduce_scatter, reduce) sums over a group: the members'
+    pieces summed, or SemanticsError(reason) when the members cannot be summed (its precondition)."""
+    why = _summable(members)
+    if why:
+        raise SemanticsError(why)
+    return _sum(members)
+
+
+def summed(collective: ir.Collective, total: DeviceState, k: int) -> tuple[DeviceState, ...]:
+    """The k members' new states after a summing collective whose group sum is ``total``
+    (:func:`group_sum`): every member holds it (allreduce), the first member (reduce), or member r
+    its r-th of k equal consecutive parts (reduce_scatter)."""
+    if collective is C.ALLREDUCE:
+        return (total,) * k
+    if collective is C.REDUCE:
+        return (total,) + ((),) * (k - 1)
+    if collective is C.REDUCE_SCATTER:
+        return tuple(_cut(total, k))
+    raise SemanticsError(f"{collective} does not sum")
 
 
 def apply(collective: ir.Collective, members: Sequence[DeviceState]) -> tuple[DeviceState, ...]:
     """New states of a group's members (in rank order), or SemanticsError(reason)."""
     k = len(members)
-    if collective in (C.ALLREDUCE, C.REDUCE_SCATTER, C.REDUCE):
-        why = _summable(members)
-        if why:
-            raise SemanticsError(why)
-        total = _sum(members)
-        if collective is C.ALLREDUCE:
-            return (total,) * k
-        if collective is C.REDUCE:
-            return (total,) + ((),) * (k - 1)
-        return tuple(_cut(total, k))
+    if collective in SUMMING:
+        return summed(collective, group_sum(members), k)
     if collective is C.ALL_GATHER:
         if any(not s for s in members):
             raise SemanticsError("some members hold nothing")

@@ -20,8 +20,9 @@ assignment (``synthesize_all_gather``: the allreduce goal from that start).
 
 Search is depth-first with the suffixes of each ``(state, steps left)``
 memoized, so equal states reached by different prefixes are expanded once.
-Every program found is re-verified by the independent ``check.py`` on its
-lowered groups before it is returned, against its target. Results are cached per
+The independent ``check.py`` re-verifies every chosen program on its real groups in the verify
+pass (``planc/verify.py``); :func:`disagreement` replays every program found against the checker
+(the tests run it on random hierarchies). Results are cached per
 ``(hierarchy, max_size, collectives, target, start)``: synthesis depends only on the
 hierarchy, not on the matrix that produced it.
 """
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from operator import itemgetter
 from fractions import Fraction
 from functools import lru_cache
 
@@ -170,6 +172,9 @@ def _synthesize(factors: tuple[int, ...], max_size: int, collectives: tuple[ir.C
     full = frozenset(devices)
     piece = semantics.ONE / len(devices)
     lowered = distinct_instructions(hierarchy, collectives)
+    # per instruction its groups, each with a getter of its members' entries of a state (a tuple)
+    gathered = [(instr, [(g, itemgetter(*g) if len(g) > 1 else lambda s, d=g[0]: (s[d],)) for g in groups])
+                for instr, groups in lowered]
     table = _min_steps_table(frozenset(collectives))
 
     ids: dict[tuple, int] = {}          # device state -> id
@@ -189,16 +194,39 @@ def _synthesize(factors: tuple[int, ...], max_size: int, collectives: tuple[ir.C
     goal = (goal_id,) * len(devices)
 
     applied: dict[tuple, tuple[int, ...] | None] = {}   # (collective, member ids) -> new ids / None
+    sums: dict[tuple[int, ...], int | None] = {}        # member ids -> id of their group sum / None
+    empty_id = intern(())
 
     def apply_group(collective: ir.Collective, members: tuple[int, ...]) -> tuple[int, ...] | None:
         key = (collective, members)
         if key in applied:
             return applied[key]
-        try:
-            out = semantics.apply(collective, [states[m] for m in members])
-            res = tuple(intern(o) for o in out)
-        except semantics.SemanticsError:
-            res = None
+        if collective in _SUMMING:
+            # allreduce, reduce and reduce_scatter share the precondition and the sum
+            # (semantics.group_sum); only how the sum is handed out differs (semantics.summed)
+            if members in sums:
+                total = sums[members]
+            else:
+                try:
+                    total = intern(semantics.group_sum([states[m] for m in members]))
+                except semantics.SemanticsError:
+                    total = None
+                sums[members] = total
+            k = len(members)
+            if total is None:
+                res = None
+            elif collective is C.ALLREDUCE:
+                res = (total,) * k
+            elif collective is C.REDUCE:
+                res = (total,) + (empty_id,) * (k - 1)
+            else:
+                res = tuple(intern(o) for o in semantics.summed(collective, states[total], k))
+        else:
+            try:
+                out = semantics.apply(collective, [states[m] for m in members])
+                res = tuple(intern(o) for o in out) if collective is not C.BROADCAST else (intern(out[0]),) * len(out)
+            except semantics.SemanticsError:
+                res = None
         applied[key] = res
         return res
 
@@ -264,11 +292,11 @@ def _synthesize(factors: tuple[int, ...], max_size: int, collectives: tuple[ir.C
         if spent[0] > SEARCH_BUDGET:
             raise _OverBudget
         out = []
-        for i, (instr, groups) in enumerate(lowered):
+        for i, (instr, groups) in enumerate(gathered):
             c = instr.collective
             new = list(state)
-            for g in groups:
-                res = apply_group(c, tuple(state[d] for d in g))
+            for g, members_of in groups:
+                res = apply_group(c, members_of(state))
                 if res is None:
                     break
                 for d, x in zip(g, res):
@@ -279,13 +307,14 @@ def _synthesize(factors: tuple[int, ...], max_size: int, collectives: tuple[ir.C
         return out
 
     memo: dict[tuple, tuple[tuple[int, ...], ...]] = {}
+    bounds: dict[tuple[int, ...], int | None] = {}   # state -> lower_bound(state), however many steps are left
 
     def suffixes(state: tuple[int, ...], left: int) -> tuple[tuple[int, ...], ...]:
         key = (state, left)
         if key in memo:
             return memo[key]
         found: list[tuple[int, ...]] = [()] if is_goal(state) else []
-        n = lower_bound(state)
+        n = bounds[state] if state in bounds else bounds.setdefault(state, lower_bound(state))
         if left > 0 and n is not None and n <= left:
             for i, new in transitions(state):
                 for rest in suffixes(new, left - 1):
@@ -305,25 +334,29 @@ def _synthesize(factors: tuple[int, ...], max_size: int, collectives: tuple[ir.C
         if len(found) >= MAX_PROGRAMS:
             break
     programs = sorted(found, key=lambda p: (len(p), p))[:MAX_PROGRAMS]
-    group = [devices]
-    owned = None
+    return tuple(tuple(lowered[i][0] for i in p) for p in programs if p)
+
+
+def disagreement(factors: tuple[int, ...], programs: tuple[Program, ...],
+                 target: ir.Collective = C.ALLREDUCE, start: Assignment | None = None) -> str | None:
+    """None when the independent checker (``check.py``) accepts every program (spelled on the
+    abstract hierarchy of ``factors``, as :func:`_synthesize` returns them) for ``target``, else
+    the first program it rejects and why. The compiler does not run this per hierarchy (it costs
+    one replay per program and member); the verify pass checks every chosen program on its real
+    groups, and the tests run this on the synthesizer's output for random hierarchies."""
+    hierarchy = _abstract_hierarchy(tuple(factors))
+    positions = hierarchy.canonical_positions()
+    group = [tuple(range(hierarchy.size))]
+    owned = unit = None
     if start is not None:
         unit = math.lcm(*(x.denominator for ab in start for x in ab))
         owned = [[(int(a * unit), int(b * unit)) for a, b in start]]
-    else:
-        unit = None
-    out = []
-    for p in programs:
-        if not p:
-            continue
-        program = tuple(lowered[i][0] for i in p)
-        # lowered[i][1] are lower(instr, hierarchy, positions): the canonical lowering
-        steps = [(str(lowered[i][0].collective), lowered[i][1]) for i in p]
+    for program in programs:
+        steps = [(str(c), g) for c, g in lower_program(program, hierarchy, positions)]
         why = check.check_program(steps, group, unit=unit, target=str(target), owned=owned)
-        if why is not None:  # the synthesizer and the checker disagree: a bug in planc
-            raise AssertionError(f"synthesized program {ir.program_text(program)} fails the checker: {why}")
-        out.append(program)
-    return tuple(out)
+        if why is not None:
+            return f"{ir.program_text(program)}: {why}"
+    return None
 
 
 def is_valid(program: Program, hierarchy: Hierarchy) -> bool:
