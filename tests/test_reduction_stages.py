@@ -159,7 +159,7 @@ def test_compiled_plan_lists_one_gradients_entry_per_stage():
     model = 'model "../examples/mlp.py:build" { layers = 2, hidden = 16, inputs = 8, outputs = 4 }\n'
     text = CLUSTER + model + 'loss "../examples/mlp.py:loss"\ndata "../examples/mlp.py:batches"\n'
     text += re.sub(r"^stage (\d+) on", lambda m: f"stage {m[1]} : layers {m[1]}..{int(m[1]) + 1} on", STAGES,
-                   flags=re.M) + "reduce gradients over data\n"
+                   flags=re.M) + "transfer h : f32[8, 16] from stage 0 to stage 1\nreduce gradients over data\n"
     text += "train { micro_batch = 8, micro_batches = 2, steps = 1, schedule = 1f1b, optimizer = sgd(lr = 0.1) }\n"
     plan = compile_program(load_text(text, str(Path(__file__).parent / "stages.plan"))).plan_json
     grads = [r for r in plan["reductions"] if r["name"] == "gradients"]

@@ -108,11 +108,12 @@ def clear_caches() -> None:
 
     from planc import reduction
     from planc.placement import mapping
+    from planc.reduction import costs
     syn = importlib.import_module("planc.reduction.synthesize")
     for f in (syn._named, syn._synthesize, mapping.program_costs, reduction._matrix_costs, reduction._pinned_costs):
         f.cache_clear()
-    reduction._STEP_CACHE.clear()
-    reduction._step_cache_devices = 0
+    costs._STEP_CACHE.clear()
+    costs._step_cache_devices = 0
 
 
 def run(cases: tuple[Case, ...] = CASES) -> str:
