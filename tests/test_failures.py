@@ -75,8 +75,11 @@ def test_a_killed_rank_ends_every_rank_within_the_timeout(tmp_path):
     assert ended < TIMEOUT_S + 30, f"the job took {ended:.0f} s to end after the kill"
     # every message of a surviving rank names the instruction it was in and the ranks it waited for;
     # at least one names rank 3 (its peers in the plan are stage 1's)
+    # (unless the kill found rank 3 past its part of the step, every rank then waiting in the step's loss
+    # all-reduce: a race with how far ahead rank 3 ran, which a loaded machine makes likelier)
     named = re.findall(r"planc: rank \d+: rank \d+ \(stage \d\) failed in (\w+)[^\n]* with ranks \[([0-9, ]+)\]", text)
-    assert named and any("3" in peers.split(", ") for _, peers in named), text[-3000:]
+    between = re.search(r"failed in the step \d+ loss all-reduce over every rank", text)
+    assert (named and any("3" in peers.split(", ") for _, peers in named)) or (not named and between), text[-3000:]
     assert _pid_of(out, 0) is None and _pid_of(out, 5) is None   # nothing left running
 
 
