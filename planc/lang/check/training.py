@@ -98,24 +98,35 @@ def check_optimizer(errs: Diagnostics, kv: ast.KeyValue | None) -> ir.Optimizer:
                  _choice_hint(name, OPTIMIZER_DEFAULTS))
         return ir.Optimizer()
     allowed = ("lr", *OPTIMIZER_DEFAULTS[name])
-    given: dict[str, object] = {}
-    for arg in kv.value.args if isinstance(kv.value, ast.Call) else ():
-        k = arg.key.value
-        if k in ("beta1", "beta2") and "betas" in allowed:
-            errs.add(f"{name}() takes Adam's coefficients as one pair, not '{k}'", arg.key.span, BETAS_HINT)
-            continue
-        if k not in allowed:
-            errs.add(f"{name}() has no argument '{k}'; it takes {', '.join(allowed)}", arg.key.span,
-                     did_you_mean(k, allowed))
-            continue
-        if k in given:
-            errs.add(f"'{k}' is given twice", arg.key.span)
-            continue
-        value = _ARGS[k](errs, arg.value, k)
-        given[k] = value   # None after an error: left out below, the error said why
+    args = kv.value.args if isinstance(kv.value, ast.Call) else ()
+    if "betas" in allowed:
+        for arg in args:
+            if arg.key.value in ("beta1", "beta2"):
+                errs.add(f"{name}() takes Adam's coefficients as one pair, not '{arg.key.value}'", arg.key.span,
+                         BETAS_HINT)
+        args = [arg for arg in args if arg.key.value not in ("beta1", "beta2")]
+    # None after an error: left out below, the error said why
+    given: dict[str, object] = {k: _ARGS[k](errs, arg.value, k)
+                                for k, arg in _named_args(errs, name, args, allowed).items()}
     lr = given.pop("lr", None)
     return ir.Optimizer(name, ir.Optimizer().lr if lr is None else float(lr),
                         tuple(sorted((k, v) for k, v in given.items() if v is not None)))
+
+
+def _named_args(errs: Diagnostics, call: str, args, allowed) -> dict[str, ast.KeyValue]:
+    """``call(k = v, ...)``'s arguments by name, in the order written; an unknown or repeated name is
+    reported at the name and left out."""
+    got: dict[str, ast.KeyValue] = {}
+    for arg in args:
+        k = arg.key.value
+        if k not in allowed:
+            errs.add(f"{call}() has no argument '{k}'; it takes {', '.join(allowed)}", arg.key.span,
+                     did_you_mean(k, allowed))
+        elif k in got:
+            errs.add(f"'{k}' is given twice", arg.key.span)
+        else:
+            got[k] = arg
+    return got
 
 
 def check_lr_schedule(errs: Diagnostics, kv: ast.KeyValue | None, steps: int) -> LrSchedule:
@@ -133,19 +144,9 @@ def check_lr_schedule(errs: Diagnostics, kv: ast.KeyValue | None, steps: int) ->
         if args:
             errs.add("constant takes no arguments", args[0].span)
         return LrSchedule()
-    allowed = ("warmup", "total", "min_ratio")
-    got: dict[str, ast.KeyValue] = {}
+    got = _named_args(errs, "warmup_cosine", args, ("warmup", "total", "min_ratio"))
     values: dict[str, object] = {}
-    for arg in args:
-        k = arg.key.value
-        if k not in allowed:
-            errs.add(f"warmup_cosine() has no argument '{k}'; it takes {', '.join(allowed)}", arg.key.span,
-                     did_you_mean(k, allowed))
-            continue
-        if k in got:
-            errs.add(f"'{k}' is given twice", arg.key.span)
-            continue
-        got[k] = arg
+    for k, arg in got.items():
         v = arg.value
         if k == "min_ratio":
             r = _number(errs, v, k)
