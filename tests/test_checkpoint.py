@@ -32,7 +32,7 @@ import torch
 from planc.codegen import write_output
 from planc.compile import compile_file
 
-from e2e_util import PY, ROOT, compare_dumps, independent_reference, launch_env, stage_ranks
+from e2e_util import PY, ROOT, compare_dumps, independent_reference, launch_env, stage_ranks, start_ranks
 
 EXAMPLES = ROOT / "examples"
 STEPS = 4
@@ -104,33 +104,6 @@ def compile_text(tmp_path, name: str, text: str):
     out = tmp_path / name
     write_output(c.plan_json, c.program, out)
     return out, json.loads((out / "plan.json").read_text())
-
-
-def start_ranks(out, world: int, *args, env=None, timeout=240):
-    """``python OUT/train.py ARGS`` once per rank, env:// rendezvous on a free port; returns
-    (the worst return code, rank 0's output, every rank's output)."""
-    import socket
-    import sys
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs, extra = [], env
-    for rank in range(world):
-        env = dict(launch_env(), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                   WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
-        env.pop("PLANC_COLLECTIVE_TIMEOUT_S")   # the plan's train { timeout }
-        env.update(extra or {})
-        procs.append(subprocess.Popen([sys.executable, str(out / "train.py"), *map(str, args)], env=env, cwd=out,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    texts = []
-    try:
-        for p in procs:
-            texts.append(p.communicate(timeout=timeout)[0])
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    return max(abs(p.returncode) for p in procs), texts[0], "\n".join(texts)
 
 
 def losses_of(stdout: str) -> dict[int, float]:
