@@ -29,20 +29,8 @@ from planc import plan as planfile  # noqa: E402
 from planc.compile import compile_program  # noqa: E402
 from planc.lang import load_text  # noqa: E402
 
-PLAN = """plan zero_2x2 {{
-  cluster {{
-    level node x 2 : bandwidth 1 GB/s, latency 20 us
-    level gpu  x 2 : bandwidth 100 GB/s, latency 2 us
-  }}
-  parallel {{ data = 4 }}
-  model "../examples/mlp.py:build" {{ layers = 2, hidden = 8, inputs = 4, outputs = 2 }}
-  loss  "../examples/mlp.py:loss"
-  data  "../examples/mlp.py:batches"
-  stage 0 : layers 0..2
-  reduce gradients over data{using}
-  train {{ micro_batch = 8, micro_batches = 2, steps = 1 }}
-}}
-"""
+from test_reduction_zero import TWO_BY_TWO as PLAN  # noqa: E402  (the same 2 x 2 plan, zero = 1 set by the test)
+
 SIZES = (37, 16, 45)      # elements: not a multiple of the unit, one bucket exactly, several buckets
 
 
