@@ -226,11 +226,15 @@ class Builder:
     def group_holding(self, groups, rank):
         """The group of ``groups`` holding ``rank`` (None: none), from a map built once per groups list:
         scanning every group for every rank would be quadratic in the devices."""
+        return self.holding(groups).get(rank)
+
+    def holding(self, groups) -> dict:
+        """``{rank: the group of groups holding it}`` (the last, should two), built once per groups list."""
         by_rank = self._holding.get(id(groups))
         if by_rank is None:
             by_rank = self._holding[id(groups)] = {d: g for g in groups for d in g}
             self._keep.append(groups)    # the id stays valid while the map is used
-        return by_rank.get(rank)
+        return by_rank
 
     def emit_steps(self, prog, rank, red: planfile.Reduction, label: str, where) -> None:
         """``ReductionExecutor.run`` (one bucket): each step's group holding the rank, if it has peers."""

@@ -32,6 +32,7 @@ from __future__ import annotations
 from planc.pipeline.deadlock.build import Builder
 from planc.pipeline.deadlock.events import Sim, Thread
 from planc.pipeline.deadlock.report import Hang, Wait, find_hangs
+from planc.pipeline.deadlock.tails import tails_finish
 from planc import plan as planfile
 
 
@@ -178,6 +179,9 @@ def check_mode(plan: planfile.Plan, mode: str, backend: str, ahead: int, tensor_
         threads = _pipeline_parts(b, mode, [c for cls in found if any(r in stuck for r in cls[0]) for c in cls])
         Sim(threads).run()
         return find_hangs(threads, backend, mode, limit, b.turns)
+    if tails_finish(b, mode):   # every rank's tail by classes of reduction components (planc...tails)
+        return []
+    b = Builder(plan, backend, ahead, tensor_parallel)   # not shown: every rank's tail, from empty queues
     tails: list[Thread] = []
     for rank in range(plan.cluster.devices):
         prog = []
