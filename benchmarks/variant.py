@@ -27,7 +27,7 @@ def variant(out: Path | str, name: str, *, drop_nic_order: bool = False, **runti
         shutil.rmtree(dest)
     shutil.copytree(out, dest, ignore=shutil.ignore_patterns("logs", "__pycache__"))
     plan = planfile.load(dest / "plan.json")
-    plan = dataclasses.replace(plan, raw=None, runtime=dataclasses.replace(plan.runtime, **runtime))
+    plan = dataclasses.replace(plan, runtime=dataclasses.replace(plan.runtime, **runtime))
     if drop_nic_order and plan.pipeline is not None:
         plan = dataclasses.replace(plan, pipeline=dataclasses.replace(plan.pipeline, nic_order=()))
     (dest / "plan.json").write_text(planfile.dumps(plan))

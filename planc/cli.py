@@ -70,7 +70,7 @@ def _cmd_compile(args) -> int:
                                 progress=progress, cache=not args.no_cache, profile=profile)
     out = Path(args.output) if args.output else Path("build") / compiled.program.name
     with profile.section("write output") if profile else contextlib.nullcontext():
-        write_output(compiled.plan_json, compiled.program, out)
+        write_output(compiled.plan_json, compiled.program, out, text=compiled.text)
     from planc.explain import compile_summary
 
     print(f"wrote {out}/ ({compiled.describe()})", flush=True)

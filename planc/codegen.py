@@ -125,16 +125,18 @@ def ds_config(plan: dict, program: ir.Program) -> dict:
     return cfg
 
 
-def write_output(plan: dict, program: ir.Program, out_dir) -> Path:
-    """Write OUT/; a folder that cannot be written is a user error naming it."""
+def write_output(plan: dict, program: ir.Program, out_dir, text: str | None = None) -> Path:
+    """Write OUT/; a folder that cannot be written is a user error naming it. ``text``: plan.json's text
+    as the compiler verified it (``CompiledPlan.text``, the same plan as ``plan``); None: written from
+    ``plan`` by the plan file's one writer."""
     try:
-        return _write_output(plan, program, Path(out_dir))
+        return _write_output(plan, program, Path(out_dir), text)
     except OSError as e:
         raise CodegenError(f"cannot write the output folder {out_dir}: {e.strerror or e}"
                            + (f" ({e.filename})" if e.filename else "")) from None
 
 
-def _write_output(plan: dict, program: ir.Program, out: Path) -> Path:
+def _write_output(plan: dict, program: ir.Program, out: Path, text: str | None = None) -> Path:
     # everything is read and rendered before the folder is made: a compile that fails leaves no output
     plan = {k: v for k, v in plan.items() if not k.startswith("_")}
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(templates_dir())),
@@ -162,7 +164,7 @@ def _write_output(plan: dict, program: ir.Program, out: Path) -> Path:
         "compiler_bin": str(Path(sys.executable).parent),   # launch.sh looks for deepspeed here first
     }
     files = {
-        "plan.json": planfile.dumps(planfile.Plan.from_json(plan)),   # the plan file's one writer
+        "plan.json": text if text is not None else planfile.dumps(planfile.Plan.from_json(plan)),   # one writer
         "train.py": env.get_template("train.py.j2").render(ctx),
         "ds_config.json": env.get_template("ds_config.json.j2").render(ctx),
         "hostfile": env.get_template("hostfile.j2").render(ctx),

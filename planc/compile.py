@@ -42,6 +42,7 @@ from planc.probe import (ModelProbe, check_against_model, check_model_reductions
 from planc.reduction import plan_reductions
 from planc.resharding import plan_routes
 from planc import plan as planfile
+from planc.plan.file import written
 from planc.span import Span
 from planc.trainable import check_trainable
 from planc.verify import verify
@@ -55,6 +56,11 @@ class CompiledPlan:
     plan_json: dict
     untrainable: tuple[Diagnostic, ...] = ()   # why training is not supported (comm-only still works)
     plan: planfile.Plan | None = None          # the typed plan file plan_json was written from
+
+    @property
+    def text(self) -> str | None:
+        """plan.json's text as the compiler verified it (the bytes the plan holds), None when it holds none."""
+        return self.plan.raw.decode() if self.plan is not None and self.plan.raw is not None else None
 
     def describe(self) -> str:
         p = self.plan_json
@@ -118,7 +124,7 @@ def launchable(program: ir.Program, ctx: Context, reductions, routes) -> tuple[i
     rejected = ()   # (what, why) of the candidates turned down
     for cand in schedule_candidates(program, ctx, reductions, routes):
         cctx = dataclasses.replace(ctx, program=cand.program, choices=ctx.choices + rejected + cand.choices)
-        plan = _run("assemble", assemble, (reductions, routes, cand.pipeline), cctx)
+        plan = _run("assemble", assemble_pass, (reductions, routes, cand.pipeline), cctx)
         with _section(ctx, "launch check"):
             hangs = launch_check(plan, cctx)
         if not hangs:
@@ -260,6 +266,11 @@ def pipeline_pass(value, ctx: Context):
         sim, prediction, rate, given, runs), nic_order=prediction.nic_order)
 
 
+def assemble_pass(value, ctx: Context) -> planfile.Plan:
+    """The records as one plan file, holding the bytes plan.json will have (verified read back as them)."""
+    return written(assemble(value, ctx))
+
+
 def launch_check(plan: planfile.Plan, ctx: Context) -> list:
     """What would stop the assembled plan once launched: its message tags must fit in the point-to-point
     tag bits (else a located error), and the hangs of every rank's issue order simulated under rendezvous
@@ -325,6 +336,7 @@ def compile_file(path: str | Path, probe: bool = True, timings: bool = False, ve
         raise e.with_source(program.source_path, Path(path).read_text()) from None
     if timings:
         compiled.plan_json["compiler"]["seconds"] = round(time.perf_counter() - t0, 3)
+        compiled = dataclasses.replace(compiled, plan=planfile.Plan.from_json(compiled.plan_json))   # no stale text
     return compiled
 
 

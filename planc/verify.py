@@ -11,6 +11,7 @@ returns what is wrong. The driver names the pass whose output failed.
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Callable
 
@@ -147,12 +148,16 @@ def _scheduled(pipeline, ctx) -> list[str]:
 
 
 def _assembled(plan: planfile.Plan, _ctx) -> list[str]:
-    doc = plan.to_json()
+    # the bytes plan.json will hold (planc.plan.file.written; else the one writer's now), read back by the
+    # runtime's validating reader, must be these records: what every rank will execute is what was decided
+    raw = plan.raw if plan.raw is not None else planfile.dumps(plan).encode()
     try:
-        again = planfile.Plan.from_json(doc)
+        again = planfile.Plan.from_json(json.loads(raw))
     except planfile.PlanFileError as e:
         return [str(e)]
-    out = [] if again.to_json() == doc else ["plan.json does not survive its own round trip"]
+    except ValueError as e:
+        return [f"plan.json is not valid JSON ({e})"]
+    out = [] if again == plan else ["plan.json's bytes do not read back as the assembled records"]
     for r in plan.reductions:   # the typed steps the runtime executes, replayed with their regions
         if not r.groups:
             continue

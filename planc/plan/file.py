@@ -33,7 +33,7 @@ from .training import Pipeline, TagLayout, Train
 from .transfers import Transfer
 from .vocab import StageMode, Strategy
 
-__all__ = ["FORMAT", "Plan", "load", "digest", "dumps"]
+__all__ = ["FORMAT", "Plan", "load", "digest", "dumps", "encode", "written"]
 
 FORMAT = "planc/1"
 
@@ -55,7 +55,9 @@ class Plan:
     train: Train | None
     runtime: Runtime = Runtime()   # how the runtime executes it (runtime.py): never the environment
     head: tuple = ()          # source, compiler, placement, choices: written as read
-    raw: bytes | None = field(default=None, compare=False, repr=False)
+    # the plan.json bytes: as read (load) or as the compiler will write them (written); never copied by
+    # dataclasses.replace, whose new records would not be these bytes
+    raw: bytes | None = field(default=None, init=False, compare=False, repr=False)
 
     @staticmethod
     def from_json(doc) -> "Plan":
@@ -220,8 +222,31 @@ def _check_stages(cluster: Cluster, stages: tuple[Stage, ...]) -> None:
 
 
 def dumps(plan: Plan) -> str:
-    """plan.json text: keys in the order ``to_json`` builds them, 2-space indent, trailing newline."""
-    return json.dumps(plan.to_json(), indent=2, allow_nan=False) + "\n"
+    """plan.json text (:func:`encode` of ``to_json``)."""
+    return encode(plan.to_json())
+
+
+def encode(doc: dict) -> str:
+    """plan.json text of a ``to_json`` document: keys in the order ``to_json`` builds them, one top-level
+    key a line, each element of a list of objects (stages, reductions, transfers, ...) on a line of its
+    own, compact inside (``json``'s C encoder: no spaces, no NaN), trailing newline. Valid JSON that any
+    reader reads the same as any other layout; the same document always gives the same bytes."""
+    one = json.JSONEncoder(separators=(",", ":"), allow_nan=False).encode
+    lines = []
+    for k, v in doc.items():
+        if isinstance(v, list) and v and all(isinstance(x, dict) for x in v):
+            body = ",\n    ".join(one(x) for x in v)
+            lines.append(f"  {one(k)}: [\n    {body}\n  ]")
+        else:
+            lines.append(f"  {one(k)}: {one(v)}")
+    return "{\n" + ",\n".join(lines) + "\n}\n"
+
+
+def written(plan: Plan) -> Plan:
+    """``plan`` holding, as ``raw``, the bytes :func:`dumps` gives for it: what the compiler writes and
+    verifies (``planc.verify``: read back, they must give these records) and what ``digest`` hashes."""
+    object.__setattr__(plan, "raw", dumps(plan).encode())
+    return plan
 
 
 def load(path: str | os.PathLike) -> Plan:
