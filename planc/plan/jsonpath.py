@@ -85,6 +85,9 @@ class At:
             self.fail(f"{s!r} is not one of {[str(m) for m in cls]}")
 
     def ints(self, minimum: int | None = 0) -> tuple[int, ...]:
+        v = self.value
+        if type(v) is list and all(type(x) is int for x in v) and (minimum is None or not v or min(v) >= minimum):
+            return tuple(v)   # the common case at once; anything else element by element, to name it
         return tuple(x.int(minimum) for x in self.items())
 
     def groups(self) -> tuple[Group, ...]:
@@ -97,6 +100,11 @@ class At:
         return tuple(out)
 
     def region(self, ndim: int | None = None) -> Region:
+        v = self.value
+        if (type(v) is list and (ndim is None or len(v) == ndim)
+                and all(type(r) is list and len(r) == 2 and type(r[0]) is int and type(r[1]) is int
+                        and 0 <= r[0] <= r[1] for r in v)):
+            return tuple((r[0], r[1]) for r in v)   # well-formed: at once; else range by range, to name it
         out = []
         for r in self.items():
             pair = r.ints()
