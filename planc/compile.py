@@ -35,10 +35,10 @@ from planc.pipeline.schedules import peak_in_flight
 from planc.pipeline.deadlock import check_rendezvous
 from planc.pipeline.schedules import PipelinePlan, build as build_pipeline
 from planc.pipeline.siminput import compiled_input
-from planc.placement import Placement, place
+from planc.placement import Placement, place, warm
 from planc.infer import chain_transfers, infer_transfers
 from planc.probe import (ModelProbe, check_against_model, check_model_reductions, probe_for_cut, probe_model,
-                         tensor_traffic_by_stage)
+                         start_probe, tensor_traffic_by_stage)
 from planc.reduction import plan_reductions
 from planc.resharding import plan_routes
 from planc import plan as planfile
@@ -318,8 +318,11 @@ def compile_file(path: str | Path, probe: bool = True, timings: bool = False, ve
         model_probe = None
         if probe and program.model is not None:
             say(PASS_TEXT["probe"])
-            with _section(ctx, "probe", child=True):
-                model_probe = probe_model(program, cache=cache)
+            pending = start_probe(program, cache=cache)   # the subprocess runs while ranking's programs are made
+            with _section(ctx, "warm place"):
+                warm(program, stop=pending.done)
+            with _section(ctx, "probe", child=True):     # what is left to wait for
+                model_probe = pending.result()
         stages_reason = None
         if program.auto_stages:   # stages = auto(N): cut the layers, then the cut's dataflow from the same probe
             with _section(ctx, "cut"):

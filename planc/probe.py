@@ -11,6 +11,7 @@ import math
 import os
 import subprocess
 import sys
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -212,22 +213,56 @@ def probe_model(program: ir.Program, flops: bool | None = None, cache=None) -> M
     layer's tensor traffic alone: :func:`probe_for_cut` gives the cut program's probe from it (or
     None: probe the cut program). ``cache``: a :class:`planc.probe_cache.ProbeCache` that answers a
     request it has seen (same files, function, arguments, micro-batch, torch) without the subprocess."""
-    model = program.model
-    req = probe_request(program, flops)
-    stage_tensor = _stage_tensor(program)
-    doc = cache.get(req) if cache is not None else None
-    if doc is None:
-        doc = _run_probe(program, req)
-        if cache is not None:
-            cache.put(req, doc)
-    if doc.get("shard_errors"):
-        errs = []
-        for k, why in sorted(doc["shard_errors"].items(), key=lambda kv: int(kv[0])):
-            users = ", ".join(str(i) for i, d in stage_tensor if d == int(k))
-            errs.append(Diagnostic(f"the model cannot be split over a tensor group of {k} (the 'tensor' axis of "
-                                   f"stage {users}): {model.path}:{model.function} says {why}", model.span))
-        raise PlanError(errs)
-    return probe_from_json(doc, program.train.micro_batch, stage_tensor, chain=program.auto_stages)
+    return start_probe(program, flops, cache).result()
+
+
+def start_probe(program: ir.Program, flops: bool | None = None, cache=None) -> "PendingProbe":
+    """:func:`probe_model` begun: the subprocess started (unless the cache answers), its answer read by
+    a thread; the caller works meanwhile and takes the answer with ``result()`` (``done()``: it is in)."""
+    return PendingProbe(program, probe_request(program, flops), cache)
+
+
+class PendingProbe:
+    """A model probe under way: :func:`_run_probe` (the subprocess, its answer read and checked) on a
+    thread, unless the cache answered; ``result()`` waits for it and raises what it raised."""
+
+    def __init__(self, program: ir.Program, req: dict, cache):
+        self.program, self.req, self.cache = program, req, cache
+        self.doc = cache.get(req) if cache is not None else None
+        self.error = None
+        self.thread = None
+        if self.doc is None:
+            self.thread = threading.Thread(target=self._run, daemon=True)
+            self.thread.start()
+
+    def _run(self) -> None:
+        try:
+            self.doc = _run_probe(self.program, self.req)
+        except BaseException as e:   # handed to result(), on the caller's thread
+            self.error = e
+
+    def done(self) -> bool:
+        return self.thread is None or not self.thread.is_alive()
+
+    def result(self) -> ModelProbe:
+        program, model = self.program, self.program.model
+        stage_tensor = _stage_tensor(program)
+        if self.thread is not None:
+            self.thread.join()
+            self.thread = None
+            if self.error is not None:
+                raise self.error
+            if self.cache is not None:
+                self.cache.put(self.req, self.doc)
+        doc = self.doc
+        if doc.get("shard_errors"):
+            errs = []
+            for k, why in sorted(doc["shard_errors"].items(), key=lambda kv: int(kv[0])):
+                users = ", ".join(str(i) for i, d in stage_tensor if d == int(k))
+                errs.append(Diagnostic(f"the model cannot be split over a tensor group of {k} (the 'tensor' axis "
+                                       f"of stage {users}): {model.path}:{model.function} says {why}", model.span))
+            raise PlanError(errs)
+        return probe_from_json(doc, program.train.micro_batch, stage_tensor, chain=program.auto_stages)
 
 
 def _run_probe(program: ir.Program, req: dict) -> dict:

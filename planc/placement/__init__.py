@@ -27,7 +27,7 @@ from planc.reduction import pinned_time, reduction_bytes, stage_reduction_groups
 from planc.resharding import parts_per_dim
 
 __all__ = [
-    "Placement", "place", "stage_record", "loss_devices", "coords_for", "stage_layouts", "device_of", "level_coords",
+    "Placement", "place", "warm", "stage_record", "loss_devices", "coords_for", "stage_layouts", "device_of", "level_coords",
     "count_matrices", "enumerate_matrices", "is_matrix", "matrix_problems",
     "NOMINAL_REDUCTION_BYTES", "MAX_RANKED", "BOUND_SLACK",
 ]
@@ -282,6 +282,29 @@ def _branch_and_bound(cost: _Costing, fanouts: tuple[int, ...], sizes: tuple[int
                 bisect.insort(best, t)
                 del best[MAX_RANKED:]
     return table, complete
+
+
+def warm(program: ir.Program, stop=lambda: False) -> int:
+    """Synthesize ahead of ranking the reduction programs ranking costs (``program_costs``, cached by
+    exactly what it depends on: cluster, reduction factors, synthesis settings; no bytes, no stage cut)
+    for the matrices' reduction factors in the order branch and bound visits them at nominal bytes,
+    until ``stop()`` is true; how many it synthesized. The compiler runs it while the model probe's
+    subprocess runs (``planc.compile.compile_file``). It changes no result: a cached answer is the
+    answer a fresh call gives, and ranking itself decides what to cost, with the probe's bytes."""
+    par = program.parallel
+    if par is None or program.stage_mode is ir.StageMode.EXPLICIT or par.matrix is not None:
+        return 0
+    cost = _Costing(program, None)
+    keys = {cost.key(mx) for mx in enumerate_matrices(program.cluster.fanouts, tuple(a.size for a in par.axes))}
+    done = 0
+    for key in sorted(keys, key=lambda k: (cost.bound(k), k)):
+        for (_, _, _, syn, pinned, _), factors in zip(cost.reductions, key):
+            if stop():
+                return done
+            if pinned is None:
+                program_costs(cost.cluster, factors, syn)
+                done += 1
+    return done
 
 
 def place(program: ir.Program, param_bytes: dict[int, int] | None = None, *,
