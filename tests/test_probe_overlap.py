@@ -23,7 +23,8 @@ import importlib
 
 from test_probe_cache import auto_plan
 
-synth = importlib.import_module("planc.reduction.synthesize")   # the module (the package exports a function of its name)
+# the module (the package exports a function of the same name)
+synth = importlib.import_module("planc.reduction.synthesize")
 
 
 def _forget_programs():

@@ -27,7 +27,8 @@ from planc.reduction import pinned_time, reduction_bytes, stage_reduction_groups
 from planc.resharding import parts_per_dim
 
 __all__ = [
-    "Placement", "place", "warm", "stage_record", "loss_devices", "coords_for", "stage_layouts", "device_of", "level_coords",
+    "Placement", "place", "warm", "stage_record", "loss_devices", "coords_for", "stage_layouts", "device_of",
+    "level_coords",
     "count_matrices", "enumerate_matrices", "is_matrix", "matrix_problems",
     "NOMINAL_REDUCTION_BYTES", "MAX_RANKED", "BOUND_SLACK",
 ]
