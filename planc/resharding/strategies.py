@@ -18,21 +18,32 @@ from planc.resharding.tiles import UnitTask
 
 
 def build_jobs(tasks: Sequence[UnitTask], itemsize: int, strategy: Strategy,
-               cluster: Cluster, chunks: int) -> tuple[Job, ...]:
+               cluster: Cluster, chunks: int, hosts=None) -> tuple[Job, ...]:
+    """One job per unit task: an option per host that holds its slice (sent by that host's lowest
+    holder), each with the NICs it occupies and its time under ``strategy``. ``hosts``: the tasks'
+    :func:`task_hosts`, when the caller has them (they do not depend on the strategy)."""
     jobs = []
-    for t in tasks:
+    for t, (recv_hosts, senders) in zip(tasks, hosts if hosts is not None else task_hosts(tasks, cluster)):
         nbytes = t.elements * itemsize
-        recv_hosts = [cluster.host_of(r) for r in t.receivers]
-        first_on_host: dict[int, int] = {}
-        for d in t.holders:  # sorted, so the first seen is the lowest
-            first_on_host.setdefault(cluster.host_of(d), d)
         options = []
-        for host, sender in sorted(first_on_host.items(), key=lambda hs: hs[1]):
+        for host, sender in senders:
             remote = set(recv_hosts) - {host}
             nics = tuple(sorted(remote | {host})) if remote else ()
             options.append(Option(host, sender, nics, task_time(strategy, nbytes, host, recv_hosts, cluster, chunks)))
         jobs.append(Job(tuple(options)))
     return tuple(jobs)
+
+
+def task_hosts(tasks: Sequence[UnitTask], cluster: Cluster) -> list[tuple[list[int], list[tuple[int, int]]]]:
+    """Per task, its receivers' hosts (with repeats) and ``(host, first holder on it)`` in holder order."""
+    per_host = cluster.devices_per_host   # Cluster.host_of(d) is d // devices_per_host: computed once here
+    out = []
+    for t in tasks:
+        first_on_host: dict[int, int] = {}
+        for d in t.holders:  # sorted, so the first seen is the lowest
+            first_on_host.setdefault(d // per_host, d)
+        out.append(([r // per_host for r in t.receivers], sorted(first_on_host.items(), key=lambda hs: hs[1])))
+    return out
 
 
 def choose_strategy(tasks: Sequence[UnitTask], itemsize: int, cluster: Cluster, chunks: int) -> Strategy:
@@ -44,8 +55,9 @@ def choose_strategy_jobs(tasks: Sequence[UnitTask], itemsize: int, cluster: Clus
                          ) -> tuple[Strategy, tuple[Job, ...]]:
     """:func:`choose_strategy` and the chosen strategy's jobs (built once, not again by the caller)."""
     best = None
+    hosts = task_hosts(tasks, cluster)
     for s in CONCRETE:
-        jobs = build_jobs(tasks, itemsize, s, cluster, chunks)
+        jobs = build_jobs(tasks, itemsize, s, cluster, chunks, hosts)
         ms = schedulers.makespan(jobs, schedulers.load_balance(jobs))
         if best is None or ms < best[0]:
             best = (ms, s, jobs)
