@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 from planc import ir
 from planc.reduction.check import check_pair, check_program
-from planc.resharding.check import check_plan, check_transfer
+from planc.resharding.check import check_plan
 from planc import plan as planfile
 
 __all__ = ["VerifyError", "VERIFIERS", "verify"]
@@ -125,9 +125,7 @@ def _routed(routes, ctx) -> list[str]:
     for label, plans in (("forward", forward), ("backward", backward)):
         if not plans:
             continue
-        view = _json_view(ctx, plans)
-        for t in view["transfers"]:
-            out += [f"{label} transfer {t['name']!r}: {e}" for e in check_transfer(t, view)]
+        view = _json_view(ctx, plans)   # check_plan checks every transfer (check_transfer), then what they share
         out += [f"{label}: {e}" for e in check_plan(view)]
     return out
 

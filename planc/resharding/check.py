@@ -211,28 +211,42 @@ class _Holding:
         return sorted(d for r in self.at.get(corner, ()) if _inside(box, r) for d in self.by_box[r])
 
 
-def check_transfer(entry: dict, plan: dict) -> list[str]:
-    """Errors of one ``transfers`` entry, given the plan's ``cluster`` and ``stages``."""
+def check_transfer(entry: dict, plan: dict, memo: dict | None = None) -> list[str]:
+    """Errors of one ``transfers`` entry, given the plan's ``cluster`` and ``stages``. ``memo``: a dict
+    kept across the entries of one plan (``check_plan``), so each stage's regions under a spec and the
+    device-to-host map are computed once, not once per entry."""
     errors: list[str] = []
     name = entry.get("name", "?")
+    memo = {} if memo is None else memo
 
     def err(msg: str) -> None:
         errors.append(f"transfer {name}: {msg}")
 
+    def regions(side):
+        key = ("regions", side["stage"], side["spec"], tuple(shape))
+        if key not in memo:
+            memo[key] = _regions(stages[side["stage"]], side["spec"], shape)
+        return memo[key]
+
     stages = {s["index"]: s for s in plan["stages"]}
     shape = entry["shape"]
     try:
-        src = _regions(stages[entry["src"]["stage"]], entry["src"]["spec"], shape)
-        dst = _regions(stages[entry["dst"]["stage"]], entry["dst"]["spec"], shape)
+        src = regions(entry["src"])
+        dst = regions(entry["dst"])
     except (KeyError, ValueError) as e:
         return [f"transfer {name}: {e}"]
     if set(src) & set(dst):
         err("source and destination meshes overlap")
-    host_of = {d: h for h, devs in enumerate(plan["cluster"]["hosts"]) for d in devs}
+    if "host_of" not in memo:
+        memo["host_of"] = {d: h for h, devs in enumerate(plan["cluster"]["hosts"]) for d in devs}
+    host_of = memo["host_of"]
     received: dict[int, list] = {d: [] for d in dst}
     nic_use: dict[int, list[tuple[float, float]]] = {}
     end = 0.0
-    holding = _Holding(src, shape)
+    key = ("holding", entry["src"]["stage"], entry["src"]["spec"], tuple(shape))
+    if key not in memo:
+        memo[key] = _Holding(src, shape)
+    holding = memo[key]
     for i, t in enumerate(entry["tasks"]):
         box = [tuple(r) for r in t["slice"]]
         if len(box) != len(shape) or any(not (0 <= lo < hi <= n) for (lo, hi), n in zip(box, shape)):
@@ -293,8 +307,9 @@ def check_plan(plan: dict) -> list[str]:
     shared: dict[int, dict[int, list]] = {}
     host_of = {d: h for h, devs in enumerate(plan["cluster"]["hosts"]) for d in devs}
     listed = {tuple(g) for g in plan.get("groups", [])}
+    memo = {"host_of": host_of}
     for entry in plan.get("transfers", []):
-        errors.extend(check_transfer(entry, plan))
+        errors.extend(check_transfer(entry, plan, memo))
         nics = shared.setdefault(entry["src"]["stage"], {})
         for t in entry["tasks"]:
             sh = host_of[t["sender"]]
