@@ -284,7 +284,9 @@ def launch_check(plan: planfile.Plan, ctx: Context) -> list:
             f"per transfer) but point-to-point tags have {planfile.TagLayout.MAX_BITS} bits; use fewer micro-batches "
             "or coarser shardings", program.transfers[0].span if program.transfers else _plan_span(program)))
     ahead = plan.runtime.recv_ahead   # the depth the runtime runs with (plan.json runtime)
-    return check_rendezvous(plan, ahead=ahead) + check_rendezvous(plan, ahead=ahead, backend="gloo")
+    shared: dict = {}   # what the two backends' checks share (the tails' verdict)
+    return (check_rendezvous(plan, ahead=ahead, shared=shared)
+            + check_rendezvous(plan, ahead=ahead, backend="gloo", shared=shared))
 
 
 def _plan_span(program: ir.Program):

@@ -69,7 +69,8 @@ METHODS = ("classes", "full")
 
 
 def check_rendezvous(plan: planfile.Plan, ahead: int = DEFAULT_AHEAD, backend: str = "nccl", mode: str = "auto",
-                     tensor_parallel: bool = True, limit: int = 8, method: str = "classes") -> list[Hang]:
+                     tensor_parallel: bool = True, limit: int = 8, method: str = "classes",
+                     shared: dict | None = None) -> list[Hang]:
     """The hangs of ``plan`` under rendezvous semantics (empty: it cannot hang).
 
     ``ahead``: how many operations the receive thread runs ahead (plan.json
@@ -82,6 +83,8 @@ def check_rendezvous(plan: planfile.Plan, ahead: int = DEFAULT_AHEAD, backend: s
     per mode are returned. ``method``: ``"classes"`` (default: one representative per class of
     pipeline replicas, then the collectives-only tail of every rank; ``planc.pipeline.deadlock.classes``,
     the same verdict) or ``"full"`` (every rank simulated at once; also where classes cannot be formed).
+    ``shared``: a dict the caller passes to the checks of one plan under each backend: the tails' verdict
+    (collectives only, the same under both backends) is found once and kept there.
     """
     if method not in METHODS:
         raise ValueError(f"method must be one of {list(METHODS)}, got {method!r}")
@@ -100,7 +103,8 @@ def check_rendezvous(plan: planfile.Plan, ahead: int = DEFAULT_AHEAD, backend: s
         raise ValueError(f"mode must be 'auto' or one of {list(MODES)}, got {mode!r}")
     out: list[Hang] = []
     for m in modes:
-        found = _check_by_classes(plan, m, backend, ahead, tensor_parallel, limit) if method == "classes" else None
+        found = _check_by_classes(plan, m, backend, ahead, tensor_parallel, limit, shared) \
+            if method == "classes" else None
         if found is not None:
             out += found
             continue

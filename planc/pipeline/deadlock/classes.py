@@ -160,7 +160,7 @@ def _pipeline_parts(b: Builder, mode: str, comps) -> list[Thread]:
 
 
 def check_mode(plan: planfile.Plan, mode: str, backend: str, ahead: int, tensor_parallel: bool,
-               limit: int) -> list[Hang] | None:
+               limit: int, shared: dict | None = None) -> list[Hang] | None:
     """The hangs of one mode found by classes (the same verdict as simulating every rank), or None when
     the two parts share a communicator and the classes cannot be formed."""
     b = Builder(plan, backend, ahead, tensor_parallel)
@@ -179,7 +179,13 @@ def check_mode(plan: planfile.Plan, mode: str, backend: str, ahead: int, tensor_
         threads = _pipeline_parts(b, mode, [c for cls in found if any(r in stuck for r in cls[0]) for c in cls])
         Sim(threads).run()
         return find_hangs(threads, backend, mode, limit, b.turns)
-    if tails_finish(b, mode):   # every rank's tail by classes of reduction components (planc...tails)
+    # every rank's tail by classes of reduction components (planc.pipeline.deadlock.tails); the verdict
+    # does not depend on the backend (collectives only), so ``shared`` keeps it for the other backend's check
+    if shared is not None and shared.get(("tails finish", mode)):
+        return []
+    if tails_finish(b, mode):
+        if shared is not None:
+            shared[("tails finish", mode)] = True
         return []
     b = Builder(plan, backend, ahead, tensor_parallel)   # not shown: every rank's tail, from empty queues
     tails: list[Thread] = []
