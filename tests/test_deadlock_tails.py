@@ -98,10 +98,11 @@ def test_replicas_form_one_class_and_a_different_one_its_own():
         assert tails_finish(Builder(plan, "nccl", 4, True), mode) and all_tails_finish(plan, mode)
 
 
-def test_a_collective_met_in_another_order_is_found():
-    """``--comm-only`` runs every reduction holding a rank, in plan order. X (held by ranks 0, 1) runs one
-    step over {0, 2} and {1, 3}; Y (every rank) runs {0, 1}, {2, 3} then {0, 2}, {1, 3}. On {0, 2}
-    rank 0's first collective is X's step and rank 2's is Y's second: the heads differ forever."""
+def x_and_y():
+    """(fine, broken): ``--comm-only`` runs every reduction holding a rank, in plan order. Y (every rank)
+    runs {0, 1}, {2, 3} then {0, 2}, {1, 3}: fine. Broken: X (held by ranks 0, 1) first runs one step
+    over {0, 2} and {1, 3}; on {0, 2} rank 0's first collective is X's step and rank 2's is Y's second:
+    the heads differ forever."""
     d = two_replicas()
     red = d["reductions"][0]
 
@@ -115,13 +116,31 @@ def test_a_collective_met_in_another_order_is_found():
     d["groups"].append([0, 1, 2, 3])
     fine = copy.deepcopy(d)
     fine["reductions"] = [reduction("Y", [[0, 1, 2, 3]], [[[0, 1], [2, 3]], [[0, 2], [1, 3]]])]
-    plan = plan_of(fine)
-    assert all_tails_finish(plan, "comm_only") and tails_finish(Builder(plan, "nccl", 4, True), "comm_only")
     d["reductions"] = [reduction("X", [[0, 1]], [[[0, 2], [1, 3]]])] + fine["reductions"]
-    broken = plan_of(d)
+    return plan_of(fine), plan_of(d)
+
+
+def test_a_collective_met_in_another_order_is_found():
+    plan, broken = x_and_y()
+    assert all_tails_finish(plan, "comm_only") and tails_finish(Builder(plan, "nccl", 4, True), "comm_only")
     assert not all_tails_finish(broken, "comm_only")
     assert not tails_finish(Builder(broken, "nccl", 4, True), "comm_only")
     for backend in ("nccl", "gloo"):
         full = check_rendezvous(broken, backend=backend, mode="comm_only", method="full")
         got = check_rendezvous(broken, backend=backend, mode="comm_only")
         assert full and list(map(str, got)) == list(map(str, full))
+
+
+def test_the_tails_verdict_is_shared_between_backends_only_when_they_finish():
+    plan = plan_of(two_replicas())
+    shared: dict = {}
+    assert check_rendezvous(plan, shared=shared) == []
+    assert shared == {("tails finish", "train"): True, ("tails finish", "comm_only"): True}
+    assert check_rendezvous(plan, backend="gloo", shared=shared) == []
+    _, broken = x_and_y()
+    shared = {}
+    for backend in ("nccl", "gloo"):
+        hangs = check_rendezvous(broken, backend=backend, mode="comm_only", shared=shared)
+        assert hangs and shared == {}
+        assert list(map(str, hangs)) == list(map(str, check_rendezvous(broken, backend=backend, mode="comm_only",
+                                                                       method="full")))
