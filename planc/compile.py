@@ -321,8 +321,8 @@ def compile_file(path: str | Path, probe: bool = True, timings: bool = False, ve
         if probe and program.model is not None:
             say(PASS_TEXT["probe"])
             pending = start_probe(program, cache=cache)   # the subprocess runs while ranking's programs are made
-            with _section(ctx, "warm place"):
-                warm(program, stop=pending.done)
+            with _section(ctx, "warm place"), contextlib.suppress(PlanError):
+                warm(program, stop=pending.done)   # a plan error here is the place pass's to report, after the probe's
             with _section(ctx, "probe", child=True):     # what is left to wait for
                 model_probe = pending.result()
         stages_reason = None
