@@ -1,6 +1,6 @@
 """The compiler driver: a straight line of passes from a checked plan to plan.json.
 
-    load → probe (the model's real sizes, in a subprocess)
+    load → probe (the model's real sizes, in a subprocess; meanwhile ranking's reduction programs are made)
          → infer (dtype, shape, specs) → place → [check_trainable] → reductions
          → transfers (forward, backward) → pipeline
          → assemble (planc.assemble: the passes' records as one planc.plan.Plan) → launch check → plan.json
