@@ -58,7 +58,8 @@ def test_a_hang_without_a_nic_order_is_an_error_at_the_schedule(tmp_path, monkey
     import planc.compile as compile_mod
     from planc.lang.errors import PlanError
 
-    monkeypatch.setattr(compile_mod, "check_rendezvous", lambda plan, ahead=4, backend="nccl": ["rank 0 waits for rank 1"])
+    monkeypatch.setattr(compile_mod, "check_rendezvous",
+                        lambda plan, ahead=4, backend="nccl", **kw: ["rank 0 waits for rank 1"])
     from e2e_util import spelled
 
     src = spelled("gpt-bench-2x2.plan")         # the transfers typed: no probe, so no simulation, no order
