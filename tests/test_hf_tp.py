@@ -126,6 +126,8 @@ def test_traffic_of_llama_by_hand():
     t = hf_tp.layer_traffic(make_config("phi3"), rows=1, seq=1, dtype_bytes=4)
     assert t == {"forward": [4 * 64, 4 * 32, 4 * 128, 4 * 32], "backward": [4 * 64, 4 * 32, 4 * 32, 4 * 32],
                  "errors": []}
+    t = hf_tp.layer_traffic(transformers.GPT2Config(), rows=1, seq=1, dtype_bytes=4)
+    assert t == {"forward": [], "backward": [], "errors": ["GPT2Config has no base_model_tp_plan entries 'layers.*.…'"]}
 
 
 # ---- two gloo ranks against the unsharded layer and torch's DTensor tensor parallelism ----
