@@ -9,6 +9,7 @@ issues (logged as they happen) against ``layer_traffic``.
 """
 from __future__ import annotations
 
+import copy
 import os
 import sys
 
@@ -108,6 +109,13 @@ def test_parallelize_refuses_what_check_degree_refuses():
     cfg = make_config("llama")
     torch.manual_seed(0)
     layer = transformers.AutoModel.from_config(cfg).layers[0]
+    whole = copy.deepcopy(layer)
+    hf_tp.parallelize_layer(whole, hf_tp.layer_tp_plan(cfg), None)   # no tensor axis: left whole
+    hf_tp.parallelize_layer(whole, hf_tp.layer_tp_plan(cfg), TensorParallel(None, 0, 1))
+    assert [(k, p.shape) for k, p in whole.named_parameters()] == [(k, p.shape) for k, p in layer.named_parameters()]
+    assert type(whole.self_attn.q_proj) is torch.nn.Linear
+    with pytest.raises(ValueError, match="no tp plan entries for LlamaDecoderLayer"):
+        hf_tp.parallelize_layer(whole, {}, TensorParallel(None, 1, 2))
     with pytest.raises(ValueError, match="num_key_value_heads = 2 does not split into 4 equal parts"):
         hf_tp.parallelize_layer(layer, hf_tp.layer_tp_plan(cfg), TensorParallel(None, 0, 4))
     assert all(type(p) is torch.nn.Parameter and not hasattr(p, "planc_shard") for p in layer.parameters())
@@ -153,8 +161,6 @@ def _run_layer(layer, base, x, weights):
 
 
 def compare_worker(rank, world, payload):
-    import copy
-
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -236,12 +242,36 @@ def compare_worker(rank, world, payload):
         expect = hf_tp.layer_traffic(config, ROWS, SEQ, 8)
         n = len(expect["forward"])   # in the order issued, forward then backward
         assert (traffic[:n], traffic[n:]) == (expect["forward"], expect["backward"]), (name, traffic, expect)
+        if name in payload["recompute"]:   # the engine's recompute: a non-reentrant checkpoint of the layer
+            again = copy.deepcopy(full)
+            for q in again.parameters():
+                q.grad = None
+            hf_tp.parallelize_layer(again, plan, tp)
+
+            def run(h, pe):
+                return again(h, position_embeddings=pe)
+            xr = x.detach().clone().requires_grad_(True)
+            pe = base.rotary_emb(xr, torch.arange(SEQ).unsqueeze(0).expand(ROWS, -1))
+            tp.log = []
+            o2 = torch.utils.checkpoint.checkpoint(run, xr, pe, use_reentrant=False)
+            (o2 * w).sum().backward()
+            torch.testing.assert_close(o2.detach(), out, rtol=0, atol=0)
+            torch.testing.assert_close(xr.grad, dx, rtol=0, atol=0)
+            mine = dict(ours.named_parameters())
+            for k, q in again.named_parameters():
+                torch.testing.assert_close(q.grad, mine[k].grad, rtol=0, atol=0, msg=lambda m: f"{name} {k}: {m}")
+            # the forward's all-reduces (some: torch's recompute stops once it has what the backward
+            # needs) run again in the backward, before the backward's own
+            f, b = expect["forward"], expect["backward"]
+            again_fwd = tp.log[len(f):len(tp.log) - len(b)]
+            assert tp.log[:len(f)] == f and tp.log[len(tp.log) - len(b):] == b, (name, tp.log, expect)
+            assert again_fwd and again_fwd == f[:len(again_fwd)], (name, tp.log, expect)
         report[name] = (sharded, len(traffic))
     return report
 
 
 def test_two_ranks_match_the_unsharded_layer_and_torch_tensor_parallel():
-    texts = H.run_ranks(compare_worker, 2, {"models": MODELS})
+    texts = H.run_ranks(compare_worker, 2, {"models": MODELS, "recompute": ("qwen3", "phi3")})
     import ast
     for r in range(2):
         report = ast.literal_eval(texts[r].strip())

@@ -225,8 +225,10 @@ def _split_linear(lin: nn.Linear, style: str, state: _LayerState) -> None:
 def parallelize_layer(module: nn.Module, plan: dict, tp: TensorParallel | None) -> None:
     """Shard one decoder layer in place by ``plan`` (``layer_tp_plan``) for ``tp``; ``tp`` None or of
     size 1 leaves it whole. Raises ``ValueError`` with the reason (``check_degree``'s) when it cannot."""
-    if tp is None or tp.size == 1 or not plan:
+    if tp is None or tp.size == 1:
         return
+    if not plan:
+        raise ValueError(f"no tp plan entries for {type(module).__name__}: it cannot be split over {tp.size} devices")
     if any(isinstance(m, TPLinear) for m in module.modules()):
         raise ValueError(f"{type(module).__name__} is already split for tensor parallelism")
     attn = next((m for m in module.modules() if _is_attention(m)), None)
