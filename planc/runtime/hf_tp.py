@@ -59,15 +59,16 @@ def layer_tp_plan(config) -> dict[str, str]:
     return {k[len(_PREFIX):]: str(v) for k, v in plan.items() if k.startswith(_PREFIX) and len(k) > len(_PREFIX)}
 
 
-def _meta_layer(config) -> nn.Module:
-    """Decoder layer 0 of the config's base model, built on the meta device (no memory, no weights),
-    from a copy of the config (building sets attributes such as ``_attn_implementation`` on it)."""
+def _meta_layers(config) -> nn.ModuleList:
+    """The decoder layers of the config's base model, built on the meta device (no memory, no weights;
+    0.2 s for a 80-layer 70B config), from a copy of the config (building sets attributes such as
+    ``_attn_implementation`` on it)."""
     import transformers   # lazily: the runtime imports this module for every model
 
     cfg = copy.deepcopy(config)
     with torch.device("meta"):
         model = transformers.AutoModel.from_config(cfg)
-    return model.get_submodule("layers")[0]
+    return model.get_submodule("layers")
 
 
 def _is_attention(module: nn.Module) -> bool:
@@ -119,10 +120,14 @@ def check_degree(config, degree) -> str | None:
         return (f"{type(config).__name__} ({getattr(config, 'model_type', '?')}) has no base_model_tp_plan "
                 f"entries 'layers.*.…': its decoder layers cannot be split")
     try:
-        layer = _meta_layer(config)
+        layers = _meta_layers(config)
     except Exception as e:  # noqa: BLE001 - reported as the reason
-        return f"could not build a decoder layer of {type(config).__name__} to check it: {type(e).__name__}: {e}"
-    return _problem(layer, plan, degree, config)
+        return f"could not build the decoder layers of {type(config).__name__} to check them: {type(e).__name__}: {e}"
+    for i, layer in enumerate(layers):   # every layer: some models vary widths or heads by layer
+        why = _problem(layer, plan, degree, config)
+        if why:
+            return why if i == 0 else f"decoder layer {i}: {why}"
+    return None
 
 
 class _GatherLast(torch.autograd.Function):
@@ -266,13 +271,14 @@ def layer_traffic(config, rows: int, seq: int, dtype_bytes: int) -> dict:
     ``*_gather_output``; backward, one f per distinct input of column-parallel projections (siblings
     under one module share their input), the gradient gather of every ``rowwise_split_input`` and one
     per parameter of a ``replicated_with_grad_allreduce`` module (in reverse module order).
-    The tensor degree does not change the bytes: every all-reduce carries the full width."""
+    The tensor degree does not change the bytes: every all-reduce carries the full width. Widths are
+    decoder layer 0's (the supported models' layers are alike)."""
     plan = layer_tp_plan(config)
     out: dict = {"forward": [], "backward": [], "errors": []}
     if not plan:
         out["errors"].append(f"{type(config).__name__} has no base_model_tp_plan entries 'layers.*.…'")
         return out
-    layer = _meta_layer(config)
+    layer = _meta_layers(config)[0]
     tokens = int(rows) * int(seq) * int(dtype_bytes)
     backward, f_inputs = [], set()
     for name, style in plan.items():
