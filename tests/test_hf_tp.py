@@ -242,6 +242,13 @@ def compare_worker(rank, world, payload):
         expect = hf_tp.layer_traffic(config, ROWS, SEQ, 8)
         n = len(expect["forward"])   # in the order issued, forward then backward
         assert (traffic[:n], traffic[n:]) == (expect["forward"], expect["backward"]), (name, traffic, expect)
+        # a second micro-batch accumulates: every gradient (the all-reduced replicated ones too) doubles
+        first = {k: q.grad.clone() for k, q in ours.named_parameters()}
+        _run_layer(ours, base, x, w)
+        for k, q in ours.named_parameters():
+            torch.testing.assert_close(q.grad, 2 * first[k], **close, msg=lambda m: f"{name} {k} accumulated: {m}")
+        for k, q in ours.named_parameters():
+            q.grad = first[k]
         if name in payload["recompute"]:   # the engine's recompute: a non-reentrant checkpoint of the layer
             again = copy.deepcopy(full)
             for q in again.parameters():
