@@ -302,6 +302,42 @@ class CodeRef:
 
 
 @dataclass(frozen=True, slots=True)
+class HfModel:
+    """``model hf "ARCH" { key = value ... }`` (``architecture`` and the config keys as written) or
+    ``model hf "dir"`` (``folder``, relative to the plan file's folder): a Hugging Face causal LM
+    (docs/models.md, "Hugging Face models"). ``key_spans``: where each key is written; ``ref_span``: the
+    string."""
+
+    architecture: str | None
+    folder: str | None
+    config: tuple[tuple[str, object], ...] = ()
+    span: Span = field(default=_NOSPAN, compare=False, repr=False)
+    ref_span: Span = field(default=_NOSPAN, compare=False, repr=False)
+    key_spans: tuple[tuple[str, Span], ...] = field(default=(), compare=False, repr=False)
+
+    @property
+    def label(self) -> str:
+        """How messages name it: ``hf "LlamaForCausalLM"`` or ``hf "dir"``."""
+        return f'hf "{self.architecture or self.folder}"'
+
+    # messages written for builder models read ``path:function``
+    @property
+    def path(self) -> str:
+        return "hf"
+
+    @property
+    def function(self) -> str:
+        return self.architecture or self.folder or ""
+
+    @property
+    def args(self) -> tuple[tuple[str, object], ...]:
+        return self.config
+
+    def key_span(self, key: str) -> Span:
+        return dict(self.key_spans).get(key, self.span)
+
+
+@dataclass(frozen=True, slots=True)
 class Stage:
     """``auto_layers``: the plan leaves the layer range to the compiler (``stages = auto(N)`` or
     ``layers auto``); ``layers`` is None until ``planc.pipeline.cut.apply_auto_stages`` fills it
@@ -447,8 +483,8 @@ class Program:
     stages: tuple[Stage, ...]
     transfers: tuple[Transfer, ...] = ()
     reductions: tuple[Reduction, ...] = ()
-    model: CodeRef | None = None
-    loss: CodeRef | None = None
+    model: CodeRef | HfModel | None = None
+    loss: CodeRef | None = None   # None with an HfModel: the model's causal-LM loss
     data: CodeRef | None = None
     resharding: Resharding = Resharding()
     synthesis: Synthesis = Synthesis()
