@@ -101,7 +101,7 @@ def train_record(program: ir.Program, probe: ModelProbe | None, stages, untraina
         planfile.Optimizer.make(t.optimizer.name, t.optimizer.lr, **dict(t.optimizer.params)),   # defaults filled in
         planfile.Precision(str(t.precision)), t.seed, not untrainable, tuple(diag.message for diag in untrainable),
         loss_devices(max(stages, key=lambda s: s.index)), getattr(t, "timeout", None), getattr(t, "save_every", None),
-        (("layer_params", list(probe.layer_params) if probe else None),),
+        (("layer_params", list(probe.layer_params) if probe else None),) + hfmodel.layer_listing(probe),
         t.lr_schedule, t.zero, recompute, t.clip,
         planfile.LossScale() if fp16 else None, norm_group)
 

@@ -16,7 +16,7 @@ from planc import plan as planfile
 from planc.lang.errors import Diagnostic, PlanError
 
 __all__ = ["is_hf", "model_folder", "request_fields", "failure", "check_tensor_degrees", "output_folder",
-           "folder_files", "model_record", "loss_record", "COPY_LIMIT_BYTES"]
+           "folder_files", "model_record", "loss_record", "layer_listing", "COPY_LIMIT_BYTES"]
 
 RUNTIME = Path(__file__).resolve().parent / "runtime"
 # a model folder up to this size is copied into the output (which then runs alone); a larger one is
@@ -82,6 +82,8 @@ def failure(program: ir.Program, stderr: str) -> Diagnostic | None:
     m = program.model
     if key is not None:
         return Diagnostic(why, m.key_span(key) if key else m.span)
+    if part == "arch" and "did you mean" not in why:
+        why += f' (a model folder is written as a path: "./{m.architecture}")'
     return Diagnostic(why, m.ref_span if part in ("arch", "folder") else m.span)
 
 
@@ -148,6 +150,13 @@ def model_record(program: ir.Program, probe) -> planfile.HfModel:
     folder = output_folder(program)
     return planfile.HfModel(arch, config, hf.get("attn_implementation", "sdpa"), keys, folder,
                             bool(hf.get("weights")))
+
+
+def layer_listing(probe) -> tuple:
+    """plan.json ``train.layers`` of a probed Hugging Face model (each layer's name, parameters and
+    [forward, backward] FLOPs for one micro-batch; ``planc explain`` lists them); empty otherwise."""
+    hf = getattr(probe, "hf", None) or {}
+    return (("layers", list(hf["layers"])),) if hf.get("layers") else ()
 
 
 def loss_record(program: ir.Program) -> planfile.CodeRef:

@@ -123,9 +123,10 @@ def config_from_keys(arch: str, keys: dict):
     known = _known_keys(cls)
     try:
         config = cls(**keys)
-    except (TypeError, ValueError) as e:
-        bad = next((k for k in keys if k in str(e)), None)
-        raise HfModelError(f"key:{bad}" if bad else "arch", f"{cls.__name__} refuses these keys: {e}") from None
+    except Exception as e:  # noqa: BLE001 - the config's own validation (types, sizes that do not fit)
+        text = " ".join(str(e).split())
+        bad = next((k for k in keys if f"'{k}'" in text), None)   # a field named in the message
+        raise HfModelError(f"key:{bad or ''}", f"{cls.__name__} refuses these keys: {text}") from None
     stray = config.to_dict()
     for k in keys:
         if k not in known and k in stray:   # consumed keys (legacy rope_theta) are not left as attributes
@@ -186,6 +187,7 @@ class Embeddings(nn.Module):
     def __init__(self, parts: dict, base_prefix: str):
         super().__init__()
         self.parts = list(parts)
+        self.planc_label = " + ".join(self.parts)   # how planc explain names the layer
         for name, mod in parts.items():
             self.add_module(name, mod)
         self.planc_param_names = {}
@@ -216,6 +218,7 @@ class DecoderLayer(nn.Module):
         if rotary is not None:   # no parameters (a buffer of inverse frequencies), shared by the layers
             self.rotary = rotary
         self.config, self.index = config, index
+        self.planc_label = hf_prefix.split(".", 1)[-1] if "." in hf_prefix else hf_prefix
         self._mask = _mask_function(config, index)
         self.planc_param_names = _names("layer", hf_prefix, layer)
 
@@ -238,6 +241,7 @@ class Head(nn.Module):
     def __init__(self, after: dict, head: dict, base_prefix: str, softcap):
         super().__init__()
         self.parts = list(after) + list(head)
+        self.planc_label = " + ".join(self.parts)
         self.planc_param_names = {}
         for name, mod in after.items():
             self.add_module(name, mod)

@@ -153,8 +153,12 @@ def probe_hf(req: dict, run_graph, saved_by_layer, load, part) -> dict:
     outputs, sent, errors = run_graph(layers, x, stages, transfers, inputs_of)
     if len(layers) - 1 in outputs:
         _check_loss(loss_fn, outputs[len(layers) - 1], y)
-    flops, flop_errors = (count_flops(layers, inputs_of, stages[0][0] if stages else None)
-                          if req.get("flops") else (None, []))
+    # counted always (cheap on meta): planc explain lists every layer's; the cost model gets them when asked
+    flops, flop_errors = count_flops(layers, inputs_of, stages[0][0] if stages else None)
+    listing = [{"name": layer.planc_label, "params": sum(p.numel() for p in layer.parameters()), "flops": f}
+               for layer, f in zip(layers, flops)]
+    if not req.get("flops"):
+        flops, flop_errors = None, []
 
     def first(i):
         out = outputs.get(i)
@@ -186,4 +190,4 @@ def probe_hf(req: dict, run_graph, saved_by_layer, load, part) -> dict:
             "tensor_traffic": sorted(traffic, key=lambda t: t["stage"]), "graph_errors": errors,
             "hf": {"architecture": arch, "attn_implementation": attn_implementation(arch),
                    "config": _jsonable(config), "weights": bool(folder) and has_weights(folder),
-                   "tp_plan": layer_tp_plan_of(config)}}
+                   "tp_plan": layer_tp_plan_of(config), "layers": listing}}

@@ -28,7 +28,7 @@ def _check_hf(errs: Diagnostics, block: ast.CodeBlock) -> ir.HfModel | None:
     if not ref.strip():
         errs.add('model hf needs a transformers class ("LlamaForCausalLM") or a model folder', block.ref.span)
         return None
-    if IDENT.fullmatch(ref):
+    if IDENT.fullmatch(ref):   # a class name; a folder is a path ("./name", "models/x")
         return ir.HfModel(ref, None, _args(errs, block, "config key"), block.span, block.ref.span, spans)
     if block.args:
         errs.add(f"a model folder takes no config keys (they are its config.json's); \"{ref}\" is read as a folder "
