@@ -228,6 +228,8 @@ def probe_model(program: ir.Program, flops: bool | None = None, cache=None) -> M
         doc = _run_probe(program, req)
         if cache is not None:
             cache.put(req, doc)
+    if doc.get("hf"):   # heads that do not split: at the stage, before the tensor-parallel module's own reasons
+        hfmodel.check_tensor_degrees(program, doc["hf"]["config"])
     if doc.get("shard_errors"):
         errs = []
         for k, why in sorted(doc["shard_errors"].items(), key=lambda kv: int(kv[0])):
@@ -235,8 +237,6 @@ def probe_model(program: ir.Program, flops: bool | None = None, cache=None) -> M
             errs.append(Diagnostic(f"the model cannot be split over a tensor group of {k} (the 'tensor' axis of "
                                    f"stage {users}): {model.path}:{model.function} says {why}", model.span))
         raise PlanError(errs)
-    if doc.get("hf"):
-        hfmodel.check_tensor_degrees(program, doc["hf"]["config"])
     return probe_from_json(doc, program.train.micro_batch, stage_tensor, chain=program.auto_stages)
 
 

@@ -86,9 +86,10 @@ def _traffic(config, layers, st: dict, seq: int) -> dict:
         if not 0 < i < len(layers) - 1:
             continue
         try:
-            t = layer_traffic(config, int(st["rows"]), seq, torch.float32)
+            t = layer_traffic(config, int(st["rows"]), seq, 4)   # the probe's activations are fp32
             rec["forward"] += [int(b) for b in t.get("forward", ())]
             rec["backward"] += [int(b) for b in t.get("backward", ())]
+            rec["errors"] += [f"layer {i}: {e}" for e in t.get("errors", ())]
         except Exception as e:  # noqa: BLE001 - its traffic is unknown; say why
             rec["errors"].append(f"layer {i}: {type(e).__name__}: {e}")
     return rec
@@ -176,6 +177,12 @@ def probe_hf(req: dict, run_graph, saved_by_layer, load, part) -> dict:
                          "error": errors[0] if errors else "its layer did not run"})
     degrees = sorted({int(k) for k in req.get("tensor_degrees", ()) if int(k) > 1})
     sharded = {str(k): sharded_params(layers, config, k) for k in degrees}
+    shard_errors = {}
+    try:
+        from .hf_tp import check_degree   # what the runtime's tensor parallelism refuses (issue 35)
+        shard_errors = {str(k): why for k in degrees if (why := check_degree(config, k))}
+    except ImportError:
+        pass
     traffic = [_traffic(config, layers, st, int(x.shape[1])) for st in req.get("tensor_stages", ())
                if st.get("layers") is None or int(st["layers"][0]) < len(layers)]
     folder = spec.get("folder")
@@ -186,7 +193,7 @@ def probe_hf(req: dict, run_graph, saved_by_layer, load, part) -> dict:
                                        if torch.is_tensor(t)) if i in outputs else None for i in range(len(layers))],
             "layer_saved": saved_by_layer(layers, x, stages, transfers) if not errors else [],
             "layer_flops": flops, "flop_errors": flop_errors, "transfers": measured,
-            "tensor_parallel": True, "sharded_layer_params": sharded, "shard_errors": {},
+            "tensor_parallel": True, "sharded_layer_params": sharded, "shard_errors": shard_errors,
             "tensor_traffic": sorted(traffic, key=lambda t: t["stage"]), "graph_errors": errors,
             "hf": {"architecture": arch, "attn_implementation": attn_implementation(arch),
                    "config": _jsonable(config), "weights": bool(folder) and has_weights(folder),
