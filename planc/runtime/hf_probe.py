@@ -82,16 +82,18 @@ def _traffic(config, layers, st: dict, seq: int) -> dict:
                              "measured")
         return rec
     lo, hi = (0, len(layers)) if st.get("layers") is None else (int(st["layers"][0]), int(st["layers"][1]))
-    for i in range(lo, min(hi, len(layers))):
-        if not 0 < i < len(layers) - 1:
-            continue
-        try:
-            t = layer_traffic(config, int(st["rows"]), seq, 4)   # the probe's activations are fp32
-            rec["forward"] += [int(b) for b in t.get("forward", ())]
-            rec["backward"] += [int(b) for b in t.get("backward", ())]
-            rec["errors"] += [f"layer {i}: {e}" for e in t.get("errors", ())]
-        except Exception as e:  # noqa: BLE001 - its traffic is unknown; say why
-            rec["errors"].append(f"layer {i}: {type(e).__name__}: {e}")
+    decoders = [i for i in range(lo, min(hi, len(layers))) if 0 < i < len(layers) - 1]
+    if not decoders:
+        return rec
+    try:   # every decoder layer of a config is alike: one measurement, repeated per layer
+        t = layer_traffic(config, int(st["rows"]), seq, 4)   # the probe's activations are fp32
+    except Exception as e:  # noqa: BLE001 - its traffic is unknown; say why
+        rec["errors"].append(f"layers {decoders[0]}..{decoders[-1] + 1}: {type(e).__name__}: {e}")
+        return rec
+    for i in decoders:
+        rec["forward"] += [int(b) for b in t.get("forward", ())]
+        rec["backward"] += [int(b) for b in t.get("backward", ())]
+        rec["errors"] += [f"layer {i}: {e}" for e in t.get("errors", ())]
     return rec
 
 
