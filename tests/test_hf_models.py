@@ -271,3 +271,73 @@ def test_the_meta_compile_of_an_8b_llama_allocates_no_weights(tmp_path):
     assert plan["train"]["layer_params"] == params
     assert len(plan["stages"]) == 4 and plan["stages"][-1]["layers"][1] == layers + 2
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 < 2e9   # nor did this test process
+
+
+@pytest.mark.slow
+def test_a_model_folder_fine_tunes_its_own_weights(tmp_path):
+    """``model hf "./dir"``: a folder written by save_pretrained (weights of another seed than the plan's)
+    is copied into the output, its weights loaded by every rank; the reference is
+    ``from_pretrained(dir)`` with dropout 0, trained by transformers alone."""
+    import torch
+    keys = {**SMALL, "num_hidden_layers": 2, "tie_word_embeddings": False}
+    torch.manual_seed(123)
+    transformers.AutoModelForCausalLM.from_config(hf_config("Qwen2ForCausalLM", keys)).save_pretrained(tmp_path / "tiny")
+    plan_path = write_plan(tmp_path, "Qwen2ForCausalLM", keys, """\
+        stage 0 : layers 0..2 on devices 0..1 as (data = 1)
+        stage 1 : layers 2..4 on devices 1..3 as (data = 2)
+        """, 3, "micro_batch = 4, micro_batches = 2, steps = 3, optimizer = sgd(lr = 0.5), seed = 9")
+    plan_path.write_text(re.sub(r'model hf "Qwen2ForCausalLM" \{[^}]*\}', 'model hf "./tiny"', plan_path.read_text()))
+    from planc.cli import main
+    out = tmp_path / "out"
+    assert main(["compile", str(plan_path), "-o", str(out)]) == 0
+    plan = json.loads((out / "plan.json").read_text())
+    rec = plan["train"]["model"]["hf"]
+    assert rec["folder"] == "tiny" and rec["weights"] and (out / "tiny" / "config.json").is_file()
+    proc = subprocess.run(["bash", str(out / "launch.sh"), "--steps", str(STEPS), "--dump-params",
+                           str(tmp_path / "dump")], env=launch_env(), cwd=out, text=True, capture_output=True,
+                          timeout=400)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+
+    config = transformers.AutoConfig.from_pretrained(tmp_path / "tiny", local_files_only=True)
+    for k, v in config.to_dict().items():
+        if ("dropout" in k or "pdrop" in k) and isinstance(v, (int, float)) and not isinstance(v, bool):
+            setattr(config, k, 0.0)
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "tiny", config=config, local_files_only=True,
+                                                              attn_implementation="sdpa")
+    model.train()
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    data = batches(4, 9, seq=8)
+    ref_losses = []
+    for _ in range(STEPS):
+        ids = torch.cat([next(data)[0] for _ in range(2)])
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        ref_losses.append(float(loss.detach()))
+    losses = [float(x) for x in re.findall(r"step \d+ loss ([-0-9.e+]+)", proc.stdout)]
+    assert losses == pytest.approx(ref_losses, rel=1e-4, abs=1e-6), proc.stdout[-2000:]
+    ref_state = {planc_name(k, 2): v.detach() for k, v in model.named_parameters()}
+    assert compare_dumps(tmp_path / "dump", stage_ranks(plan), ref_state, rtol=1e-4, atol=1e-6) == {}
+
+
+def test_stages_auto_cuts_an_hf_model(tmp_path):
+    """``stages = auto(2)`` on a Hugging Face model: the probe's per-layer FLOPs cut it, every layer in one
+    stage, and planc explain lists the layers with their stage, parameters and FLOPs."""
+    from planc.compile import compile_file
+    from planc.explain import explain
+    keys = {**SMALL, "num_hidden_layers": 4}
+    plan_path = write_plan(tmp_path, "LlamaForCausalLM", keys, "stages = auto(2)\n", 4,
+                           "micro_batch = 4, micro_batches = 4, steps = 1, optimizer = sgd(lr = 0.1), seed = 1")
+    text = plan_path.read_text().replace("    host = node\n", "    host = node\n    flops = 1 TFLOP/s\n")
+    plan_path.write_text(text.replace("  stages = auto(2)", "  parallel { pipe = 2, data = 2 }\n  stages = auto(2)"))
+    plan = compile_file(plan_path).plan_json
+    ranges = [s["layers"] for s in sorted(plan["stages"], key=lambda s: s["index"])]
+    assert ranges[0][0] == 0 and ranges[0][1] == ranges[1][0] and ranges[1][1] == keys["num_hidden_layers"] + 2
+    layers = plan["train"]["layers"]
+    assert [lay["name"] for lay in layers] == ["embed_tokens"] + [f"layers.{i}" for i in range(4)] + ["norm + lm_head"]
+    decoder_flops = {tuple(lay["flops"]) for lay in layers[1:-1]}
+    assert len(decoder_flops) == 1 and min(next(iter(decoder_flops))) > 0   # alike, forward and backward counted
+    shown = explain(plan)
+    for i, lay in enumerate(layers):
+        assert re.search(rf"^\s+{i}\s+{re.escape(lay['name'])}\s+\d", shown, re.M), shown
