@@ -148,6 +148,7 @@ def model_record(program: ir.Program, probe) -> planfile.HfModel:
     config = tuple(sorted(hf["config"].items())) if hf else keys
     arch = hf.get("architecture") or m.architecture or ""
     folder = output_folder(program)
+    # without a probe the compiler cannot ask transformers: sdpa, which every family the docs list supports
     return planfile.HfModel(arch, config, hf.get("attn_implementation", "sdpa"), keys, folder,
                             bool(hf.get("weights")))
 

@@ -21,6 +21,8 @@ def to_data(obj):
         return str(obj)
     if isinstance(obj, ir.Instruction):
         return str(obj)
+    if isinstance(obj, ir.HfModel):   # where each key is written is not data
+        return {"hf": {"architecture": obj.architecture, "folder": obj.folder, "config": to_data(obj.config)}}
     if dataclasses.is_dataclass(obj):
         return {f.name: to_data(getattr(obj, f.name)) for f in dataclasses.fields(obj)
                 if f.name != "span" and not f.name.endswith("_span")}

@@ -157,11 +157,12 @@ def config_from_record(arch: str, full: dict):
     return _finish(cls.from_dict(dict(full)), arch)
 
 
-def build_model(config, seed: int, folder: str | None = None, device=None):
+def build_model(config, seed: int, folder: str | None = None, device=None, attn: str | None = None):
     """The causal LM as one process builds it: seeded ``from_config`` (or a folder's weights), in training
-    mode (dropout 0), fp32. ``device="meta"``: shapes only, no weights."""
+    mode (dropout 0), fp32, with attention ``attn`` (default :func:`attn_implementation`).
+    ``device="meta"``: shapes only, no weights."""
     tf = transformers()
-    attn = attn_implementation(config.architectures[0])
+    attn = attn or attn_implementation(config.architectures[0])
     torch.manual_seed(seed)
     if folder is not None and device is None and has_weights(folder):
         model = tf.AutoModelForCausalLM.from_pretrained(folder, config=config, local_files_only=True,
@@ -300,7 +301,7 @@ def builder(record: dict, out_dir: str, seed: int):
             config, _ = config_from_folder(folder)
         else:
             config = config_from_record(arch, record["config"])
-        layers = pipeline_layers(build_model(config, seed, folder))
+        layers = pipeline_layers(build_model(config, seed, folder, attn=record.get("attn_implementation")))
         if tensor_parallel is not None:
             from .hf_tp import layer_tp_plan, parallelize_layer   # written beside this module (issue 35)
             plan = layer_tp_plan(config)
