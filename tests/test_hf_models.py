@@ -178,6 +178,20 @@ def test_llama_untied_two_stages_sgd(tmp_path):
 
 
 @pytest.mark.slow
+def test_llama_tied_embeddings_within_one_data_parallel_stage(tmp_path):
+    """``tie_word_embeddings = true`` with the embedding and lm_head in one stage: HF's one Parameter,
+    its gradient from both uses, summed over the data axis once (the reference names it once too)."""
+    keys = {**SMALL, "num_hidden_layers": 2, "tie_word_embeddings": True}
+    plan_path = write_plan(tmp_path, "LlamaForCausalLM", keys, """\
+        stage 0 : layers 0..4 on devices 0..2 as (data = 2)
+        """, 2, "micro_batch = 4, micro_batches = 2, steps = 3, optimizer = sgd(lr = 0.5), seed = 5")
+    # the tied weight's gradient adds two uses and two devices' halves: float noise of a few 1e-6
+    plan, sharded = train_and_compare(tmp_path, plan_path, "LlamaForCausalLM", keys, atol=1e-5)
+    names = plan_names(tmp_path)
+    assert "layers.0.embed_tokens.weight" in names and "layers.3.lm_head.weight" not in names   # held once
+
+
+@pytest.mark.slow
 def test_the_bundled_llama_plan_with_a_tensor_parallel_stage(tmp_path):
     """plans/llama-unequal.plan: stage 1 splits over tensor = 2 (planc_runtime.hf_tp, written beside)."""
     pytest.importorskip("planc.runtime.hf_tp", reason="planc/runtime/hf_tp.py (tensor-parallel HF layers) is absent")
