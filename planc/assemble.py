@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from planc import __version__, ir
+from planc import __version__, hfmodel, ir
 from planc import plan as planfile
 from planc.placement import loss_devices, stage_record
 from planc.probe import ModelProbe
@@ -90,14 +90,18 @@ def train_record(program: ir.Program, probe: ModelProbe | None, stages, untraina
     fp16 = t.precision is ir.Precision.FP16
     norm_group = (tuple(sorted(dv for s in stages for dv in s.devices))
                   if t.clip is not None or fp16 else ())
+    if isinstance(m, ir.HfModel):   # a Hugging Face model: its record, and its causal-LM loss by default
+        model, loss = hfmodel.model_record(program, probe), hfmodel.loss_record(program)
+    else:
+        model = planfile.CodeRef(Path(m.path).name, m.function, tuple(dict(m.args).items()))
+        loss = planfile.CodeRef(Path(lf.path).name, lf.function)
     return planfile.Train(
-        planfile.CodeRef(Path(m.path).name, m.function, tuple(dict(m.args).items())),
-        planfile.CodeRef(Path(lf.path).name, lf.function), planfile.CodeRef(Path(d.path).name, d.function),
+        model, loss, planfile.CodeRef(Path(d.path).name, d.function, tuple(dict(d.args).items())),
         t.micro_batch, t.micro_batches, t.steps, planfile.Schedule(str(t.schedule)),
         planfile.Optimizer.make(t.optimizer.name, t.optimizer.lr, **dict(t.optimizer.params)),   # defaults filled in
         planfile.Precision(str(t.precision)), t.seed, not untrainable, tuple(diag.message for diag in untrainable),
         loss_devices(max(stages, key=lambda s: s.index)), getattr(t, "timeout", None), getattr(t, "save_every", None),
-        (("layer_params", list(probe.layer_params) if probe else None),),
+        (("layer_params", list(probe.layer_params) if probe else None),) + hfmodel.layer_listing(probe),
         t.lr_schedule, t.zero, recompute, t.clip,
         planfile.LossScale() if fp16 else None, norm_group)
 

@@ -120,6 +120,11 @@ def explain_data(plan: dict) -> dict:
         }
     data["stages"] = [{"index": s["index"], "layers": s.get("layers"), "mesh": s["mesh"], "mesh_axes": list(s["mesh_axes"])}
                       for s in plan["stages"]]
+    listing = (plan.get("train") or {}).get("layers")
+    if listing:   # a Hugging Face model's layers (plan.json train.layers), each with the stage holding it
+        stage_of = {i: s["index"] for s in plan["stages"] if s.get("layers") for i in range(*s["layers"])}
+        data["layers"] = [{"index": i, "name": lay["name"], "stage": stage_of.get(i), "params": lay["params"],
+                           "flops": lay.get("flops")} for i, lay in enumerate(listing)]
     host_of = {d: h for h, devs in enumerate(c.get("hosts") or ()) for d in devs}
 
     def in_host(groups) -> bool:
@@ -251,6 +256,21 @@ def _placement(pl: dict, tty: bool) -> list:
                           "\n".join(f"{k} {_t(v)}" for k, v in r["breakdown"].items())]
                          for r in pl["ranked"]], tty=tty))
     return out
+
+
+def _count(n: float) -> str:
+    for unit, scale in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.3g} {unit}"
+    return f"{n:g}"
+
+
+def _layers(layers: list[dict], tty: bool):
+    return ui.table([Col("layer", "right"), Col("name"), Col("stage", "right"), Col("parameters", "right"),
+                     Col("forward FLOPs", "right"), Col("backward FLOPs", "right")],
+                    [[lay["index"], lay["name"], "" if lay["stage"] is None else lay["stage"], _count(lay["params"]),
+                      _count(lay["flops"][0]) if lay["flops"] else "-", _count(lay["flops"][1]) if lay["flops"] else "-"]
+                     for lay in layers], tty=tty)
 
 
 def _stages(stages: list[dict], tty: bool):
@@ -392,6 +412,8 @@ def explain_renderables(data: dict, tty: bool = False) -> list:
     if data["placement"]:
         out += [""] + _placement(data["placement"], tty)
     out += ["", "stages:", _stages(data["stages"], tty)]
+    if data.get("layers"):
+        out += ["", "layers (the model's; FLOPs for one micro-batch):", _layers(data["layers"], tty)]
     idle = idle_devices(data["stages"], c["devices"])
     if idle:
         out.append(idle_warning(idle, c["devices"]))

@@ -13,6 +13,7 @@ import math
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+from planc.hfref import HfModel  # noqa: F401 (`model hf`, re-exported)
 from planc.plan import Collective, LrSchedule, MeshAxis, Precision, Recompute, ReductionMode, Runtime, StageMode
 from planc.span import Span
 
@@ -447,8 +448,8 @@ class Program:
     stages: tuple[Stage, ...]
     transfers: tuple[Transfer, ...] = ()
     reductions: tuple[Reduction, ...] = ()
-    model: CodeRef | None = None
-    loss: CodeRef | None = None
+    model: CodeRef | HfModel | None = None
+    loss: CodeRef | None = None   # None with an HfModel: the model's causal-LM loss
     data: CodeRef | None = None
     resharding: Resharding = Resharding()
     synthesis: Synthesis = Synthesis()

@@ -12,13 +12,17 @@ Imports are read from the source with ``ast``, not by running it: an import whos
 (``importlib.import_module(name)``, ``__import__``), a module found through ``sys.path`` changes or an
 environment variable, and any file that is not Python (weights, vocabularies, data) are not found;
 modules outside the folder (installed packages, the standard library) are the launch machine's to have.
+
+A Hugging Face model folder (``model hf "dir"``) is copied whole into OUT/<its name>/ (config, weights,
+anything else in it), unless it holds more than ``planc.hfmodel.COPY_LIMIT_BYTES``: plan.json then names
+its absolute path.
 """
 from __future__ import annotations
 
 import ast
 from pathlib import Path
 
-from planc import ir
+from planc import hfmodel, ir
 from planc.lang.errors import Diagnostic, PlanError
 from planc.probe import code_file
 
@@ -107,7 +111,7 @@ def output_code_files(program: ir.Program) -> dict[str, Path]:
         files[name], refs[name] = src, ref
 
     for what, ref in (("model", program.model), ("loss", program.loss), ("data", program.data)):
-        if ref is None:
+        if ref is None or isinstance(ref, ir.HfModel):   # no code file: its folder's files below
             continue
         src = code_file(program, what, ref).resolve()
         add(src.name, src, ref)
@@ -119,4 +123,6 @@ def output_code_files(program: ir.Program) -> dict[str, Path]:
             raise PlanError(Diagnostic(f"cannot read the {what} file {ref.path}: {e}", ref.span)) from None
         for h in helpers:
             add(h.relative_to(src.parent).as_posix(), h, ref)
+    for name, src in hfmodel.folder_files(program).items():   # a Hugging Face model folder, copied whole
+        add(name, src, program.model)
     return dict(sorted(files.items()))

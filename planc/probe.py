@@ -15,7 +15,7 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from planc import ir
+from planc import hfmodel, ir
 from planc.lang.errors import Diagnostic, PlanError
 from planc.usercheck import exercise_request, probe_failure
 
@@ -101,6 +101,8 @@ class ModelProbe:
     chain: bool = False
     tensor_traffic: tuple[TensorTraffic, ...] = ()
     layer_traffic: tuple[TensorTraffic, ...] = ()
+    # a Hugging Face model: architecture, config after defaults, attention implementation, weights (hf_probe)
+    hf: dict | None = None
 
     def measured(self, name: str) -> MeasuredTransfer | None:
         return next((m for m in self.transfers if m.name == name), None)
@@ -174,7 +176,8 @@ LAYER_TRAFFIC = 512
 def probe_request(program: ir.Program, flops: bool | None = None) -> dict:
     """The runtime probe's JSON request for ``program`` (``planc.runtime.probe._request``)."""
     model = program.model
-    path = code_file(program, "model", model)
+    hf = hfmodel.is_hf(program)   # a Hugging Face model: no model file (planc.hfmodel, runtime.hf_probe)
+    path = None if hf else code_file(program, "model", model)
     for what, ref in (("data", program.data), ("loss", program.loss)):
         code_file(program, what, ref)
     stage_tensor = _stage_tensor(program)
@@ -186,8 +189,8 @@ def probe_request(program: ir.Program, flops: bool | None = None) -> dict:
                          for k, rows in kinds for i in range(LAYER_TRAFFIC)]
     else:
         tensor_stages = _tensor_stages(program, stage_tensor)
-    return {
-        "model_file": str(path), "function": model.function, "args": dict(model.args),
+    req = {
+        "model_file": str(path) if path else None, "function": model.function, "args": dict(model.args),
         "data_file": str(Path(program.source_dir) / program.data.path) if program.data else None,
         "data_function": program.data.function if program.data else None,
         "loss_file": str(Path(program.source_dir) / program.loss.path) if program.loss else None,
@@ -203,6 +206,11 @@ def probe_request(program: ir.Program, flops: bool | None = None) -> dict:
         "flops": wants_flops(program) if flops is None else bool(flops),
         "exercise": exercise_request(program, chain),   # the user's code run as the runtime will
     }
+    if program.data is not None and program.data.args:   # the data line's own arguments
+        req["data_args"] = dict(program.data.args)
+    if hf:
+        req["hf"] = hfmodel.request_fields(program)
+    return req
 
 
 def probe_model(program: ir.Program, flops: bool | None = None, cache=None) -> ModelProbe:
@@ -255,6 +263,8 @@ class PendingProbe:
             if self.cache is not None:
                 self.cache.put(self.req, self.doc)
         doc = self.doc
+        if doc.get("hf"):   # heads that do not split: at the stage, before the tensor-parallel module's own reasons
+            hfmodel.check_tensor_degrees(program, doc["hf"]["config"])
         if doc.get("shard_errors"):
             errs = []
             for k, why in sorted(doc["shard_errors"].items(), key=lambda kv: int(kv[0])):
@@ -277,8 +287,9 @@ def _run_probe(program: ir.Program, req: dict) -> dict:
     except subprocess.TimeoutExpired:
         raise PlanError(Diagnostic(f"building the model took longer than {PROBE_TIMEOUT_S} s "
                                    "(use --no-probe to skip sizing it)", model.span)) from None
-    if proc.returncode != 0:   # located at the plan line of the part that failed (planc.usercheck)
-        raise PlanError(probe_failure(program, proc.stderr))
+    if proc.returncode != 0:   # located at the plan line of the part that failed (planc.usercheck, planc.hfmodel)
+        raise PlanError((hfmodel.is_hf(program) and hfmodel.failure(program, proc.stderr))
+                        or probe_failure(program, proc.stderr))
     try:
         return json.loads(proc.stdout.strip().splitlines()[-1])
     except (ValueError, IndexError):
@@ -359,6 +370,7 @@ def probe_from_json(doc: dict, micro_batch: int, stage_tensor=(), chain: bool = 
         chain=chain,
         tensor_traffic=() if chain else traffic,
         layer_traffic=tuple(t for t in traffic if t.stage < len(doc["layer_params"])) if chain else (),
+        hf=doc.get("hf"),
     )
 
 

@@ -128,6 +128,7 @@ class CodeBlock:
     ref: Str
     args: tuple[KeyValue, ...]
     span: Span
+    hf: bool = False   # `model hf "ARCH" { config keys }` / `model hf "dir"`
 
 
 @dataclass(frozen=True, slots=True)

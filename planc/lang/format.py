@@ -21,6 +21,8 @@ def to_data(obj):
         return str(obj)
     if isinstance(obj, ir.Instruction):
         return str(obj)
+    if isinstance(obj, ir.HfModel):   # where each key is written is not data
+        return {"hf": {"architecture": obj.architecture, "folder": obj.folder, "config": to_data(obj.config)}}
     if dataclasses.is_dataclass(obj):
         return {f.name: to_data(getattr(obj, f.name)) for f in dataclasses.fields(obj)
                 if f.name != "span" and not f.name.endswith("_span")}
@@ -97,11 +99,14 @@ def to_text(p: ir.Program) -> str:
         out.append("  }")
     if p.model is not None:
         args = ", ".join(f"{k} = {_value(v)}" for k, v in p.model.args)
-        out.append(f'  model "{p.model.path}:{p.model.function}"' + (f" {{ {args} }}" if args else ""))
+        ref = (f'hf "{p.model.architecture or p.model.folder}"' if isinstance(p.model, ir.HfModel)
+               else f'"{p.model.path}:{p.model.function}"')
+        out.append(f'  model {ref}' + (f" {{ {args} }}" if args else ""))
     for kind in ("loss", "data"):
         ref = getattr(p, kind)
         if ref is not None:
-            out.append(f'  {kind} "{ref.path}:{ref.function}"')
+            args = ", ".join(f"{k} = {_value(v)}" for k, v in ref.args)
+            out.append(f'  {kind} "{ref.path}:{ref.function}"' + (f" {{ {args} }}" if args else ""))
     # stages = auto(N) has no stage lines: a stage's `recompute` needs its `layers auto` line
     pipe_auto = (p.stage_mode is ir.StageMode.PIPE_AXIS and any(s.auto_layers for s in p.stages)
                  and not any(s.recompute for s in p.stages))

@@ -306,11 +306,14 @@ class _ToAst(Transformer):
     def model(self, meta, path, *kvs):
         return ast.CodeBlock("model", self._str(path), tuple(kvs), self._span(meta))
 
+    def model_hf(self, meta, path, *kvs):
+        return ast.CodeBlock("model", self._str(path), tuple(kvs), self._span(meta), hf=True)
+
     def loss(self, meta, path):
         return ast.CodeBlock("loss", self._str(path), (), self._span(meta))
 
-    def data(self, meta, path):
-        return ast.CodeBlock("data", self._str(path), (), self._span(meta))
+    def data(self, meta, path, *kvs):
+        return ast.CodeBlock("data", self._str(path), tuple(kvs), self._span(meta))
 
     # -- stages
     def stage_layers(self, meta, index, layers, *rest):

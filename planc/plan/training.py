@@ -10,7 +10,7 @@ from .jsonpath import At, PlanFileError, extra, with_extra
 from .optim import LossScale, LrSchedule, Optimizer
 from .vocab import Direction, Precision, Schedule
 
-__all__ = ["Pipeline", "CodeRef", "Train", "TagLayout"]
+__all__ = ["Pipeline", "CodeRef", "HfModel", "Train", "TagLayout"]
 
 
 # ---------------------------------------------------------------- pipeline and training
@@ -90,23 +90,90 @@ class Pipeline:
         return next((keys for h, keys in self.nic_order if h == host), ())
 
 
+# functions of the runtime a plan may name instead of the user's (``{"builtin": NAME}``)
+BUILTINS = ("causal_lm_loss",)
+
+
 @dataclass(frozen=True, slots=True)
 class CodeRef:
+    """A function of the user's code in OUT/ (``file``, ``function``), or with ``builtin`` one of the runtime's
+    (``{"builtin": "causal_lm_loss"}``: ``planc_runtime.hf.causal_lm_loss``, a Hugging Face model's default loss)."""
+
     file: str
     function: str
-    args: tuple = ()       # (key, JSON value) pairs, model only
+    args: tuple = ()       # (key, JSON value) pairs: the model's, or the data function's when its line has some
+    builtin: bool = False
 
     @staticmethod
     def read(at: At) -> "CodeRef":
+        if isinstance(at.value, dict) and "builtin" in at.value:
+            name = at.key("builtin").str()
+            if name not in BUILTINS:
+                at.key("builtin").fail(f"expected one of {', '.join(BUILTINS)}, got {name!r}")
+            return CodeRef("", name, (), True)
         args = at.key("args", None)
         return CodeRef(at.key("file").str(), at.key("function").str(),
                        tuple(args.value.items()) if isinstance(args.value, dict) else ())
 
     def to_json(self, with_args: bool) -> dict:
+        if self.builtin:
+            return {"builtin": self.function}
         out = {"file": self.file, "function": self.function}
-        if with_args:
+        if with_args or self.args:
             out["args"] = dict(self.args)
         return out
+
+
+@dataclass(frozen=True, slots=True)
+class HfModel:
+    """``train.model`` of a Hugging Face causal LM (``{"hf": {...}}``): ``architecture`` (a transformers
+    class), ``config`` (every key of its config after defaults, dropout probabilities 0: what the runtime
+    builds from), ``keys`` (the plan's own keys), ``attn_implementation`` (``sdpa`` or ``eager``: what it is
+    built with), ``folder`` (OUT/-relative or absolute; None: built from the config) and ``weights`` (the
+    folder's weights are loaded; else the model is initialised from ``train.seed``)."""
+
+    architecture: str
+    config: tuple                 # (key, JSON value) pairs
+    attn_implementation: str
+    keys: tuple = ()
+    folder: str | None = None
+    weights: bool = False
+
+    @staticmethod
+    def read(at: At) -> "HfModel":
+        cfg = at.key("config")
+        if not isinstance(cfg.value, dict):
+            cfg.fail("expected an object of config keys")
+        keys = at.key("keys", {})
+        if not isinstance(keys.value, dict):
+            keys.fail("expected an object of config keys")
+        attn = at.key("attn_implementation").str()
+        if attn not in ("sdpa", "eager"):
+            at.key("attn_implementation").fail(f"expected sdpa or eager, got {attn!r}")
+        folder = at.key("folder", None)
+        return HfModel(at.key("architecture").str(), tuple(cfg.value.items()), attn, tuple(keys.value.items()),
+                       None if folder.value is None else folder.str(), at.key("weights", False).bool())
+
+    @property
+    def builtin(self) -> bool:
+        return False
+
+    def to_json(self, with_args: bool = True) -> dict:
+        out = {"architecture": self.architecture, "attn_implementation": self.attn_implementation,
+               "keys": dict(self.keys), "config": dict(self.config)}
+        if self.folder is not None:
+            out.update(folder=self.folder, weights=self.weights)
+        return {"hf": out}
+
+    @property
+    def args(self) -> tuple:
+        return ()
+
+
+def _model_ref(at: At) -> "CodeRef | HfModel":
+    if isinstance(at.value, dict) and "hf" in at.value:
+        return HfModel.read(at.key("hf"))
+    return CodeRef.read(at)
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,7 +193,7 @@ class Train:
     (listed in ``groups`` when it has more than one member; empty when neither clip nor fp16 needs it).
     """
 
-    model: CodeRef
+    model: CodeRef | HfModel
     loss: CodeRef
     data: CodeRef
     micro_batch: int
@@ -169,7 +236,7 @@ class Train:
         members = group.ints()
         if list(members) != sorted(set(members)):
             group.fail(f"members must be sorted and distinct, got {list(members)}")
-        return Train(CodeRef.read(at.key("model")), CodeRef.read(at.key("loss")), CodeRef.read(at.key("data")),
+        return Train(_model_ref(at.key("model")), CodeRef.read(at.key("loss")), CodeRef.read(at.key("data")),
                      at.key("micro_batch").int(1), at.key("micro_batches").int(1), at.key("steps").int(0),
                      at.key("schedule").enum(Schedule), Optimizer.read(at.key("optimizer")), precision,
                      at.key("seed").int(), at.key("trainable", True).bool(),

@@ -37,15 +37,17 @@ from .reshard import TransferExecutor
 from .tensor_parallel import context_from_plan, shard_info
 from .topology import create_groups
 from .trace import Tracer
-from .usercode import MissingFunction, accepts_tensor_parallel, build_layers, load_callable  # noqa: F401 (re-exported)
+from .usercode import (MissingFunction, accepts_tensor_parallel, build_layers, builtin_function,  # noqa: F401
+                       data_arguments, hf_builder, is_hf, load_callable)   # (MissingFunction etc. re-exported)
 from .usererrors import CheckedLoss, UserCodeError, non_finite_loss, user_step
 
 
 def load_function(out_dir: str, ref, what: str = "function"):
     """A code reference of plan.json ``train`` (``planfile.CodeRef``), from the output folder; a missing
     file or function is an EngineError that names it (``what``: the plan's word for it, e.g. ``loss``)."""
-    try:
-        return load_callable(os.path.join(out_dir, ref.file), ref.function)
+    try:   # a builtin: one of the runtime's own (plan.json {"builtin": NAME})
+        return (builtin_function(ref.function) if getattr(ref, "builtin", False)
+                else load_callable(os.path.join(out_dir, ref.file), ref.function))
     except (FileNotFoundError, MissingFunction) as e:
         raise EngineError(f"the plan's {what} {ref.file}:{ref.function}: {e}") from None
 
@@ -358,7 +360,7 @@ def _main(argv=None, out_dir: str | None = None) -> int:
         t = plan.train
         model_args, seed, micro_batch = dict(t.model.args), t.seed, t.micro_batch
         try:   # every user function before anything is built: a typo in one is one message, all ranks stop
-            builder, loss_fn, batches = (load_function(out_dir, ref, k)
+            builder, loss_fn, batches = (hf_builder(out_dir, t, EngineError) if is_hf(ref) else load_function(out_dir, ref, k)
                                          for k, ref in (("model", t.model), ("loss", t.loss), ("data", t.data)))
         except EngineError as e:
             problems = [str(e)]
@@ -384,7 +386,7 @@ def _main(argv=None, out_dir: str | None = None) -> int:
             lo, hi = stage.layers
             initial = cast_stage(layers[lo:hi], t.precision)   # bf16/fp16: the stage's layers in it
             try:
-                x, _ = next(batches(micro_batch, seed, **model_args))
+                x, _ = next(batches(micro_batch, seed, **data_arguments(t)))
                 a, b = stage.rows_of(rank)
                 x = x[a:b]
                 if x.is_floating_point():   # float inputs enter stage 0 in the plan's precision
@@ -401,7 +403,7 @@ def _main(argv=None, out_dir: str | None = None) -> int:
     counter = nicorder.open_counters(plan, rank) if use_nic else None   # collective
     hold_rate = nicorder.host_bandwidth(plan)     # bytes/s a NIC turn is held for: the compiled host link
     if stage is not None:
-        data = CountingIterator(batches(micro_batch, seed, **model_args))   # counted: the position a checkpoint keeps
+        data = CountingIterator(batches(micro_batch, seed, **data_arguments(t)))   # counted: the position a checkpoint keeps
         engine = PlanEngine.build(plan, groups, layers, loss_fn, data, ds_config, tracer=tracer, initial=initial)
         if args.memory_stats:
             engine.saved = {}

@@ -75,6 +75,7 @@ import sys
 
 import torch
 
+from .probe_measure import count_flops, measure_tensor_traffic
 from .tensor_parallel import TensorParallel
 from .usercode import MissingFunction, accepts_tensor_parallel, load_callable
 from .usererrors import UserCodeError, describe, draw_batches, exercise, layers_of
@@ -183,19 +184,26 @@ def _nbytes(out) -> int:
     return sum(t.numel() * t.element_size() for t in _tensors(out) if torch.is_tensor(t))
 
 
+def _storage_key(t) -> int:
+    """A tensor's storage, the same for every view of it: its address (meta tensors have none: the storage
+    object's, alive as long as autograd keeps the tensor)."""
+    st = t.untyped_storage()
+    return st._cdata if t.is_meta else st.data_ptr()
+
+
 def saved_by_layer(layers, x, stages, transfers) -> list:
     """Per layer, the tensors autograd saves for backward when the plan's dataflow runs once with gradients
     on the whole micro-batch: ``[[storage, bytes, is_float], ...]`` (parameters left out: they are held
     anyway), storages numbered in the order first saved, so that a tensor one layer returns and the next
     saves again (tanh's output, the next Linear's input) is one storage; ``planc.pipeline.memory`` counts
     the distinct storages of a stage's layers. A layer that did not run gets an empty list."""
-    params = {p.untyped_storage().data_ptr() for layer in layers for p in layer.parameters()}
+    params = {_storage_key(p) for layer in layers for p in layer.parameters()}
     ids: dict = {}
     per_layer: list[dict] = [{} for _ in layers]
     current = [None]
 
     def pack(t):
-        key = t.untyped_storage().data_ptr()
+        key = _storage_key(t)
         if key not in params and current[0] is not None:
             sid = ids.setdefault(key, len(ids))
             per_layer[current[0]][sid] = [sid, t.untyped_storage().nbytes(), bool(t.is_floating_point())]
@@ -208,102 +216,6 @@ def saved_by_layer(layers, x, stages, transfers) -> list:
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         run_graph(layers, xs, stages, transfers, on_layer=at)
     return [sorted(d.values()) for d in per_layer]
-
-
-def _sdpa_cpu_mapping() -> dict:
-    """FlopCounterMode counts the CUDA attention kernels; CPU runs its own, counted here the same way."""
-    from torch.utils import flop_counter as fc
-    out = {}
-    fwd = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
-    bwd = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
-    if fwd is not None:
-        out[fwd] = lambda q, k, v, *args, **kwargs: fc.sdpa_flop_count(q, k, v)
-    if bwd is not None:
-        out[bwd] = lambda g, q, k, v, *args, **kwargs: fc.sdpa_backward_flop_count(g, q, k, v)
-    return out
-
-
-def _leaf(v, grad: bool):
-    if not torch.is_tensor(v):
-        return v
-    return v.detach().requires_grad_(grad and (v.is_floating_point() or v.is_complex()))
-
-
-def count_flops(layers, inputs_of: dict, data_layer: int | None) -> tuple[list, list[str]]:
-    """Per layer, [forward, backward] FLOPs of one run on the inputs it got (None where it did not run).
-
-    The backward starts from all-ones gradients of every floating-point output and flows into the
-    parameters and every floating-point input except those of ``data_layer`` (the one fed the data)."""
-    from torch.utils.flop_counter import FlopCounterMode
-    mapping = _sdpa_cpu_mapping()
-    out: list = []
-    errors: list[str] = []
-    for i, layer in enumerate(layers):
-        if i not in inputs_of:
-            out.append(None)
-            continue
-        try:
-            with torch.enable_grad():
-                args = tuple(_leaf(v, i != data_layer) for v in inputs_of[i])
-                counter = FlopCounterMode(display=False, custom_mapping=mapping)
-                with counter:
-                    y = layer(*args)
-                fwd = counter.get_total_flops()
-                ys = [t for t in _tensors(y) if torch.is_tensor(t) and t.requires_grad]
-                bwd = 0
-                if ys:
-                    counter = FlopCounterMode(display=False, custom_mapping=mapping)
-                    with counter:
-                        torch.autograd.backward(ys, [torch.ones_like(t) for t in ys])
-                    bwd = counter.get_total_flops()
-            out.append([int(fwd), int(bwd)])
-        except Exception as e:  # noqa: BLE001 - a layer that cannot be differentiated: its FLOPs are unknown
-            errors.append(f"layer {i} ({type(layer).__name__}): {type(e).__name__}: {e}")
-            out.append(None)
-        finally:
-            for p in layer.parameters():
-                p.grad = None
-    return out, errors
-
-
-def _rows(v, micro_batch: int, rows: int):
-    """A layer input as one device of a data axis sees it: the first ``rows`` of a batch-first tensor."""
-    if torch.is_tensor(v) and v.dim() and v.shape[0] == micro_batch and rows < micro_batch:
-        return v[:rows]
-    return v
-
-
-def measure_tensor_traffic(layers, tp: StandInTensorParallel, lo: int, hi: int, inputs_of: dict,
-                           micro_batch: int, rows: int, data_layer: int | None) -> dict:
-    """The all-reduces one device of a tensor group issues for one micro-batch of stage layers
-    ``lo..hi`` (sharded ``layers``, built with ``tp``): each layer runs on the inputs it got in the
-    probe's run, cut to the device's ``rows``, forward with gradients, then backward from all-ones
-    output gradients (into the parameters and every floating-point input but the data's). Returns
-    ``{"forward": [bytes, ...], "backward": [bytes, ...], "errors": [...]}``, in issue order."""
-    out: dict = {"forward": [], "backward": [], "errors": []}
-    for i in range(lo, hi):
-        if i not in inputs_of:
-            out["errors"].append(f"layer {i} did not run")
-            continue
-        layer = layers[i]
-        try:
-            with torch.enable_grad():
-                args = tuple(_leaf(_rows(v, micro_batch, rows), i != data_layer) for v in inputs_of[i])
-                tp.log, tp.phase = [], "forward"
-                y = layer(*args)
-                ys = [t for t in _tensors(y) if torch.is_tensor(t) and t.requires_grad]
-                tp.phase = "backward"
-                if ys:
-                    torch.autograd.backward(ys, [torch.ones_like(t) for t in ys])
-            for phase, nbytes in tp.log:
-                out[phase].append(nbytes)
-        except Exception as e:  # noqa: BLE001 - its traffic is unknown; say why
-            out["errors"].append(f"layer {i} ({type(layer).__name__}): {type(e).__name__}: {e}")
-        finally:
-            tp.phase, tp.log = None, []
-            for p in layer.parameters():
-                p.grad = None
-    return out
 
 
 def _resolve(stages, n: int) -> list[tuple[int, int]]:
@@ -379,6 +291,9 @@ def _part(name: str, roots=()):
 
 def _request(req: dict) -> dict:
     """planc.probe's form: one JSON request, the stage dataflow measured (see the module docstring)."""
+    if req.get("hf"):   # a Hugging Face model, on the meta device: no weights (planc.runtime.hf_probe)
+        from .hf_probe import probe_hf
+        return probe_hf(req, run_graph, saved_by_layer, _load, _part)
     seed = int(req.get("seed", 0))
     args = dict(req.get("args", {}))
     roots = sorted({os.path.dirname(os.path.abspath(req[k])) for k in ("model_file", "data_file", "loss_file")
@@ -396,8 +311,8 @@ def _request(req: dict) -> dict:
         layers = _build(builder, args, seed, None, opts_in, roots)
     ex = req.get("exercise")   # the user's code run as the runtime will (usererrors.exercise)
     with _part("data", roots):
-        batches = draw_batches(data_fn, int(req["micro_batch"]), seed, args, int(ex["micro_batches"]) if ex else 1,
-                               roots)
+        batches = draw_batches(data_fn, int(req["micro_batch"]), seed, req.get("data_args", args),
+                               int(ex["micro_batches"]) if ex else 1, roots)
     x, y = batches[0]
     transfers = [dict(t) for t in req.get("transfers", [])]
     stages = _resolve(req.get("stages") or [None], len(layers))

@@ -9,7 +9,8 @@ import inspect
 import os
 import sys
 
-__all__ = ["load_callable", "accepts_tensor_parallel", "build_layers"]
+__all__ = ["load_callable", "accepts_tensor_parallel", "build_layers", "is_hf", "data_arguments", "hf_builder",
+           "builtin_function"]
 
 
 class MissingFunction(AttributeError):
@@ -64,3 +65,32 @@ def build_layers(builder, model_args: dict, tensor_parallel=None):
     if accepts_tensor_parallel(builder):
         return builder(**model_args, tensor_parallel=tensor_parallel)
     return builder(**model_args)
+
+
+def is_hf(model_ref) -> bool:
+    """Whether plan.json's ``train.model`` is a Hugging Face model record (``{"hf": {...}}``)."""
+    return hasattr(model_ref, "architecture") and hasattr(model_ref, "attn_implementation")
+
+
+def data_arguments(train) -> dict:
+    """The data function's keyword arguments: its line's own (``data "f.py:g" { ... }``), else the model's
+    (a builder's; a Hugging Face model's config keys are not the data's)."""
+    if train.data.args or is_hf(train.model):
+        return dict(train.data.args)
+    return dict(train.model.args)
+
+
+def hf_builder(out_dir: str, train, error=ValueError):
+    """The builder of plan.json's Hugging Face model record (``planc_runtime.hf.builder``; torch and
+    transformers imported here, not with this module); a failure to import them is ``error``."""
+    try:
+        from . import hf
+        return hf.builder(train.model.to_json()["hf"], out_dir, train.seed)
+    except ImportError as e:
+        raise error(f"the plan's Hugging Face model {train.model.architecture} needs transformers: {e}") from None
+
+
+def builtin_function(name: str):
+    """One of the runtime's functions a plan may name (plan.json ``{"builtin": NAME}``)."""
+    from . import hf
+    return {"causal_lm_loss": hf.causal_lm_loss}[name]

@@ -60,7 +60,7 @@ def check(tree: ast.PlanFile, path: str, text: str, inputs: PlanInputs | None = 
     data = check_code(errs, first("data"))
     if model is not None:
         for what, ref in (("loss", loss), ("data", data)):
-            if ref is None:
+            if ref is None and not (what == "loss" and isinstance(model, ir.HfModel)):   # HF: its causal-LM loss
                 errs.add(f"a plan with a model needs a '{what} \"file.py:function\"' line", first("model").span)
     if "parallel" in by_kind and parallel is None and not any(d.devices is not None for d in by_kind.get(
             "StageDecl", [])):   # a broken parallel block, said already: its stages cannot be checked

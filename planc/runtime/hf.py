@@ -1,0 +1,320 @@
+"""Hugging Face causal LMs as planc pipeline layers (``model hf "ARCH" { ... }`` / ``model hf "dir"``).
+
+The model is the one a single process gets from ``torch.manual_seed(seed);
+AutoModelForCausalLM.from_config(config, attn_implementation=attn)`` (or, for a folder
+with weights, ``from_pretrained(dir, local_files_only=True)``), its config with every ``*dropout*`` /
+``*pdrop*`` probability set to 0. It is cut by the config's ``base_model_pp_plan``:
+
+- layer 0 (:class:`Embeddings`): the base model's modules listed before the decoder-layer list
+  (``embed_tokens``; GPT-NeoX's ``embed_in``, ``emb_dropout``), ids [B, T] -> hidden [B, T, H];
+- layers 1..L (:class:`DecoderLayer`): one HF decoder layer each, called as the base model's forward
+  calls it: positions 0..T-1, ``position_embeddings`` from the base model's rotary module, the causal
+  mask HF builds for the layer's attention type (``config.layer_types[i]``; without them a sliding
+  window when ``config.sliding_window`` is set, else full causal attention);
+- layer L + 1 (:class:`Head`): the modules after the list (``norm``) and the causal LM's own
+  ``_pp_plan`` modules (``lm_head``), hidden -> logits [B, T, V] (Gemma-2's final logit soft-capping
+  applied as its forward does).
+
+So the chain computes ``model(ids).logits``. Every layer has ``planc_param_names``: local parameter
+name -> the HF state-dict name (``model.layers.3.self_attn.q_proj.weight``, ``lm_head.weight``).
+Tied embeddings stay HF's: the embedding and the head hold the same ``nn.Parameter`` object.
+
+transformers is imported lazily (the compiler imports nothing of torch) and never downloads anything.
+"""
+from __future__ import annotations
+
+import difflib
+import os
+
+import torch
+from torch import nn
+
+__all__ = ["ATTN_IMPLEMENTATION", "attn_implementation", "HfModelError", "config_from_keys", "config_from_record", "build_model",
+           "pipeline_layers", "builder", "causal_lm_loss", "causal_lm_architectures"]
+
+# every HF model planc builds uses torch's scaled_dot_product_attention where the architecture supports it,
+# else HF's eager attention (plan.json records which: train.model.hf.attn_implementation; a reference must
+# use the same)
+ATTN_IMPLEMENTATION = "sdpa"
+
+
+def attn_implementation(arch: str) -> str:
+    """The attention implementation planc builds ``arch`` with: ``sdpa`` where it supports it, else ``eager``."""
+    return ATTN_IMPLEMENTATION if getattr(model_class(arch), "_supports_sdpa", False) else "eager"
+
+
+class HfModelError(ValueError):
+    """A plan's ``model hf`` the transformers library cannot build. ``part`` says where the compiler points:
+    ``arch`` (the architecture string), ``key:NAME`` (that config key), ``folder`` or ``pp`` (the model line)."""
+
+    def __init__(self, part: str, message: str):
+        super().__init__(message)
+        self.part = part
+
+
+def transformers():
+    """The transformers module, offline: nothing is ever downloaded."""
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    os.environ["TRANSFORMERS_OFFLINE"] = "1"
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+    import transformers as tf
+    tf.logging.set_verbosity_error()
+    return tf
+
+
+def causal_lm_architectures() -> list[str]:
+    """The ``*ForCausalLM`` classes ``AutoModelForCausalLM`` knows, sorted."""
+    transformers()
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES as names
+    flat = set()
+    for v in names.values():
+        flat.update(v if isinstance(v, (list, tuple)) else (v,))
+    return sorted(flat)
+
+
+def _suggest(word: str, choices) -> str:
+    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
+    return f" (did you mean '{close[0]}'?)" if close else ""
+
+
+def model_class(arch: str):
+    """The transformers class named ``arch``, a causal LM (else an ``arch`` error with a suggestion)."""
+    known = causal_lm_architectures()
+    if arch not in known:
+        raise HfModelError("arch", f"'{arch}' is not a causal-LM class of transformers "
+                                   f"{transformers().__version__}{_suggest(arch, known)}")
+    return getattr(transformers(), arch)
+
+
+def _no_dropout(config) -> None:
+    """Every ``*dropout*`` / ``*pdrop*`` probability of the config (and its sub-configs) set to 0."""
+    for key, value in list(config.to_dict().items()):
+        if ("dropout" in key or "pdrop" in key) and isinstance(value, (int, float)) and not isinstance(value, bool):
+            setattr(config, key, 0.0)
+
+
+def _known_keys(config_class) -> list[str]:
+    import dataclasses
+    keys = set(getattr(config_class, "attribute_map", {}) or {})
+    if dataclasses.is_dataclass(config_class):
+        keys.update(f.name for f in dataclasses.fields(config_class))
+    else:
+        import inspect
+        keys.update(p for p in inspect.signature(config_class.__init__).parameters if p not in ("self", "kwargs"))
+    keys.update(config_class().to_dict())
+    return sorted(k for k in keys if not k.startswith("_"))
+
+
+def _finish(config, arch: str):
+    _no_dropout(config)
+    config.architectures = [arch]
+    config.use_cache = False
+    if not getattr(config, "base_model_pp_plan", None):
+        raise HfModelError("pp", f"{arch}'s config ({type(config).__name__}) has no base_model_pp_plan, so planc "
+                                 "cannot cut it into pipeline layers; write a builder function for it instead: "
+                                 'model "file.py:build" (docs/models.md)')
+    return config
+
+
+def config_from_keys(arch: str, keys: dict):
+    """``arch``'s config class with the plan's ``keys`` (every one checked against the class: an unknown
+    key is a ``key:NAME`` error with a suggestion), dropout 0, no cache."""
+    cls = model_class(arch).config_class
+    known = _known_keys(cls)
+    try:
+        config = cls(**keys)
+    except Exception as e:  # noqa: BLE001 - the config's own validation (types, sizes that do not fit)
+        text = " ".join(str(e).split())
+        bad = next((k for k in keys if f"'{k}'" in text), None)   # a field named in the message
+        raise HfModelError(f"key:{bad or ''}", f"{cls.__name__} refuses these keys: {text}") from None
+    stray = config.to_dict()
+    for k in keys:
+        if k not in known and k in stray:   # consumed keys (legacy rope_theta) are not left as attributes
+            raise HfModelError(f"key:{k}", f"'{k}' is not a key of {cls.__name__}{_suggest(k, known)}")
+    return _finish(config, arch)
+
+
+def config_from_folder(folder: str):
+    """The config of a local model folder (its config.json), dropout 0; its architecture."""
+    if not os.path.isfile(os.path.join(folder, "config.json")):
+        raise HfModelError("folder", f"{folder} has no config.json")
+    tf = transformers()
+    config = tf.AutoConfig.from_pretrained(folder, local_files_only=True)
+    archs = list(getattr(config, "architectures", None) or [])
+    if not archs:
+        raise HfModelError("folder", f"{folder}/config.json names no architecture ('architectures')")
+    model_class(archs[0])
+    return _finish(config, archs[0]), archs[0]
+
+
+def has_weights(folder: str) -> bool:
+    return any(f.endswith((".safetensors", ".bin")) for f in os.listdir(folder))
+
+
+def config_from_record(arch: str, full: dict):
+    """The config plan.json records (``model.hf.config``: every key after defaults)."""
+    cls = model_class(arch).config_class
+    return _finish(cls.from_dict(dict(full)), arch)
+
+
+def build_model(config, seed: int, folder: str | None = None, device=None, attn: str | None = None):
+    """The causal LM as one process builds it: seeded ``from_config`` (or a folder's weights), in training
+    mode (dropout 0), fp32, with attention ``attn`` (default :func:`attn_implementation`).
+    ``device="meta"``: shapes only, no weights."""
+    tf = transformers()
+    attn = attn or attn_implementation(config.architectures[0])
+    torch.manual_seed(seed)
+    if folder is not None and device is None and has_weights(folder):
+        model = tf.AutoModelForCausalLM.from_pretrained(folder, config=config, local_files_only=True,
+                                                        attn_implementation=attn,
+                                                        dtype=torch.float32)
+    elif device is not None:
+        with torch.device(device):
+            model = tf.AutoModelForCausalLM.from_config(config, attn_implementation=attn)
+    else:
+        model = tf.AutoModelForCausalLM.from_config(config, attn_implementation=attn)
+    model.train()
+    return model
+
+
+def _names(prefix_local: str, prefix_hf: str, module: nn.Module) -> dict[str, str]:
+    return {f"{prefix_local}.{n}": f"{prefix_hf}.{n}" if prefix_hf else n
+            for n, _ in module.named_parameters(remove_duplicate=False)}
+
+
+class Embeddings(nn.Module):
+    """Layer 0: the base model's modules before its decoder layers, in the pp plan's order."""
+
+    def __init__(self, parts: dict, base_prefix: str):
+        super().__init__()
+        self.parts = list(parts)
+        self.planc_label = " + ".join(self.parts)   # how planc explain names the layer
+        for name, mod in parts.items():
+            self.add_module(name, mod)
+        self.planc_param_names = {}
+        for name, mod in parts.items():
+            self.planc_param_names.update(_names(name, f"{base_prefix}.{name}".lstrip("."), mod))
+
+    def forward(self, ids):
+        h = ids
+        for name in self.parts:
+            h = getattr(self, name)(h)
+        return h
+
+
+def _mask_function(config, index: int):
+    from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+    types = getattr(config, "layer_types", None)
+    if types:
+        return create_sliding_window_causal_mask if types[index] == "sliding_attention" else create_causal_mask
+    return create_sliding_window_causal_mask if getattr(config, "sliding_window", None) else create_causal_mask
+
+
+class DecoderLayer(nn.Module):
+    """Layers 1..L: one HF decoder layer, called as the base model's forward calls it."""
+
+    def __init__(self, layer: nn.Module, rotary: nn.Module | None, config, index: int, hf_prefix: str):
+        super().__init__()
+        self.layer = layer
+        if rotary is not None:   # no parameters (a buffer of inverse frequencies), shared by the layers
+            self.rotary = rotary
+        self.config, self.index = config, index
+        self.planc_label = hf_prefix.split(".", 1)[-1] if "." in hf_prefix else hf_prefix
+        self._mask = _mask_function(config, index)
+        self.planc_param_names = _names("layer", hf_prefix, layer)
+
+    def forward(self, hidden):
+        positions = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
+        # on the meta device (the compile-time probe) HF's check for packed sequences cannot read the
+        # positions: they are 0..T-1, one sequence per row, which is what it concludes on real tensors
+        mask = self._mask(self.config, hidden, None, None, position_ids=None if hidden.is_meta else positions)
+        extra = {}
+        if hasattr(self, "rotary"):
+            extra["position_embeddings"] = self.rotary(hidden, positions)
+        out = self.layer(hidden, attention_mask=mask, position_ids=positions, use_cache=False, **extra)
+        return out[0] if isinstance(out, tuple) else out
+
+
+class Head(nn.Module):
+    """Layer L + 1: the base model's modules after its decoder layers (the final norm), then the causal
+    LM's ``_pp_plan`` modules (``lm_head``), and Gemma-2's final logit soft-capping where configured."""
+
+    def __init__(self, after: dict, head: dict, base_prefix: str, softcap):
+        super().__init__()
+        self.parts = list(after) + list(head)
+        self.planc_label = " + ".join(self.parts)
+        self.planc_param_names = {}
+        for name, mod in after.items():
+            self.add_module(name, mod)
+            self.planc_param_names.update(_names(name, f"{base_prefix}.{name}".lstrip("."), mod))
+        for name, mod in head.items():
+            self.add_module(name, mod)
+            self.planc_param_names.update(_names(name, name, mod))
+        self.softcap = softcap
+
+    def forward(self, hidden):
+        h = hidden
+        for name in self.parts:
+            h = getattr(self, name)(h)
+        if self.softcap is not None:
+            h = torch.tanh(h / self.softcap) * self.softcap
+        return h
+
+
+def pipeline_layers(model) -> list[nn.Module]:
+    """The model's pipeline layers by its config's ``base_model_pp_plan`` (the module docstring)."""
+    config = model.config
+    prefix = model.base_model_prefix
+    base = getattr(model, prefix, model)
+    base_prefix = prefix if base is not model else ""
+    plan = list(config.base_model_pp_plan)
+    lists = [k for k in plan if isinstance(getattr(base, k, None), nn.ModuleList)]
+    if len(lists) != 1:
+        raise HfModelError("pp", f"{type(model).__name__}'s base_model_pp_plan {plan} does not name one list of "
+                                 "decoder layers")
+    at = plan.index(lists[0])
+    before = {k: getattr(base, k) for k in plan[:at]}
+    after = {k: getattr(base, k) for k in plan[at + 1:]}
+    # the causal LM's own pipeline modules (its _pp_plan also lists the base model's, prefixed)
+    head = {k: getattr(model, k) for k in (getattr(model, "_pp_plan", None) or {"lm_head": None}) if "." not in k}
+    rotary = getattr(base, "rotary_emb", None)
+    blocks = getattr(base, lists[0])[: config.num_hidden_layers]
+    layers: list[nn.Module] = [Embeddings(before, base_prefix)]
+    for i, block in enumerate(blocks):
+        hf = ".".join(p for p in (base_prefix, lists[0], str(i)) if p)
+        layers.append(DecoderLayer(block, rotary, config, i, hf))
+    layers.append(Head(after, head, base_prefix, getattr(config, "final_logit_softcapping", None)))
+    return layers
+
+
+def builder(record: dict, out_dir: str, seed: int):
+    """The model builder of plan.json's ``train.model.hf`` record: ``build(tensor_parallel=None)`` returns
+    the pipeline layers; with a tensor context each decoder layer is sharded by the config's
+    ``base_model_tp_plan`` (``hf_tp.parallelize_layer``)."""
+    arch = record["architecture"]
+    folder = record.get("folder")
+    if folder is not None and not os.path.isabs(folder):
+        folder = os.path.join(out_dir, folder)
+
+    def build(tensor_parallel=None):
+        if folder is not None and not (arch and record.get("config")):   # compiled without the probe
+            config, _ = config_from_folder(folder)
+        else:
+            config = config_from_record(arch, record["config"])
+        layers = pipeline_layers(build_model(config, seed, folder, attn=record.get("attn_implementation")))
+        if tensor_parallel is not None:
+            from .hf_tp import layer_tp_plan, parallelize_layer   # written beside this module (issue 35)
+            plan = layer_tp_plan(config)
+            for layer in layers[1:-1]:
+                parallelize_layer(layer.layer, plan, tensor_parallel)
+        return layers
+    return build
+
+
+def causal_lm_loss(logits, labels):
+    """HF's causal-LM loss (``ForCausalLMLoss``): logits at t predict labels at t + 1 (shifted here), the
+    cross-entropy in fp32, averaged over the predicted tokens (labels -100 ignored)."""
+    logits = logits.float()
+    shifted = nn.functional.pad(labels, (0, 1), value=-100)[..., 1:].contiguous()
+    return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), shifted.reshape(-1).to(logits.device),
+                                       ignore_index=-100, reduction="mean")

@@ -1,0 +1,202 @@
+"""The compile-time probe of a Hugging Face model (``model hf ...``), on the meta device: no weights are
+ever allocated, so a model of any size is measured in seconds and a few hundred MB.
+
+``probe_hf(req, ...)`` answers the same JSON request as ``planc.runtime.probe._request`` (its ``hf`` key:
+``{"architecture", "keys"}`` or ``{"folder"}``) with the same answer, plus ``hf``: the architecture, the
+config after defaults (dropout 0: what the runtime builds from), the attention implementation and
+whether the folder has weights. What it does:
+
+- builds the config (an unknown architecture or key, a folder without config.json, a config without a
+  ``base_model_pp_plan`` fail with the tags ``hf-arch``, ``hf-key:NAME``, ``hf-folder``, ``hf-pp``,
+  which the compiler locates at the plan's string or key) and the model with ``from_config`` under
+  ``torch.device("meta")``, cut into pipeline layers (``planc.runtime.hf``);
+- draws the data function's batches as the runtime will (real tensors, checked: integer token ids of
+  ``[micro_batch, T]`` below the vocabulary size), then runs the plan's dataflow on their meta copies:
+  shapes, output bytes, autograd's saved storages per layer, FLOPs (``FlopCounterMode`` works on meta);
+- calls the loss (the plan's, or ``causal_lm_loss``) on the last layer's meta output: one value that
+  requires grad, and its backward runs. Skipped on meta: the loss's value (its finiteness) and the
+  per-device row slices of each stage (the layers are HF's own and take any number of rows);
+- per tensor degree, what one device holds per layer (``colwise`` Linears keep 1/k of their weight and
+  bias, ``rowwise`` 1/k of their weight, by the config's ``base_model_tp_plan``), and the tensor
+  traffic from ``hf_tp.layer_traffic`` when that module is there (else an ``errors`` entry says so).
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+from .hf import HfModelError, attn_implementation, build_model, causal_lm_loss, config_from_folder, \
+    config_from_keys, has_weights, pipeline_layers
+from .probe_measure import count_flops
+from .usererrors import UserCodeError, draw_batches, shapes
+
+__all__ = ["probe_hf", "layer_tp_plan_of", "sharded_params"]
+
+
+def _config(spec: dict):
+    try:
+        if spec.get("folder"):
+            config, arch = config_from_folder(spec["folder"])
+        else:
+            arch = spec["architecture"]
+            config = config_from_keys(arch, dict(spec.get("keys") or {}))
+    except HfModelError as e:
+        raise UserCodeError(f"hf-{e.part}", str(e)) from None
+    return config, arch
+
+
+def layer_tp_plan_of(config) -> dict[str, str]:
+    """The config's ``base_model_tp_plan`` entries of one decoder layer (``layers.*.X`` as ``X``)."""
+    plan = getattr(config, "base_model_tp_plan", None) or {}
+    return {k.split(".", 2)[2]: v for k, v in plan.items() if k.startswith("layers.*.")}
+
+
+def sharded_params(layers, config, k: int) -> list[int]:
+    """Per layer, the parameters one device of a tensor group of ``k`` holds: in each decoder layer the
+    plan's ``colwise`` modules keep 1/k of each parameter, ``rowwise`` ones 1/k of their weight."""
+    plan = layer_tp_plan_of(config)
+    out = []
+    for i, layer in enumerate(layers):
+        if not 0 < i < len(layers) - 1:
+            out.append(sum(p.numel() for p in layer.parameters()))
+            continue
+        n = 0
+        for name, mod in layer.layer.named_modules():
+            style = plan.get(name, "")
+            for pname, p in mod.named_parameters(recurse=False):
+                split = "colwise" in style or ("rowwise" in style and pname == "weight")
+                n += p.numel() // k if split else p.numel()
+        out.append(n)
+    return out
+
+
+def _traffic(config, layers, st: dict, seq: int) -> dict:
+    rec = {"stage": int(st["stage"]), "degree": int(st["degree"]), "rows": int(st["rows"]),
+           "forward": [], "backward": [], "errors": []}
+    try:
+        from .hf_tp import layer_traffic   # written beside planc_runtime.hf (issue 35)
+    except ImportError:
+        rec["errors"].append("planc_runtime.hf_tp is missing: the tensor traffic of Hugging Face layers is not "
+                             "measured")
+        return rec
+    lo, hi = (0, len(layers)) if st.get("layers") is None else (int(st["layers"][0]), int(st["layers"][1]))
+    decoders = [i for i in range(lo, min(hi, len(layers))) if 0 < i < len(layers) - 1]
+    if not decoders:
+        return rec
+    try:   # every decoder layer of a config is alike: one measurement, repeated per layer
+        t = layer_traffic(config, int(st["rows"]), seq, 4)   # the probe's activations are fp32
+    except Exception as e:  # noqa: BLE001 - its traffic is unknown; say why
+        rec["errors"].append(f"layers {decoders[0]}..{decoders[-1] + 1}: {type(e).__name__}: {e}")
+        return rec
+    for i in decoders:
+        rec["forward"] += [int(b) for b in t.get("forward", ())]
+        rec["backward"] += [int(b) for b in t.get("backward", ())]
+        rec["errors"] += [f"layer {i}: {e}" for e in t.get("errors", ())]
+    return rec
+
+
+def _check_ids(x, config) -> None:
+    vocab = int(config.vocab_size)
+    if x.dtype.is_floating_point or x.dtype == torch.bool or x.dim() != 2:
+        raise UserCodeError("data-use", f"its inputs are ({shapes(x)}), but a causal LM takes token ids: an integer "
+                                        "tensor [micro_batch, sequence]")
+    if x.numel() and (int(x.min()) < 0 or int(x.max()) >= vocab):
+        raise UserCodeError("data-use", f"its token ids range over {int(x.min())}..{int(x.max())}, outside the "
+                                        f"model's vocabulary 0..{vocab - 1} (vocab_size = {vocab})")
+
+
+def _check_loss(loss_fn, out, target) -> None:
+    """The loss on the last layer's (meta) output: one value that requires grad, and its backward runs."""
+    logits = out.detach().requires_grad_(True)
+    try:
+        with torch.enable_grad():
+            loss = loss_fn(logits, target)
+            ok = torch.is_tensor(loss) and loss.numel() == 1 and loss.requires_grad
+            if ok:
+                loss.backward()
+    except Exception as e:  # noqa: BLE001 - the user's loss
+        raise UserCodeError("loss-use", f"failed on output ({shapes(logits)}) and target ({shapes(target)}): "
+                                        f"{type(e).__name__}: {e}") from e
+    if not ok:
+        got = shapes(loss) if torch.is_tensor(loss) else type(loss).__name__
+        raise UserCodeError("loss-use", f"returned {got}: expected one value that depends on the output")
+
+
+def _jsonable(config) -> dict:
+    return json.loads(config.to_json_string(use_diff=False))
+
+
+def probe_hf(req: dict, run_graph, saved_by_layer, load, part) -> dict:
+    """The answer to a probe request whose model is a Hugging Face one (module docstring). ``run_graph``,
+    ``saved_by_layer``, ``load`` and ``part`` are ``planc.runtime.probe``'s."""
+    seed, micro_batch = int(req.get("seed", 0)), int(req["micro_batch"])
+    spec = req["hf"]
+    roots = sorted({os.path.dirname(os.path.abspath(req[k])) for k in ("data_file", "loss_file") if req.get(k)})
+    config, arch = _config(spec)
+    with part("model"):
+        layers = pipeline_layers(build_model(config, seed, device="meta"))
+    with part("data", roots):
+        data_fn = load(req["data_file"], req["data_function"])
+    loss_fn = causal_lm_loss
+    if req.get("loss_function"):
+        with part("loss", roots):
+            loss_fn = load(req["loss_file"], req["loss_function"])
+    ex = req.get("exercise")
+    with part("data", roots):
+        batches = draw_batches(data_fn, micro_batch, seed, dict(req.get("data_args") or {}),
+                               int(ex["micro_batches"]) if ex else 1, roots)
+    x, y = batches[0]
+    _check_ids(x, config)
+    x, y = x.to("meta"), y.to("meta")
+    transfers = [dict(t) for t in req.get("transfers", [])]
+    stages = [(0, len(layers)) if r is None else (int(r[0]), int(r[1])) for r in (req.get("stages") or [None])]
+    inputs_of: dict[int, tuple] = {}
+    outputs, sent, errors = run_graph(layers, x, stages, transfers, inputs_of)
+    if len(layers) - 1 in outputs:
+        _check_loss(loss_fn, outputs[len(layers) - 1], y)
+    # counted always (cheap on meta): planc explain lists every layer's; the cost model gets them when asked
+    flops, flop_errors = count_flops(layers, inputs_of, stages[0][0] if stages else None)
+    listing = [{"name": layer.planc_label, "params": sum(p.numel() for p in layer.parameters()), "flops": f}
+               for layer, f in zip(layers, flops)]
+    if not req.get("flops"):
+        flops, flop_errors = None, []
+
+    def first(i):
+        out = outputs.get(i)
+        return out[0] if isinstance(out, (tuple, list)) else out
+
+    names = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16", torch.float64: "f64"}
+    layer_outputs = [{"shape": list(first(i).shape), "dtype": names.get(first(i).dtype, str(first(i).dtype))}
+                     if torch.is_tensor(first(i)) else None for i in range(len(layers))]
+    measured = []
+    for t in transfers:
+        v = sent.get(t["name"])
+        measured.append({"name": t["name"], "shape": list(v.shape), "dtype": names.get(v.dtype, str(v.dtype)),
+                         "error": None} if torch.is_tensor(v) else
+                        {"name": t["name"], "shape": None, "dtype": None,
+                         "error": errors[0] if errors else "its layer did not run"})
+    degrees = sorted({int(k) for k in req.get("tensor_degrees", ()) if int(k) > 1})
+    sharded = {str(k): sharded_params(layers, config, k) for k in degrees}
+    shard_errors = {}
+    try:
+        from .hf_tp import check_degree   # what the runtime's tensor parallelism refuses (issue 35)
+        shard_errors = {str(k): why for k in degrees if (why := check_degree(config, k))}
+    except ImportError:
+        pass
+    traffic = [_traffic(config, layers, st, int(x.shape[1])) for st in req.get("tensor_stages", ())
+               if st.get("layers") is None or int(st["layers"][0]) < len(layers)]
+    folder = spec.get("folder")
+    return {"layer_params": [sum(p.numel() for p in layer.parameters()) for layer in layers],
+            "layer_outputs": layer_outputs,
+            "layer_output_bytes": [sum(t.numel() * t.element_size() for t in
+                                       (outputs[i] if isinstance(outputs[i], (tuple, list)) else [outputs[i]])
+                                       if torch.is_tensor(t)) if i in outputs else None for i in range(len(layers))],
+            "layer_saved": saved_by_layer(layers, x, stages, transfers) if not errors else [],
+            "layer_flops": flops, "flop_errors": flop_errors, "transfers": measured,
+            "tensor_parallel": True, "sharded_layer_params": sharded, "shard_errors": shard_errors,
+            "tensor_traffic": sorted(traffic, key=lambda t: t["stage"]), "graph_errors": errors,
+            "hf": {"architecture": arch, "attn_implementation": attn_implementation(arch),
+                   "config": _jsonable(config), "weights": bool(folder) and has_weights(folder),
+                   "tp_plan": layer_tp_plan_of(config), "layers": listing}}
