@@ -100,6 +100,8 @@ class ModelProbe:
     chain: bool = False
     tensor_traffic: tuple[TensorTraffic, ...] = ()
     layer_traffic: tuple[TensorTraffic, ...] = ()
+    # parameters shared by several layers (planc.runtime.tied): ((holders ((layer, local name), ...), numel), ...)
+    tied: tuple[tuple[tuple[tuple[int, str], ...], int], ...] = ()
 
     def measured(self, name: str) -> MeasuredTransfer | None:
         return next((m for m in self.transfers if m.name == name), None)
@@ -324,6 +326,7 @@ def probe_from_json(doc: dict, micro_batch: int, stage_tensor=(), chain: bool = 
         chain=chain,
         tensor_traffic=() if chain else traffic,
         layer_traffic=tuple(t for t in traffic if t.stage < len(doc["layer_params"])) if chain else (),
+        tied=tuple((tuple((int(i), str(n)) for i, n in t["holders"]), int(t["numel"])) for t in doc.get("tied") or ()),
     )
 
 
