@@ -47,6 +47,22 @@ class TiedError(ValueError):
     """plan.json's tied records do not fit this rank's stage (a compiler bug or an edited plan)."""
 
 
+def check_planned(plan, layers) -> None:
+    """Every parameter the model (all its ``layers``, as every rank builds it) shares between layers of two
+    stages has its tied reduction in plan.json; else a ``TiedError`` (a plan compiled without the probe,
+    ``--no-probe``, does not know the model's ties, and the copies would drift apart)."""
+    stage_of = {}
+    for st in plan.stages:
+        a, b = st.layers if st.layers is not None else (0, len(layers))
+        stage_of.update({i: st.index for i in range(a, b)})
+    planned = [{(h.layer, h.name) for h in r.tied.holders} for r in plan.reductions if r.tied is not None]
+    for group in shared_parameters(layers):
+        if len({stage_of.get(i) for i, _ in group}) > 1 and not any(set(group) <= h for h in planned):
+            where = ", ".join(f"layers.{i}.{n} (stage {stage_of.get(i)})" for i, n in group)
+            raise TiedError(f"the model ties one parameter across stages ({where}) but plan.json has no tied "
+                            "reduction for it: compile the plan with the model probe (not --no-probe)")
+
+
 class TiedGradients:
     """The tied parameters of one stage rank and their programs.
 
@@ -95,6 +111,7 @@ class TiedGradients:
         """The engine's: the plan's tied reductions holding ``rank``; a mismatch is the engine's error."""
         from .dataflow import EngineError
         try:
+            check_planned(plan, getattr(module, "_layer_specs", None) or ())   # DeepSpeed keeps every layer
             return cls(module, plan.tied_reductions(rank), rank, groups, device, plan=plan,
                        bucket_bytes=plan.runtime.grad_bucket_bytes, tracer=tracer)
         except TiedError as e:
