@@ -198,6 +198,18 @@ def test_shared_linear_across_a_data_stage_and_a_tensor_stage_with_clip(tmp_path
     assert P.load(out / "plan.json").train.clip == 0.05
 
 
+def test_equal_tensor_degrees_reduce_per_coordinate_at_run_time(tmp_path):
+    """Both stages on 2 tensor devices: the shared Linear is summed by two groups, one per tensor coordinate
+    ([0, 2] and [1, 3]), every device contributing; SGD with momentum, as the single process."""
+    from planc import plan as P
+    _, out = _compile(tmp_path, _plan(4, "on devices 0..2 as (data = 1, tensor = 2)",
+                                      "on devices 2..4 as (data = 1, tensor = 2)"))
+    plan = edit_plan(out, optimizer=P.Optimizer.make("sgd", 0.2, momentum=0.9))
+    for t in _tied(plan):
+        assert t["groups"] == [[0, 2], [1, 3]] and t["tied"]["contributors"] == [0, 1, 2, 3]
+    _run(out, 4, plan)
+
+
 def test_zero_one_with_a_tie_and_adamw(tmp_path):
     """zero = 1 on a stage of 2 data devices, the tie reaching a stage of one device: the tied parameter stays
     outside the sharded buffers (a replicated fp32 master); AdamW as the single process's."""
