@@ -456,7 +456,7 @@ class PlanEngine(PipelineEngine):
         in bf16/fp16 plans (zero = 1: all-gathered, so collective over the data group), else the parameter."""
         masters = self.regime.whole_masters()
         return OrderedDict((f"layers.{k}", masters.get(id(v), v).detach().cpu())
-                           for k, v in self.module.named_parameters())
+                           for k, v in self.module.named_parameters(remove_duplicate=False))
 
 
 def _named(instruction: str, fn):
