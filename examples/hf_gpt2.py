@@ -20,14 +20,13 @@ chain compute ``GPT2LMHeadModel(ids).logits``. Dropout probabilities are 0: trai
 with dropout would not be deterministic, and a pipeline cannot be compared with one
 process then.
 
-Tied embeddings: GPT-2 ties ``lm_head.weight`` to ``wte.weight``. Here the config sets
-``tie_word_embeddings = False``: the embedding is the first layer and the head the last,
-so a tied weight would live in the first and the last stage at once and its gradient
-would have to be summed across stages, which no planc reduction does (gradients are
-reduced inside a stage, over its ``data`` axis). Keeping both in one stage would allow
-one stage only. Untied, the head's weight is initialised by HF like any ``nn.Linear``
-of GPT-2 (normal, ``initializer_range``); the single-process reference builds
-``GPT2LMHeadModel`` with the same untied config, so both start from the same weights.
+Tied embeddings: GPT-2 ties ``lm_head.weight`` to ``wte.weight`` (``tie_word_embeddings = True``,
+HF's default): the head's weight *is* the embedding's ``nn.Parameter``. The embedding is the first
+layer and the head the last, so on a plan with several stages the first and the last stage each hold
+a copy; planc's probe finds the parameter reachable from both layers and the compiler plans one more
+reduction for it, over the devices of both stages, which sums its gradient over every stage and data
+replica after the last backward (docs/reduction.md, "Tied parameters"). Both copies then take the
+same step, as the single-process ``GPT2LMHeadModel`` (same seed, same tied config) does.
 
 ``loss(logits, labels)`` is HF's causal-LM loss: logits at position t predict token t+1
 (the labels are the input ids, shifted inside the loss), cross-entropy averaged over
@@ -53,10 +52,10 @@ ATTENTION = "sdpa"
 
 
 def config(layers=2, hidden=16, heads=2, seq=8, vocab=32):
-    """The GPT2Config of these model arguments: no dropout, untied embeddings (see the module doc)."""
+    """The GPT2Config of these model arguments: no dropout, tied embeddings (see the module doc)."""
     return GPT2Config(n_layer=layers, n_embd=hidden, n_head=heads, n_positions=seq, vocab_size=vocab,
                       bos_token_id=vocab - 1, eos_token_id=vocab - 1, resid_pdrop=0.0, embd_pdrop=0.0,
-                      attn_pdrop=0.0, tie_word_embeddings=False, use_cache=False, attn_implementation=ATTENTION)
+                      attn_pdrop=0.0, tie_word_embeddings=True, use_cache=False, attn_implementation=ATTENTION)
 
 
 def _positions(hidden):
@@ -92,7 +91,7 @@ class Block(nn.Module):
 
 
 class Head(nn.Module):
-    """The final layer norm and the (untied) language-model head."""
+    """The final layer norm and the language-model head (its weight tied to the embedding's ``wte``)."""
 
     def __init__(self, transformer, lm_head):
         super().__init__()

@@ -39,7 +39,7 @@ from planc.placement import Placement, place, warm
 from planc.infer import chain_transfers, infer_transfers
 from planc.probe import (ModelProbe, check_against_model, check_model_reductions, probe_for_cut, probe_model,
                          start_probe, tensor_traffic_by_stage)
-from planc.reduction import plan_reductions
+from planc.reduction import plan_reductions, plan_tied
 from planc.resharding import plan_routes
 from planc import plan as planfile
 from planc.plan.file import written
@@ -189,8 +189,11 @@ def place_pass(program: ir.Program, ctx: Context) -> Placement:
 
 
 def reductions_pass(program: ir.Program, ctx: Context):
+    """Each stage's gradients (and standalone reductions), then every parameter tied across stages."""
     p = ctx.placement
-    return plan_reductions(program, p.coords, p.stages, p.matrix, _param_bytes(program, ctx))
+    tied = (plan_tied(program, p.stages, ctx.probe.tied, len(ctx.probe.layer_params))
+            if ctx.training and ctx.probe is not None and ctx.probe.tied else ())
+    return plan_reductions(program, p.coords, p.stages, p.matrix, _param_bytes(program, ctx)) + tied
 
 
 def transfers_pass(program: ir.Program, ctx: Context):

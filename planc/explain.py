@@ -150,6 +150,11 @@ def explain_data(plan: dict) -> dict:
             entry.update(target=target, flat_predicted=flat, unit=r["program"].get("unit", 1),
                          owned=[[{"device": d, "piece": list(p)} for d, p in zip(g, row)]
                                 for g, row in zip(r["groups"], r.get("owned") or ())])
+        if r.get("tied"):   # a parameter tied across stages: who holds it, who contributes
+            t = r["tied"]
+            entry["tied"] = {"parameter": t["parameter"], "holders": [dict(h) for h in t["holders"]],
+                             "devices": sorted(d for g in r["groups"] for d in g),
+                             "contributors": list(t["contributors"]), "norm_device": t["norm_device"]}
         data["reductions"].append(entry)
     _zero_pairs(data["reductions"])
     by_src: dict[int, list[str]] = {}
@@ -335,7 +340,7 @@ def _reduction(r: dict, tty: bool) -> list:
     speed = f"{r['speedup']:.2f}x vs flat {flat_name}" if r["speedup"] is not None else "no data to move"
     zero = "" if target == "allreduce" else " (zero = 1)"
     out = [f"{_VERB[target]} {r['name']} over {', '.join(r['axes'])}{where}{zero}: {_bytes(r['bytes'])} per group, "
-           f"{r['groups']} group(s) of {r['group_size']}"]
+           f"{r['groups']} group(s) of {r['group_size']}"] if not r.get("tied") else _tied_lines(r)
     if r["hierarchy"]:
         out.append("  synthesis hierarchy: root > " + " > ".join(f"{h['name']}({h['factor']})" for h in r["hierarchy"]))
     if not r["program"] and r["group_size"] <= 1:   # each gradient is held by one device
@@ -444,6 +449,20 @@ def explain(plan: dict) -> str:
     return ui.render(*explain_renderables(explain_data(plan), tty=False)).rstrip("\n")
 
 
+def _tied_lines(r: dict) -> list[str]:
+    """The head of a tied parameter's reduction: the parameter, its holders and devices, who contributes."""
+    t = r["tied"]
+    stages = sorted({h["stage"] for h in t["holders"]})
+    others = [d for d in t["devices"] if d not in t["contributors"]]
+    out = [f"reduce tied parameter {t['parameter']}: {_bytes(r['bytes'])}, held by stages "
+           f"{', '.join(map(str, stages))} on devices {t['devices']}, {r['groups']} group(s) of {r['group_size']}",
+           "  holders: " + ", ".join(f"layers.{h['layer']}.{h['name']} (stage {h['stage']})" for h in t["holders"]),
+           f"  summed after the last backward, before clip and the step; device {t['norm_device']} counts it in the norm"]
+    if others:
+        out.append(f"  devices {others} enter zeros (tensor replicas of a contributor's identical gradient)")
+    return out
+
+
 def compile_summary(plan: dict, tty: bool = False) -> list:
     """`planc compile`'s table of what was decided: one row per decision, with its prediction."""
     d = explain_data(plan)
@@ -456,8 +475,9 @@ def compile_summary(plan: dict, tty: bool = False) -> list:
         rows.append([f"stage {s['index']}", f"{layers}, mesh {s['mesh']}", ""])
     for r in d["reductions"]:
         where = f" (stage {r['stage']})" if r["stage"] is not None else ""
-        rows.append([f"{_VERB[r.get('target', 'allreduce')]} {r['name']}{where}", r["program"] or "nothing to reduce",
-                     _t(r["predicted"])])
+        what = f" {r['tied']['parameter']}" if r.get("tied") else ""
+        rows.append([f"{_VERB[r.get('target', 'allreduce')]} {r['name']}{what}{where}",
+                     r["program"] or "nothing to reduce", _t(r["predicted"])])
     for t in d["transfers"]:
         how = t["strategy"] + (f" in {t['chunks']} chunks" if t["chunks"] is not None else "")
         rows.append([f"transfer {t['name']}", f"{how}, {t['tasks']} unit task(s)", _t(t["makespan"])])

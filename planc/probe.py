@@ -103,6 +103,8 @@ class ModelProbe:
     layer_traffic: tuple[TensorTraffic, ...] = ()
     # a Hugging Face model: architecture, config after defaults, attention implementation, weights (hf_probe)
     hf: dict | None = None
+    # parameters shared by several layers (planc.runtime.tied): ((holders ((layer, local name), ...), numel), ...)
+    tied: tuple[tuple[tuple[tuple[int, str], ...], int], ...] = ()
 
     def measured(self, name: str) -> MeasuredTransfer | None:
         return next((m for m in self.transfers if m.name == name), None)
@@ -371,6 +373,7 @@ def probe_from_json(doc: dict, micro_batch: int, stage_tensor=(), chain: bool = 
         tensor_traffic=() if chain else traffic,
         layer_traffic=tuple(t for t in traffic if t.stage < len(doc["layer_params"])) if chain else (),
         hf=doc.get("hf"),
+        tied=tuple((tuple((int(i), str(n)) for i, n in t["holders"]), int(t["numel"])) for t in doc.get("tied") or ()),
     )
 
 

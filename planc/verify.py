@@ -16,7 +16,7 @@ import math
 from collections.abc import Callable
 
 from planc import ir
-from planc.reduction.check import check_pair, check_program
+from planc.reduction.check import check_pair, check_program, check_tied
 from planc.resharding.check import check_plan
 from planc import plan as planfile
 
@@ -75,6 +75,8 @@ def _reduced(reductions, _ctx) -> list[str]:
         unit, owned = _units(r.owned)
         steps = [(str(c), g) for c, g in r.steps]
         why = check_program(steps, r.groups, unit=unit, target=str(r.target), owned=owned)
+        if why is None and getattr(r, "tied", None) is not None:
+            why = check_tied(steps, r.groups, r.tied.contributors, _holder_keys(r.tied, _ctx.placement.stages))
         if why is not None:
             out.append(f"{_where(r)}: {why}")
     for rs, ag in _pairs(reductions, out):
@@ -84,6 +86,21 @@ def _reduced(reductions, _ctx) -> list[str]:
                          ([(str(c), g) for c, g in ag.steps], ag.groups, unit, ag_owned))
         if why is not None:
             out.append(f"{_where(rs)} and {_where(ag)}: {why}")
+    return out
+
+
+def _holder_keys(tied, stages) -> dict:
+    """Per device of the stages holding a tied parameter, what its gradient sums over: (stage, its mesh
+    position without the ``tensor`` coordinate), derived here from the stages alone (``StageLayout``s
+    or plan.json ``Stage``s)."""
+    out = {}
+    for st in stages:
+        if st.index not in {h.stage for h in tied.holders}:
+            continue
+        axes = tuple(getattr(st, "axes", None) or getattr(st, "mesh_axes", ()))
+        for d in st.devices:
+            pos = st.position(d)
+            out[d] = (st.index, tuple(x for i, x in enumerate(pos) if axes[i] != ir.MeshAxis.TENSOR))
     return out
 
 
@@ -162,6 +179,9 @@ def _assembled(plan: planfile.Plan, _ctx) -> list[str]:
         why = check_program([(str(s.collective), s.groups) for s in r.steps], r.groups, unit=r.unit,
                             regions=[s.regions for s in r.steps], target=str(r.target),
                             owned=r.owned if r.owned else None)
+        if why is None and r.tied is not None:
+            why = check_tied([(str(s.collective), s.groups) for s in r.steps], r.groups, r.tied.contributors,
+                             _holder_keys(r.tied, plan.stages), unit=r.unit, regions=[s.regions for s in r.steps])
         if why is not None:
             out.append(f"plan.json {_where(r)}: {why}")
     for rs, ag in _pairs(plan.reductions, out):   # the all-gather starts where the reduce-scatter's steps end

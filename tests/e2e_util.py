@@ -184,7 +184,7 @@ def independent_reference(plan: dict, model_dir: Path, steps: int, micro_batches
     kind, lr = opt_cfg.pop("name").lower(), opt_cfg.pop("lr")
     if "betas" in opt_cfg:
         opt_cfg["betas"] = tuple(opt_cfg["betas"])
-    params = [p for layer in layers for p in layer.parameters()]
+    params = list({id(p): p for layer in layers for p in layer.parameters()}.values())   # a tied one once
     optimizers = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}
     assert kind in optimizers, f"independent_reference: optimizer {kind!r} (sgd, adam or adamw)"
     optimizer = optimizers[kind](params, lr=lr, **opt_cfg)

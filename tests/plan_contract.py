@@ -492,8 +492,76 @@ def _expected_reduction_groups(r: dict, facts: _Facts) -> set[tuple[int, ...]]:
     return {tuple(sorted(g)) for g in buckets.values() if len(g) > 1}
 
 
+def simulate_tied(steps: list, groups: list[list[int]], contributors: list[int]) -> dict | str:
+    """A tied parameter's program replayed from every contributor holding its own gradient and every
+    other member holding zeros (nothing): per device, the contributors whose gradients it ends with over
+    the whole buffer; or why a step is invalid or a device ends without the whole buffer."""
+    state = {d: [(Fraction(0), Fraction(1), frozenset([d]) if d in contributors else frozenset())]
+             for g in groups for d in g}
+    try:
+        for k, step in enumerate(steps):
+            for g in step["groups"]:
+                outside = [d for d in g if d not in state]
+                if outside:
+                    raise _Invalid(f"step {k}: devices {outside} are in no reduction group")
+                apply_collective(state, step["collective"], g)
+    except _Invalid as e:
+        return str(e)
+    out = {}
+    for d, held in state.items():
+        held = _normal(held)
+        if len(held) != 1 or held[0][:2] != (0, 1):
+            return f"device {d} ends with {[(str(a), str(b), sorted(w)) for a, b, w in held]}, not the whole buffer"
+        out[d] = held[0][2]
+    return out
+
+
+def _check_tied(r: dict, where: str, facts: _Facts, report: _Report) -> None:
+    """DESIGN.md: "a reduction whose groups join devices of several stages (the stages that hold the
+    parameter)"; LANGUAGE.md: its gradient "is summed over all of them". Every device of every holding
+    stage ends with the sum over exactly one contribution per (stage, mesh position bar the tensor
+    coordinate): every stage's every data replica once, a tensor replica's identical copy not again."""
+    tied = r["tied"]
+    holders = report.need(tied, "holders", list, f"{where}.tied") or []
+    contributors = report.need(tied, "contributors", list, f"{where}.tied") or []
+    stages = sorted({h.get("stage") for h in holders})
+    if len(stages) < 2 or any(s not in facts.stages for s in stages):
+        report.bad(f"{where}.tied: holders on stages {stages}: not two stages or more of the plan")
+        return
+    key = {}
+    for s in stages:
+        st = facts.stages[s]
+        keep = [i for i, a in enumerate(st.mesh_axes) if a != "tensor"]
+        for d in st.devices:
+            key[d] = (s, tuple(st.position[d][i] for i in keep))
+    groups = r.get("groups") or []
+    if sorted(d for g in groups for d in g) != sorted(key):
+        report.bad(f"{where}: groups {groups} do not partition the holding stages' devices {sorted(key)}")
+        return
+    for k, step in enumerate((r.get("program") or {}).get("steps") or []):
+        for g in step.get("groups") or []:
+            if g != sorted(g) or len(g) < 2 or tuple(g) not in facts.groups:
+                report.bad(f"{where}: step {k}: group {g} is not sorted, has one device or is not in groups")
+    if tied.get("norm_device") not in contributors:
+        report.bad(f"{where}.tied: norm_device {tied.get('norm_device')} is not a contributor")
+    ended = simulate_tied((r.get("program") or {}).get("steps") or [], groups, contributors)
+    if isinstance(ended, str):
+        report.bad(f"{where}: the tied program is invalid: {ended}")
+        return
+    want = sorted(set(key.values()))
+    for d in sorted(key):
+        got = sorted(key[c] for c in ended[d])
+        if got != want:
+            report.bad(f"{where}: device {d} ends with the tied gradient of {got}, not one of each of {want}")
+            return
+
+
 def _check_reduction(r: dict, facts: _Facts, report: _Report) -> None:
     where = f"reductions[{r.get('name')}{' stage ' + str(r['stage']) if 'stage' in r else ''}]"
+    if "tied" in r:
+        report.need(r, "bytes", int, where)
+        _check_tied(r, where, facts, report)
+        return
     report.need(r, "name", str, where)
     axes = report.need(r, "axes", list, where) or []
     report.need(r, "bytes", int, where)

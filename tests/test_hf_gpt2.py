@@ -4,11 +4,12 @@ plans/hf-gpt2.plan (stage 0 on one device, stage 1 on two devices data-parallel)
 ``planc compile plans/hf-gpt2.plan -o OUT`` does and launched with ``bash OUT/launch.sh`` (the
 `deepspeed` launcher, CPU/gloo, 3 ranks), 3 SGD steps. The reference knows nothing of planc or of
 the example's layers: it builds ``GPT2LMHeadModel`` from its own ``GPT2Config`` (the plan's model
-arguments, dropout 0, untied embeddings, as docs/models.md says the example does), seeded with the
+arguments, dropout 0, tied embeddings, as docs/models.md says the example does), seeded with the
 plan's seed, and per step calls the HF model's own forward with ``labels`` (its causal-LM loss) on the
 step's rows — the same rows the data function gives the pipeline, all micro-batches of the step at
 once, so its loss is the global mean — then one SGD step. Losses and every parameter must agree to
-float tolerance.
+float tolerance: the tied weight too, on both stages that hold it (``wte`` on stage 0, ``lm_head`` on
+stage 1, whose gradient planc sums across the stages; HF's model has the one parameter).
 """
 
 from __future__ import annotations
@@ -42,11 +43,11 @@ def planc_name(name: str, blocks: int) -> str:
 
 
 def hf_config(args: dict):
-    """GPT2Config of the plan's model arguments: no dropout (deterministic), untied embeddings."""
+    """GPT2Config of the plan's model arguments: no dropout (deterministic), tied embeddings."""
     from transformers import GPT2Config
     return GPT2Config(n_layer=args["layers"], n_embd=args["hidden"], n_head=args["heads"], n_positions=args["seq"],
                       vocab_size=args["vocab"], resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-                      tie_word_embeddings=False, bos_token_id=args["vocab"] - 1, eos_token_id=args["vocab"] - 1)
+                      tie_word_embeddings=True, bos_token_id=args["vocab"] - 1, eos_token_id=args["vocab"] - 1)
 
 
 def hf_reference(plan: dict, steps: int):
@@ -58,7 +59,7 @@ def hf_reference(plan: dict, steps: int):
     args = dict(train["model"]["args"])
     torch.manual_seed(train["seed"])
     model = GPT2LMHeadModel(hf_config(args))
-    assert model.lm_head.weight.data_ptr() != model.transformer.wte.weight.data_ptr()
+    assert model.lm_head.weight is model.transformer.wte.weight   # tied: one parameter
     model.train()
     opt = torch.optim.SGD(model.parameters(), lr=train["optimizer"]["lr"])
     data = _load_callable(ROOT / "examples", train["data"])(train["micro_batch"], train["seed"], **args)
@@ -73,7 +74,9 @@ def hf_reference(plan: dict, steps: int):
         opt.zero_grad()
         losses.append(float(loss.detach()))
 
-    return losses, {planc_name(k, args["layers"]): v.detach().clone() for k, v in model.named_parameters()}
+    # named_parameters names the tied weight once (transformer.wte.weight); planc's head holds it as lm_head
+    named = dict(model.named_parameters(remove_duplicate=False))
+    return losses, {planc_name(k, args["layers"]): v.detach().clone() for k, v in named.items()}
 
 
 @pytest.mark.slow
@@ -84,6 +87,10 @@ def test_hf_gpt2_trains_on_unequal_meshes_like_the_hf_model(tmp_path):
     plan = json.loads((out / "plan.json").read_text())
     stages = sorted(plan["stages"], key=lambda st: st["index"])
     assert [len(st["devices"]) for st in stages] == [1, 2] and stages[1]["mesh_axes"] == ["data"]
+    (tied,) = [r for r in plan["reductions"] if "tied" in r]   # the embedding tied to the head, across stages
+    assert tied["groups"] == [[0, 1, 2]] and tied["tied"]["parameter"] == "layers.0.wte.weight"
+    assert [(h["stage"], h["layer"], h["name"]) for h in tied["tied"]["holders"]] == [
+        (0, 0, "wte.weight"), (1, 3, "lm_head.weight")]
     assert plan["train"]["trainable"] and plan["train"]["optimizer"]["name"] == "sgd"
     (t,) = plan["transfers"]
     args = plan["train"]["model"]["args"]
@@ -135,8 +142,9 @@ def test_layers_in_a_chain_are_the_hf_model():
     torch.testing.assert_close(h, out.logits, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(loss, out.loss, rtol=1e-6, atol=1e-7)
     mine = {f"layers.{i}.{k}": p for i, layer in enumerate(layers) for k, p in layer.named_parameters()}
-    assert len(mine) == len(list(ref.parameters()))
-    for k, p in ref.named_parameters():
+    assert len({id(p) for p in mine.values()}) == len(list(ref.parameters()))
+    assert mine["layers.0.wte.weight"] is mine[f"layers.{args['layers'] + 1}.lm_head.weight"]   # tied
+    for k, p in ref.named_parameters(remove_duplicate=False):
         q = mine[planc_name(k, args["layers"])]
         assert torch.equal(q.detach(), p.detach()), k
         torch.testing.assert_close(q.grad, p.grad, rtol=1e-5, atol=1e-7, msg=k)

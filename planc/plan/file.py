@@ -101,6 +101,7 @@ class Plan:
                     if g not in listed:
                         raise PlanFileError(f"plan.json: reductions[{i}].program.steps[{j}]: group {list(g)} "
                                             "is not listed in groups")
+        self._check_tied()
         backward = set(self.backward_groups) | listed
         for i, t in enumerate(self.transfers):
             for side, stage in (("src", t.src_stage), ("dst", t.dst_stage)):
@@ -138,6 +139,30 @@ class Plan:
             for d in self.train.loss_devices:
                 if d not in last:
                     raise PlanFileError(f"plan.json: train.loss_devices: {d} is not a device of the last stage")
+
+    def _check_tied(self) -> None:
+        """A tied reduction's holders are layers of their stages, and its groups partition exactly the
+        devices of those stages."""
+        for i, r in enumerate(self.reductions):
+            if r.tied is None:
+                continue
+            where = f"plan.json: reductions[{i}].tied"
+            for j, h in enumerate(r.tied.holders):
+                st = self.stages[h.stage] if h.stage < len(self.stages) else None
+                if st is None:
+                    raise PlanFileError(f"{where}.holders[{j}].stage: no stage {h.stage}")
+                if st.layers is not None and not st.layers[0] <= h.layer < st.layers[1]:
+                    raise PlanFileError(f"{where}.holders[{j}].layer: layer {h.layer} is not in stage {h.stage}'s "
+                                        f"layers {list(st.layers)}")
+            want = sorted(d for s in sorted({h.stage for h in r.tied.holders}) for d in self.stages[s].devices)
+            have = sorted(d for g in r.groups for d in g)
+            if have != want:
+                raise PlanFileError(f"plan.json: reductions[{i}].groups: a tied parameter's groups must partition "
+                                    f"the devices of the stages holding it {want}, got {have}")
+
+    def tied_reductions(self, device: int) -> tuple[Reduction, ...]:
+        """The tied-parameter reductions whose groups hold ``device``, in plan order."""
+        return tuple(r for r in self.reductions if r.tied is not None and r.group_of(device) is not None)
 
     def _check_nic_order(self) -> None:
         """Every listed send is one the plan makes: its rank on the host, sending that transfer's route."""

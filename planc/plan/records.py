@@ -10,7 +10,7 @@ from typing import Any
 from .jsonpath import At, Group, PlanFileError, Range, device_key, extra, lists, with_extra
 from .vocab import Collective, ReductionMode
 
-__all__ = ["Level", "Cluster", "Stage", "Step", "Reduction"]
+__all__ = ["Level", "Cluster", "Stage", "Step", "Reduction", "Tied", "Holder"]
 
 
 # ---------------------------------------------------------------- cluster
@@ -196,6 +196,53 @@ class Step:
 
 
 @dataclass(frozen=True, slots=True)
+class Holder:
+    """A layer that uses a tied parameter: stage ``stage``'s layer ``layer`` (global index), under ``name``."""
+    stage: int
+    layer: int
+    name: str
+
+    def describe(self) -> str:
+        return f"stage {self.stage} layers.{self.layer}.{self.name}"
+
+    def to_json(self) -> dict:
+        return {"stage": self.stage, "layer": self.layer, "name": self.name}
+
+
+@dataclass(frozen=True, slots=True)
+class Tied:
+    """What a tied-parameter reduction sums (docs/plan-format.md, "Tied parameters"): the gradient of
+    ``parameter`` (``layers.<first layer>.<name>``, the single-process model's name), which every
+    holder's stage holds a copy of. Every device of the holders' stages is in exactly one of the
+    reduction's groups; a device in ``contributors`` enters its own gradient, any other zeros (a tensor
+    replica's identical copy); ``norm_device`` is the one device that counts it in the global norm."""
+    parameter: str
+    holders: tuple[Holder, ...]
+    contributors: tuple[int, ...]
+    norm_device: int
+
+    @staticmethod
+    def read(at: At, groups) -> "Tied":
+        holders = []
+        for h in at.key("holders").items():
+            holders.append(Holder(h.key("stage").int(0), h.key("layer").int(0), h.key("name").str()))
+        if len({h.stage for h in holders}) < 2:
+            at.key("holders").fail("a tied parameter is held by layers of two stages or more")
+        members = {d for g in groups for d in g}
+        contributors = at.key("contributors").ints()
+        if list(contributors) != sorted(set(contributors)) or not set(contributors) <= members:
+            at.key("contributors").fail("must be sorted distinct devices of the reduction's groups")
+        norm = at.key("norm_device").int(0)
+        if norm not in contributors:
+            at.key("norm_device").fail(f"device {norm} is not a contributor")
+        return Tied(at.key("parameter").str(), tuple(holders), contributors, norm)
+
+    def to_json(self) -> dict:
+        return {"parameter": self.parameter, "holders": [h.to_json() for h in self.holders],
+                "contributors": list(self.contributors), "norm_device": self.norm_device}
+
+
+@dataclass(frozen=True, slots=True)
 class Reduction:
     """A reduction program as the runtime executes it (regions in units of ``1/unit`` of the buffer).
 
@@ -220,8 +267,9 @@ class Reduction:
     extra: tuple = ()
     target: Collective = Collective.ALLREDUCE
     owned: tuple[tuple[Range, ...], ...] = ()
+    tied: Tied | None = None     # a tied parameter's gradient, summed across the stages holding it
 
-    KEYS = ("name", "axes", "bytes", "groups", "program", "mode", "stage", "target", "owned")
+    KEYS = ("name", "axes", "bytes", "groups", "program", "mode", "stage", "target", "owned", "tied")
     TARGETS = (Collective.ALLREDUCE, Collective.REDUCE_SCATTER, Collective.ALL_GATHER)
 
     @staticmethod
@@ -252,10 +300,15 @@ class Reduction:
         if target not in Reduction.TARGETS:
             at.key("target").fail(f"expected one of {', '.join(map(str, Reduction.TARGETS))}, got {target}")
         owned = _owned(at.key("owned", []), groups, unit, target)
+        tied = None
+        if at.key("tied", None).value is not None:
+            if target is not Collective.ALLREDUCE:
+                at.key("target").fail("a tied parameter's reduction has the allreduce target")
+            tied = Tied.read(at.key("tied"), groups)
         return Reduction(at.key("name").str(), tuple(x.str() for x in at.key("axes").items()),
                          at.key("bytes").int(0), groups, prog.key("text").str(), tuple(steps),
                          prog.key("predicted").num(), at.key("mode", "synthesize").enum(ReductionMode), unit,
-                         at.key("stage", None).opt_int(0), extra(at, Reduction.KEYS), target, owned)
+                         at.key("stage", None).opt_int(0), extra(at, Reduction.KEYS), target, owned, tied)
 
     def owned_by(self, device: int) -> Range | None:
         """The range of the buffer ``device`` owns (reduce-scatter and all-gather targets), in units."""
@@ -278,6 +331,8 @@ class Reduction:
         if self.target is not Collective.ALLREDUCE:
             out["target"] = str(self.target)
             out["owned"] = [[[a, b] for a, b in ranges] for ranges in self.owned]
+        if self.tied is not None:
+            out["tied"] = self.tied.to_json()
         return out
 
 

@@ -26,13 +26,14 @@ from planc.reduction.lower import LoweringError, lower_program, resolve
 from planc.reduction.pinned import validate_pinned as _validate_pinned
 from planc.reduction.plan import MAX_ALTERNATIVES, ReductionPlan
 from planc.reduction.synthesize import synthesize
+from planc.reduction.tied import plan_tied as _plan_tied
 from planc.reduction.zero import PARAMETERS, plan_zero
 
 __all__ = [
     "ReductionPlan", "plan_reduction", "plan_reductions", "best_time", "reduction_groups",
     "stage_reduction_groups", "Hierarchy", "hierarchy_from_matrix", "synthesize", "parse_program",
     "FLAT_ALLREDUCE", "reduction_bytes", "pinned_time", "rank_programs", "TIE_RELATIVE", "resolve",
-    "program_coefficients", "plan_zero", "PARAMETERS",
+    "program_coefficients", "plan_zero", "PARAMETERS", "plan_tied",
 ]
 
 Groups = tuple[tuple[int, ...], ...]
@@ -260,3 +261,10 @@ def plan_reductions(program: ir.Program, coords: Sequence[Sequence[int] | None] 
 def _add(out: list, planned) -> None:
     """One plan, or ZeRO-1's pair (gradients then parameters), in that order."""
     out.extend(planned if isinstance(planned, tuple) else (planned,))
+
+
+def plan_tied(program: ir.Program, stages: Sequence[ir.StageLayout], ties, n_layers: int) -> tuple[ReductionPlan, ...]:
+    """The tied parameters' reductions (``reduction/tied.py``): one per parameter the probe found shared by
+    layers of two stages or more (``ties``: the probe's ``(holders, numel)``), synthesized on the union of
+    the holding stages' devices."""
+    return _plan_tied(program, stages, ties, n_layers, plan_reduction)

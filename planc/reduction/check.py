@@ -149,6 +149,28 @@ def _check(steps, reduction_groups, unit, regions, target, owned, D) -> str | No
     return None
 
 
+def check_tied(steps: Sequence[tuple[str, Sequence[Sequence[int]]]], reduction_groups: Sequence[Sequence[int]],
+               contributors: Sequence[int], keys: dict, unit: int | None = None, regions=None) -> str | None:
+    """A tied parameter's program (DESIGN.md: a reduction whose groups join devices of several stages): None
+    when, starting from every contributor holding its own gradient and every other member zeros, every
+    device of ``keys`` (each holder's device -> what its gradient is a partial sum over: its stage and
+    position bar the tensor coordinate) ends with the whole buffer summed over exactly one contributor
+    of each distinct key; else why not. ``unit``, ``regions``: plan.json's, checked as ``check_program`` does."""
+    why = check_program(steps, reduction_groups, unit=unit, regions=regions)
+    if why is not None:
+        return why
+    members = sorted(d for g in reduction_groups for d in g)
+    if members != sorted(keys):
+        return f"the groups hold devices {members}, the holding stages {sorted(keys)}"
+    needed = sorted(set(keys.values()))
+    for g in reduction_groups:   # the allreduce target holds: every member ends with its group's sum
+        got = sorted(keys[c] for c in g if c in contributors)
+        if got != needed:
+            return (f"group {list(g)} ends with the contributions of {got}, not one of each of {needed} "
+                    f"(contributors {sorted(contributors)})")
+    return None
+
+
 def final_owned(steps: Sequence[tuple[str, Sequence[Sequence[int]]]], reduction_groups: Sequence[Sequence[int]],
                 unit: int) -> list[list[tuple[int, int]]] | str:
     """What a reduce-scatter program leaves: per group, per member, its piece in units of ``1/unit``;

@@ -55,6 +55,7 @@ class ReductionPlan:
     owned: Owned = ()
     unit: int = 0
     mode: ir.ReductionMode = ir.ReductionMode.SYNTHESIZE   # as the plan asked (``using ...``)
+    tied: planfile.Tied | None = None   # a tied parameter's gradient across stages (reduction/tied.py)
 
     def __post_init__(self) -> None:
         if len(self.alternatives) > MAX_ALTERNATIVES:
@@ -125,6 +126,8 @@ class ReductionPlan:
         })
         out.update(self._figures())
         out.update(self._targeted(unit))
+        if self.tied is not None:
+            out["tied"] = self.tied.to_json()
         return out
 
     def _targeted(self, unit: int) -> dict:
@@ -155,4 +158,4 @@ class ReductionPlan:
         return planfile.Reduction(self.name, tuple(self.axes), self.nbytes, tuple(tuple(g) for g in self.groups),
                                   self.text, steps, self.predicted, planfile.ReductionMode(mode or self.mode), unit,
                                   self.stage, self._figures() + (("collectives", [str(c) for c in collectives]),),
-                                  planfile.Collective(str(self.target)), owned)
+                                  planfile.Collective(str(self.target)), owned, self.tied)

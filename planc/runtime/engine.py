@@ -45,6 +45,7 @@ from .reshard import DTYPES, TransferExecutor
 from .comm import RecvAhead, receive_jobs
 from .dsplan import BeginOp, PlanSchedule, check_ds_config, deepspeed_on_plan
 from .grads import GradientBuckets, GroupAllReduce
+from .tied import TiedGradients
 from .sends import SendReaper
 from .topology import StageTopology, lookup_group, reduce_groups
 
@@ -128,7 +129,8 @@ class PlanEngine(PipelineEngine):
         self.reduction = None
         self.dtype = param_dtype(plan.train.precision)
         low = self.dtype != torch.float32
-        self.deepspeed_reduce = red is not None and str(red.mode) == "allreduce" and not low
+        self.tied = TiedGradients.build(self.module, plan, rank, groups, self.device, tracer)   # tied.py
+        self.deepspeed_reduce = red is not None and str(red.mode) == "allreduce" and not low and not self.tied.params
         if red is None:
             self.reduce_description = "none (no data-parallel peers)"
         elif self.deepspeed_reduce:
@@ -150,7 +152,7 @@ class PlanEngine(PipelineEngine):
                               f"stage's data group {self.grid.get_data_parallel_group_ranks()}")
         self.held = {k: {} for k in ("inputs", "outputs", "labels", "losses", "grads")}
         self.last_backward = int(next(op for op in reversed(self.ops) if op[0] == "B")[1:])
-        self.grads = GradientBuckets(self.module.parameters(), self.reduction, self.device,
+        self.grads = GradientBuckets(self.tied.others(self.module.parameters()), self.reduction, self.device,
                                      bucket_bytes=plan.runtime.grad_bucket_bytes, tracer=tracer)
         self.regime = self._regime(plan, groups, red, initial)
         self.optimizer = self.regime.optimizer   # DeepSpeed was built with a placeholder (see build)
@@ -219,7 +221,7 @@ class PlanEngine(PipelineEngine):
                 raise EngineError(f"rank {rank}: plan.json train.norm_group {list(members)} does not hold it")
         tensor_index = stage.position(rank)[stage.mesh_axes.index("tensor")] if "tensor" in stage.mesh_axes else 0
         group = red.group_of(rank) if red is not None else (rank,)
-        return Regime(plan.train, self.grads, self.device, initial=initial, owned=owned, gather=gather,
+        return Regime(plan.train, self.grads, self.device, initial=initial, owned=owned, gather=gather, tied=self.tied,
                       norm_group=norm_group, tensor_index=tensor_index, share=(group.index(rank), len(group)))
 
     # ---- buffer bookkeeping
@@ -399,9 +401,9 @@ class PlanEngine(PipelineEngine):
             left = {k: sorted(v) for k, v in self.held.items() if v}
             raise EngineError(f"rank {self.rank}: micro-batch buffers still held after the schedule: {left}")
         params = [p for p in self.module.parameters() if p.requires_grad]
-        # buckets released during the last backward, the rest now; all waited for. zero = 1: the
-        # no-gradient flags summed over the stage's data group (each member holds only its own slices)
+        # buckets released in the last backward, the rest now, all waited for (zero = 1: flags summed over data)
         self.grads.finish(flags_group=self.grid.get_data_parallel_group() if self.regime.sharded else None)
+        self.tied.reduce()   # every tied gradient summed over the stages holding it (their planned programs)
         if self.deepspeed_reduce:
             # DeepSpeed averages over the data group; our gradients are partial sums
             for p in params:
@@ -440,6 +442,7 @@ class PlanEngine(PipelineEngine):
         self.module.train()
         self.total_loss = None
         self.grads.attach()
+        self.tied.attach()
         self.recvs.start_step()
         if self.nic is not None:
             self.nic.begin_step()
@@ -453,7 +456,7 @@ class PlanEngine(PipelineEngine):
         in bf16/fp16 plans (zero = 1: all-gathered, so collective over the data group), else the parameter."""
         masters = self.regime.whole_masters()
         return OrderedDict((f"layers.{k}", masters.get(id(v), v).detach().cpu())
-                           for k, v in self.module.named_parameters())
+                           for k, v in self.module.named_parameters(remove_duplicate=False))
 
 
 def _named(instruction: str, fn):

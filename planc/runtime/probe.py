@@ -77,6 +77,7 @@ import torch
 
 from .probe_measure import count_flops, measure_tensor_traffic
 from .tensor_parallel import TensorParallel
+from .tied import probe_record as tied_record
 from .usercode import MissingFunction, accepts_tensor_parallel, load_callable
 from .usererrors import UserCodeError, describe, draw_batches, exercise, layers_of
 
@@ -360,7 +361,8 @@ def _request(req: dict) -> dict:
             "layer_saved": saved_by_layer(layers, x, stages, transfers) if not errors else [],
             "layer_flops": flops, "flop_errors": flop_errors, "transfers": measured,
             "tensor_parallel": opts_in, "sharded_layer_params": sharded, "shard_errors": shard_errors,
-            "tensor_traffic": sorted(traffic, key=lambda t: t["stage"]), "graph_errors": errors}
+            "tensor_traffic": sorted(traffic, key=lambda t: t["stage"]), "graph_errors": errors,
+            "tied": tied_record(layers)}   # parameters shared by several layers (tied.py)
 
 
 def main(argv=None) -> int:

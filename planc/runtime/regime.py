@@ -62,14 +62,15 @@ def make_optimizer(optimizer, tensors):
 
 
 class Fragment:
-    """Elements [lo, hi) of ``param`` (flattened), at ``offset`` in gradient bucket ``bucket``; ``master``
-    is the fp32 tensor the optimizer updates for them (``param`` itself in fp32 plans without ZeRO)."""
+    """Elements [lo, hi) of ``param`` (flattened), at ``offset`` in gradient bucket ``bucket`` of ``source``
+    (a ``GradientBuckets``: the stage's, or the tied parameters'); ``master`` is the fp32 tensor the
+    optimizer updates for them (``param`` itself in fp32 plans without ZeRO)."""
 
-    __slots__ = ("param", "bucket", "offset", "lo", "hi", "master", "whole")
+    __slots__ = ("param", "bucket", "offset", "lo", "hi", "master", "whole", "source")
 
-    def __init__(self, param, bucket, offset, lo, hi, master, whole):
+    def __init__(self, param, bucket, offset, lo, hi, master, whole, source=None):
         self.param, self.bucket, self.offset, self.lo, self.hi = param, bucket, offset, lo, hi
-        self.master, self.whole = master, whole
+        self.master, self.whole, self.source = master, whole, source
 
 
 class Regime:
@@ -81,11 +82,13 @@ class Regime:
     the process group of ``train.norm_group`` (None: this rank alone); ``tensor_index``: the rank's
     position along its stage's ``tensor`` axis (parameters replicated over it count at 0 only);
     ``share``: (k, D), this rank's position in a data group of D members that all hold the summed
-    gradient (zero = 0): it counts the k-th of D equal parts of each bucket.
+    gradient (zero = 0): it counts the k-th of D equal parts of each bucket. ``tied``: the rank's parameters
+    tied across stages (``tied.TiedGradients``): whole fragments of their own buckets, never sharded (their
+    fp32 master replicated on every holder), counted in the norm by their ``norm_device`` only.
     """
 
     def __init__(self, train, buckets, device, initial=None, owned=None, gather=None, norm_group=None,
-                 tensor_index: int = 0, share=(0, 1)):
+                 tensor_index: int = 0, share=(0, 1), tied=None):
         self.train, self.buckets, self.device = train, buckets, device
         self.precision = Precision(str(train.precision))
         self.fp16 = self.precision is Precision.FP16
@@ -116,7 +119,7 @@ class Regime:
                     else:
                         src = (source if source is not None else p.detach()).to(device, buf.dtype)
                         master = src.clone() if whole else src.reshape(-1)[lo:hi].clone()
-                    self.fragments.append(Fragment(p, b, off, lo, hi, master, whole))
+                    self.fragments.append(Fragment(p, b, off, lo, hi, master, whole, buckets))
             if self.sharded:   # the parameters become views of a flat buffer with the bucket's layout
                 dtype = placed[0][0].dtype
                 pbuf = torch.zeros(buf.numel(), dtype=dtype, device=device)
@@ -126,9 +129,25 @@ class Regime:
                     pbuf[off:off + p.numel()].copy_(p.detach().reshape(-1))
                     p.data = pbuf[off:off + p.numel()].view_as(p)
                 self.pbufs.append(pbuf)
-        self.separate = [f for f in self.fragments if f.master is not f.param]
-        self.optimizer = make_optimizer(train.optimizer, [f.master for f in self.fragments])
+        self.tied = self._tied_fragments(tied, initial, device)
+        self.separate = [f for f in self.fragments + self.tied if f.master is not f.param]
+        self.optimizer = make_optimizer(train.optimizer, [f.master for f in self.fragments + self.tied])
         self.counted = self._counted(tensor_index, share)
+        counts = tied.counts_norm if tied is not None else set()
+        self.counted += [self._grad_view(f).reshape(-1) for f in self.tied if id(f.param) in counts]
+
+    def _tied_fragments(self, tied, initial: dict, device) -> list[Fragment]:
+        """One whole fragment per tied parameter; its master the parameter itself in fp32, else an fp32 copy."""
+        if tied is None or tied.buckets is None:
+            return []
+        out = []
+        for b, (buf, placed) in enumerate(tied.buckets.buckets):
+            for p, off in placed:
+                source = initial.get(id(p))
+                master = p if source is None and p.dtype == buf.dtype else (
+                    (source if source is not None else p.detach()).to(device, buf.dtype).clone())
+                out.append(Fragment(p, b, off, 0, p.numel(), master, True, tied.buckets))
+        return out
 
     # ---- the gradient norm's counting rule
     def _counted(self, tensor_index: int, share) -> list[torch.Tensor]:
@@ -172,7 +191,7 @@ class Regime:
         ``scale`` (the loss scale this step used; 1 but in fp16) and ``next_scale``."""
         no_grad = self.buckets.no_gradient
         for f in self.separate:
-            f.master.grad = None if id(f.param) in no_grad else self._grad_view(f)
+            f.master.grad = None if id(f.param) in no_grad and f.source is self.buckets else self._grad_view(f)
         lr = self.lr()
         norm = None
         coef = None
@@ -195,7 +214,7 @@ class Regime:
                 coef = coef / self.scale if coef is not None else torch.tensor(1.0 / self.scale, device=self.device)
         if coef is not None:
             by_dtype: dict = {}
-            for f in self.fragments:
+            for f in self.fragments + self.tied:
                 if f.master.grad is not None:
                     by_dtype.setdefault(f.master.grad.dtype, []).append(f.master.grad)
             for dtype, grads in by_dtype.items():
@@ -214,7 +233,7 @@ class Regime:
         return {"lr": lr, "norm": norm, "skipped": False, "scale": used, "next_scale": self.scale}
 
     def _grad_view(self, f: Fragment) -> torch.Tensor:
-        buf = self.buckets.buckets[f.bucket][0]
+        buf = f.source.buckets[f.bucket][0]
         view = buf[f.offset + f.lo:f.offset + f.hi]
         return view.view(f.master.shape)
 
@@ -226,6 +245,9 @@ class Regime:
             for f in self.separate:
                 f.param.copy_(f.master)
             return
+        for f in self.tied:   # zero = 1: tied parameters stay whole, outside the flat parameter buffers
+            if f.master is not f.param:
+                f.param.copy_(f.master)
         for f in self.fragments:
             self.pbufs[f.bucket][f.offset + f.lo:f.offset + f.hi].copy_(f.master)
         if self.gather is not None:
@@ -238,11 +260,12 @@ class Regime:
         collective over the data group) every parameter's, its fragments all-gathered by the plan's
         ``parameters`` program into an fp32 buffer of the bucket's layout. Empty where the parameters
         are their masters' exact values (fp32)."""
+        tied = {id(f.param): f.master for f in self.tied if f.master is not f.param}
         if not self.sharded:
-            return {id(f.param): f.master for f in self.fragments if f.whole}
+            return {id(f.param): f.master for f in self.fragments if f.whole} | tied
         if all(pbuf.dtype == buf.dtype for pbuf, (buf, _) in zip(self.pbufs, self.buckets.buckets)):
-            return {}
-        out = {}
+            return tied
+        out = dict(tied)
         for b, (buf, placed) in enumerate(self.buckets.buckets):
             flat = torch.zeros(buf.numel(), dtype=buf.dtype, device=self.device)
             for f in self.fragments:
