@@ -165,14 +165,14 @@ def test_resume_prints_the_same_losses_and_ends_with_the_same_parameters(two, tm
     assert f"resumed from {two['ck'] / 'step2'} at step 2" in text
     resumed = losses_of(text)
     assert sorted(resumed) == [2, 3], text[-2000:]
-    for s in (2, 3):
-        assert resumed[s] == pytest.approx(two["losses"][s], rel=1e-6, abs=1e-7), (s, resumed, two["losses"])
+    for s in (2, 3):   # bit for bit: the same masters, moments, step counts, data and RNG
+        assert resumed[s] == two["losses"][s], (s, resumed, two["losses"])
     for rank in (0, 1):
         want = torch.load(two["tmp"] / "dump" / f"rank{rank}.pt")
         got = torch.load(tmp_path / "dump" / f"rank{rank}.pt")
         assert set(got) == set(want) and want
         for k in want:
-            torch.testing.assert_close(got[k], want[k], rtol=1e-6, atol=1e-7, msg=f"rank {rank} {k}")
+            assert torch.equal(got[k], want[k]), f"rank {rank} {k}"
 
 
 @pytest.mark.slow
