@@ -418,16 +418,16 @@ def _main(argv=None, out_dir: str | None = None) -> int:
                 f"for (on faster links: recompile for them)") if hold_rate else "no hold"
         print(f"host NIC order: {sum(len(k) for _, k in plan.pipeline.nic_order)} cross-host sends per step, "
               f"one at a time per host in the plan's order; {held}", flush=True)
-    first = 0
+    first, problems, t_read = 0, [], time.perf_counter()
     if resume_from is not None:
-        problems = []
         try:   # collective (DCP reads each rank's rectangles of the checkpoint under this plan)
             first = checkpoint.restore(resume_from, manifest, plan, engine, data, args.weights_only)
         except CheckpointError as e:
             problems = [str(e)]
         _fail_together(problems, f"cannot resume from {resume_from}")
         if rank == 0:
-            print(checkpoint.resumed_line(resume_from, manifest, digest, args.weights_only), flush=True)
+            print(checkpoint.resumed_line(resume_from, manifest, digest, args.weights_only)
+                  + f" in {time.perf_counter() - t_read:.3f} s", flush=True)
     described = [None] * dist.get_world_size()   # every stage's gradient reduction, for rank 0's summary
     dist.all_gather_object(described, (stage.index, engine.reduce_description) if engine is not None else None)
     if rank == 0:
@@ -477,9 +477,10 @@ def _main(argv=None, out_dir: str | None = None) -> int:
             if skipped:   # with the scale the next step uses
                 print(f"step {step} skipped: overflow, loss scale {next_scale:.12g}", flush=True)
         if args.save and (step + 1 == steps or (save_every and (step + 1) % save_every == 0)):
+            t_save = time.perf_counter()
             saved = checkpoint.save(args.save, step + 1, plan, digest, engine, data)
             if rank == 0:
-                print(f"checkpoint step {step + 1} saved to {saved}", flush=True)
+                print(f"checkpoint step {step + 1} saved to {saved} in {time.perf_counter() - t_save:.3f} s", flush=True)
     trained = steps - first
     if rank == 0 and trained > 0:
         print(f"trained {trained} step(s) in {total:.3f} s: {trained * samples / total:.1f} samples/s", flush=True)
