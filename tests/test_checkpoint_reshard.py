@@ -247,3 +247,21 @@ def test_another_global_batch_is_refused_and_taken_with_weights_only(chain, tmp_
     a_out, a_plan = chain["compiled"]["a"]
     _, ref_state = independent_reference(a_plan, a_out, 2)   # the weights after the 2 steps it holds
     compare_dumps(tmp_path / "dump", [0], ref_state, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_a_bf16_zero1_plan_takes_the_fp32_masters_of_an_fp32_run(chain, tmp_path):
+    """Plan ``b`` in bf16 with zero = 1 resumes plan ``a``'s fp32 step-2 checkpoint: its fp32 masters (each
+    data rank reading its owned half, then all-gathered) are the reference's parameters after 2 steps, to
+    fp32 rounding; its bf16 parameters are their casts. No step is trained (``--steps 2``)."""
+    text = plan_text("b16", *PLANS["b"]).replace("precision = fp32", "precision = bf16").replace(
+        "zero = 0", "zero = 1")
+    out, plan = compile_text(tmp_path, "b16", text)
+    assert (plan["train"]["precision"], plan["train"]["zero"]) == ("bf16", 1)
+    rc, text, every = start_ranks(out, 2, "--resume", chain["tmp"] / "ck1", "--steps", 2,
+                                  "--dump-params", tmp_path / "dump")
+    assert rc == 0 and "Traceback" not in every, every[-3000:]
+    assert "resumed from" in text and "(written by plan 'ckpt_a' on 4 ranks)" in text, text[-3000:]
+    a_out, a_plan = chain["compiled"]["a"]
+    _, ref_state = independent_reference(a_plan, a_out, 2)
+    compare_dumps(tmp_path / "dump", [0, 1], ref_state, rtol=1e-4, atol=1e-5)
