@@ -6,9 +6,10 @@ Each size is compiled under two plans of 4 local CPU ranks (gloo): ``2 stages x 
 ``1 stage x data 4``. Launches, each rank started by hand as a per-host launcher does (``train.py``):
 save after 1 step under the first plan; load it under the same plan and under the second (resharded: each
 rank reads other rectangles than were written); the same save and same-plan load with the legacy writer
-(it cannot load under another plan). The times are rank 0's, printed by the runtime around the collective
-save and restore (``checkpoint step N saved to DIR in T s``, ``resumed from … in T s``): everything from
-the first gather to the last, hashing included; bytes are the checkpoint folder's files.
+(it cannot load under another plan). The times are rank 0's, printed by the runtime (``checkpoint step N
+saved to DIR in T s``: the whole collective save, hashing included; ``resumed from … in T s``: the restore
+from when every rank is in it, the sha256 check before the process group left out); bytes are the
+checkpoint folder's files.
 """
 from __future__ import annotations
 

@@ -16,6 +16,7 @@ import os
 import random
 import shutil
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -100,7 +101,7 @@ def install(C) -> None:
         return manifest
 
     def restore(path, manifest, plan, engine, data, weights_only):
-        rank = dist.get_rank()
+        rank, t0 = dist.get_rank(), time.perf_counter()   # nothing collective: no skew to wait for
         state = torch.load(os.path.join(path, f"rank{rank}.pt"), map_location="cpu", weights_only=False)
         if engine is not None:
             e = state["engine"]
@@ -118,7 +119,7 @@ def install(C) -> None:
         torch.set_rng_state(state["rng"]["torch"])
         version, internal, gauss = state["rng"]["python"]
         random.setstate((version, tuple(internal), gauss))
-        return int(state["step"])
+        return int(state["step"]), time.perf_counter() - t0
 
     C.save, C.resolve, C.check, C.restore = save, resolve, check, restore
 

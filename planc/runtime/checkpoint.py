@@ -24,6 +24,7 @@ import json
 import os
 import random
 import shutil
+import time
 
 import torch
 import torch.distributed as dist
@@ -359,12 +360,13 @@ def restore(path: str, manifest: dict, plan, engine, data: CountingIterator | No
     resharding); the schedule's t, loss scale and step counters, the data position (global: the samples
     drawn) and the RNG states (the state of the rank with this rank's number if the writing run had one,
     else rank 0's) follow. ``weights_only``: the masters alone (fresh optimizer, step 0, fresh data and
-    RNG). Returns the step to continue from."""
+    RNG). Returns the step to continue from and the seconds the restore took (from when every rank is in it)."""
     from torch.distributed import checkpoint as dcp
     from .ckpt_dcp import RectLoadPlanner
     from .ckpt_state import LoadTargets
     rank = dist.get_rank()
     mine = model_parameters(_gather(describe_rank(engine)))
+    t0 = time.perf_counter()   # every rank is here: the time the restore takes, not the ranks' skew before it
     diff = compare_models(mine, manifest.get("parameters") or [])
     if diff:
         raise CheckpointError(f"--resume {path}: the checkpoint holds another model: {diff}")
@@ -390,17 +392,17 @@ def restore(path: str, manifest: dict, plan, engine, data: CountingIterator | No
         engine.global_samples = step * int(manifest["global_batch"])
         engine.skipped_steps = int(regime.get("skipped_steps", 0))
     if weights_only:
-        return 0
+        return 0, time.perf_counter() - t0
     if data is not None and engine is not None and engine.data_iterator is not None:
         samples = int(manifest["data"]["drawn"]) * int(manifest["micro_batch"])
         data.skip(samples // plan.train.micro_batch)
     states = manifest.get("rng") or {}
     if states:
         set_rng_state(states.get(str(rank), states.get("0")))
-    return step
+    return step, time.perf_counter() - t0
 
 
-def resumed_line(path: str, manifest: dict, digest: str, weights_only: bool) -> str:
+def resumed_line(path: str, manifest: dict, digest: str, weights_only: bool, seconds: float) -> str:
     same = "the same plan" if manifest.get("digest") == digest else f"plan {manifest.get('plan')!r}"
     return (f"resumed from {path} {'(weights only) of' if weights_only else 'at'} step {manifest['step']} "
-            f"(written by {same} on {manifest.get('world_size')} ranks)")
+            f"(written by {same} on {manifest.get('world_size')} ranks) in {seconds:.3f} s")

@@ -418,16 +418,15 @@ def _main(argv=None, out_dir: str | None = None) -> int:
                 f"for (on faster links: recompile for them)") if hold_rate else "no hold"
         print(f"host NIC order: {sum(len(k) for _, k in plan.pipeline.nic_order)} cross-host sends per step, "
               f"one at a time per host in the plan's order; {held}", flush=True)
-    first, problems, t_read = 0, [], time.perf_counter()
+    first, problems, read_s = 0, [], 0.0
     if resume_from is not None:
         try:   # collective (DCP reads each rank's rectangles of the checkpoint under this plan)
-            first = checkpoint.restore(resume_from, manifest, plan, engine, data, args.weights_only)
+            first, read_s = checkpoint.restore(resume_from, manifest, plan, engine, data, args.weights_only)
         except CheckpointError as e:
             problems = [str(e)]
         _fail_together(problems, f"cannot resume from {resume_from}")
         if rank == 0:
-            print(checkpoint.resumed_line(resume_from, manifest, digest, args.weights_only)
-                  + f" in {time.perf_counter() - t_read:.3f} s", flush=True)
+            print(checkpoint.resumed_line(resume_from, manifest, digest, args.weights_only, read_s), flush=True)
     described = [None] * dist.get_world_size()   # every stage's gradient reduction, for rank 0's summary
     dist.all_gather_object(described, (stage.index, engine.reduce_description) if engine is not None else None)
     if rank == 0:
