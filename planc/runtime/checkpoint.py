@@ -324,9 +324,9 @@ def check(path: str, plan, weights_only: bool = False) -> dict:
                               f"{manifest.get('micro_batches')}), this plan's is {batch} ({train.micro_batch} x "
                               f"{train.micro_batches}): its data position does not carry over (--weights-only "
                               f"takes the weights alone)")
-    if not weights_only and manifest.get("optimizer", {}).get("name") != train.optimizer.name:
+    if not weights_only and (manifest.get("optimizer") or {}).get("name") != train.optimizer.name:
         raise CheckpointError(f"--resume {path}: the checkpoint's optimizer is "
-                              f"{manifest.get('optimizer', {}).get('name')!r}, this plan's is "
+                              f"{(manifest.get('optimizer') or {}).get('name')!r}, this plan's is "
                               f"{train.optimizer.name!r}: its state does not carry over (--weights-only takes "
                               f"the weights alone)")
     return manifest
