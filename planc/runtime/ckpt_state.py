@@ -48,8 +48,12 @@ def save_chunks(engine) -> dict:
         sources.update({f"optim.{info.name}.{k}": v
                         for k, v in _tensor_states(engine.regime.optimizer, f.master).items()})
         for key, tensor in sources.items():
-            full = torch.zeros(n, dtype=torch.float32)
-            full[f.lo:f.hi] = tensor.detach().reshape(-1).to("cpu", torch.float32)
+            flat = tensor.detach().reshape(-1).to("cpu", torch.float32)
+            if (f.lo, f.hi) == (0, n):   # the whole tensor: its own view (each rectangle is cloned below)
+                full = flat
+            else:
+                full = torch.zeros(n, dtype=torch.float32)
+                full[f.lo:f.hi] = flat
             for local, sizes, glob in rects:
                 chunks[(key, glob)] = (local_view(full, shape, local, sizes).clone(), info.shape)
     return chunks
