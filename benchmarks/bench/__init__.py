@@ -13,7 +13,8 @@ from __future__ import annotations
 import importlib
 from pathlib import Path
 
-BENCHES = ("synthesis", "resharding", "testbed", "iteration", "fuzz", "accuracy", "cut", "nic", "verify", "scale", "zero", "regime")
+BENCHES = ("synthesis", "resharding", "testbed", "iteration", "fuzz", "accuracy", "cut", "nic", "verify", "scale", "zero", "regime",
+           "checkpoint")
 
 
 def run_bench(name: str, write: str | None = None, **options) -> str:

@@ -1,43 +1,36 @@
-"""Checkpoints of a training run: ``train.py --save DIR`` writes them, ``train.py --resume DIR`` continues.
+"""Checkpoints of a training run: ``train.py --save DIR`` writes them, ``train.py --resume DIR`` continues,
+under the plan that wrote them or any other plan of the same model and global batch.
 
-Layout (docs/runtime.md "Checkpoints")::
+Layout (format 2, docs/runtime.md "Checkpoints")::
 
-    DIR/step<N>/manifest.json   written last: format, plan name, plan digest, step, world size, and
-                                every rank file's size and sha256
-    DIR/step<N>/rank<R>.pt      one per rank of the world: its stage's parameters (its tensor-parallel
-                                shards), optimizer state, its fp32 master weights (those that are not
-                                the parameters: bf16/fp16, or its ZeRO-1 shard), the schedule's step
-                                and the loss scale, DeepSpeed step counters, RNG states, data
-                                position; an idle rank's holds its RNG states only
-    DIR/latest                  "step<N>", the newest complete checkpoint (replaced atomically)
+    DIR/step<N>/.metadata, *.distcp   a torch.distributed.checkpoint folder: ``model.<name>`` (fp32 masters)
+                                      and ``optim.<name>.<state>`` at global names and shapes, each rank
+                                      writing the rectangles it owns (``ckpt_dcp``, ``ckpt_state``)
+    DIR/step<N>/planc.json            written last: plan, digest, step, batch sizes, regime, data position,
+                                      every rank's RNG states, parameters, sharding, every file's size and
+                                      sha256
+    DIR/latest                        "step<N>", the newest complete checkpoint (replaced atomically)
 
-A save is collective over the world (idle ranks take part). Every rank writes its file into
-``DIR/.step<N>.partial/`` (a temporary name, then renamed); rank 0 gathers the files' sizes and
-digests, writes the manifest, renames the folder to ``DIR/step<N>`` and then updates ``latest``.
-A folder without a manifest, or whose files do not match it, is never loaded.
-
-Why not ``DeepSpeedEngine.save_checkpoint``: it synchronizes with world-wide ``dist.barrier``
-and ``all_reduce`` calls that ranks outside every stage (which build no engine) never make; its
-optimizer files are named by the model-parallel rank only (``mp_rank_00_model_states.pt``), so
-with ``PlanGrid`` (one grid per stage) every stage's data-rank 0 writes the same file; its layer
-loader (``SDLoaderFactory``) re-merges tensor-parallel layer files with Megatron's heuristics,
-not by planc's shard layout; and it keeps neither RNG states nor the data position. The state it
-would restore (module, optimizer, ``global_steps``/``global_samples``/``skipped_steps``, the lr
-scheduler) is what each rank file holds.
+A save is collective over the world (idle ranks take part, with nothing to write). The folder is written
+as ``DIR/.step<N>.partial/`` and renamed when complete; a folder without ``planc.json``, or whose files do
+not match it, is never loaded (checked before any process group starts).
 """
 from __future__ import annotations
 
+import base64
 import hashlib
+import io
 import json
 import os
 import random
 import shutil
+import time
 
 import torch
 import torch.distributed as dist
 
-FORMAT = 1
-MANIFEST = "manifest.json"
+FORMAT = 2
+MANIFEST = "planc.json"
 LATEST = "latest"
 
 
@@ -74,43 +67,23 @@ class CountingIterator:
 
 # ---------------------------------------------------------------- RNG
 
-def rng_state() -> dict:
+def rng_state() -> str:
+    """This rank's torch (CPU and CUDA) and Python RNG states, serialized (base64 of ``torch.save``)."""
     state = {"torch": torch.get_rng_state(), "python": random.getstate()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    return base64.b64encode(buf.getvalue()).decode("ascii")
 
 
-def set_rng_state(state: dict) -> None:
+def set_rng_state(text: str) -> None:
+    state = torch.load(io.BytesIO(base64.b64decode(text)), weights_only=True)
     torch.set_rng_state(state["torch"])
     version, internal, gauss = state["python"]
     random.setstate((version, tuple(internal), gauss))
-    if "cuda" in state and torch.cuda.is_available():
+    if "cuda" in state and torch.cuda.is_available() and len(state["cuda"]) == torch.cuda.device_count():
         torch.cuda.set_rng_state_all(state["cuda"])
-
-
-# ---------------------------------------------------------------- engine state
-
-def engine_state(engine) -> dict:
-    """What ``DeepSpeedEngine._load_checkpoint`` restores, for this rank's stage."""
-    sched = engine.lr_scheduler
-    return {"module": engine.module.state_dict(),
-            "optimizer": engine.optimizer.state_dict() if engine.optimizer is not None else None,
-            "lr_scheduler": sched.state_dict() if sched is not None and hasattr(sched, "state_dict") else None,
-            "regime": engine.regime.state_dict(),
-            "counters": {"global_steps": engine.global_steps, "global_samples": engine.global_samples,
-                         "skipped_steps": engine.skipped_steps}}
-
-
-def load_engine_state(engine, state: dict) -> None:
-    engine.module.load_state_dict(state["module"], strict=True)
-    if state["optimizer"] is not None:
-        engine.optimizer.load_state_dict(state["optimizer"])
-    if state["lr_scheduler"] is not None:
-        engine.lr_scheduler.load_state_dict(state["lr_scheduler"])
-    engine.regime.load_state_dict(state["regime"])
-    for k, v in state["counters"].items():
-        setattr(engine, k, v)
 
 
 # ---------------------------------------------------------------- files
@@ -151,10 +124,66 @@ def _gather(value):
     return out
 
 
+def _own_files(folder: str, rank: int) -> dict:
+    """Size and sha256 of the files of ``folder`` this rank wrote (DCP names them ``__<rank>_<n>.distcp``;
+    rank 0 also wrote ``.metadata``)."""
+    out = {}
+    for name in sorted(os.listdir(folder)):
+        if name.startswith(f"__{rank}_") or (rank == 0 and name == ".metadata"):
+            path = os.path.join(folder, name)
+            out[name] = {"size": os.path.getsize(path), "sha256": _sha256(path)}
+    return out
+
+
+# ---------------------------------------------------------------- what planc.json says of the run
+
+def model_parameters(described: list) -> list[dict]:
+    """planc.json's ``parameters`` from every rank's ``(layer, entry)`` list: each name once, in model order
+    (by layer, then the order of the layer's ``named_parameters``)."""
+    seen, out = set(), []
+    for layer, pos, entry in sorted((layer, pos, e) for d in described if d for pos, (layer, e) in enumerate(d)):
+        if entry["name"] not in seen:
+            seen.add(entry["name"])
+            out.append(entry)
+    return out
+
+
+def describe_rank(engine):
+    """What a rank tells rank 0 for planc.json (collected by every rank: the same list on all of them)."""
+    from .ckpt_dcp import stage_params
+    if engine is None:
+        return None
+    return [(i.layer, i.entry()) for i in stage_params(engine.module)]
+
+
+def _hf_config(engine):
+    if engine is None:
+        return None
+    for layer in engine.module.forward_funcs:
+        config = getattr(layer, "config", None)
+        if hasattr(config, "to_dict"):
+            return config.to_dict()
+    return None
+
+
+def _sharding(plan) -> dict:
+    stages = []
+    for st in plan.stages:
+        axes = dict(zip(st.mesh_axes, st.mesh_shape))
+        stages.append({"index": st.index, "layers": list(st.layers), "mesh": list(st.mesh_shape),
+                       "tensor": axes.get("tensor", 1), "data": axes.get("data", 1), "devices": list(st.devices)})
+    return {"stages": stages}
+
+
+# ---------------------------------------------------------------- save
+
 def save(directory: str, step: int, plan, digest: str, engine, data: CountingIterator | None) -> str:
-    """Collective: every rank of the world writes its state for the end of ``step`` steps.
-    Returns the checkpoint folder ``DIR/step<N>``."""
-    rank, world = dist.get_rank(), dist.get_world_size()
+    """Collective over the world: the state at the end of ``step`` steps into ``DIR/step<N>`` (format 2).
+    Every rank learns of any rank's failure and raises the same CheckpointError. Returns the folder."""
+    from torch.distributed import checkpoint as dcp
+    from .ckpt_dcp import RectSavePlanner
+    from .ckpt_state import save_chunks
+    rank = dist.get_rank()
     name = f"step{step}"
     final = os.path.join(directory, name)
     partial = os.path.join(directory, f".{name}.partial")
@@ -166,35 +195,50 @@ def save(directory: str, step: int, plan, digest: str, engine, data: CountingIte
             os.makedirs(partial)
         except OSError as e:
             problem = f"cannot create {partial}: {e}"
-    problems = [p for p in _gather(problem) if p]
-    if problems:
-        raise CheckpointError(f"checkpoint step {step} not saved: {problems[0]}")
-
-    stage = plan.stage_of(rank)
-    state = {"format": FORMAT, "rank": rank, "stage": stage.index if stage is not None else None,
-             "digest": digest, "step": step, "rng": rng_state(),
-             "data": {"drawn": data.drawn if data is not None else 0},
-             "engine": engine_state(engine) if engine is not None else None}
-    path = os.path.join(partial, f"rank{rank}.pt")
-    entry = None
-    try:
-        tmp = f"{path}.tmp"
-        with open(tmp, "wb") as f:
-            torch.save(state, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        entry = {"size": os.path.getsize(path), "sha256": _sha256(path)}
-    except Exception as e:  # noqa: BLE001 - reported by every rank together, not left to hang the others
-        problem = f"rank {rank} cannot write {path}: {type(e).__name__}: {e}"
-    gathered = _gather((entry, problem))
+    chunks = {}
+    if problem is None:
+        try:
+            chunks = save_chunks(engine) if engine is not None else {}
+        except Exception as e:  # noqa: BLE001 - reported by every rank together, not left to hang the others
+            problem = f"rank {rank} cannot collect its state: {type(e).__name__}: {e}"
+    regime = engine.regime if engine is not None else None
+    mine = {"rng": rng_state(), "drawn": data.drawn if data is not None else 0,
+            "params": describe_rank(engine), "hf_config": _hf_config(engine),
+            "regime": None if regime is None else {"loss_scale": regime.scale, "good_steps": regime.clean,
+                                                   "skipped_steps": int(engine.skipped_steps), "t": regime.t}}
+    gathered = _gather((mine, problem))
     problems = [p for _, p in gathered if p]
+    if problems:
+        raise CheckpointError(f"checkpoint step {step} not saved:\n  " + "\n  ".join(dict.fromkeys(problems)))
+    try:
+        dcp.save({}, storage_writer=dcp.FileSystemWriter(partial, thread_count=1), planner=RectSavePlanner(chunks))
+        files = _own_files(partial, rank)
+    except Exception as e:  # noqa: BLE001 - DCP raises on every rank when any rank's write failed
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        files, problem = None, f"rank {rank} cannot write into {partial}: {type(e).__name__}: {first}"
+    written = _gather((files, problem))
+    problems = [p for _, p in written if p]
     if rank == 0 and not problems:
-        manifest = {"format": FORMAT, "plan": plan.name, "digest": digest, "step": step, "world_size": world,
-                    "files": {f"rank{r}.pt": e for r, (e, _) in enumerate(gathered)}}
+        states = [m for m, _ in gathered]
+        train = plan.train
+        manifest = {
+            "format": FORMAT, "plan": plan.name, "digest": digest, "step": step, "world_size": len(states),
+            "global_batch": train.micro_batch * train.micro_batches, "micro_batch": train.micro_batch,
+            "micro_batches": train.micro_batches, "precision": str(train.precision), "zero": train.zero,
+            "optimizer": train.optimizer.to_json(), "lr_schedule": train.lr_schedule.to_json(),
+            "model": train.model.to_json(True),
+            "hf_config": next((m["hf_config"] for m in states if m["hf_config"] is not None), None),
+            "parameters": model_parameters([m["params"] for m in states]),
+            "regime": next((m["regime"] for m in states if m["regime"] is not None), None),
+            "data": {"drawn": max(m["drawn"] for m in states)},
+            "rng": {str(r): m["rng"] for r, m in enumerate(states)},
+            "sharding": _sharding(plan),
+            "files": {k: v for f, _ in written for k, v in f.items()}}
+        manifest["bytes"] = sum(v["size"] for v in manifest["files"].values())
         try:
             _fsync_dir(partial)
-            _write_atomic(os.path.join(partial, MANIFEST), (json.dumps(manifest, indent=1) + "\n").encode())
+            _write_atomic(os.path.join(partial, MANIFEST),
+                          (json.dumps(manifest, indent=1, sort_keys=True) + "\n").encode())
             if os.path.exists(final):   # saved before (a resumed run passing the same step): replace it
                 old = os.path.join(directory, f".{name}.old")
                 shutil.rmtree(old, ignore_errors=True)
@@ -213,11 +257,13 @@ def save(directory: str, step: int, plan, digest: str, engine, data: CountingIte
     return final
 
 
-# ---------------------------------------------------------------- resume
+# ---------------------------------------------------------------- resume: checks before any process group
 
 def resolve(path: str) -> str:
-    """The complete checkpoint folder ``--resume PATH`` means: PATH itself if it holds a manifest,
-    else the one PATH/latest names. Raises CheckpointError saying what is missing."""
+    """The complete checkpoint folder ``--resume PATH`` means: PATH itself if it holds planc.json, else the
+    one PATH/latest names. Raises CheckpointError saying what is missing."""
+    if path is None:
+        raise CheckpointError("--weights-only goes with --resume DIR")
     if not os.path.isdir(path):
         raise CheckpointError(f"--resume {path}: no such checkpoint folder")
     if os.path.exists(os.path.join(path, MANIFEST)):
@@ -239,10 +285,10 @@ def resolve(path: str) -> str:
                           f"an incomplete checkpoint is never loaded")
 
 
-def check(path: str, digest: str, world: int) -> dict:
-    """The manifest of the checkpoint folder ``path`` (see ``resolve``), checked against this run's plan
-    digest and world size and against every rank file (present, same size and sha256). Pure: every rank
-    finds the same answer, before the process group starts."""
+def check(path: str, plan, weights_only: bool = False) -> dict:
+    """planc.json of the checkpoint folder ``path`` (see ``resolve``), checked against every file it lists
+    (present, same size and sha256; no other ``.distcp`` file) and against this run's global batch (unless
+    ``weights_only``). Pure: every rank finds the same answer, before the process group starts."""
     try:
         with open(os.path.join(path, MANIFEST)) as f:
             manifest = json.load(f)
@@ -250,57 +296,113 @@ def check(path: str, digest: str, world: int) -> dict:
         raise CheckpointError(f"--resume {path}: unreadable {MANIFEST} ({e}); an incomplete checkpoint "
                               f"is never loaded") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        raise CheckpointError(f"--resume {path}: {MANIFEST} is not a planc checkpoint of format {FORMAT}")
-    if manifest.get("digest") != digest:
-        raise CheckpointError(f"--resume {path}: the checkpoint was written by plan {manifest.get('plan')!r} "
-                              f"with digest {manifest.get('digest')}, but this plan.json has digest {digest}; "
-                              f"resume only with the plan that wrote it")
-    if manifest.get("world_size") != world:
-        raise CheckpointError(f"--resume {path}: the checkpoint holds {manifest.get('world_size')} ranks, "
-                              f"this job has {world}")
+        found = manifest.get("format") if isinstance(manifest, dict) else None
+        raise CheckpointError(f"--resume {path}: {MANIFEST} is not a planc checkpoint of format {FORMAT}"
+                              f"{f' (format {found})' if found is not None else ''}")
     files = manifest.get("files") if isinstance(manifest.get("files"), dict) else {}
-    for r in range(world):
-        entry, file = files.get(f"rank{r}.pt"), os.path.join(path, f"rank{r}.pt")
+    if ".metadata" not in files:
+        raise CheckpointError(f"--resume {path}: {MANIFEST} lists no .metadata file")
+    present = set(os.listdir(path))
+    stray = sorted(n for n in present if n.endswith(".distcp") and n not in files)
+    if stray:
+        raise CheckpointError(f"--resume {path}: {stray[0]} is not listed in {MANIFEST}")
+    for name, entry in sorted(files.items()):
+        file = os.path.join(path, name)
         if not isinstance(entry, dict) or not {"size", "sha256"} <= set(entry):
-            raise CheckpointError(f"--resume {path}: {MANIFEST} lists no file (size and sha256) for rank {r}")
-        if not os.path.exists(file):
+            raise CheckpointError(f"--resume {path}: {MANIFEST} lists {name} without its size and sha256")
+        if name not in present:
             raise CheckpointError(f"--resume {path}: {file} is missing")
         size = os.path.getsize(file)
         if size != entry["size"] or _sha256(file) != entry["sha256"]:
-            raise CheckpointError(f"--resume {path}: {file} is not the file the manifest lists "
-                                  f"({size} bytes, the manifest says {entry['size']}; or its sha256 differs)")
+            raise CheckpointError(f"--resume {path}: {file} is not the file {MANIFEST} lists "
+                                  f"({size} bytes, {MANIFEST} says {entry['size']}; or its sha256 differs)")
+    train = plan.train
+    batch = train.micro_batch * train.micro_batches
+    if not weights_only and manifest.get("global_batch") != batch:
+        raise CheckpointError(f"--resume {path}: the checkpoint was trained with a global batch of "
+                              f"{manifest.get('global_batch')} samples ({manifest.get('micro_batch')} x "
+                              f"{manifest.get('micro_batches')}), this plan's is {batch} ({train.micro_batch} x "
+                              f"{train.micro_batches}): its data position does not carry over (--weights-only "
+                              f"takes the weights alone)")
+    if not weights_only and (manifest.get("optimizer") or {}).get("name") != train.optimizer.name:
+        raise CheckpointError(f"--resume {path}: the checkpoint's optimizer is "
+                              f"{(manifest.get('optimizer') or {}).get('name')!r}, this plan's is "
+                              f"{train.optimizer.name!r}: its state does not carry over (--weights-only takes "
+                              f"the weights alone)")
     return manifest
 
 
-def load_rank(path: str, rank: int, stage_index) -> dict:
-    """This rank's file of the checked checkpoint ``path``."""
-    file = os.path.join(path, f"rank{rank}.pt")
+# ---------------------------------------------------------------- resume: collective, once the engines exist
+
+def compare_models(mine: list[dict], theirs: list[dict]) -> str | None:
+    """None when both parameter lists have the same names and shapes in the same order; else the first
+    (up to three) parameters that differ, in words."""
+    diffs = []
+    for i in range(max(len(mine), len(theirs))):
+        a = mine[i] if i < len(mine) else None
+        b = theirs[i] if i < len(theirs) else None
+        if a is not None and b is not None and (a["name"], list(a["shape"])) == (b["name"], list(b["shape"])):
+            continue
+        here = f"{a['name']} {list(a['shape'])}" if a else "nothing"
+        there = f"{b['name']} {list(b['shape'])}" if b else "nothing"
+        diffs.append(f"parameter {i} is {here} here, {there} in the checkpoint")
+        if len(diffs) == 3:
+            break
+    if not diffs:
+        return None
+    return (f"this model has {len(mine)} parameters, the checkpoint's {len(theirs)}; " if len(mine) != len(theirs)
+            else "") + "; ".join(diffs)
+
+
+def restore(path: str, manifest: dict, plan, engine, data: CountingIterator | None, weights_only: bool) -> int:
+    """Collective over the world: the checked checkpoint ``path`` into this run, under this run's plan.
+    Each stage rank reads the rectangles of its masters and optimizer state its plan gives it (DCP
+    resharding); the schedule's t, loss scale and step counters, the data position (global: the samples
+    drawn) and the RNG states (the state of the rank with this rank's number if the writing run had one,
+    else rank 0's) follow. ``weights_only``: the masters alone (fresh optimizer, step 0, fresh data and
+    RNG). Returns the step to continue from and the seconds the restore took (from when every rank is in it)."""
+    from torch.distributed import checkpoint as dcp
+    from .ckpt_dcp import RectLoadPlanner
+    from .ckpt_state import LoadTargets
+    rank = dist.get_rank()
+    mine = model_parameters(_gather(describe_rank(engine)))
+    t0 = time.perf_counter()   # every rank is here: the time the restore takes, not the ranks' skew before it
+    diff = compare_models(mine, manifest.get("parameters") or [])
+    if diff:
+        raise CheckpointError(f"--resume {path}: the checkpoint holds another model: {diff}")
+    step = 0 if weights_only else int(manifest["step"])
+    regime = manifest.get("regime") or {}
+    t = 0 if weights_only else int(regime.get("t", step - int(regime.get("skipped_steps", 0))))
     try:
-        state = _torch_load(file)
-    except Exception as e:  # noqa: BLE001 - a file that does not unpickle is reported with its name
-        raise CheckpointError(f"rank {rank} cannot read {file}: {type(e).__name__}: {e}") from None
-    if not isinstance(state, dict) or state.get("rank") != rank or state.get("stage") != stage_index:
-        raise CheckpointError(f"rank {rank}: {file} holds rank {state.get('rank') if isinstance(state, dict) else '?'} "
-                              f"of stage {state.get('stage') if isinstance(state, dict) else '?'}, "
-                              f"not rank {rank} of stage {stage_index}")
-    return state
+        reader = dcp.FileSystemReader(path)
+        targets = LoadTargets(engine, set(reader.read_metadata().state_dict_metadata), weights_only) \
+            if engine is not None else None
+        dcp.load({}, storage_reader=reader, planner=RectLoadPlanner(targets.wanted if targets else {}))
+    except Exception as e:  # noqa: BLE001 - DCP raises on every rank when any rank's read failed
+        first = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+        raise CheckpointError(f"--resume {path}: cannot read its tensors: {first}") from None
+    if targets is not None:
+        targets.apply(t)
+    if engine is not None and not weights_only:
+        r = engine.regime
+        r.t = t
+        if r.fp16 and manifest.get("precision") == "fp16":   # another precision's scale (1) means nothing here
+            r.scale, r.clean = float(regime["loss_scale"]), int(regime["good_steps"])
+        engine.global_steps = step
+        engine.global_samples = step * int(manifest["global_batch"])
+        engine.skipped_steps = int(regime.get("skipped_steps", 0))
+    if weights_only:
+        return 0, time.perf_counter() - t0
+    if data is not None and engine is not None and engine.data_iterator is not None:
+        samples = int(manifest["data"]["drawn"]) * int(manifest["micro_batch"])
+        data.skip(samples // plan.train.micro_batch)
+    states = manifest.get("rng") or {}
+    if states:
+        set_rng_state(states.get(str(rank), states.get("0")))
+    return step, time.perf_counter() - t0
 
 
-def _torch_load(file: str):
-    # weights_only=False: DeepSpeed's fp16 optimizer state holds its loss scaler object; the file was
-    # checked against the manifest's sha256 (as DeepSpeed's own loader, it trusts the checkpoint folder)
-    return torch.load(file, map_location="cpu", weights_only=False)
-
-
-def restore(state: dict, engine, data: CountingIterator | None) -> None:
-    """Load a rank file's state: engine (module, optimizer, counters), data position, then RNG."""
-    if engine is not None:
-        try:
-            load_engine_state(engine, state["engine"])
-        except (RuntimeError, KeyError, ValueError, TypeError) as e:
-            first = str(e).splitlines()[0] if str(e) else type(e).__name__
-            raise CheckpointError(f"rank {state['rank']}: its checkpoint state does not fit its stage: "
-                                  f"{first}") from None
-    if data is not None:
-        data.skip(int(state["data"]["drawn"]))
-    set_rng_state(state["rng"])
+def resumed_line(path: str, manifest: dict, digest: str, weights_only: bool, seconds: float) -> str:
+    same = "the same plan" if manifest.get("digest") == digest else f"plan {manifest.get('plan')!r}"
+    return (f"resumed from {path} {'(weights only) of' if weights_only else 'at'} step {manifest['step']} "
+            f"(written by {same} on {manifest.get('world_size')} ranks) in {seconds:.3f} s")

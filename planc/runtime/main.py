@@ -73,6 +73,8 @@ def parse_args(argv):
                    help="write a checkpoint to DIR/step<N> every train.save_every steps and after the last step")
     p.add_argument("--resume", default=None, metavar="DIR",
                    help="continue from the checkpoint DIR (a DIR/step<N> folder, or the one DIR/latest names)")
+    p.add_argument("--weights-only", action="store_true", help="with --resume: the checkpoint's weights alone "
+                   "(a fresh optimizer, step 0, fresh data), e.g. under a plan of another global batch")
     p.add_argument("--dump-params", default=None, metavar="DIR",
                    help="after training, save each rank's stage parameters to DIR/rank<R>.pt "
                         "(and its tensor-parallel shards' positions to DIR/rank<R>.shards.json)")
@@ -321,10 +323,10 @@ def _main(argv=None, out_dir: str | None = None) -> int:
                             "plan with train); --comm-only prints its own per-transfer times")
         error.same_on_every_rank = True
         raise error
-    resume_from = None
-    if args.resume:   # checked before the process group starts: every rank finds the same problem
+    resume_from = manifest = None
+    if args.resume or args.weights_only:   # checked before the process group starts: every rank finds the same problem
         resume_from = checkpoint.resolve(args.resume)
-        checkpoint.check(resume_from, digest, plan.cluster.devices)   # a job of another size: startup_checks
+        manifest = checkpoint.check(resume_from, plan, weights_only=args.weights_only)
 
     if os.environ.get("PLANC_DUMP_STACKS_AFTER_S"):   # debugging a hang: every rank prints its stack
         import faulthandler
@@ -418,18 +420,15 @@ def _main(argv=None, out_dir: str | None = None) -> int:
                 f"for (on faster links: recompile for them)") if hold_rate else "no hold"
         print(f"host NIC order: {sum(len(k) for _, k in plan.pipeline.nic_order)} cross-host sends per step, "
               f"one at a time per host in the plan's order; {held}", flush=True)
-    first = 0
+    first, problems, read_s = 0, [], 0.0
     if resume_from is not None:
-        problems, state = [], None
-        try:
-            state = checkpoint.load_rank(resume_from, rank, stage.index if stage is not None else None)
-            checkpoint.restore(state, engine, data)
+        try:   # collective (DCP reads each rank's rectangles of the checkpoint under this plan)
+            first, read_s = checkpoint.restore(resume_from, manifest, plan, engine, data, args.weights_only)
         except CheckpointError as e:
             problems = [str(e)]
         _fail_together(problems, f"cannot resume from {resume_from}")
-        first = int(state["step"])
         if rank == 0:
-            print(f"resumed from {resume_from} at step {first} (plan digest {digest[:16]}…)", flush=True)
+            print(checkpoint.resumed_line(resume_from, manifest, digest, args.weights_only, read_s), flush=True)
     described = [None] * dist.get_world_size()   # every stage's gradient reduction, for rank 0's summary
     dist.all_gather_object(described, (stage.index, engine.reduce_description) if engine is not None else None)
     if rank == 0:
@@ -479,9 +478,10 @@ def _main(argv=None, out_dir: str | None = None) -> int:
             if skipped:   # with the scale the next step uses
                 print(f"step {step} skipped: overflow, loss scale {next_scale:.12g}", flush=True)
         if args.save and (step + 1 == steps or (save_every and (step + 1) % save_every == 0)):
+            t_save = time.perf_counter()
             saved = checkpoint.save(args.save, step + 1, plan, digest, engine, data)
             if rank == 0:
-                print(f"checkpoint step {step + 1} saved to {saved}", flush=True)
+                print(f"checkpoint step {step + 1} saved to {saved} in {time.perf_counter() - t_save:.3f} s", flush=True)
     trained = steps - first
     if rank == 0 and trained > 0:
         print(f"trained {trained} step(s) in {total:.3f} s: {trained * samples / total:.1f} samples/s", flush=True)
