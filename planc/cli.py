@@ -1,4 +1,4 @@
-"""planc command line: compile | check | explain | simulate | trace | calibrate.
+"""planc command line: compile | check | explain | simulate | trace | calibrate | checkpoint.
 
 The lab (benches, the emulated testbed, its calibration) is outside the product: ``python -m benchmarks``.
 
@@ -317,6 +317,39 @@ def _cmd_calibrate(args) -> int:
     return 0
 
 
+def _cmd_checkpoint(args) -> int:
+    """planc checkpoint info|export DIR: a format-2 checkpoint checked (planc.json, every file's size and
+    sha256, the DCP metadata) before anything is shown or written; whatever is wrong is one line, exit 2."""
+    from planc import ui
+    from planc.checkpoint_cmd import CheckpointError, info_renderables, open_checkpoint
+
+    where = f"planc checkpoint {args.action}"
+    if args.action == "export":
+        wrong = ("--optimizer goes with --torch (the Hugging Face folder holds the model only)"
+                 if args.hf and args.optimizer else
+                 "--dtype goes with --hf (--torch writes the fp32 masters)" if args.torch and args.dtype else None)
+        if wrong:
+            print(f"{where}: {wrong}", file=sys.stderr)
+            return EXIT_USER
+    try:
+        with ui.status(f"{where} {args.directory}") as progress:   # hashing every file can take a while
+            progress("checking planc.json, each file's sha256 and the DCP metadata")
+            ck = open_checkpoint(args.directory)
+            if args.action == "export":
+                from planc.checkpoint_export import export_hf, export_torch
+                progress("reading and writing the tensors")
+                done = (export_torch(ck, args.torch, args.optimizer) if args.torch
+                        else export_hf(ck, args.hf, args.dtype))
+    except CheckpointError as e:
+        print(f"{where}: {e}", file=sys.stderr)
+        return EXIT_USER
+    if args.action == "info":
+        ui.emit(info_renderables(ck, args.parameters, tty=ui.is_tty()))
+    else:
+        print(done)
+    return 0
+
+
 def _budget_argument(c: argparse.ArgumentParser) -> None:
     """--budget NAME=N,...: raise (or lower) the compiler's resource bounds (planc.budget, docs/limits.md)."""
     from planc import budget
@@ -400,6 +433,27 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--repeats", type=int, default=3, help="timed repeats per message size (median)")
     c.add_argument("--timeout", type=float, default=300.0, help="seconds before every rank is killed")
     c.set_defaults(func=_cmd_calibrate)
+
+    c = sub.add_parser("checkpoint", help="show what a training checkpoint holds; export it to torch or Hugging Face",
+                       description="Read a checkpoint that train.py --save (or save_every) wrote: a folder step<N>/ "
+                                   "or the run folder whose 'latest' names one (docs/reliability.md, docs/runtime.md).")
+    acts = c.add_subparsers(dest="action", required=True, metavar="ACTION")
+    a = acts.add_parser("info", help="step, plan, regime, sizes and sharding of a checkpoint (every file checked)")
+    a.add_argument("directory", metavar="DIR", help="a checkpoint folder step<N>/ or the run folder with 'latest'")
+    a.add_argument("--parameters", action="store_true",
+                   help="also list every parameter: global name, shape, dtype, stored chunks, optimizer state")
+    a.set_defaults(func=_cmd_checkpoint)
+    a = acts.add_parser("export", help="write the weights as one torch state dict or a Hugging Face folder")
+    a.add_argument("directory", metavar="DIR", help="a checkpoint folder step<N>/ or the run folder with 'latest'")
+    to = a.add_mutually_exclusive_group(required=True)
+    to.add_argument("--torch", metavar="OUT.pt", help="torch.save one state dict {global name: fp32 tensor}")
+    to.add_argument("--hf", metavar="OUT", help="a Hugging Face model's checkpoint as OUT/config.json and "
+                                                "OUT/model.safetensors (AutoModelForCausalLM.from_pretrained(OUT))")
+    a.add_argument("--optimizer", action="store_true",
+                   help="with --torch: add each parameter's optimizer state as optim.<name>.<state>")
+    a.add_argument("--dtype", choices=["bf16", "fp16", "fp32"],
+                   help="with --hf: the weights' dtype (default: the run's precision)")
+    a.set_defaults(func=_cmd_checkpoint)
 
     return p
 
