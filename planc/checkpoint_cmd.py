@@ -215,6 +215,9 @@ def _parameters(folder: Path, meta: dict, dcp) -> tuple[Parameter, ...]:
     entries = dcp.state_dict_metadata
     states: dict[str, list[str]] = {}
     listed = {p["name"] for p in meta["parameters"]}
+    unlisted = sorted(k for k in entries if k.startswith(MODEL) and k[len(MODEL):] not in listed)
+    if unlisted:
+        _fail(folder, f"the DCP metadata holds {unlisted[0]!r}, which {PLANC_JSON}'s parameters do not list")
     for key in entries:
         if key.startswith(OPTIM):
             name, _, state = key[len(OPTIM):].rpartition(".")

@@ -15,6 +15,7 @@ from planc.checkpoint_cmd import MODEL, Checkpoint, CheckpointError
 
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}   # --dtype and planc.json precision
 TIED_HEAD = "lm_head.weight"     # what transformers leaves out of a model with tie_word_embeddings
+HF_FILES = ("config.json", "model.safetensors")
 
 
 def load_tensors(ck: Checkpoint, keys: list[str]) -> dict:
@@ -64,16 +65,6 @@ def export_torch(ck: Checkpoint, out: str | os.PathLike, optimizer: bool) -> str
     return f"wrote {out}: {what} in fp32, step {ck.meta['step']}{none}"
 
 
-def _hf_names(ck: Checkpoint, tied_head: bool) -> dict[str, str]:
-    """``{Hugging Face state-dict name: DCP key}``: global names are HF's (``planc_param_names``); with
-    ``tied_head`` the head is the embedding's tensor and is left out, as transformers saves it."""
-    names = {p.name: MODEL + p.name for p in ck.parameters}
-    if tied_head and TIED_HEAD in names:   # the run trained a head of its own: dropping it would lose it
-        raise CheckpointError(f"{ck.folder}: hf_config ties the word embeddings (tie_word_embeddings) but the "
-                              f"checkpoint holds {TIED_HEAD} as a parameter of its own; the export would drop it")
-    return names
-
-
 def _expected_keys(config: dict, folder: Path) -> dict[str, tuple[int, ...]]:
     """The state-dict names and shapes ``AutoModelForCausalLM`` builds for ``config`` (on the meta device:
     no memory, no weights), one name per tied tensor, as save_pretrained would write them."""
@@ -115,13 +106,20 @@ def export_hf(ck: Checkpoint, out: str | os.PathLike, dtype: str | None) -> str:
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise CheckpointError(f"--hf {out}: is a file (give the folder to write)")
-    names = _hf_names(ck, bool(hf.get("tie_word_embeddings", False)))
+    others = sorted(e.name for e in out.iterdir() if e.name not in HF_FILES) if out.is_dir() else []
+    if others:   # an older export's shards or index would be loaded beside (or instead of) the new file
+        raise CheckpointError(f"--hf {out}: the folder holds other files ({', '.join(others[:3])}"
+                              f"{', ...' if len(others) > 3 else ''}); give a new or empty folder")
+    names = {p.name: MODEL + p.name for p in ck.parameters}   # global names are HF's (planc_param_names)
     config = {**hf, "dtype": DTYPES[dtype]}
     if "torch_dtype" in hf:
         config["torch_dtype"] = DTYPES[dtype]
     expected = _expected_keys(config, ck.folder)
     missing = [n for n in expected if n not in names]
     extra = [n for n in names if n not in expected]
+    if TIED_HEAD in extra and hf.get("tie_word_embeddings"):   # dropping the run's own head would lose it
+        raise CheckpointError(f"{ck.folder}: hf_config ties the word embeddings (tie_word_embeddings) but the "
+                              f"checkpoint holds {TIED_HEAD} as a parameter of its own")
     if missing or extra:
         what = ([f"no {missing[0]}" + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")] if missing
                 else []) + ([f"{extra[0]} is not a weight of the model" + (f" (and {len(extra) - 1} more)"

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import os
 import subprocess
 import sys
@@ -439,6 +438,37 @@ def test_hf_export_of_parameters_the_config_does_not_describe_is_refused(tmp_pat
     _one_line_error(capsys, ["checkpoint", "export", str(step), "--hf", str(tmp_path / "hf")],
                     "no model.layers.1.mlp.down_proj.weight")
     assert not (tmp_path / "hf").exists()
+
+
+def test_hf_export_refuses_a_separate_head_in_a_tied_model_and_a_folder_with_other_files(tmp_path, capsys,
+                                                                                        monkeypatch):
+    pytest.importorskip("transformers")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    model = _llama(True)
+    params, _ = _hf_params(model)
+    step = write_checkpoint(tmp_path / "run", 1, params | {"lm_head.weight": torch.randn(64, 16)},
+                            hf_config=model.config.to_dict())
+    _one_line_error(capsys, ["checkpoint", "export", str(step), "--hf", str(tmp_path / "hf")],
+                    "ties the word embeddings", "lm_head.weight as a parameter of its own")
+    good = write_checkpoint(tmp_path / "run2", 1, params, hf_config=model.config.to_dict())
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / "model.safetensors.index.json").write_text("{}")
+    _one_line_error(capsys, ["checkpoint", "export", str(good), "--hf", str(tmp_path / "old")],
+                    "model.safetensors.index.json", "new or empty folder")
+
+
+def test_planc_json_and_the_dcp_metadata_must_agree_on_the_parameters(tmp_path, capsys):
+    params = gptish()
+    some = {"layers.1.ln.weight": params["layers.1.ln.weight"]}         # optimizer state for one parameter only
+    step = write_checkpoint(tmp_path / "run", 1, params, optim=adam_state(some))
+    rc, out, _ = run_cli(capsys, "checkpoint", "info", str(step), "--parameters")
+    assert rc == 0 and "(not for every parameter: --parameters)" in " ".join(out.split())
+    rows = {line.split()[0]: line.split()[1:] for line in out.splitlines() if line.startswith("layers.")}
+    assert rows["layers.1.ln.weight"][-2:] == ["exp_avg,", "exp_avg_sq"] and rows["layers.0.wte.weight"][-1] == "-"
+    meta = json.loads((step / "planc.json").read_text())
+    meta["parameters"] = meta["parameters"][1:]
+    (step / "planc.json").write_text(json.dumps(meta))
+    _one_line_error(capsys, ["checkpoint", "info", str(step)], "'model.layers.0.wte.weight'", "do not list")
 
 
 def test_the_command_line_pipes_plain_text_and_exits_2_without_a_traceback(tmp_path):
