@@ -94,7 +94,6 @@ def export_hf(ck: Checkpoint, out: str | os.PathLike, dtype: str | None) -> str:
     ``AutoModelForCausalLM.from_pretrained(OUT)`` loads. The names are checked against the model
     transformers builds from the config first, so a partial or foreign checkpoint is refused by name."""
     import torch
-    from safetensors.torch import save_file
 
     hf = ck.hf_config
     if hf is None:
@@ -131,6 +130,8 @@ def export_hf(ck: Checkpoint, out: str | os.PathLike, dtype: str | None) -> str:
     if wrong is not None:
         raise CheckpointError(f"{ck.folder}: {wrong} has shape {list(shapes[wrong])}, the model hf_config describes "
                               f"{list(expected[wrong])}")
+    from safetensors.torch import save_file   # installed with transformers, which _expected_keys needed
+
     loaded = load_tensors(ck, [names[n] for n in expected])
     target = getattr(torch, DTYPES[dtype])
     tensors = {n: loaded[names[n]].to(target).contiguous() for n in expected}
