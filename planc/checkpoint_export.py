@@ -66,8 +66,8 @@ def export_torch(ck: Checkpoint, out: str | os.PathLike, optimizer: bool) -> str
 
 
 def _expected_keys(config: dict, folder: Path) -> dict[str, tuple[int, ...]]:
-    """The state-dict names and shapes ``AutoModelForCausalLM`` builds for ``config`` (on the meta device:
-    no memory, no weights), one name per tied tensor, as save_pretrained would write them."""
+    """The parameter names and shapes ``AutoModelForCausalLM`` builds for ``config`` (on the meta device:
+    no memory, no weights), one name per tied tensor."""
     try:
         import torch
         from transformers import AutoConfig, AutoModelForCausalLM
@@ -80,12 +80,9 @@ def _expected_keys(config: dict, folder: Path) -> dict[str, tuple[int, ...]]:
     except Exception as e:   # an architecture this transformers does not know, a bad config
         raise CheckpointError(f"{folder}: transformers cannot build a causal LM from hf_config: "
                               f"{type(e).__name__}: {' '.join(str(e).split())[:160]}") from None
-    seen, out = set(), {}
-    for name, t in model.state_dict(keep_vars=True).items():
-        if id(t) not in seen:
-            seen.add(id(t))
-            out[name] = tuple(t.shape)
-    return out
+    # parameters, not the state dict: a checkpoint holds parameters only, and a tied tensor once, under the
+    # name met first (named_parameters drops the repeats), as save_pretrained writes it
+    return {name: tuple(p.shape) for name, p in model.named_parameters()}
 
 
 def export_hf(ck: Checkpoint, out: str | os.PathLike, dtype: str | None) -> str:
