@@ -335,6 +335,11 @@ def test_export_hf_defaults_to_the_runs_precision(tmp_path, capsys, monkeypatch)
                             hf_config=_llama(True).config.to_dict())
     assert main(["checkpoint", "export", str(step), "--hf", str(tmp_path / "hf")]) == 0
     assert {t.dtype for t in load_file(tmp_path / "hf" / "model.safetensors").values()} == {torch.bfloat16}
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["dtype"] == "bfloat16"
+    assert main(["checkpoint", "export", str(step), "--hf", str(tmp_path / "hf")]) == 0   # again, over itself
+    assert main(["checkpoint", "export", str(step), "--hf", str(tmp_path / "again")]) == 0
+    for name in ("config.json", "model.safetensors"):                                   # the same bytes
+        assert (tmp_path / "hf" / name).read_bytes() == (tmp_path / "again" / name).read_bytes()
 
 
 # ---------------------------------------------------------------- bad inputs: one line, exit 2
