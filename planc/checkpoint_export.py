@@ -11,7 +11,7 @@ import json
 import os
 from pathlib import Path
 
-from planc.checkpoint_cmd import MODEL, Checkpoint, CheckpointError
+from planc.checkpoint_read import MODEL, Checkpoint, CheckpointError
 
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}   # --dtype and planc.json precision
 TIED_HEAD = "lm_head.weight"     # what transformers leaves out of a model with tie_word_embeddings

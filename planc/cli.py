@@ -318,36 +318,8 @@ def _cmd_calibrate(args) -> int:
 
 
 def _cmd_checkpoint(args) -> int:
-    """planc checkpoint info|export DIR: a format-2 checkpoint checked (planc.json, every file's size and
-    sha256, the DCP metadata) before anything is shown or written; whatever is wrong is one line, exit 2."""
-    from planc import ui
-    from planc.checkpoint_cmd import CheckpointError, info_renderables, open_checkpoint
-
-    where = f"planc checkpoint {args.action}"
-    if args.action == "export":
-        wrong = ("--optimizer goes with --torch (the Hugging Face folder holds the model only)"
-                 if args.hf and args.optimizer else
-                 "--dtype goes with --hf (--torch writes the fp32 masters)" if args.torch and args.dtype else None)
-        if wrong:
-            print(f"{where}: {wrong}", file=sys.stderr)
-            return EXIT_USER
-    try:
-        with ui.status(f"{where} {args.directory}") as progress:   # hashing every file can take a while
-            progress("checking planc.json, each file's sha256 and the DCP metadata")
-            ck = open_checkpoint(args.directory)
-            if args.action == "export":
-                from planc.checkpoint_export import export_hf, export_torch
-                progress("reading and writing the tensors")
-                done = (export_torch(ck, args.torch, args.optimizer) if args.torch
-                        else export_hf(ck, args.hf, args.dtype))
-    except CheckpointError as e:
-        print(f"{where}: {e}", file=sys.stderr)
-        return EXIT_USER
-    if args.action == "info":
-        ui.emit(info_renderables(ck, args.parameters, tty=ui.is_tty()))
-    else:
-        print(done)
-    return 0
+    from planc.checkpoint_cmd import run
+    return run(args)
 
 
 def _budget_argument(c: argparse.ArgumentParser) -> None:
@@ -434,7 +406,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--timeout", type=float, default=300.0, help="seconds before every rank is killed")
     c.set_defaults(func=_cmd_calibrate)
 
-    c = sub.add_parser("checkpoint", help="show what a training checkpoint holds; export it to torch or Hugging Face",
+    c = sub.add_parser("checkpoint", help="show what a training checkpoint holds; export it to torch or HF",
                        description="Read a checkpoint that train.py --save (or save_every) wrote: a folder step<N>/ "
                                    "or the run folder whose 'latest' names one (docs/reliability.md, docs/runtime.md).")
     acts = c.add_subparsers(dest="action", required=True, metavar="ACTION")
