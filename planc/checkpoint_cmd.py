@@ -90,16 +90,18 @@ def _runs(devices) -> str:
 def sharding_rows(meta: dict) -> list[list[str]]:
     """One row per stage of planc.json "sharding": its layers (``[a, b)`` as plan.json writes them, shown
     ``a-(b-1)``), its mesh (device ids as written), tensor and data degrees and devices."""
-    stages = (meta.get("sharding") or {}).get("stages") or []
+    sharding = meta.get("sharding")
+    stages = sharding.get("stages") if isinstance(sharding, dict) else None
     rows = []
-    for s in stages:
+    for s in stages if isinstance(stages, list) else []:
         if not isinstance(s, dict):
             continue
         lay = s.get("layers")
         ok = isinstance(lay, list) and len(lay) == 2 and all(isinstance(x, int) for x in lay) and lay[0] < lay[1]
         span = (str(lay[0]) if lay[1] - lay[0] == 1 else f"{lay[0]}-{lay[1] - 1}") if ok else json.dumps(lay)
         rows.append([str(s.get("index")), span, json.dumps(s.get("mesh"), separators=(",", ":")),
-                     str(s.get("tensor")), str(s.get("data")), _runs(s.get("devices") or [])])
+                     str(s.get("tensor")), str(s.get("data")),
+                     _runs(s["devices"]) if isinstance(s.get("devices"), list) else json.dumps(s.get("devices"))])
     return rows
 
 

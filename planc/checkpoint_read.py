@@ -140,7 +140,7 @@ def _read_meta(folder: Path) -> dict:
             _fail(folder, f"{PLANC_JSON}: files: {name!r} is not a file name inside the folder")
         if (not isinstance(rec, dict) or not isinstance(rec.get("size"), int) or isinstance(rec.get("size"), bool)
                 or not isinstance(rec.get("sha256"), str)):
-            _fail(folder, f"{PLANC_JSON}: files.{name}: expected {{\"size\": bytes, \"sha256\": hex}}")
+            _fail(folder, f"{PLANC_JSON}: files[{json.dumps(name)}]: expected {{\"size\": bytes, \"sha256\": hex}}")
     params = _need(meta, "parameters", list, folder, "a list")
     for i, p in enumerate(params):
         at = f"{PLANC_JSON}: parameters[{i}]"

@@ -9,9 +9,11 @@ the tensors the test saved, and a Hugging Face export with the logits of the mod
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import os
+import random
 import subprocess
 import sys
 from pathlib import Path
@@ -402,6 +404,42 @@ def test_bad_folders_are_one_line_errors(tmp_path, capsys):
     meta["parameters"][2]["shape"] = [24, 9]
     (f / "planc.json").write_text(json.dumps(meta))
     _one_line_error(capsys, ["checkpoint", "info", str(f)], "model.layers.1.attn.qkv.weight", "[24, 8]", "[24, 9]")
+
+
+def test_any_planc_json_value_of_the_wrong_kind_is_a_one_line_error_or_shown(tmp_path, capsys):
+    """Every key path of planc.json (files' records too) given a value of another kind, or removed: info and
+    export end with exit 0 or one line and exit 2, never a traceback (exit 3)."""
+    params = gptish()
+    step = write_checkpoint(tmp_path / "run", 7, params, optim=adam_state(params))
+    original = json.loads((step / "planc.json").read_text())
+
+    def paths(o, at=()):
+        if at:
+            yield at
+        items = o.items() if isinstance(o, dict) else enumerate(o) if isinstance(o, list) else ()
+        for k, v in items:
+            yield from paths(v, at + (k,))
+
+    kinds = [None, -1, "x", [[0, 1]], {"stages": [1, None]}, "DELETE"]   # each JSON kind, and none
+    values = kinds + [0, 1.5, True, [], [1], {}, {"a": 1}]
+    rng = random.Random(0)
+    cases = [(at, v) for at in sorted(paths(original), key=str)      # every kind at the top, one deeper down
+             for v in (kinds if len(at) == 1 else [rng.choice(values)])]
+    for at, value in cases:
+        meta = copy.deepcopy(original)
+        inner = meta
+        for k in at[:-1]:
+            inner = inner[k]
+        if value == "DELETE" and isinstance(inner, dict):
+            del inner[at[-1]]
+        else:
+            inner[at[-1]] = value
+        (step / "planc.json").write_text(json.dumps(meta))
+        rc, _, err = run_cli(capsys, "checkpoint", "info", str(step), "--parameters")
+        assert rc == 0 or rc == 2 and len(err.strip().splitlines()) == 1, (at, value, rc, err)
+        if rc == 0 and rng.random() < 0.25:
+            rc, _, err = run_cli(capsys, "checkpoint", "export", str(step), "--torch", str(tmp_path / "o.pt"))
+            assert rc == 0 or rc == 2 and len(err.strip().splitlines()) == 1, (at, value, rc, err)
 
 
 def test_unreadable_dcp_metadata_and_dangling_latest(tmp_path, capsys):
