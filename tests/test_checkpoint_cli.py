@@ -275,13 +275,17 @@ def test_export_torch_of_a_bf16_run_gives_the_fp32_masters(tmp_path, capsys):
 
 # ---------------------------------------------------------------- export --hf
 
-def _llama(tie: bool):
+def _llama(tie: bool, arch: str = "llama"):
     transformers = pytest.importorskip("transformers")
-    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
-                                   tie_word_embeddings=tie)
+    if arch == "gpt2":                                     # the project's HF example (examples/hf_gpt2.py)
+        cfg = transformers.GPT2Config(n_layer=2, n_embd=16, n_head=2, n_positions=32, vocab_size=64,
+                                      bos_token_id=63, eos_token_id=63, tie_word_embeddings=tie)
+    else:
+        cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+                                       tie_word_embeddings=tie)
     torch.manual_seed(3)
-    model = transformers.LlamaForCausalLM(cfg).eval()
+    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
     with torch.no_grad():                                  # away from the initialisation (zeros/ones norms)
         for p in model.parameters():
             p.add_(0.02 * torch.randn_like(p))
@@ -301,11 +305,11 @@ def _hf_params(model) -> tuple[dict, dict]:
     return params, tied
 
 
-@pytest.mark.parametrize("tie", [True, False])
-def test_export_hf_loads_with_from_pretrained_and_gives_the_same_logits(tmp_path, capsys, monkeypatch, tie):
+@pytest.mark.parametrize("arch,tie", [("llama", True), ("llama", False), ("gpt2", False)])
+def test_export_hf_loads_with_from_pretrained_and_gives_the_same_logits(tmp_path, capsys, monkeypatch, arch, tie):
     transformers = pytest.importorskip("transformers")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    model = _llama(tie)
+    model = _llama(tie, arch)
     params, tied = _hf_params(model)
     assert ("lm_head.weight" in params) != tie
     step = write_checkpoint(tmp_path / "run", 4, params, hf_config=model.config.to_dict(), tied=tied)
@@ -317,7 +321,7 @@ def test_export_hf_loads_with_from_pretrained_and_gives_the_same_logits(tmp_path
     assert ("lm_head.weight" in stored) != tie             # a tied head stored once, as transformers does
     assert set(stored) == set(params) and all(t.dtype == torch.float32 for t in stored.values())
     loaded = transformers.AutoModelForCausalLM.from_pretrained(str(out)).eval()
-    assert type(loaded).__name__ == "LlamaForCausalLM"
+    assert type(loaded) is type(model)
     assert all(torch.equal(loaded.state_dict()[k], v) for k, v in params.items())
     ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
