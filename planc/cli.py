@@ -1,4 +1,4 @@
-"""planc command line: compile | check | explain | simulate | trace | calibrate.
+"""planc command line: compile | check | explain | simulate | trace | calibrate | checkpoint.
 
 The lab (benches, the emulated testbed, its calibration) is outside the product: ``python -m benchmarks``.
 
@@ -317,6 +317,11 @@ def _cmd_calibrate(args) -> int:
     return 0
 
 
+def _cmd_checkpoint(args) -> int:
+    from planc.checkpoint_cmd import run
+    return run(args)
+
+
 def _budget_argument(c: argparse.ArgumentParser) -> None:
     """--budget NAME=N,...: raise (or lower) the compiler's resource bounds (planc.budget, docs/limits.md)."""
     from planc import budget
@@ -400,6 +405,27 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--repeats", type=int, default=3, help="timed repeats per message size (median)")
     c.add_argument("--timeout", type=float, default=300.0, help="seconds before every rank is killed")
     c.set_defaults(func=_cmd_calibrate)
+
+    c = sub.add_parser("checkpoint", help="show what a training checkpoint holds; export it to torch or HF",
+                       description="Read a checkpoint that train.py --save (or save_every) wrote: a folder step<N>/ "
+                                   "or the run folder whose 'latest' names one (docs/reliability.md, docs/runtime.md).")
+    acts = c.add_subparsers(dest="action", required=True, metavar="ACTION")
+    a = acts.add_parser("info", help="step, plan, regime, sizes and sharding of a checkpoint (every file checked)")
+    a.add_argument("directory", metavar="DIR", help="a checkpoint folder step<N>/ or the run folder with 'latest'")
+    a.add_argument("--parameters", action="store_true",
+                   help="also list every parameter: global name, shape, dtype, stored chunks, optimizer state")
+    a.set_defaults(func=_cmd_checkpoint)
+    a = acts.add_parser("export", help="write the weights as one torch state dict or a Hugging Face folder")
+    a.add_argument("directory", metavar="DIR", help="a checkpoint folder step<N>/ or the run folder with 'latest'")
+    to = a.add_mutually_exclusive_group(required=True)
+    to.add_argument("--torch", metavar="OUT.pt", help="torch.save one state dict {global name: fp32 tensor}")
+    to.add_argument("--hf", metavar="OUT", help="a Hugging Face model's checkpoint as OUT/config.json and "
+                                                "OUT/model.safetensors (AutoModelForCausalLM.from_pretrained(OUT))")
+    a.add_argument("--optimizer", action="store_true",
+                   help="with --torch: add each parameter's optimizer state as optim.<name>.<state>")
+    a.add_argument("--dtype", choices=["bf16", "fp16", "fp32"],
+                   help="with --hf: the weights' dtype (default: the run's precision)")
+    a.set_defaults(func=_cmd_checkpoint)
 
     return p
 
