@@ -51,11 +51,16 @@ class ParamInfo:
         return out
 
 
-def global_name(layer_index: int, layer, local: str) -> str:
-    """``layers.<global layer index>.<local name>``, or the layer's own ``planc_param_names`` mapping."""
+def global_name(layer_index: int, layer, local: str, param=None) -> str:
+    """``layers.<global layer index>.<local name>``, or the layer's own ``planc_param_names`` mapping; a
+    parameter tied across stages without that mapping takes its plan.json tied record's name (the first
+    holder's, set by ``tied.TiedGradients``), so every stage writes and reads it under one name."""
     names = getattr(layer, "planc_param_names", None)
     if isinstance(names, dict) and local in names:
         return str(names[local])
+    tied = getattr(param, "planc_tied_name", None)
+    if tied is not None:
+        return str(tied)
     return f"layers.{layer_index}.{local}"
 
 
@@ -67,7 +72,7 @@ def stage_params(module) -> list[ParamInfo]:
     for full, p in module.named_parameters(remove_duplicate=False):
         index, _, local = full.partition(".")
         layer = getattr(module, index)
-        name = global_name(int(index), layer, local)
+        name = global_name(int(index), layer, local, p)
         if id(p) in seen:
             seen[id(p)].tied.append(name)
             continue

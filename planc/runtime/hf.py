@@ -284,7 +284,24 @@ def pipeline_layers(model) -> list[nn.Module]:
         hf = ".".join(p for p in (base_prefix, lists[0], str(i)) if p)
         layers.append(DecoderLayer(block, rotary, config, i, hf))
     layers.append(Head(after, head, base_prefix, getattr(config, "final_logit_softcapping", None)))
+    _one_name_per_tie(layers)
     return layers
+
+
+def _one_name_per_tie(layers) -> None:
+    """A parameter shared by several layers (``tie_word_embeddings``: ``lm_head.weight`` is the embedding)
+    is named, in every layer holding it, by its first layer's HF name (``model.embed_tokens.weight``), as
+    HF's own state dict stores a tied weight once: a checkpoint then holds it once, whichever stages hold it."""
+    first: dict[int, str] = {}
+    for layer in layers:
+        for local, p in layer.named_parameters(remove_duplicate=False):
+            name = layer.planc_param_names.get(local)
+            if name is None:
+                continue
+            if id(p) in first:
+                layer.planc_param_names[local] = first[id(p)]
+            else:
+                first[id(p)] = name
 
 
 def builder(record: dict, out_dir: str, seed: int):

@@ -96,6 +96,7 @@ class TiedGradients:
             if id(p) in seen:
                 raise TiedError(f"rank {rank}: tied parameter {t.parameter} has two tied records")
             seen.add(id(p))
+            p.planc_tied_name = t.parameter   # one name in checkpoints, whichever stage writes it (ckpt_dcp)
             ex = (ReductionExecutor.for_plan(plan, r, groups, rank) if plan is not None
                   else ReductionExecutor(r, groups, rank))
             self.entries.append((r, p, ex, rank in t.contributors))
