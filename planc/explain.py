@@ -14,10 +14,9 @@ Older plan.json files without ``regions`` are rendered without that table.
 
 from __future__ import annotations
 
-import re
-
 from planc import ui
 from planc.pipeline.simulate import NIC_ORDER_GAIN
+from planc.summaries import check_summary  # noqa: F401 - planc check's table, re-exported
 from planc.ui import Col
 
 
@@ -485,21 +484,3 @@ def compile_summary(plan: dict, tty: bool = False) -> list:
         p = d["pipeline"]
         rows.append(["pipeline", f"{p['schedule']}, {p['micro_batches']} micro-batches", _t(p["predicted_iteration"])])
     return [ui.table([Col("decision", wrap=True), Col("chosen", wrap=True), Col("predicted", "right")], rows, tty=tty)]
-
-
-def check_summary(summary: str, tty: bool = False) -> list:
-    """`planc check`'s output: the first line of ``planc.lang.format.summary`` (name, ok, path), then
-    its ``  key   value`` lines as a two-column table; a line of another shape stays a line below it.
-    The facts are summary()'s own, so check shows exactly what it says."""
-    head, *lines = summary.splitlines()
-    rows, notes = [], []
-    for line in lines:
-        m = re.match(r"^  (\S.*?)\s{2,}(\S.*)$", line)
-        if m:
-            rows.append([m.group(1), m.group(2)])
-        else:
-            notes.append(line)
-    out: list = [head]
-    if rows:
-        out.append(ui.table([Col("item"), Col("what", wrap=True)], rows, tty=tty))
-    return out + notes

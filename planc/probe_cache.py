@@ -9,7 +9,8 @@ An answer is the runtime probe's JSON for one request (``planc.probe.probe_reque
   imports (``import x`` / ``from x import ...`` / ``from . import x``, read from its syntax tree: one
   level, the files a model folder usually splits into);
 - torch's installed version (read from its package metadata, without importing torch), Python's, and
-  the bytes of the runtime probe (``planc/runtime/probe.py``), so a changed measurement is not served.
+  the bytes of every module of planc's runtime (``planc/runtime/*.py``: the probe and all it imports),
+  so a changed measurement is not served.
 
 An entry holds the key and the answer's own SHA-256; one that cannot be read, does not parse, names
 another key or whose answer does not hash to the digest it holds is ignored (the probe runs and the
@@ -27,7 +28,7 @@ import platform
 import tempfile
 from pathlib import Path
 
-RUNTIME_PROBE = Path(__file__).resolve().parent / "runtime" / "probe.py"
+RUNTIME = Path(__file__).resolve().parent / "runtime"   # the probe runs these modules (probe.py and what it imports)
 FORMAT = 1
 
 
@@ -76,11 +77,21 @@ def imported_beside(model_file: str | Path) -> list[Path]:
     return out
 
 
+def _runtime_digest() -> str:
+    """One digest of every module of planc's runtime: the probe subprocess runs probe.py and the modules
+    it imports (measurements, tied parameters, Hugging Face building, tensor parallelism), so a change to
+    any of them is a different probe."""
+    h = hashlib.sha256()
+    for path in sorted(RUNTIME.glob("*.py")):
+        h.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    return h.hexdigest()
+
+
 def request_key(req: dict) -> str:
     files = {what: _digest(req.get(what)) for what in ("model_file", "data_file", "loss_file")}
     beside = {str(p): _digest(p) for p in imported_beside(req["model_file"])} if req.get("model_file") else {}
     material = {"format": FORMAT, "request": req, "files": files, "beside": beside, "torch": _torch_version(),
-                "python": platform.python_version(), "runtime_probe": _digest(RUNTIME_PROBE)}
+                "python": platform.python_version(), "runtime": _runtime_digest()}
     return hashlib.sha256(json.dumps(material, sort_keys=True).encode()).hexdigest()
 
 

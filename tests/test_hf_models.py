@@ -110,7 +110,10 @@ def write_plan(tmp_path: Path, arch: str, keys: dict, stages: str, devices: int,
     return plan
 
 
-def train_and_compare(tmp_path: Path, plan_path: Path, arch: str, keys: dict, seq: int = 8, atol: float = 1e-6):
+def train_and_compare(tmp_path: Path, plan_path: Path, arch: str, keys: dict, seq: int = 8, atol: float = 1e-6,
+                      aliases: dict | None = None, save: Path | None = None):
+    """``aliases``: {planc name: reference name} of parameters a stage holds as a copy of another's
+    (tied across stages: the reference names them once). ``save``: also checkpoint the run into it."""
     from planc.cli import main
     out = tmp_path / "out"
     assert main(["compile", str(plan_path), "-o", str(out)]) == 0
@@ -118,11 +121,14 @@ def train_and_compare(tmp_path: Path, plan_path: Path, arch: str, keys: dict, se
     train = plan["train"]
     assert train["trainable"] and train["loss"] == {"builtin": "causal_lm_loss"}
     assert train["model"]["hf"]["attn_implementation"] == "sdpa"
+    extra = ["--save", str(save)] if save is not None else []
     proc = subprocess.Popen(["bash", str(out / "launch.sh"), "--steps", str(STEPS), "--dump-params",
-                             str(tmp_path / "dump")], env=launch_env(), cwd=out, text=True,
+                             str(tmp_path / "dump"), *extra], env=launch_env(), cwd=out, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:   # the launch runs while this process trains the reference
         ref_losses, ref_state = reference(arch, keys, {"seq": seq}, train, STEPS)
+        for copy, original in (aliases or {}).items():
+            ref_state[copy] = ref_state[original]
         stdout, stderr = proc.communicate(timeout=400)
     finally:
         if proc.poll() is None:
@@ -192,13 +198,54 @@ def test_llama_tied_embeddings_within_one_data_parallel_stage(tmp_path):
 
 
 @pytest.mark.slow
-def test_the_bundled_llama_plan_with_a_tensor_parallel_stage(tmp_path):
-    """plans/llama-unequal.plan: stage 1 splits over tensor = 2 (planc_runtime.hf_tp, written beside)."""
-    pytest.importorskip("planc.runtime.hf_tp", reason="planc/runtime/hf_tp.py (tensor-parallel HF layers) is absent")
-    keys = {**SMALL, "num_hidden_layers": 3, "max_position_embeddings": 64, "tie_word_embeddings": False}
+def test_the_bundled_llama_plan_tied_across_stages_with_a_tensor_parallel_stage(tmp_path):
+    """plans/llama-unequal.plan: stage 1 splits over tensor = 2 (planc_runtime.hf_tp); the embeddings are
+    tied across stage 0 (one device) and stage 1 (2 x 2): both copies end equal to the reference's one
+    weight. The run's checkpoint exports to an HF folder that ``from_pretrained`` loads, giving the
+    reference's logits."""
+    import torch
+    from planc.cli import main
+    keys = {**SMALL, "num_hidden_layers": 3, "max_position_embeddings": 64, "tie_word_embeddings": True}
+    ckpt = tmp_path / "ckpt"
     plan, sharded = train_and_compare(tmp_path, ROOT / "plans" / "llama-unequal.plan", "LlamaForCausalLM", keys,
-                                      seq=16, atol=1e-4)   # AdamW at lr 1e-2 (see the Mistral test)
+                                      seq=16, atol=1e-4,   # AdamW at lr 1e-2 (see the Mistral test)
+                                      aliases={"layers.4.lm_head.weight": "layers.0.embed_tokens.weight"},
+                                      save=ckpt)
     assert plan["tensor_groups"] and sharded   # the projections of layers 1..2 are held as shards
+    tied = [r["tied"] for r in plan["reductions"] if r.get("tied")]
+    assert len(tied) == 1 and sorted({h["stage"] for h in tied[0]["holders"]}) == [0, 1]
+    assert main(["checkpoint", "export", str(ckpt), "--hf", str(tmp_path / "hf")]) == 0
+    exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", local_files_only=True)
+    assert exported.lm_head.weight is exported.model.embed_tokens.weight   # tied again by transformers
+    torch.manual_seed(0)
+    ref = transformers.AutoModelForCausalLM.from_config(hf_config("LlamaForCausalLM", keys))
+    with torch.no_grad():
+        for name, p in ref.named_parameters():
+            p.copy_(_dumped_as_reference(tmp_path, planc_name(name, keys["num_hidden_layers"]), sharded))
+    ids = torch.arange(32).reshape(2, 16)
+    with torch.no_grad():
+        want = ref(input_ids=ids).logits
+        got = exported(input_ids=ids).logits
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+def _dumped_as_reference(tmp_path: Path, name: str, sharded: dict):
+    """The trained parameter ``name`` from the ranks' dumps (whole, or its tensor shards joined)."""
+    import torch
+    parts = {}
+    for f in sorted((tmp_path / "dump").glob("rank*.pt")):
+        mine = torch.load(f)
+        if name not in mine:
+            continue
+        if name not in sharded:
+            return mine[name]
+        info = json.loads(f.with_suffix("").with_suffix(".shards.json").read_text())
+        dim, index, parts_n, blocks = info[name]
+        assert blocks == 1
+        parts[index] = (dim, mine[name])
+    assert parts, name
+    dim = next(iter(parts.values()))[0]
+    return torch.cat([parts[i][1] for i in sorted(parts)], dim=dim)
 
 
 def plan_names(tmp_path: Path) -> set[str]:

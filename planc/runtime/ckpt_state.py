@@ -24,7 +24,7 @@ STEP_STATE = ("adam", "adamw")
 
 def _fragments(engine):
     infos = {id(i.param): i for i in stage_params(engine.module)}
-    for f in engine.regime.fragments:
+    for f in engine.regime.fragments + engine.regime.tied:   # tied across stages: whole fragments of their own
         info = infos.get(id(f.param))
         if info is not None:
             yield f, info

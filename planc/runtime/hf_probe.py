@@ -30,6 +30,7 @@ import torch
 from .hf import HfModelError, attn_implementation, build_model, causal_lm_loss, config_from_folder, \
     config_from_keys, has_weights, pipeline_layers
 from .probe_measure import count_flops
+from .tied import probe_record as tied_record
 from .usererrors import UserCodeError, draw_batches, shapes
 
 __all__ = ["probe_hf", "layer_tp_plan_of", "sharded_params"]
@@ -197,6 +198,7 @@ def probe_hf(req: dict, run_graph, saved_by_layer, load, part) -> dict:
             "layer_flops": flops, "flop_errors": flop_errors, "transfers": measured,
             "tensor_parallel": True, "sharded_layer_params": sharded, "shard_errors": shard_errors,
             "tensor_traffic": sorted(traffic, key=lambda t: t["stage"]), "graph_errors": errors,
+            "tied": tied_record(layers),   # tie_word_embeddings: the embedding is lm_head's weight (tied.py)
             "hf": {"architecture": arch, "attn_implementation": attn_implementation(arch),
                    "config": _jsonable(config), "weights": bool(folder) and has_weights(folder),
                    "tp_plan": layer_tp_plan_of(config), "layers": listing}}
