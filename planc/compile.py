@@ -191,7 +191,7 @@ def place_pass(program: ir.Program, ctx: Context) -> Placement:
 def reductions_pass(program: ir.Program, ctx: Context):
     """Each stage's gradients (and standalone reductions), then every parameter tied across stages."""
     p = ctx.placement
-    tied = (plan_tied(program, p.stages, ctx.probe.tied, len(ctx.probe.layer_params))
+    tied = (plan_tied(program, p.stages, ctx.probe.tied, len(ctx.probe.layer_params), ctx.probe.tied_split)
             if ctx.training and ctx.probe is not None and ctx.probe.tied else ())
     return plan_reductions(program, p.coords, p.stages, p.matrix, _param_bytes(program, ctx)) + tied
 

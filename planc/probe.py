@@ -105,6 +105,9 @@ class ModelProbe:
     hf: dict | None = None
     # parameters shared by several layers (planc.runtime.tied): ((holders ((layer, local name), ...), numel), ...)
     tied: tuple[tuple[tuple[tuple[int, str], ...], int], ...] = ()
+    # per tensor degree, the ties (their first holder (layer, local name)) whose parameter the model splits
+    # over a tensor group of that size: ((degree, ((layer, name), ...)), ...)
+    tied_split: tuple[tuple[int, tuple[tuple[int, str], ...]], ...] = ()
 
     def measured(self, name: str) -> MeasuredTransfer | None:
         return next((m for m in self.transfers if m.name == name), None)
@@ -374,6 +377,8 @@ def probe_from_json(doc: dict, micro_batch: int, stage_tensor=(), chain: bool = 
         layer_traffic=tuple(t for t in traffic if t.stage < len(doc["layer_params"])) if chain else (),
         hf=doc.get("hf"),
         tied=tuple((tuple((int(i), str(n)) for i, n in t["holders"]), int(t["numel"])) for t in doc.get("tied") or ()),
+        tied_split=tuple(sorted((int(k), tuple((int(i), str(n)) for i, n in v))
+                                for k, v in (doc.get("tied_split") or {}).items())),
     )
 
 

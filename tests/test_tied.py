@@ -122,6 +122,35 @@ def test_shared_parameters_finds_a_module_used_by_two_layers():
     assert shared_parameters([nn.Sequential(lin), nn.Sequential(other)]) == []
 
 
+def test_a_tie_the_tensor_axis_would_split_is_refused_at_the_stage(tmp_path):
+    """The shared Linear split over a tensor group (the builder shards it): every copy of a tied parameter
+    must take the same whole update, so the compiler refuses the plan at the stage whose tensor axis
+    splits it, naming the holders; the same model with that stage replicated compiles with its tie."""
+    from planc.lang.errors import PlanError
+    split_model = MODEL.replace(
+        "    lin = nn.Linear(width, width)\n",
+        "    lin = nn.Linear(width, width)\n"
+        "    if tensor_parallel is not None and tensor_parallel.size > 1:\n"
+        "        lin.weight = tensor_parallel.shard(lin.weight, 0)\n")
+    assert split_model != MODEL
+    text = _plan(4, "on devices 0..2 as (data = 2)", "on devices 2..4 as (tensor = 2)")
+    (tmp_path / "tiedmodel.py").write_text(split_model)
+    (tmp_path / "tied.plan").write_text(text)
+    from planc.compile import compile_file
+    with pytest.raises(PlanError) as e:
+        compile_file(tmp_path / "tied.plan")
+    msg = str(e.value)
+    stage1 = next(i for i, line in enumerate(text.splitlines(), 1) if line.lstrip().startswith("stage 1"))
+    assert f"tied.plan:{stage1}:" in msg, msg
+    assert "stage 1 splits a parameter tied across stages over its 'tensor' axis (2)" in msg, msg
+    assert "layers.0.lin.weight (stage 0), layers.3.lin.weight (stage 1)" in msg, msg
+    assert "Traceback" not in msg
+    # the bias is not split: only the weight's tie is refused, once
+    assert msg.count("splits a parameter") == 1, msg
+    (tmp_path / "tied.plan").write_text(_plan(4, "on devices 0..2 as (data = 2)", "on devices 2..4 as (data = 2)"))
+    assert len(_tied(compile_file(tmp_path / "tied.plan").plan_json)) == 2
+
+
 def test_unequal_tensor_degrees_count_tensor_replicas_once(tmp_path):
     """Stage 0 data = 2, stage 1 tensor = 2: one group of the 4 devices, tensor coordinate 1 enters zeros;
     the plan passes the contract's outside checker, and the independent checker rejects mutations."""

@@ -263,8 +263,9 @@ def _add(out: list, planned) -> None:
     out.extend(planned if isinstance(planned, tuple) else (planned,))
 
 
-def plan_tied(program: ir.Program, stages: Sequence[ir.StageLayout], ties, n_layers: int) -> tuple[ReductionPlan, ...]:
+def plan_tied(program: ir.Program, stages: Sequence[ir.StageLayout], ties, n_layers: int,
+              split=()) -> tuple[ReductionPlan, ...]:
     """The tied parameters' reductions (``reduction/tied.py``): one per parameter the probe found shared by
     layers of two stages or more (``ties``: the probe's ``(holders, numel)``), synthesized on the union of
     the holding stages' devices."""
-    return _plan_tied(program, stages, ties, n_layers, plan_reduction)
+    return _plan_tied(program, stages, ties, n_layers, plan_reduction, split)

@@ -22,9 +22,31 @@ from typing import Callable, Sequence
 
 from planc import ir
 from planc import plan as planfile
+from planc.lang.errors import Diagnostic, PlanError
 from planc.reduction.check import check_tied
 
 __all__ = ["plan_tied", "tied_groups", "contribution_keys"]
+
+
+def _refuse_split(program: ir.Program, stages, ties, where: dict, split: dict) -> None:
+    """Only a replicated parameter can be tied across stages: every copy takes the same whole update. A
+    tie the model splits over a holding stage's tensor axis is refused at that stage's line."""
+    errs = []
+    for holders, _ in ties:
+        held = sorted({where[layer] for layer, _ in holders if layer in where})
+        if len(held) < 2:
+            continue
+        for st in stages:
+            k = st.axis_size(TENSOR)
+            if st.index in held and k > 1 and tuple(holders[0]) in set(split.get(k, ())):
+                names = ", ".join(f"layers.{i}.{n} (stage {where[i]})" for i, n in holders if i in where)
+                errs.append(Diagnostic(
+                    f"stage {st.index} splits a parameter tied across stages over its 'tensor' axis ({k}): {names} "
+                    "are one parameter, and only a replicated parameter can be tied across stages (every copy "
+                    "takes the same whole update); keep the shared module out of the model's tensor split, or "
+                    "give stage " f"{st.index} no 'tensor' axis", program.stage(st.index).span))
+    if errs:
+        raise PlanError(errs)
 
 TENSOR = ir.MeshAxis.TENSOR
 GRAD_BYTES = 4   # gradients are reduced in fp32 (fp64 parameters: counted as fp32 here, a prediction only)
@@ -72,12 +94,15 @@ def contribution_keys(stages) -> dict[int, tuple]:
 
 
 def plan_tied(program: ir.Program, stages: Sequence[ir.StageLayout], ties, n_layers: int,
-              plan_reduction: Callable) -> tuple:
+              plan_reduction: Callable, split=()) -> tuple:
     """One ``ReductionPlan`` (``tied`` set) per parameter the probe found shared by layers of two stages or
     more, in the probe's order; ties inside one stage need nothing. ``plan_reduction``: the package's
-    (``planc.reduction.plan_reduction``), which synthesizes and ranks the program on the groups."""
+    (``planc.reduction.plan_reduction``), which synthesizes and ranks the program on the groups.
+    ``split``: the probe's ``tied_split``, ``((degree, ((layer, name), ...)), ...)``; a tie across stages
+    whose parameter a holding stage's tensor axis would split is a located error at that stage."""
     where = _stage_of_layer(program, n_layers)
     layouts = {st.index: st for st in stages}
+    _refuse_split(program, [st for st in stages], ties, where, dict(split))
     grads = next((r for r in program.reductions if r.name == "gradients" and r.shape is None), None)
     mode = (ir.ReductionMode.ALLREDUCE if grads is not None and grads.mode is ir.ReductionMode.ALLREDUCE
             else ir.ReductionMode.SYNTHESIZE)

@@ -76,8 +76,8 @@ import sys
 import torch
 
 from .probe_measure import count_flops, measure_tensor_traffic
-from .tensor_parallel import TensorParallel
-from .tied import probe_record as tied_record
+from .tensor_parallel import TensorParallel, shard_info
+from .tied import probe_record as tied_record, shared_parameters
 from .usercode import MissingFunction, accepts_tensor_parallel, load_callable
 from .usererrors import UserCodeError, describe, draw_batches, exercise, layers_of
 
@@ -338,7 +338,7 @@ def _request(req: dict) -> dict:
                    else (errors[0] if errors else "its layer did not run"))
             measured.append({"name": t["name"], "shape": None, "dtype": None, "error": why})
 
-    sharded, shard_errors, traffic = {}, {}, []
+    sharded, shard_errors, traffic, tied_split = {}, {}, [], {}
     if opts_in:
         micro_batch = int(req["micro_batch"])
         for k in sorted({int(k) for k in req.get("tensor_degrees", ()) if int(k) > 1}):
@@ -349,6 +349,10 @@ def _request(req: dict) -> dict:
                 shard_errors[str(k)] = f"{type(e).__name__}: {e}"
                 continue
             sharded[str(k)] = _layer_params(shards)
+            split = [g[0] for g in shared_parameters(shards)
+                     if shard_info(dict(shards[g[0][0]].named_parameters())[g[0][1]]) is not None]
+            if split:   # a tie split over the tensor axis: the compiler refuses it at the stage (reduction/tied.py)
+                tied_split[str(k)] = [[i, n] for i, n in split]
             for st in req.get("tensor_stages", ()):
                 if int(st["degree"]) != k:
                     continue
@@ -362,7 +366,8 @@ def _request(req: dict) -> dict:
             "layer_flops": flops, "flop_errors": flop_errors, "transfers": measured,
             "tensor_parallel": opts_in, "sharded_layer_params": sharded, "shard_errors": shard_errors,
             "tensor_traffic": sorted(traffic, key=lambda t: t["stage"]), "graph_errors": errors,
-            "tied": tied_record(layers)}   # parameters shared by several layers (tied.py)
+            "tied": tied_record(layers),   # parameters shared by several layers (tied.py)
+            "tied_split": tied_split}      # per tensor degree, the ties whose parameter that split shards
 
 
 def main(argv=None) -> int:
