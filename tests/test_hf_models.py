@@ -231,6 +231,30 @@ def test_the_bundled_llama_plan_tied_across_stages_with_a_tensor_parallel_stage(
         want = ref(input_ids=ids).logits
         got = exported(input_ids=ids).logits
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    # the checkpoint resumes under another plan: other cut, no tensor axis, the tie now between a data-2
+    # stage and a one-device stage; its 4th step is the reference's 4th, and both copies of the tied
+    # weight end as the reference's one weight after 4 steps
+    (tmp_path / "b").mkdir()
+    plan_b = write_plan(tmp_path / "b", "LlamaForCausalLM", keys, """\
+        stage 0 : layers 0..3 on devices 0..2 as (data = 2)
+        stage 1 : layers 3..5 on devices 2..3 as (data = 1)
+        """, 3, "micro_batch = 4, micro_batches = 2, steps = 4, schedule = 1f1b, optimizer = adamw(lr = 1e-2), "
+               "seed = 7", seq=16)
+    out_b = tmp_path / "b" / "out"
+    assert main(["compile", str(plan_b), "-o", str(out_b)]) == 0
+    plan2 = json.loads((out_b / "plan.json").read_text())
+    tied2 = [r["tied"] for r in plan2["reductions"] if r.get("tied")]
+    assert len(tied2) == 1 and [len(st["devices"]) for st in plan2["stages"]] == [2, 1]
+    r = subprocess.run(["bash", str(out_b / "launch.sh"), "--steps", "4", "--resume", str(ckpt),
+                        "--dump-params", str(tmp_path / "b" / "dump")], env=launch_env(), cwd=out_b, text=True,
+                       capture_output=True, timeout=400)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
+    assert "resumed from" in r.stdout and "at step 3" in r.stdout, r.stdout[-2000:]
+    losses = {int(a): float(b) for a, b in re.findall(r"step (\d+) loss ([-0-9.e+]+)", r.stdout)}
+    ref_losses, ref_state = reference("LlamaForCausalLM", keys, {"seq": 16}, plan2["train"], 4)
+    assert sorted(losses) == [3] and losses[3] == pytest.approx(ref_losses[3], rel=1e-4, abs=1e-6), r.stdout[-2000:]
+    ref_state["layers.4.lm_head.weight"] = ref_state["layers.0.embed_tokens.weight"]
+    compare_dumps(tmp_path / "b" / "dump", stage_ranks(plan2), ref_state, rtol=1e-4, atol=1e-4)
 
 
 def _dumped_as_reference(tmp_path: Path, name: str, sharded: dict):
