@@ -27,6 +27,18 @@ from planc.reduction.check import check_tied
 
 __all__ = ["plan_tied", "tied_groups", "contribution_keys"]
 
+TENSOR = ir.MeshAxis.TENSOR
+GRAD_BYTES = 4   # gradients are reduced in fp32 (fp64 parameters: counted as fp32 here, a prediction only)
+
+
+def _stage_of_layer(program: ir.Program, n_layers: int) -> dict[int, int]:
+    out = {}
+    for st in program.stages:
+        a, b = st.layers if st.layers is not None else (0, n_layers)
+        for i in range(a, b):
+            out[i] = st.index
+    return out
+
 
 def _refuse_split(program: ir.Program, stages, ties, where: dict, split: dict) -> None:
     """Only a replicated parameter can be tied across stages: every copy takes the same whole update. A
@@ -44,21 +56,9 @@ def _refuse_split(program: ir.Program, stages, ties, where: dict, split: dict) -
                     f"stage {st.index} splits a parameter tied across stages over its 'tensor' axis ({k}): {names} "
                     "are one parameter, and only a replicated parameter can be tied across stages (every copy "
                     "takes the same whole update); keep the shared module out of the model's tensor split, or "
-                    "give stage " f"{st.index} no 'tensor' axis", program.stage(st.index).span))
+                    f"give stage {st.index} no 'tensor' axis", program.stage(st.index).span))
     if errs:
         raise PlanError(errs)
-
-TENSOR = ir.MeshAxis.TENSOR
-GRAD_BYTES = 4   # gradients are reduced in fp32 (fp64 parameters: counted as fp32 here, a prediction only)
-
-
-def _stage_of_layer(program: ir.Program, n_layers: int) -> dict[int, int]:
-    out = {}
-    for st in program.stages:
-        a, b = st.layers if st.layers is not None else (0, n_layers)
-        for i in range(a, b):
-            out[i] = st.index
-    return out
 
 
 def tied_groups(stages: Sequence[ir.StageLayout]) -> tuple[tuple[tuple[int, ...], ...], tuple[int, ...]]:
@@ -102,7 +102,7 @@ def plan_tied(program: ir.Program, stages: Sequence[ir.StageLayout], ties, n_lay
     whose parameter a holding stage's tensor axis would split is a located error at that stage."""
     where = _stage_of_layer(program, n_layers)
     layouts = {st.index: st for st in stages}
-    _refuse_split(program, [st for st in stages], ties, where, dict(split))
+    _refuse_split(program, stages, ties, where, dict(split))
     grads = next((r for r in program.reductions if r.name == "gradients" and r.shape is None), None)
     mode = (ir.ReductionMode.ALLREDUCE if grads is not None and grads.mode is ir.ReductionMode.ALLREDUCE
             else ir.ReductionMode.SYNTHESIZE)
