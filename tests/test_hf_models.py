@@ -111,9 +111,12 @@ def write_plan(tmp_path: Path, arch: str, keys: dict, stages: str, devices: int,
 
 
 def train_and_compare(tmp_path: Path, plan_path: Path, arch: str, keys: dict, seq: int = 8, atol: float = 1e-6,
-                      aliases: dict | None = None, save: Path | None = None):
+                      aliases: dict | None = None, save: Path | None = None, resume: tuple | None = None,
+                      steps: int = STEPS):
     """``aliases``: {planc name: reference name} of parameters a stage holds as a copy of another's
-    (tied across stages: the reference names them once). ``save``: also checkpoint the run into it."""
+    (tied across stages: the reference names them once). ``save``: also checkpoint the run into it.
+    ``resume``: (checkpoint folder, its step): the run resumes there and trains up to ``steps``, whose
+    losses from that step on and final parameters are the uninterrupted reference's."""
     from planc.cli import main
     out = tmp_path / "out"
     assert main(["compile", str(plan_path), "-o", str(out)]) == 0
@@ -122,11 +125,13 @@ def train_and_compare(tmp_path: Path, plan_path: Path, arch: str, keys: dict, se
     assert train["trainable"] and train["loss"] == {"builtin": "causal_lm_loss"}
     assert train["model"]["hf"]["attn_implementation"] == "sdpa"
     extra = ["--save", str(save)] if save is not None else []
-    proc = subprocess.Popen(["bash", str(out / "launch.sh"), "--steps", str(STEPS), "--dump-params",
+    extra += ["--resume", str(resume[0])] if resume is not None else []
+    first = resume[1] if resume is not None else 0
+    proc = subprocess.Popen(["bash", str(out / "launch.sh"), "--steps", str(steps), "--dump-params",
                              str(tmp_path / "dump"), *extra], env=launch_env(), cwd=out, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:   # the launch runs while this process trains the reference
-        ref_losses, ref_state = reference(arch, keys, {"seq": seq}, train, STEPS)
+        ref_losses, ref_state = reference(arch, keys, {"seq": seq}, train, steps)
         for copy, original in (aliases or {}).items():
             ref_state[copy] = ref_state[original]
         stdout, stderr = proc.communicate(timeout=400)
@@ -135,8 +140,11 @@ def train_and_compare(tmp_path: Path, plan_path: Path, arch: str, keys: dict, se
             proc.kill()
             proc.communicate()
     assert proc.returncode == 0, stdout[-4000:] + stderr[-4000:]
-    losses = [float(x) for x in re.findall(r"step \d+ loss ([-0-9.e+]+)", stdout)]
-    assert losses == pytest.approx(ref_losses, rel=1e-4, abs=1e-6), stdout[-2000:]
+    if resume is not None:
+        assert "resumed from" in stdout and f"at step {first}" in stdout, stdout[-2000:]
+    losses = {int(a): float(b) for a, b in re.findall(r"step (\d+) loss ([-0-9.e+]+)", stdout)}
+    assert sorted(losses) == list(range(first, steps)), stdout[-2000:]
+    assert [losses[i] for i in sorted(losses)] == pytest.approx(ref_losses[first:], rel=1e-4, abs=1e-6), stdout[-2000:]
     assert ref_losses[-1] < ref_losses[0]   # it learns: not a comparison of two idle models
     return plan, compare_dumps(tmp_path / "dump", stage_ranks(plan), ref_state, rtol=1e-4, atol=atol)
 
@@ -240,21 +248,11 @@ def test_the_bundled_llama_plan_tied_across_stages_with_a_tensor_parallel_stage(
         stage 1 : layers 3..5 on devices 2..3 as (data = 1)
         """, 3, "micro_batch = 4, micro_batches = 2, steps = 4, schedule = 1f1b, optimizer = adamw(lr = 1e-2), "
                "seed = 7", seq=16)
-    out_b = tmp_path / "b" / "out"
-    assert main(["compile", str(plan_b), "-o", str(out_b)]) == 0
-    plan2 = json.loads((out_b / "plan.json").read_text())
+    plan2, _ = train_and_compare(tmp_path / "b", plan_b, "LlamaForCausalLM", keys, seq=16, atol=1e-4,
+                                 aliases={"layers.4.lm_head.weight": "layers.0.embed_tokens.weight"},
+                                 resume=(ckpt, STEPS), steps=STEPS + 1)
     tied2 = [r["tied"] for r in plan2["reductions"] if r.get("tied")]
     assert len(tied2) == 1 and [len(st["devices"]) for st in plan2["stages"]] == [2, 1]
-    r = subprocess.run(["bash", str(out_b / "launch.sh"), "--steps", "4", "--resume", str(ckpt),
-                        "--dump-params", str(tmp_path / "b" / "dump")], env=launch_env(), cwd=out_b, text=True,
-                       capture_output=True, timeout=400)
-    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
-    assert "resumed from" in r.stdout and "at step 3" in r.stdout, r.stdout[-2000:]
-    losses = {int(a): float(b) for a, b in re.findall(r"step (\d+) loss ([-0-9.e+]+)", r.stdout)}
-    ref_losses, ref_state = reference("LlamaForCausalLM", keys, {"seq": 16}, plan2["train"], 4)
-    assert sorted(losses) == [3] and losses[3] == pytest.approx(ref_losses[3], rel=1e-4, abs=1e-6), r.stdout[-2000:]
-    ref_state["layers.4.lm_head.weight"] = ref_state["layers.0.embed_tokens.weight"]
-    compare_dumps(tmp_path / "b" / "dump", stage_ranks(plan2), ref_state, rtol=1e-4, atol=1e-4)
 
 
 def _dumped_as_reference(tmp_path: Path, name: str, sharded: dict):

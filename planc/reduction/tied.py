@@ -40,23 +40,21 @@ def _stage_of_layer(program: ir.Program, n_layers: int) -> dict[int, int]:
     return out
 
 
-def _refuse_split(program: ir.Program, stages, ties, where: dict, split: dict) -> None:
+def _refuse_split(program: ir.Program, across, layouts: dict, where: dict, split: dict) -> None:
     """Only a replicated parameter can be tied across stages: every copy takes the same whole update. A
-    tie the model splits over a holding stage's tensor axis is refused at that stage's line."""
+    tie (``across``: ``(holders, numel, holding stages)``) the model splits over a holding stage's tensor
+    axis is refused at that stage's line."""
     errs = []
-    for holders, _ in ties:
-        held = sorted({where[layer] for layer, _ in holders if layer in where})
-        if len(held) < 2:
-            continue
-        for st in stages:
-            k = st.axis_size(TENSOR)
-            if st.index in held and k > 1 and tuple(holders[0]) in set(split.get(k, ())):
+    for holders, _, held in across:
+        for s in held:
+            k = layouts[s].axis_size(TENSOR)
+            if k > 1 and tuple(holders[0]) in split.get(k, ()):
                 names = ", ".join(f"layers.{i}.{n} (stage {where[i]})" for i, n in holders if i in where)
                 errs.append(Diagnostic(
-                    f"stage {st.index} splits a parameter tied across stages over its 'tensor' axis ({k}): {names} "
+                    f"stage {s} splits a parameter tied across stages over its 'tensor' axis ({k}): {names} "
                     "are one parameter, and only a replicated parameter can be tied across stages (every copy "
                     "takes the same whole update); keep the shared module out of the model's tensor split, or "
-                    f"give stage {st.index} no 'tensor' axis", program.stage(st.index).span))
+                    f"give stage {s} no 'tensor' axis", program.stage(s).span))
     if errs:
         raise PlanError(errs)
 
@@ -102,15 +100,17 @@ def plan_tied(program: ir.Program, stages: Sequence[ir.StageLayout], ties, n_lay
     whose parameter a holding stage's tensor axis would split is a located error at that stage."""
     where = _stage_of_layer(program, n_layers)
     layouts = {st.index: st for st in stages}
-    _refuse_split(program, stages, ties, where, dict(split))
+    across = []   # (holders, numel, holding stages) of each tie held by two stages or more
+    for holders, numel in ties:
+        held = sorted({where[layer] for layer, _ in holders if layer in where})
+        if len(held) > 1:
+            across.append((holders, numel, held))
+    _refuse_split(program, across, layouts, where, {k: set(v) for k, v in split})
     grads = next((r for r in program.reductions if r.name == "gradients" and r.shape is None), None)
     mode = (ir.ReductionMode.ALLREDUCE if grads is not None and grads.mode is ir.ReductionMode.ALLREDUCE
             else ir.ReductionMode.SYNTHESIZE)
     out = []
-    for holders, numel in ties:
-        held = sorted({where[layer] for layer, _ in holders if layer in where})
-        if len(held) < 2:
-            continue
+    for holders, numel, held in across:
         groups, contributors = tied_groups([layouts[s] for s in held])
         first, name = holders[0]
         tied = planfile.Tied(f"layers.{first}.{name}",

@@ -76,8 +76,8 @@ import sys
 import torch
 
 from .probe_measure import count_flops, measure_tensor_traffic
-from .tensor_parallel import TensorParallel, shard_info
-from .tied import probe_record as tied_record, shared_parameters
+from .tensor_parallel import TensorParallel
+from .tied import probe_record as tied_record, split_record
 from .usercode import MissingFunction, accepts_tensor_parallel, load_callable
 from .usererrors import UserCodeError, describe, draw_batches, exercise, layers_of
 
@@ -349,10 +349,9 @@ def _request(req: dict) -> dict:
                 shard_errors[str(k)] = f"{type(e).__name__}: {e}"
                 continue
             sharded[str(k)] = _layer_params(shards)
-            split = [g[0] for g in shared_parameters(shards)
-                     if shard_info(dict(shards[g[0][0]].named_parameters())[g[0][1]]) is not None]
+            split = split_record(shards)
             if split:   # a tie split over the tensor axis: the compiler refuses it at the stage (reduction/tied.py)
-                tied_split[str(k)] = [[i, n] for i, n in split]
+                tied_split[str(k)] = split
             for st in req.get("tensor_stages", ()):
                 if int(st["degree"]) != k:
                     continue

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["shared_parameters", "probe_record", "TiedGradients", "TiedError"]
+__all__ = ["shared_parameters", "probe_record", "split_record", "TiedGradients", "TiedError"]
 
 
 def shared_parameters(layers) -> list[list[tuple[int, str]]]:
@@ -33,14 +33,23 @@ def shared_parameters(layers) -> list[list[tuple[int, str]]]:
     return sorted((h for h in holders.values() if len(h) > 1), key=lambda h: h[0][0])   # stable: name order
 
 
+def _first(layers, group):
+    """The parameter of a ``shared_parameters`` group, by its first holder."""
+    layer, name = group[0]
+    return dict(layers[layer].named_parameters())[name]
+
+
 def probe_record(layers) -> list[dict]:
     """The probe's ``tied`` answer: per shared parameter, ``{"holders": [[layer, name], ...], "numel": n}``."""
-    out = []
-    for group in shared_parameters(layers):
-        layer, name = group[0]
-        p = dict(layers[layer].named_parameters())[name]
-        out.append({"holders": [[i, n] for i, n in group], "numel": p.numel()})
-    return out
+    return [{"holders": [[i, n] for i, n in group], "numel": _first(layers, group).numel()}
+            for group in shared_parameters(layers)]
+
+
+def split_record(layers) -> list[list]:
+    """The first holder ``[layer, name]`` of each shared parameter the build split over a tensor group
+    (``TensorParallel.shard``): the compiler refuses such a tie across stages (reduction/tied.py)."""
+    from .tensor_parallel import shard_info
+    return [list(group[0]) for group in shared_parameters(layers) if shard_info(_first(layers, group)) is not None]
 
 
 class TiedError(ValueError):
