@@ -190,14 +190,16 @@ def _memory_lines(mem: dict, tty: bool) -> list:
     for st in mem["stages"]:
         over = " (over)" if mem["limit"] and st.get("total", 0) > mem["limit"] else ""
         rows.append([st["stage"], _bytes(st["parameters"]), _bytes(st["gradients"]), _bytes(st["optimizer"]),
-                     _bytes(st["activations"]) + (" (rc)" if st["recompute"] else ""), _bytes(st["total"]) + over])
+                     _bytes(st["activations"]) + (" (rc)" if st["recompute"] else ""), _bytes(st["total"]) + over,
+                     _bytes(st["build"]) if "build" in st else "-"])
         saved = st["saved"]
         if saved:
             what = [f"zero = 1 saved {_bytes(saved['zero'])} of optimizer state"] if "zero" in saved else []
             what += [f"recompute saved {_bytes(saved['recompute'])} of activations"] if "recompute" in saved else []
             notes.append(f"  stage {st['stage']}: " + "; ".join(what))
     out.append(ui.table([Col("stage", "right"), Col("parameters", "right"), Col("gradients", "right"),
-                         Col("optimizer", "right"), Col("activations", "right"), Col("total", "right")], rows, tty=tty))
+                         Col("optimizer", "right"), Col("activations", "right"), Col("total", "right"),
+                         Col("at start", "right")], rows, tty=tty))
     return out + notes + (["  (rc: the stage recomputes; it keeps only its inputs per micro-batch in flight)"]
                           if any(st["recompute"] for st in mem["stages"]) else [])
 

@@ -5,8 +5,8 @@ Each end-to-end test writes a plan, compiles it as ``planc compile`` does, launc
 own ``launch.sh`` (the deepspeed launcher, CPU/gloo) and compares every step's loss (rtol 1e-4) and every
 rank's parameters after training with a reference that knows nothing of planc: the config class of the
 architecture with the plan's keys and every dropout probability 0 (LANGUAGE.md, "Hugging Face models"),
-``torch.manual_seed(seed); AutoModelForCausalLM.from_config(config)`` with the attention implementation
-docs/models.md names, the same byte batches of examples/bytes.py (all micro-batches of a step at once:
+initialized by LANGUAGE.md's plan-independent rule (``hf_reference.spec_model``, written from the spec's
+words, importing nothing of planc) with the attention implementation docs/models.md names, the same byte batches of examples/bytes.py (all micro-batches of a step at once:
 the step's loss is their mean), HF's own loss (``labels=ids``) and torch's SGD or AdamW. Parameters are
 matched by the layer layout docs/models.md documents (layer 0 ``embed_tokens``, layer 1 + i ``layer`` =
 ``model.layers[i]``, the last ``norm`` and ``lm_head``).
@@ -28,6 +28,7 @@ from pathlib import Path
 import pytest
 
 from e2e_util import ROOT, _load_callable, compare_dumps, launch_env, stage_ranks
+from hf_reference import spec_model
 
 transformers = pytest.importorskip("transformers", reason="transformers (the 'hf' extra) is not installed")
 
@@ -68,9 +69,7 @@ def batches(micro_batch: int, seed: int, **args):
 def reference(arch: str, keys: dict, data_args: dict, train: dict, steps: int):
     """(loss per step, parameters named as planc's layers) of the model trained by transformers alone."""
     import torch
-    torch.manual_seed(train["seed"])
-    model = transformers.AutoModelForCausalLM.from_config(hf_config(arch, keys), attn_implementation="sdpa")
-    model.train()
+    model = spec_model(hf_config(arch, keys), train["seed"])
     opt = train["optimizer"]
     if opt["name"] == "sgd":
         optimizer = torch.optim.SGD(model.parameters(), lr=opt["lr"])
@@ -309,8 +308,7 @@ def test_the_layers_in_a_chain_are_the_hf_model(arch):
         h = layer(h)
     hf.causal_lm_loss(h, ids).backward()
 
-    torch.manual_seed(4)
-    ref = transformers.AutoModelForCausalLM.from_config(hf_config(arch, keys), attn_implementation="sdpa")
+    ref = spec_model(hf_config(arch, keys), 4)
     out = ref(input_ids=ids, labels=ids)
     out.loss.backward()
     torch.testing.assert_close(h, out.logits, rtol=1e-5, atol=1e-6)

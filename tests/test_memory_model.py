@@ -78,7 +78,9 @@ def expected(stage, prec, zero, recompute, states, in_flight, rows=ROWS):
     act = in_flight * inputs + outputs if recompute else in_flight * (inputs + outputs)
     parts = {"parameters": P * elem, "gradients": P * 4,
              "optimizer": (4 * states + master) * (math.ceil(P / DATA) if zero else P), "activations": act}
-    return dict(parts, total=sum(parts.values()))
+    # the build at start (no tensor axis here: nothing drawn whole beyond the share): fp32 draw, + the cast copy
+    build = 4 * P + (elem * P if elem != 4 else 0)
+    return dict(parts, total=sum(parts.values()), build=build)
 
 
 OPTIMIZERS = {"sgd(lr = 0.1)": 0, "sgd(lr = 0.1, momentum = 0.9)": 1, "adam(lr = 1e-3)": 2}

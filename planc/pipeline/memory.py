@@ -23,7 +23,12 @@ data degree ``d``, ``p`` bytes per element of the precision (fp32 4, bf16/fp16 2
   return) —, for one micro-batch slice (``micro_batch / d`` rows) in the precision's dtype (float
   tensors at ``p`` bytes an element, others at their own): a recomputing stage keeps only its inputs
   per micro-batch in flight, plus the full activations of the one micro-batch it recomputes. ``O``
-  includes the first layer's input where that layer saves it, so ``I + O`` may count the inputs twice.
+  includes the first layer's input where that layer saves it, so ``I + O`` may count the inputs twice;
+* build, the transient peak of building the share when the rank starts (before the first step, so not
+  in the total): ``4 P + 4 W`` (+ ``p P`` when ``p`` is not 4), the share drawn in fp32 by the
+  plan-independent rule (docs/models.md), ``W`` the widest layer the stage splits over ``tensor``
+  drawn whole before it is sharded, and in bf16/fp16 the cast copy beside the fp32 values that become
+  the masters.
 """
 
 from __future__ import annotations
@@ -41,7 +46,7 @@ PRECISION_BYTES = {ir.Precision.FP32: 4, ir.Precision.FP16: 2, ir.Precision.BF16
 GRADIENT_BYTES = 4   # fp32 accumulation buffers, whatever the precision
 STATE_BYTES = 4      # optimizer states and the master copy are fp32
 FLOAT_DTYPES = frozenset({"f64", "f32", "f16", "bf16"})
-PARTS = ("parameters", "gradients", "optimizer", "activations", "total")
+PARTS = ("parameters", "gradients", "optimizer", "activations", "total", "build")
 
 
 def degree(program: ir.Program, st, axis: str) -> int:
@@ -131,6 +136,7 @@ class StageMemory:
     states: int
     zero: int = 0
     recompute: bool = False
+    widest: int = 0         # parameters of the widest layer drawn whole before it is sharded over tensor
 
     def with_(self, **changes) -> "StageMemory":
         """The same stage under other settings (``zero``, ``recompute``, ``micro_batch``: the activation
@@ -173,6 +179,11 @@ class StageMemory:
     def static(self) -> int:
         return self.parameters + self.gradients + self.optimizer
 
+    @property
+    def build(self) -> int:
+        p = PRECISION_BYTES[self.precision]
+        return STATE_BYTES * (self.params + self.widest) + (p * self.params if p != STATE_BYTES else 0)
+
     def activations(self, in_flight: int) -> int:
         """Activation bytes with ``in_flight`` micro-batches whose forward ran and backward has not."""
         if self.recompute:
@@ -186,7 +197,7 @@ class StageMemory:
         """plan.json's ``pipeline.stages[i].memory``: bytes per device by part, and their total."""
         act = self.activations(in_flight)
         return {"parameters": self.parameters, "gradients": self.gradients, "optimizer": self.optimizer,
-                "activations": act, "total": self.static + act}
+                "activations": act, "total": self.static + act, "build": self.build}
 
 
 def saved(m: StageMemory, in_flight: int) -> dict:
@@ -211,12 +222,14 @@ def stage_memory(program: ir.Program, stages, probe) -> tuple[StageMemory, ...]:
         a, b = st.layers if st.layers is not None else (0, n)
         tensor = degree(program, st, ir.MeshAxis.TENSOR)
         try:
-            params = sum(probe.params_per_device(tensor)[a:b])
+            per_device = probe.params_per_device(tensor)[a:b]
         except KeyError:   # not probed at this degree: the unsplit count, an upper bound
-            params = sum(probe.layer_params[a:b])
+            per_device = probe.layer_params[a:b]
+        params = sum(per_device)
+        widest = max((w for w, d in zip(probe.layer_params[a:b], per_device) if d < w), default=0)
         outputs = kept_bytes(probe, a, min(b, n), precision)
         inputs = sum(_transfer_bytes(t, probe, precision) for t in program.transfers if t.dst_stage == st.index)
         out.append(StageMemory(st.index, params, degree(program, st, ir.MeshAxis.DATA), train.micro_batch,
                                outputs, inputs, precision, optimizer_states(train.optimizer), train.zero,
-                               recomputes(program, st.index)))
+                               recomputes(program, st.index), widest))
     return tuple(out)

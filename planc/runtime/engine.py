@@ -7,9 +7,7 @@ ReduceGrads, OptimizerStep) run the plan: the plan's transfers (cross-mesh
 resharding, skips included) in place of DeepSpeed's neighbour-only p2p, and the
 plan's reduction program in place of DeepSpeed's data-parallel all-reduce.
 ``PlanSchedule(PipeSchedule)`` turns the plan's per-stage list into those
-instructions; ``PlanPipelineModule(PipelineModule)`` holds the stage's layers.
-
-Stages may sit on meshes of any size and shape: DeepSpeed's grid is answered
+instructions; ``PlanPipelineModule(PipelineModule)`` holds the stage's layers. Stages may sit on meshes of any size and shape: DeepSpeed's grid is answered
 per rank from its own stage (``topology.PlanGrid``), so a stage of 1 device can
 feed a (2, 2) mesh, and devices outside every stage build no engine at all.
 docs/runtime-engine.md lists the DeepSpeed internals this relies on.
@@ -287,16 +285,17 @@ class PlanEngine(PipelineEngine):
         self._note()
 
     def _saved_bytes(self, m: int):
-        """--memory-stats only (a measurement, no change to what is computed): count the bytes of the distinct
-        tensors autograd saves for micro-batch ``m``'s backward (a recomputing stage's checkpoint saves none
-        of its own: it keeps the inputs, which the engine holds in every mode, and reruns the forward)."""
+        """--memory-stats only (a measurement): the bytes of the distinct tensors autograd saves for micro-batch
+        ``m``'s backward, the parameters' storages left out (a recomputing stage's checkpoint saves none of
+        its own: it keeps the inputs, which the engine holds in every mode, and reruns the forward)."""
         if self.saved is None:
             return contextlib.nullcontext()
         seen: dict = {}
+        params = {p.untyped_storage().data_ptr() for p in self.module.parameters()}   # not activations
 
         def pack(t):
-            if t.device.type != "meta":
-                seen[(t.untyped_storage().data_ptr(), t.dtype)] = t.untyped_storage().nbytes()
+            if t.device.type != "meta" and (ptr := t.untyped_storage().data_ptr()) not in params:
+                seen[(ptr, t.dtype)] = t.untyped_storage().nbytes()
             return t
 
         self.saved[m] = seen

@@ -1,9 +1,11 @@
 """Hugging Face causal LMs as planc pipeline layers (``model hf "ARCH" { ... }`` / ``model hf "dir"``).
 
-The model is the one a single process gets from ``torch.manual_seed(seed);
-AutoModelForCausalLM.from_config(config, attn_implementation=attn)`` (or, for a folder
-with weights, ``from_pretrained(dir, local_files_only=True)``), its config with every ``*dropout*`` /
-``*pdrop*`` probability set to 0. It is cut by the config's ``base_model_pp_plan``:
+The model is ``AutoModelForCausalLM.from_config(config, attn_implementation=attn)`` built on the meta
+device, its config with every ``*dropout*`` / ``*pdrop*`` probability set to 0, initialized module by
+module by the plan-independent rule (``hf_init``: a module's values depend on the plan's seed and its
+name only), then, for a folder with weights, the folder's tensors (``hf_weights``: each rank reads its
+slices). A rank materializes only the layers it holds (:func:`build_share`). It is cut by the config's
+``base_model_pp_plan``:
 
 - layer 0 (:class:`Embeddings`): the base model's modules listed before the decoder-layer list
   (``embed_tokens``; GPT-NeoX's ``embed_in``, ``emb_dropout``), ids [B, T] -> hidden [B, T, H];
@@ -28,6 +30,8 @@ import os
 
 import torch
 from torch import nn
+
+from . import hf_init
 
 __all__ = ["ATTN_IMPLEMENTATION", "attn_implementation", "HfModelError", "config_from_keys", "config_from_record", "build_model",
            "pipeline_layers", "builder", "causal_lm_loss", "causal_lm_architectures"]
@@ -158,23 +162,76 @@ def config_from_record(arch: str, full: dict):
 
 
 def build_model(config, seed: int, folder: str | None = None, device=None, attn: str | None = None):
-    """The causal LM as one process builds it: seeded ``from_config`` (or a folder's weights), in training
-    mode (dropout 0), fp32, with attention ``attn`` (default :func:`attn_implementation`).
-    ``device="meta"``: shapes only, no weights."""
+    """The causal LM as one process builds it, in training mode (dropout 0), fp32, with attention ``attn``
+    (default :func:`attn_implementation`): initialized by the plan-independent rule (``hf_init``), then
+    the folder's weights where it has them. ``device="meta"``: shapes only, no weights."""
+    model = meta_model(config, attn)
+    if device is not None and str(device) == "meta":
+        return model
+    weights = _weights(folder)
+    done = (lambda name, module: _load_own(weights, name, module, recurse=False)) if weights else None
+    hf_init.materialize(model, seed, done=done)
+    if weights is not None:
+        weights.close()
+    return model
+
+
+def meta_model(config, attn: str | None = None):
+    """The causal LM on the meta device (no memory), in training mode."""
     tf = transformers()
     attn = attn or attn_implementation(config.architectures[0])
-    torch.manual_seed(seed)
-    if folder is not None and device is None and has_weights(folder):
-        model = tf.AutoModelForCausalLM.from_pretrained(folder, config=config, local_files_only=True,
-                                                        attn_implementation=attn,
-                                                        dtype=torch.float32)
-    elif device is not None:
-        with torch.device(device):
-            model = tf.AutoModelForCausalLM.from_config(config, attn_implementation=attn)
-    else:
+    with torch.device("meta"):
         model = tf.AutoModelForCausalLM.from_config(config, attn_implementation=attn)
     model.train()
     return model
+
+
+def _weights(folder):
+    if folder is None or not has_weights(folder):
+        return None
+    from .hf_weights import FolderWeights
+    return FolderWeights(folder)
+
+
+def _load_own(weights, name: str, module: nn.Module, recurse: bool) -> None:
+    """The folder's values for ``module``'s parameters (its own, or its subtree's) that the folder has;
+    the others keep their plan-independent initialization (as ``from_pretrained``'s missing keys)."""
+    for local, p in module.named_parameters(recurse=recurse, remove_duplicate=False):
+        key = f"{name}.{local}" if name else local
+        if key in weights and not p.is_meta:
+            weights.read_into(key, p)
+
+
+def build_share(config, seed: int, held: range, tp=None, folder: str | None = None, attn: str | None = None):
+    """The pipeline layers of the model with only ``held`` (layer indices) materialized: the others stay on
+    the meta device. Each held module is drawn by the plan-independent rule (``hf_init``), a held decoder
+    layer sharded for ``tp`` as soon as it is complete (so at most one whole module beyond the share is
+    held at a time), then the folder's weights are read for it, its shard's bytes only (``hf_weights``)."""
+    model = meta_model(config, attn)
+    layers = pipeline_layers(model)
+    held_layers = [layers[i] for i in held]
+    wanted = hf_init.needed_modules(model, held_layers)
+    blocks = {id(layer.layer) for layer in held_layers if isinstance(layer, DecoderLayer)}
+    roots = {name for name, m in model.named_modules() if id(m) in blocks}
+    plan = None
+    if tp is not None and tp.size > 1:
+        from .hf_tp import layer_tp_plan, parallelize_layer
+        plan = layer_tp_plan(config)
+    weights = _weights(folder)
+
+    def done(name, module):
+        if name in roots:   # a whole decoder layer: shard it, then read its shards
+            if plan is not None:
+                parallelize_layer(module, plan, tp)
+            if weights is not None:
+                _load_own(weights, name, module, recurse=True)
+        elif weights is not None and not any(name.startswith(r + ".") for r in roots):
+            _load_own(weights, name, module, recurse=False)
+
+    hf_init.materialize(model, seed, wanted, done=done)
+    if weights is not None:
+        weights.close()
+    return layers
 
 
 def _names(prefix_local: str, prefix_hf: str, module: nn.Module) -> dict[str, str]:
@@ -305,26 +362,26 @@ def _one_name_per_tie(layers) -> None:
 
 
 def builder(record: dict, out_dir: str, seed: int):
-    """The model builder of plan.json's ``train.model.hf`` record: ``build(tensor_parallel=None)`` returns
-    the pipeline layers; with a tensor context each decoder layer is sharded by the config's
-    ``base_model_tp_plan`` (``hf_tp.parallelize_layer``)."""
+    """The model builder of plan.json's ``train.model.hf`` record: ``build(tensor_parallel=None, layers=None)``
+    returns the pipeline layers, those in ``layers`` (a range; None: all) materialized (:func:`build_share`),
+    each decoder layer sharded by the config's ``base_model_tp_plan`` for a tensor context."""
     arch = record["architecture"]
     folder = record.get("folder")
     if folder is not None and not os.path.isabs(folder):
         folder = os.path.join(out_dir, folder)
 
-    def build(tensor_parallel=None):
-        if folder is not None and not (arch and record.get("config")):   # compiled without the probe
-            config, _ = config_from_folder(folder)
-        else:
-            config = config_from_record(arch, record["config"])
-        layers = pipeline_layers(build_model(config, seed, folder, attn=record.get("attn_implementation")))
-        if tensor_parallel is not None:
-            from .hf_tp import layer_tp_plan, parallelize_layer   # written beside this module (issue 35)
-            plan = layer_tp_plan(config)
-            for layer in layers[1:-1]:
-                parallelize_layer(layer.layer, plan, tensor_parallel)
-        return layers
+    # the config (and with it transformers and the model's module) before the build: what a build costs is
+    # measured from here (share.Peak), its imports are not part of it
+    if folder is not None and not (arch and record.get("config")):   # compiled without the probe
+        config, _ = config_from_folder(folder)
+    else:
+        config = config_from_record(arch, record["config"])
+    import importlib
+    importlib.import_module(model_class(config.architectures[0]).__module__)
+
+    def build(tensor_parallel=None, layers=None):
+        held = range(config.num_hidden_layers + 2) if layers is None else layers
+        return build_share(config, seed, held, tensor_parallel, folder, attn=record.get("attn_implementation"))
     return build
 
 

@@ -37,6 +37,8 @@ from .reshard import TransferExecutor
 from .tensor_parallel import context_from_plan, shard_info
 from .topology import create_groups
 from .trace import Tracer
+from .checkdata import contribution, pattern  # noqa: F401 (contribution: re-exported for tests)
+from .share import Peak, build_only, build_stage
 from .usercode import (MissingFunction, accepts_tensor_parallel, build_layers, builtin_function,  # noqa: F401
                        data_arguments, hf_builder, is_hf, load_callable)   # (MissingFunction etc. re-exported)
 from .usererrors import CheckedLoss, UserCodeError, non_finite_loss, user_step
@@ -75,17 +77,14 @@ def parse_args(argv):
                    help="continue from the checkpoint DIR (a DIR/step<N> folder, or the one DIR/latest names)")
     p.add_argument("--weights-only", action="store_true", help="with --resume: the checkpoint's weights alone "
                    "(a fresh optimizer, step 0, fresh data), e.g. under a plan of another global batch")
-    p.add_argument("--dump-params", default=None, metavar="DIR",
-                   help="after training, save each rank's stage parameters to DIR/rank<R>.pt "
-                        "(and its tensor-parallel shards' positions to DIR/rank<R>.shards.json)")
-    p.add_argument("--memory-stats", default=None, metavar="DIR",
-                   help="after training, write each stage rank's peak held micro-batches and pending sends, "
-                        "the bytes of its parameters, gradient buckets, masters and optimizer state, and the peak "
-                        "of autograd's saved bytes to DIR/rank<R>.json")
-    p.add_argument("--trace", default=None, metavar="DIR",
-                   help="record every instruction, receive, send and gradient bucket of every step with its "
-                        "wall-clock times and write DIR/trace-rank<R>.json (Chrome trace format; "
-                        "`planc trace DIR` summarises them)")
+    p.add_argument("--dump-params", default=None, metavar="DIR", help="after training, save each rank's stage "
+                   "parameters to DIR/rank<R>.pt (its tensor-parallel shards' positions: DIR/rank<R>.shards.json)")
+    p.add_argument("--memory-stats", default=None, metavar="DIR", help="after training, write each stage rank's "
+                   "memory by part, measured (docs/memory.md), to DIR/rank<R>.json")
+    p.add_argument("--trace", default=None, metavar="DIR", help="record every instruction, receive, send and "
+                   "gradient bucket of every step in DIR/trace-rank<R>.json (Chrome trace; `planc trace DIR`)")
+    p.add_argument("--build-only", action="store_true", help="build each rank's share of the model, print its "
+                   "bytes and build peak beside the plan's memory model, and exit")
     p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
@@ -99,33 +98,6 @@ def _fail_together(problems: list[str], headline: str = "the plan cannot train")
         error = EngineError(f"{headline}:\n  " + "\n  ".join(dict.fromkeys(every)))
         error.same_on_every_rank = True   # gathered from all ranks: rank 0 says it for everyone
         raise error
-
-
-def pattern(shape, region, dtype) -> torch.Tensor:
-    """A tensor's values over ``region``, a pure function of the global index (so any rank can predict them)."""
-    strides = [1] * len(shape)
-    for d in range(len(shape) - 2, -1, -1):
-        strides[d] = strides[d + 1] * int(shape[d + 1])
-    values = torch.zeros([b - a for a, b in region], dtype=torch.int64)
-    for d, (a, b) in enumerate(region):
-        view = [1] * len(region)
-        view[d] = b - a
-        values = values + (torch.arange(a, b, dtype=torch.int64) * strides[d]).view(view)
-    modulus = 2 if dtype == torch.bool else 127 if dtype in (torch.int8, torch.uint8) else 251
-    return (values % modulus).to(dtype)
-
-
-def contribution(n: int, device: int) -> torch.Tensor:
-    """Device ``device``'s input to a checked reduction: small integers (0..63, so sums stay exact in
-    f32 for groups of up to 2^18 members) that depend on the element's position through a hash, not
-    a period, so a piece reduced into the wrong offset (or from the wrong member) gives another sum."""
-    mask, out = 0xFFFFFFFF, torch.empty(n, dtype=torch.float32)
-    for a in range(0, n, 1 << 20):       # in windows: the int64 temporaries stay small for any buffer
-        b = min(n, a + (1 << 20))
-        h = (torch.arange(a, b, dtype=torch.int64) * 0x9E3779B1 + (device + 1) * 0x85EBCA6B) & mask
-        h = ((h ^ (h >> 15)) * 0x2C1B3C6D) & mask
-        out[a:b] = (h ^ (h >> 12)) & 63
-    return out
 
 
 def _transfer_peers(transfer, rank: int) -> list[int]:
@@ -341,10 +313,7 @@ def _main(argv=None, out_dir: str | None = None) -> int:
 
     if args.comm_only or plan.train is None:
         comm_only(plan, groups, rank, steps)
-        _WATCH.stop()          # the last collective: a finished rank 0 takes the store with it
-        dist.barrier()
-        dist.destroy_process_group()
-        return 0
+        return _close()
     if not plan.train.trainable:   # decided by the compiler; the same on every rank
         error = EngineError("the plan cannot train (planc compile said why):\n  "
                             + "\n  ".join(plan.train.not_trainable_because) + "\nrun it with --comm-only")
@@ -375,9 +344,10 @@ def _main(argv=None, out_dir: str | None = None) -> int:
                     tp = context_from_plan(plan, groups, rank)
                 except (ValueError, KeyError) as e:
                     raise EngineError(f"rank {rank}: {e.args[0] if e.args else e}") from None
-            torch.manual_seed(seed)   # every rank builds all layers alike (then shards them), and keeps its stage's
+            torch.manual_seed(seed)   # a builder without `layers` builds every layer alike; the rank keeps its stage's
             try:
-                layers = build_layers(builder, model_args, tp)
+                peak = Peak()
+                layers = build_stage(builder, model_args, tp, plan, stage)
             except ValueError as e:
                 if tp is None:
                     raise
@@ -397,6 +367,9 @@ def _main(argv=None, out_dir: str | None = None) -> int:
             except (EngineError, ValueError, KeyError) as e:
                 problems = [f"rank {rank}: {e}"]
     _fail_together(problems)
+    if args.build_only:   # docs/memory.md, "Checking the model"
+        build_only(rank, stage, layers if stage else None, initial, peak if stage else None, out_dir)
+        return _close()
 
     tracer = Tracer(rank, stage.index if stage is not None else None) if args.trace else None
     # gloo only: NCCL keeps its own stream order per communicator, which sends from a second thread
@@ -494,6 +467,10 @@ def _main(argv=None, out_dir: str | None = None) -> int:
         os.makedirs(args.memory_stats, exist_ok=True)
         with open(os.path.join(args.memory_stats, f"rank{rank}.json"), "w") as f:
             json.dump(engine.memory_report(), f, sort_keys=True)
+    return _close()
+
+
+def _close() -> int:
     _WATCH.stop()              # the last collective: a finished rank 0 takes the store with it
     dist.barrier()
     dist.destroy_process_group()

@@ -40,12 +40,12 @@ def param_dtype(precision) -> torch.dtype:
 
 def cast_stage(layers, precision) -> dict | None:
     """Cast a stage's layers (parameters and floating buffers) to the plan's precision, in place; returns
-    ``{id(param): fp32 copy from before}`` (the masters start from the weights as built, not from their
-    rounding), None for fp32."""
+    ``{id(param): its fp32 tensor from before}`` (the masters start from the weights as built, not from
+    their rounding; the fp32 storage itself, not a copy: casting replaces the parameter's data), None for fp32."""
     dtype = param_dtype(precision)
     if dtype == torch.float32:
         return None
-    initial = {id(p): p.detach().clone() for layer in layers for p in layer.parameters()
+    initial = {id(p): p.detach() for layer in layers for p in layer.parameters()
                if p.requires_grad and p.dtype == torch.float32}
     for layer in layers:
         layer.to(dtype)
@@ -116,9 +116,9 @@ class Regime:
                     whole = (lo, hi) == (0, n) and not self.sharded
                     if whole and source is None and p.dtype == buf.dtype:
                         master = p     # fp32 (fp64), not sharded: the parameter is its own master
-                    else:
+                    else:   # cast_stage's fp32 tensor is the master itself (nothing else holds it)
                         src = (source if source is not None else p.detach()).to(device, buf.dtype)
-                        master = src.clone() if whole else src.reshape(-1)[lo:hi].clone()
+                        master = (src if source is not None else src.clone()) if whole else src.reshape(-1)[lo:hi].clone()
                     self.fragments.append(Fragment(p, b, off, lo, hi, master, whole, buckets))
             if self.sharded:   # the parameters become views of a flat buffer with the bucket's layout
                 dtype = placed[0][0].dtype
@@ -145,7 +145,7 @@ class Regime:
             for p, off in placed:
                 source = initial.get(id(p))
                 master = p if source is None and p.dtype == buf.dtype else (
-                    (source if source is not None else p.detach()).to(device, buf.dtype).clone())
+                    source.to(device, buf.dtype) if source is not None else p.detach().to(device, buf.dtype).clone())
                 out.append(Fragment(p, b, off, 0, p.numel(), master, True, tied.buckets))
         return out
 

@@ -9,7 +9,7 @@ import inspect
 import os
 import sys
 
-__all__ = ["load_callable", "accepts_tensor_parallel", "build_layers", "is_hf", "data_arguments", "hf_builder",
+__all__ = ["load_callable", "accepts_tensor_parallel", "build_layers", "accepts_layers", "is_hf", "data_arguments", "hf_builder",
            "builtin_function"]
 
 
@@ -49,22 +49,49 @@ def load_callable(path: str, function: str, prefix: str = "planc_user_"):
     return fn
 
 
-def accepts_tensor_parallel(builder) -> bool:
-    """Whether the model builder takes a keyword ``tensor_parallel`` (opts in to tensor-parallel layers)."""
+def _accepts(builder, keyword: str) -> bool:
     try:
         params = inspect.signature(builder).parameters
     except (TypeError, ValueError):
         return False
-    p = params.get("tensor_parallel")
+    p = params.get(keyword)
     return p is not None and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
 
 
-def build_layers(builder, model_args: dict, tensor_parallel=None):
-    """Call the model builder: with ``tensor_parallel=`` when it accepts that keyword, else as
-    before (its layers are then replicas along the tensor axis)."""
+def accepts_tensor_parallel(builder) -> bool:
+    """Whether the model builder takes a keyword ``tensor_parallel`` (opts in to tensor-parallel layers)."""
+    return _accepts(builder, "tensor_parallel")
+
+
+def accepts_layers(builder) -> bool:
+    """Whether the model builder takes a keyword ``layers`` (builds only the layers a rank holds)."""
+    return _accepts(builder, "layers")
+
+
+def build_layers(builder, model_args: dict, tensor_parallel=None, layers: range | None = None, total: int | None = None):
+    """Call the model builder: with ``tensor_parallel=`` when it accepts that keyword, else as before (its
+    layers are then replicas along the tensor axis); with ``layers=`` (the range of global layer indices the
+    rank holds) when it accepts that keyword. Such a builder returns either the held layers (``len(layers)``
+    of them) or all ``total`` layers (those outside the range may be None); the result is always ``total``
+    long, a layer the rank does not hold being ``None`` (docs/models.md, "Builders that build a share")."""
+    kwargs = dict(model_args)
     if accepts_tensor_parallel(builder):
-        return builder(**model_args, tensor_parallel=tensor_parallel)
-    return builder(**model_args)
+        kwargs["tensor_parallel"] = tensor_parallel
+    share = layers is not None and accepts_layers(builder)
+    if share:
+        kwargs["layers"] = layers
+    built = builder(**kwargs)
+    if not share:
+        return built
+    built = list(built)
+    if total is not None and len(built) == len(layers) and len(built) != total:
+        out = [None] * total
+        out[layers.start:layers.stop] = built
+        return out
+    if total is not None and len(built) != total:
+        raise ValueError(f"the model builder, called with layers={layers.start}..{layers.stop - 1}, returned "
+                         f"{len(built)} layers: expected the {len(layers)} held ones or all {total}")
+    return built
 
 
 def is_hf(model_ref) -> bool:

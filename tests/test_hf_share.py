@@ -1,0 +1,131 @@
+"""A rank builds only its share of a Hugging Face model (LANGUAGE.md, "Hugging Face models"; DESIGN.md,
+"Real sizes"), in one process: every range of layers built alone holds exactly the values the whole model
+gets from the spec's plan-independent rule (``hf_reference.spec_model``, written from the spec), the
+layers outside it stay on the meta device, a tensor-parallel share holds the shards of those values, and
+a model folder is read as slices."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from hf_reference import s, spec_model
+
+transformers = pytest.importorskip("transformers", reason="transformers (the 'hf' extra) is not installed")
+torch = pytest.importorskip("torch")
+
+SMALL = {"vocab_size": 64, "hidden_size": 16, "intermediate_size": 32, "num_attention_heads": 4,
+         "num_key_value_heads": 2, "max_position_embeddings": 32}
+
+
+def _config(arch, **extra):
+    from planc.runtime import hf
+    return hf.config_from_keys(arch, {**SMALL, "num_hidden_layers": 3, **extra})
+
+
+def _named(layers, held):
+    return {layer.planc_param_names[k]: p for i in held for layer in [layers[i]] for k, p in layer.named_parameters()}
+
+
+def test_the_seed_rule_is_the_spec_formula():
+    from planc.runtime.hf_init import seed_of
+    assert seed_of(7, "model.layers.3.mlp") == s(7, "model.layers.3.mlp")
+    assert seed_of(7, "") == int.from_bytes(__import__("hashlib").sha256(b"7/").digest()[:8], "little") % 2 ** 63
+    assert seed_of(7, "lm_head") != seed_of(8, "lm_head")
+
+
+@pytest.mark.parametrize("arch,extra", [("LlamaForCausalLM", {"tie_word_embeddings": True}),
+                                        ("LlamaForCausalLM", {}),
+                                        ("Qwen2ForCausalLM", {}),
+                                        ("Gemma2ForCausalLM", {"head_dim": 8}),
+                                        ("MixtralForCausalLM", {"num_local_experts": 4, "num_experts_per_tok": 2})])
+def test_every_share_holds_the_spec_values_and_nothing_else(arch, extra):
+    from planc.runtime import hf
+    config = _config(arch, **extra)
+    ref = dict(spec_model(config, 5, hf.attn_implementation(arch)).named_parameters())
+    n = config.num_hidden_layers + 2
+    for lo, hi in [(0, 1), (1, 2), (2, n - 1), (n - 1, n), (0, n)]:
+        layers = hf.build_share(config, 5, range(lo, hi))
+        held = _named(layers, range(lo, hi))
+        assert held, (lo, hi)
+        for name, p in held.items():
+            assert not p.is_meta and torch.equal(p.detach(), ref[name].detach()), (arch, lo, hi, name)
+        for i in set(range(n)) - set(range(lo, hi)):
+            mine = {id(p) for j in range(lo, hi) for p in layers[j].parameters()}
+            assert all(p.is_meta for p in layers[i].parameters() if id(p) not in mine), (arch, lo, hi, i)
+    if extra.get("tie_word_embeddings"):   # the head alone takes the embedding's values (its seed's draw)
+        layers = hf.build_share(config, 5, range(n - 1, n))
+        assert torch.equal(layers[-1].lm_head.weight.detach(), ref["model.embed_tokens.weight"].detach())
+
+
+def test_stacked_experts_are_drawn_expert_by_expert():
+    """Mixtral's experts.gate_up_proj: slice e is the draw of a 1-expert tensor under s(f"{name}/{e}")."""
+    from planc.runtime import hf
+    config = _config("MixtralForCausalLM", num_local_experts=3, num_experts_per_tok=2)
+    model = hf.build_model(config, 9)
+    experts = model.model.layers[1].mlp.experts
+    for e in range(3):
+        torch.manual_seed(s(9, f"model.layers.1.mlp.experts/{e}"))
+        want = torch.empty((1, *experts.gate_up_proj.shape[1:])).normal_(0.0, config.initializer_range)
+        assert torch.equal(experts.gate_up_proj[e:e + 1].detach(), want)
+
+
+def test_two_plans_of_one_model_start_from_identical_weights():
+    """Layer 2 built by a rank holding layers 1..2 under tensor 2 and by one holding 2..4 unsplit: the
+    shards are the slices of the same values (seeded per module, not per plan)."""
+    from planc.runtime import hf
+    from planc.runtime.tensor_parallel import TensorParallel, shard_info, shard_of
+    config = _config("LlamaForCausalLM")
+    whole = hf.build_share(config, 3, range(2, 5))
+    for r in range(2):
+        tp = TensorParallel(group=None, rank=r, size=2, members=(0, 1))
+        split = hf.build_share(config, 3, range(1, 3), tp)
+        for (k, p), (_, q) in zip(split[2].named_parameters(), whole[2].named_parameters()):
+            info = shard_info(p)
+            want = q if info is None else shard_of(q.detach(), info[0], info[1], info[2], info[3])
+            assert torch.equal(p.detach(), want.detach()), k
+
+
+def test_a_folder_is_read_as_slices(tmp_path):
+    """A sharded safetensors folder (with its index): a tensor-parallel share reads its slices and holds
+    the folder's values; the folder's tensors are never loaded whole by the rank."""
+    from planc.runtime import hf, hf_weights
+    from planc.runtime.tensor_parallel import TensorParallel, shard_info, shard_of
+    config = _config("LlamaForCausalLM")
+    model = spec_model(config, 1)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.5)   # not the init's values
+    model.save_pretrained(tmp_path / "m", max_shard_size="20KB")
+    assert json.loads((tmp_path / "m" / "model.safetensors.index.json").read_text())["weight_map"]
+    want = dict(model.named_parameters())
+    reads = []
+    real = hf_weights.FolderWeights.read_into
+
+    def spy(self, key, param):
+        reads.append((key, tuple(param.shape)))
+        return real(self, key, param)
+    hf_weights.FolderWeights.read_into = spy
+    try:
+        folder_config, _ = hf.config_from_folder(str(tmp_path / "m"))
+        tp = TensorParallel(group=None, rank=1, size=2, members=(0, 1))
+        layers = hf.build_share(folder_config, 0, range(1, 3), tp, folder=str(tmp_path / "m"))
+    finally:
+        hf_weights.FolderWeights.read_into = real
+    held = _named(layers, range(1, 3))
+    for name, p in held.items():
+        info = shard_info(p)
+        ref = want[name].detach()
+        assert torch.equal(p.detach(), ref if info is None else shard_of(ref, *info)), name
+    assert sorted(k for k, _ in reads) == sorted(held)            # its own tensors only
+    assert any(shape != tuple(want[k].shape) for k, shape in reads)   # shards read as slices
+
+
+def test_a_folder_tensor_of_another_shape_is_named(tmp_path):
+    from planc.runtime import hf
+    from planc.runtime.hf_weights import WeightsError
+    config = _config("LlamaForCausalLM")
+    spec_model(config, 1).save_pretrained(tmp_path / "m")
+    bigger = _config("LlamaForCausalLM", intermediate_size=48)
+    with pytest.raises(WeightsError, match=r"model\.layers\.0\.mlp\.gate_proj\.weight: the folder holds \[32, 16\]"):
+        hf.build_share(bigger, 0, range(1, 2), folder=str(tmp_path / "m"))
