@@ -129,3 +129,40 @@ def test_a_folder_tensor_of_another_shape_is_named(tmp_path):
     bigger = _config("LlamaForCausalLM", intermediate_size=48)
     with pytest.raises(WeightsError, match=r"model\.layers\.0\.mlp\.gate_proj\.weight: the folder holds \[32, 16\]"):
         hf.build_share(bigger, 0, range(1, 2), folder=str(tmp_path / "m"))
+
+
+@pytest.mark.slow
+def test_two_launched_plans_start_from_the_spec_weights_bitwise(tmp_path):
+    """plans/llama-unequal.plan (stage 1 on data 2 x tensor 2) and a two-stage plan of one device each,
+    launched for 0 steps: every rank's parameters are, bit for bit, the spec's initialization of the one
+    model (so the two plans start from identical weights)."""
+    import subprocess
+    from e2e_util import ROOT, compare_dumps, launch_env, stage_ranks
+    from planc.cli import main
+    source = (ROOT / "plans" / "llama-unequal.plan").read_text()
+    other = source.replace("stage 0 : layers 0..2 on devices 0..1 as (data = 1)",
+                           "stage 0 : layers 0..3 on devices 0..1 as (data = 1)") \
+                  .replace("stage 1 : layers 2..5 on devices 1..5 as (data = 2, tensor = 2)",
+                           "stage 1 : layers 3..5 on devices 1..2 as (data = 1)")
+    assert other != source
+    (ROOT / "plans" / ".share-test.plan").write_text(other)   # beside the bundled one: its data path is relative
+    runs = []
+    try:
+        for name, path in (("a", ROOT / "plans" / "llama-unequal.plan"), ("b", ROOT / "plans" / ".share-test.plan")):
+            assert main(["compile", str(path), "-o", str(tmp_path / name)]) == 0
+            runs.append((name, subprocess.Popen(["bash", str(tmp_path / name / "launch.sh"), "--steps", "0",
+                                                 "--dump-params", str(tmp_path / f"dump-{name}")],
+                                                env=launch_env(), cwd=tmp_path / name, text=True,
+                                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)))
+    finally:
+        (ROOT / "plans" / ".share-test.plan").unlink(missing_ok=True)
+    keys = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 3, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "vocab_size": 256, "max_position_embeddings": 64, "tie_word_embeddings": True}
+    config = transformers.LlamaConfig(**keys)
+    from test_hf_models import planc_name
+    ref = {planc_name(k, 3): v.detach() for k, v in spec_model(config, 7).named_parameters(remove_duplicate=False)}
+    for name, proc in runs:
+        out, err = proc.communicate(timeout=600)
+        assert proc.returncode == 0, out[-3000:] + err[-3000:]
+        plan = json.loads((tmp_path / name / "plan.json").read_text())
+        compare_dumps(tmp_path / f"dump-{name}", stage_ranks(plan), ref, rtol=0, atol=0)

@@ -326,7 +326,7 @@ def _main(argv=None, out_dir: str | None = None) -> int:
     deepspeed.init_distributed(dist_backend=dist.get_backend(), dist_init_required=False,
                                timeout=collective_timeout(plan))
     stage = plan.stage_of(rank)
-    engine, problems, data, initial = None, [], None, None
+    engine, problems, data, initial, build_stats = None, [], None, None, None
     if stage is not None:
         t = plan.train
         model_args, seed, micro_batch = dict(t.model.args), t.seed, t.micro_batch
@@ -357,6 +357,7 @@ def _main(argv=None, out_dir: str | None = None) -> int:
             # all ranks stop together with one message
             lo, hi = stage.layers
             initial = cast_stage(layers[lo:hi], t.precision)   # bf16/fp16: the stage's layers in it
+            build_stats = peak.report()   # the build's resident peak (before the shape check's forward)
             try:
                 x, _ = next(batches(micro_batch, seed, **data_arguments(t)))
                 a, b = stage.rows_of(rank)
@@ -368,7 +369,7 @@ def _main(argv=None, out_dir: str | None = None) -> int:
                 problems = [f"rank {rank}: {e}"]
     _fail_together(problems)
     if args.build_only:   # docs/memory.md, "Checking the model"
-        build_only(rank, stage, layers if stage else None, initial, peak if stage else None, out_dir)
+        build_only(rank, stage, layers if stage else None, initial, build_stats, out_dir)
         return _close()
 
     tracer = Tracer(rank, stage.index if stage is not None else None) if args.trace else None
@@ -380,8 +381,8 @@ def _main(argv=None, out_dir: str | None = None) -> int:
     if stage is not None:
         data = CountingIterator(batches(micro_batch, seed, **data_arguments(t)))   # counted: the position a checkpoint keeps
         engine = PlanEngine.build(plan, groups, layers, loss_fn, data, ds_config, tracer=tracer, initial=initial)
-        if args.memory_stats:
-            engine.saved = {}
+        if args.memory_stats:   # training's resident peak counted from here (share.Peak)
+            engine.saved, peak = {}, Peak()
         initial = None
         host = plan.cluster.host_of(rank)
         order = plan.pipeline.nic_order_of(host)
@@ -466,7 +467,8 @@ def _main(argv=None, out_dir: str | None = None) -> int:
     if engine is not None and args.memory_stats:
         os.makedirs(args.memory_stats, exist_ok=True)
         with open(os.path.join(args.memory_stats, f"rank{rank}.json"), "w") as f:
-            json.dump(engine.memory_report(), f, sort_keys=True)
+            json.dump(dict(engine.memory_report(), build=build_stats, rss_after_build=peak.base,
+                           rss_training_peak=peak.hwm()), f, sort_keys=True)
     return _close()
 
 

@@ -69,9 +69,16 @@ class Peak:
             self.resettable = False
         self.base = _status("VmRSS") or 0
 
+    def hwm(self) -> int | None:
+        """The resident high-water mark since the reset (None where it cannot be reset)."""
+        return _status("VmHWM") if self.resettable else None
+
     def peak(self) -> int | None:
-        hwm = _status("VmHWM")
-        return None if hwm is None or not self.resettable else max(hwm - self.base, 0)
+        hwm = self.hwm()
+        return None if hwm is None else max(hwm - self.base, 0)
+
+    def report(self) -> dict:
+        return {"rss_before": self.base, "rss_peak": self.hwm(), "peak_over_before": self.peak()}
 
 
 def held_bytes(layers, initial=None) -> dict:
@@ -99,9 +106,10 @@ def predicted(out_dir: str, stage: int) -> dict:
         return {}
 
 
-def build_report(rank: int, stage: int, layers, initial, peak: Peak, out_dir: str) -> dict:
+def build_report(rank: int, stage: int, layers, initial, stats: dict, out_dir: str) -> dict:
     held = held_bytes(layers, initial)
-    return {"rank": rank, "stage": stage, **held, "build_peak": peak.peak(), "predicted": predicted(out_dir, stage)}
+    return {"rank": rank, "stage": stage, **held, "build_peak": stats["peak_over_before"], **stats,
+            "predicted": predicted(out_dir, stage)}
 
 
 def _mib(x) -> str:
@@ -119,15 +127,16 @@ def format_report(reports: list[dict]) -> str:
     return "\n".join(rows)
 
 
-def build_only(rank: int, stage, layers, initial, peak, out_dir: str) -> None:
+def build_only(rank: int, stage, layers, initial, stats, out_dir: str) -> None:
     """``--build-only``: every stage rank's report gathered; rank 0 prints the table."""
     import torch.distributed as dist
     mine = None
     if stage is not None:
         lo, hi = stage.layers if stage.layers is not None else (0, len(layers))
-        mine = build_report(rank, stage.index, layers[lo:hi], initial, peak, out_dir)
+        mine = build_report(rank, stage.index, layers[lo:hi], initial, stats, out_dir)
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, mine)
     if rank == 0:
         print("built each rank's share (bytes held; build peak = resident high-water mark over the rank's "
               "resident size before the build):\n" + format_report([r for r in gathered if r is not None]), flush=True)
+        print("build report: " + json.dumps([r for r in gathered if r is not None], sort_keys=True), flush=True)
