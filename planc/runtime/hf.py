@@ -31,7 +31,7 @@ import os
 import torch
 from torch import nn
 
-from . import hf_init
+from . import hf_init, hf_vocab
 
 __all__ = ["ATTN_IMPLEMENTATION", "attn_implementation", "HfModelError", "config_from_keys", "config_from_record", "build_model",
            "pipeline_layers", "builder", "causal_lm_loss", "causal_lm_architectures"]
@@ -218,6 +218,7 @@ def build_share(config, seed: int, held: range, tp=None, folder: str | None = No
         from .hf_tp import layer_tp_plan, parallelize_layer
         plan = layer_tp_plan(config)
     weights = _weights(folder)
+    vocab = _vocab_split(model, held, len(layers), tp)
 
     def done(name, module):
         if name in roots:   # a whole decoder layer: shard it, then read its shards
@@ -227,11 +228,32 @@ def build_share(config, seed: int, held: range, tp=None, folder: str | None = No
                 _load_own(weights, name, module, recurse=True)
         elif weights is not None and not any(name.startswith(r + ".") for r in roots):
             _load_own(weights, name, module, recurse=False)
+        if vocab and module is vocab["embedding"]:
+            hf_vocab.split_embedding(module, tp)
+        elif vocab and module is vocab["head"] and not vocab["tied"]:
+            hf_vocab.split_head(module, tp)
 
     hf_init.materialize(model, seed, wanted, done=done)
     if weights is not None:
         weights.close()
+    if vocab:
+        if vocab["tied"]:   # one stage holds both: the head takes the split table (tie_weights gave it)
+            hf_vocab.split_head(vocab["head"], tp, weight=vocab["embedding"].weight)
+        if held.stop == len(layers):
+            setattr(layers[-1], hf_vocab.VOCAB_ATTR, getattr(vocab["head"], hf_vocab.VOCAB_ATTR))
     return layers
+
+
+def _vocab_split(model, held: range, n: int, tp) -> dict | None:
+    """The embedding and head to split by vocabulary on this rank (``hf_vocab.splits``), else None."""
+    emb, head = model.get_input_embeddings(), model.get_output_embeddings()
+    if tp is None or emb is None or head is None or not isinstance(head, nn.Linear):
+        return None
+    tied = head.weight is emb.weight
+    across = tied and not (0 in held and n - 1 in held)
+    if not hf_vocab.splits(emb.weight.shape[0], tp.size, across) or not (0 in held or n - 1 in held):
+        return None
+    return {"embedding": emb if 0 in held else None, "head": head if n - 1 in held else None, "tied": tied}
 
 
 def _names(prefix_local: str, prefix_hf: str, module: nn.Module) -> dict[str, str]:

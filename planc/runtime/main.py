@@ -38,6 +38,7 @@ from .tensor_parallel import context_from_plan, shard_info
 from .topology import create_groups
 from .trace import Tracer
 from .checkdata import contribution, pattern  # noqa: F401 (contribution: re-exported for tests)
+from .hf_vocab import loss_for as vocab_loss
 from .share import Peak, build_only, build_stage
 from .usercode import (MissingFunction, accepts_tensor_parallel, build_layers, builtin_function,  # noqa: F401
                        data_arguments, hf_builder, is_hf, load_callable)   # (MissingFunction etc. re-exported)
@@ -348,6 +349,7 @@ def _main(argv=None, out_dir: str | None = None) -> int:
             try:
                 peak = Peak()
                 layers = build_stage(builder, model_args, tp, plan, stage)
+                loss_fn.fn = vocab_loss(layers, loss_fn.fn, builtin=bool(getattr(t.loss, "builtin", False)))
             except ValueError as e:
                 if tp is None:
                     raise
