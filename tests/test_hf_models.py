@@ -179,15 +179,18 @@ def test_mistral_sliding_window_two_stages_data_parallel_unequal_mesh_adamw(tmp_
 
 
 @pytest.mark.slow
-def test_llama_untied_two_stages_sgd(tmp_path):
+def test_llama_untied_two_tensor_stages_vocabulary_parallel_sgd(tmp_path):
+    """Two tensor stages, the second also data 2: the embedding table and lm_head split by vocabulary
+    (the loss a parallel cross-entropy over the split logits), the decoder layers by the tp plan."""
     keys = {**SMALL, "num_hidden_layers": 2, "tie_word_embeddings": False}
     plan_path = write_plan(tmp_path, "LlamaForCausalLM", keys, """\
-        stage 0 : layers 0..3 on devices 0..1 as (data = 1)
-        stage 1 : layers 3..4 on devices 1..2 as (data = 1)
-        """, 2, "micro_batch = 2, micro_batches = 3, steps = 3, schedule = 1f1b, optimizer = sgd(lr = 0.5), seed = 2",
+        stage 0 : layers 0..3 on devices 0..2 as (tensor = 2)
+        stage 1 : layers 3..4 on devices 2..6 as (data = 2, tensor = 2)
+        """, 6, "micro_batch = 2, micro_batches = 3, steps = 3, schedule = 1f1b, optimizer = sgd(lr = 0.5), seed = 2",
                            seq=12)
     plan, sharded = train_and_compare(tmp_path, plan_path, "LlamaForCausalLM", keys, seq=12)
-    assert sharded == {} and plan["transfers"][0]["shape"] == [2, 12, 32]
+    assert plan["transfers"][0]["shape"] == [2, 12, 32]
+    assert sharded["layers.0.embed_tokens.weight"] == sharded["layers.3.lm_head.weight"] == (0, 2, 1)
 
 
 @pytest.mark.slow

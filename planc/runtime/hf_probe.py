@@ -54,14 +54,33 @@ def layer_tp_plan_of(config) -> dict[str, str]:
     return {k.split(".", 2)[2]: v for k, v in plan.items() if k.startswith("layers.*.")}
 
 
-def sharded_params(layers, config, k: int) -> list[int]:
+def _vocab_rows(layers, k: int, stages) -> set[int]:
+    """The ids of the embedding and head parameters a tensor stage of ``k`` splits by vocabulary
+    (``hf_vocab.splits``: the vocabulary divides, and the weight is not tied to a layer of another stage;
+    with the stages not yet cut, a tie counts as across stages)."""
+    from .hf_vocab import splits
+    first, last = layers[0], layers[-1]
+    emb = next((m for m in first.modules() if isinstance(m, torch.nn.Embedding)), None)
+    head = getattr(last, "lm_head", None)
+    if emb is None or not isinstance(head, torch.nn.Linear):
+        return set()
+    tied = head.weight is emb.weight
+    one = any(r is not None and int(r[0]) == 0 and int(r[1]) >= len(layers) for r in stages)
+    if not splits(emb.weight.shape[0], k, tied and not one):
+        return set()
+    return {id(emb.weight), id(head.weight), *((id(head.bias),) if head.bias is not None else ())}
+
+
+def sharded_params(layers, config, k: int, stages=(None,)) -> list[int]:
     """Per layer, the parameters one device of a tensor group of ``k`` holds: in each decoder layer the
-    plan's ``colwise`` modules keep 1/k of each parameter, ``rowwise`` ones 1/k of their weight."""
+    plan's ``colwise`` modules keep 1/k of each parameter, ``rowwise`` ones 1/k of their weight; the
+    embedding table and lm_head 1/k by vocabulary (``_vocab_rows``)."""
     plan = layer_tp_plan_of(config)
     out = []
+    vocab = _vocab_rows(layers, k, stages)
     for i, layer in enumerate(layers):
-        if not 0 < i < len(layers) - 1:
-            out.append(sum(p.numel() for p in layer.parameters()))
+        if not 0 < i < len(layers) - 1:   # the embedding table and lm_head split by vocabulary (hf_vocab)
+            out.append(sum(p.numel() // k if id(p) in vocab else p.numel() for p in layer.parameters()))
             continue
         n = 0
         for name, mod in layer.layer.named_modules():
@@ -73,7 +92,7 @@ def sharded_params(layers, config, k: int) -> list[int]:
     return out
 
 
-def _traffic(config, layers, st: dict, seq: int) -> dict:
+def _traffic(config, layers, st: dict, seq: int, stages=(None,)) -> dict:
     rec = {"stage": int(st["stage"]), "degree": int(st["degree"]), "rows": int(st["rows"]),
            "forward": [], "backward": [], "errors": []}
     try:
@@ -84,17 +103,25 @@ def _traffic(config, layers, st: dict, seq: int) -> dict:
         return rec
     lo, hi = (0, len(layers)) if st.get("layers") is None else (int(st["layers"][0]), int(st["layers"][1]))
     decoders = [i for i in range(lo, min(hi, len(layers))) if 0 < i < len(layers) - 1]
-    if not decoders:
-        return rec
-    try:   # every decoder layer of a config is alike: one measurement, repeated per layer
-        t = layer_traffic(config, int(st["rows"]), seq, 4)   # the probe's activations are fp32
-    except Exception as e:  # noqa: BLE001 - its traffic is unknown; say why
-        rec["errors"].append(f"layers {decoders[0]}..{decoders[-1] + 1}: {type(e).__name__}: {e}")
-        return rec
-    for i in decoders:
-        rec["forward"] += [int(b) for b in t.get("forward", ())]
-        rec["backward"] += [int(b) for b in t.get("backward", ())]
-        rec["errors"] += [f"layer {i}: {e}" for e in t.get("errors", ())]
+    vocab = _vocab_rows(layers, rec["degree"], stages)
+    tokens = rec["rows"] * seq * 4   # fp32 activations, as below
+    if lo == 0 and vocab:   # the split embedding's partial lookups summed (g)
+        rec["forward"].append(tokens * config.hidden_size)
+    head = hi >= len(layers) and bool(vocab)
+    if head:   # the split head's input gradient (f), first in backward
+        rec["backward"].append(tokens * config.hidden_size)
+    if decoders:
+        try:   # every decoder layer of a config is alike: one measurement, repeated per layer
+            t = layer_traffic(config, int(st["rows"]), seq, 4)   # the probe's activations are fp32
+        except Exception as e:  # noqa: BLE001 - its traffic is unknown; say why
+            rec["errors"].append(f"layers {decoders[0]}..{decoders[-1] + 1}: {type(e).__name__}: {e}")
+            return rec
+        for i in decoders:
+            rec["forward"] += [int(b) for b in t.get("forward", ())]
+            rec["backward"] += [int(b) for b in t.get("backward", ())]
+            rec["errors"] += [f"layer {i}: {e}" for e in t.get("errors", ())]
+    if head:   # the parallel cross-entropy: the max, then the sum and the target's logit, a float per token
+        rec["forward"] += [tokens, 2 * tokens]
     return rec
 
 
@@ -179,14 +206,15 @@ def probe_hf(req: dict, run_graph, saved_by_layer, load, part) -> dict:
                         {"name": t["name"], "shape": None, "dtype": None,
                          "error": errors[0] if errors else "its layer did not run"})
     degrees = sorted({int(k) for k in req.get("tensor_degrees", ()) if int(k) > 1})
-    sharded = {str(k): sharded_params(layers, config, k) for k in degrees}
+    sharded = {str(k): sharded_params(layers, config, k, req.get("stages") or [None]) for k in degrees}
     shard_errors = {}
     try:
         from .hf_tp import check_degree   # what the runtime's tensor parallelism refuses (issue 35)
         shard_errors = {str(k): why for k in degrees if (why := check_degree(config, k))}
     except ImportError:
         pass
-    traffic = [_traffic(config, layers, st, int(x.shape[1])) for st in req.get("tensor_stages", ())
+    traffic = [_traffic(config, layers, st, int(x.shape[1]), req.get("stages") or [None])
+               for st in req.get("tensor_stages", ())
                if st.get("layers") is None or int(st["layers"][0]) < len(layers)]
     folder = spec.get("folder")
     return {"layer_params": [sum(p.numel() for p in layer.parameters()) for layer in layers],
