@@ -96,6 +96,7 @@ class ModelProbe:
     # per layer, ((storage, bytes, is_float), ...) autograd saves for backward in one run of the dataflow on the
     # whole micro-batch (runtime probe's saved_by_layer); empty: not measured
     layer_saved: tuple = ()
+    sharded_layer_saved: tuple = ()   # ((tensor degree, per layer as layer_saved), ...): a tensor-split build's
     layer_flops: tuple[tuple[int, int] | None, ...] = ()
     flop_errors: tuple[str, ...] = ()
     chain: bool = False
@@ -344,6 +345,10 @@ def probe_for_cut(chain: ModelProbe, program: ir.Program) -> ModelProbe | None:
                                flop_errors=chain.flop_errors if flops else ())
 
 
+def _saved(doc) -> tuple:
+    return tuple(tuple((int(sid), int(n), bool(f)) for sid, n, f in lay) for lay in doc or ())
+
+
 def _shape(v) -> tuple[int, ...] | None:
     return tuple(int(d) for d in v) if v is not None else None
 
@@ -369,7 +374,8 @@ def probe_from_json(doc: dict, micro_batch: int, stage_tensor=(), chain: bool = 
         stage_tensor=tuple(stage_tensor),
         graph_errors=tuple(doc.get("graph_errors") or ()),
         layer_output_bytes=tuple(int(b) if b is not None else None for b in doc.get("layer_output_bytes") or ()),
-        layer_saved=tuple(tuple((int(sid), int(n), bool(f)) for sid, n, f in lay) for lay in doc.get("layer_saved") or ()),
+        layer_saved=_saved(doc.get("layer_saved")),
+        sharded_layer_saved=tuple(sorted((int(k), _saved(v)) for k, v in (doc.get("sharded_layer_saved") or {}).items())),
         layer_flops=tuple((int(f[0]), int(f[1])) if f is not None else None for f in flops) if flops else (),
         flop_errors=tuple(doc.get("flop_errors") or ()),
         chain=chain,

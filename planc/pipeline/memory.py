@@ -96,12 +96,13 @@ def layer_bytes(probe, i: int, precision: ir.Precision) -> int:
     return math.prod(shape) * size
 
 
-def kept_bytes(probe, a: int, b: int, precision: ir.Precision) -> int:
+def kept_bytes(probe, a: int, b: int, precision: ir.Precision, tensor: int = 1) -> int:
     """Bytes layers ``a..b`` keep for their backward per whole micro-batch: the distinct storages autograd
-    saved when the probe ran the dataflow with gradients (``layer_saved``: float tensors at the precision's
-    size, others at their own; parameters left out), or, where that was not measured, every tensor the
-    layers return (:func:`layer_bytes`)."""
-    saved = getattr(probe, "layer_saved", ())
+    saved when the probe ran the dataflow with gradients (``layer_saved``, or ``sharded_layer_saved`` of
+    the stage's tensor degree where the probe ran a tensor-split build: a device keeps its heads' and its
+    MLP columns' activations only; float tensors at the precision's size, others at their own; parameters
+    left out), or, where that was not measured, every tensor the layers return (:func:`layer_bytes`)."""
+    saved = dict(getattr(probe, "sharded_layer_saved", ())).get(tensor) or getattr(probe, "layer_saved", ())
     if len(saved) < b:
         return sum(layer_bytes(probe, i, precision) for i in range(a, min(b, len(probe.layer_params))))
     seen = {sid: (n, f) for i in range(a, b) for sid, n, f in saved[i]}
@@ -227,7 +228,7 @@ def stage_memory(program: ir.Program, stages, probe) -> tuple[StageMemory, ...]:
             per_device = probe.layer_params[a:b]
         params = sum(per_device)
         widest = max((w for w, d in zip(probe.layer_params[a:b], per_device) if d < w), default=0)
-        outputs = kept_bytes(probe, a, min(b, n), precision)
+        outputs = kept_bytes(probe, a, min(b, n), precision, tensor)
         inputs = sum(_transfer_bytes(t, probe, precision) for t in program.transfers if t.dst_stage == st.index)
         out.append(StageMemory(st.index, params, degree(program, st, ir.MeshAxis.DATA), train.micro_batch,
                                outputs, inputs, precision, optimizer_states(train.optimizer), train.zero,

@@ -92,6 +92,42 @@ def sharded_params(layers, config, k: int, stages=(None,)) -> list[int]:
     return out
 
 
+class _MetaTP:
+    """A tensor group on the meta device (rank 0 of ``size``): collectives are identities, so a split build
+    runs and autograd's saved tensors show what one device keeps."""
+
+    def __init__(self, size: int):
+        from .tensor_parallel import TensorParallel
+        self.tp = type("MetaTensorParallel", (TensorParallel,), {"all_reduce": lambda self, t: t})(None, 0, size)
+
+
+def check_degree_or_none(config, k: int):
+    try:
+        from .hf_tp import check_degree
+    except ImportError:
+        return "planc_runtime.hf_tp is missing"
+    return check_degree(config, k)
+
+
+def _split_on_meta(layers, config, k: int, stages):
+    """A copy of the meta layers split as a tensor rank of ``k`` splits them (decoder layers by the tp plan,
+    the embedding table and head by vocabulary where ``hf_vocab.splits``), to measure what it saves."""
+    import copy
+    from .hf_tp import layer_tp_plan, parallelize_layer
+    from .hf_vocab import split_embedding, split_head
+    vocab = _vocab_rows(layers, k, stages)
+    out = copy.deepcopy(layers)
+    tp = _MetaTP(k).tp
+    plan = layer_tp_plan(config)
+    for layer in out[1:-1]:
+        parallelize_layer(layer.layer, plan, tp)
+    if vocab:
+        emb = next(m for m in out[0].modules() if isinstance(m, torch.nn.Embedding))
+        split_embedding(emb, tp)
+        split_head(out[-1].lm_head, tp)
+    return out
+
+
 def _traffic(config, layers, st: dict, seq: int, stages=(None,)) -> dict:
     rec = {"stage": int(st["stage"]), "degree": int(st["degree"]), "rows": int(st["rows"]),
            "forward": [], "backward": [], "errors": []}
@@ -207,6 +243,9 @@ def probe_hf(req: dict, run_graph, saved_by_layer, load, part) -> dict:
                          "error": errors[0] if errors else "its layer did not run"})
     degrees = sorted({int(k) for k in req.get("tensor_degrees", ()) if int(k) > 1})
     sharded = {str(k): sharded_params(layers, config, k, req.get("stages") or [None]) for k in degrees}
+    split_saved = {} if errors else {str(k): saved_by_layer(_split_on_meta(layers, config, k, req.get("stages") or [None]),
+                                                            x, stages, transfers)
+                                     for k in degrees if not check_degree_or_none(config, k)}
     shard_errors = {}
     try:
         from .hf_tp import check_degree   # what the runtime's tensor parallelism refuses (issue 35)
@@ -223,6 +262,7 @@ def probe_hf(req: dict, run_graph, saved_by_layer, load, part) -> dict:
                                        (outputs[i] if isinstance(outputs[i], (tuple, list)) else [outputs[i]])
                                        if torch.is_tensor(t)) if i in outputs else None for i in range(len(layers))],
             "layer_saved": saved_by_layer(layers, x, stages, transfers) if not errors else [],
+            "sharded_layer_saved": split_saved,
             "layer_flops": flops, "flop_errors": flop_errors, "transfers": measured,
             "tensor_parallel": True, "sharded_layer_params": sharded, "shard_errors": shard_errors,
             "tensor_traffic": sorted(traffic, key=lambda t: t["stage"]), "graph_errors": errors,
