@@ -194,6 +194,22 @@ def test_llama_untied_two_tensor_stages_vocabulary_parallel_sgd(tmp_path):
 
 
 @pytest.mark.slow
+def test_llama_tied_across_stages_of_tensor_2_and_4_sgd(tmp_path):
+    """The embedding tied across a tensor-2 and a tensor-4 stage: a tie across stages stays whole on every
+    tensor rank (hf_vocab), its gradient summed over the holders by the planned tied reduction."""
+    keys = {**SMALL, "num_hidden_layers": 2, "num_key_value_heads": 4, "tie_word_embeddings": True}
+    plan_path = write_plan(tmp_path, "LlamaForCausalLM", keys, """\
+        stage 0 : layers 0..2 on devices 0..2 as (data = 1, tensor = 2)
+        stage 1 : layers 2..4 on devices 2..6 as (data = 1, tensor = 4)
+        """, 6, "micro_batch = 2, micro_batches = 2, steps = 3, schedule = 1f1b, optimizer = sgd(lr = 0.5), seed = 4")
+    plan, sharded = train_and_compare(tmp_path, plan_path, "LlamaForCausalLM", keys, atol=1e-5,
+                                      aliases={"layers.3.lm_head.weight": "layers.0.embed_tokens.weight"})
+    assert "layers.0.embed_tokens.weight" not in sharded and "layers.3.lm_head.weight" not in sharded
+    assert "layers.1.layer.self_attn.q_proj.weight" in sharded and "layers.2.layer.mlp.up_proj.weight" in sharded
+    assert [r for r in plan["reductions"] if r.get("tied")]
+
+
+@pytest.mark.slow
 def test_llama_tied_embeddings_within_one_data_parallel_stage(tmp_path):
     """``tie_word_embeddings = true`` with the embedding and lm_head in one stage: HF's one Parameter,
     its gradient from both uses, summed over the data axis once (the reference names it once too)."""
