@@ -186,20 +186,25 @@ def _memory_lines(mem: dict, tty: bool) -> list:
     limit = f"limit {_bytes(mem['limit'])} per device" if mem["limit"] else "no limit given (cluster memory = ...)"
     out = [f"memory per device by stage (its largest device; {mem['precision']}, zero = {mem['zero']}; {limit}; "
            "docs/memory.md):"]
-    rows, notes = [], []
+    rows, notes, transient = [], [], []
     for st in mem["stages"]:
         over = " (over)" if mem["limit"] and st.get("total", 0) > mem["limit"] else ""
         rows.append([st["stage"], _bytes(st["parameters"]), _bytes(st["gradients"]), _bytes(st["optimizer"]),
-                     _bytes(st["activations"]) + (" (rc)" if st["recompute"] else ""), _bytes(st["total"]) + over,
-                     _bytes(st["build"]) if "build" in st else "-"])
+                     _bytes(st["activations"]) + (" (rc)" if st["recompute"] else ""),
+                     _bytes(st["logits"]) if "logits" in st else "-", _bytes(st["total"]) + over])
+        transient.append([st["stage"], *(_bytes(st[k]) if k in st else "-" for k in ("step", "build"))])
         saved = st["saved"]
         if saved:
             what = [f"zero = 1 saved {_bytes(saved['zero'])} of optimizer state"] if "zero" in saved else []
             what += [f"recompute saved {_bytes(saved['recompute'])} of activations"] if "recompute" in saved else []
             notes.append(f"  stage {st['stage']}: " + "; ".join(what))
     out.append(ui.table([Col("stage", "right"), Col("parameters", "right"), Col("gradients", "right"),
-                         Col("optimizer", "right"), Col("activations", "right"), Col("total", "right"),
-                         Col("at start", "right")], rows, tty=tty))
+                         Col("optimizer", "right"), Col("activations", "right"), Col("logits", "right"),
+                         Col("total", "right")], rows, tty=tty))
+    out.append("  total = parameters + gradients + optimizer + the larger of activations + logits and the "
+               "optimizer step's temporary; what a rank allocates at start (building its share) and at the step:")
+    out.append(ui.table([Col("stage", "right"), Col("optimizer step", "right"), Col("at start (build)", "right")],
+                        transient, tty=tty))
     return out + notes + (["  (rc: the stage recomputes; it keeps only its inputs per micro-batch in flight)"]
                           if any(st["recompute"] for st in mem["stages"]) else [])
 

@@ -76,11 +76,16 @@ def expected(stage, prec, zero, recompute, states, in_flight, rows=ROWS):
     outputs = (mine * SIZES[a] + sum(mine * SIZES[i + 1] for i in range(a, b) if i < len(PARAMS) - 1)) * elem
     inputs = (mine * SIZES[a] * elem) if stage > 0 else 0   # stage 1 received h: layer 2's output
     act = in_flight * inputs + outputs if recompute else in_flight * (inputs + outputs)
-    parts = {"parameters": P * elem, "gradients": P * 4,
-             "optimizer": (4 * states + master) * (math.ceil(P / DATA) if zero else P), "activations": act}
+    held = math.ceil(P / DATA) if zero else P
+    parts = {"parameters": P * elem, "gradients": P * 4, "optimizer": (4 * states + master) * held}
+    # the last stage's logits [rows, 4], one micro-batch slice: in the precision, upcast, the loss's
+    # probabilities and their gradient; adam's step: one fp32 temporary per master (sgd without decay: none)
+    logits = mine * SIZES[-1] * (elem + (4 if elem != 4 else 0) + 8) if b == len(PARAMS) else 0
+    step = 4 * held if states == 2 else 0
     # the build at start (no tensor axis here: nothing drawn whole beyond the share): fp32 draw, + the cast copy
     build = 4 * P + (elem * P if elem != 4 else 0)
-    return dict(parts, total=sum(parts.values()), build=build)
+    return dict(parts, activations=act, logits=logits, step=step,
+                total=sum(parts.values()) + max(act + logits, step), build=build)
 
 
 OPTIMIZERS = {"sgd(lr = 0.1)": 0, "sgd(lr = 0.1, momentum = 0.9)": 1, "adam(lr = 1e-3)": 2}

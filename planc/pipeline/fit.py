@@ -58,9 +58,12 @@ class Need:
                    f"{bytes_text(m.slice_outputs)} recomputed")
         else:
             act = f"{k} micro-batch{'es' if k != 1 else ''} in flight x {bytes_text(m.slice_inputs + m.slice_outputs)}"
+        extra = f", logits {bytes_text(p['logits'])}" if p.get("logits") else ""
+        if p.get("step", 0) > p["activations"] + p.get("logits", 0):
+            extra += f"; the optimizer step's {bytes_text(p['step'])} is the larger"
         return (f"{bytes_text(p['total'])} (parameters {bytes_text(p['parameters'])}, gradients "
                 f"{bytes_text(p['gradients'])}, optimizer {bytes_text(p['optimizer'])}, activations "
-                f"{bytes_text(p['activations'])}: {act})")
+                f"{bytes_text(p['activations'])}: {act}{extra})")
 
 
 def needs(memory, schedule, micro_batches: int) -> list[Need]:

@@ -24,6 +24,12 @@ data degree ``d``, ``p`` bytes per element of the precision (fp32 4, bf16/fp16 2
   tensors at ``p`` bytes an element, others at their own): a recomputing stage keeps only its inputs
   per micro-batch in flight, plus the full activations of the one micro-batch it recomputes. ``O``
   includes the first layer's input where that layer saves it, so ``I + O`` may count the inputs twice;
+* logits, at the last stage: one micro-batch slice of the model's last output (its vocabulary slice
+  where the head is split), as the loss holds it: in the precision, its fp32 upcast (bf16/fp16), the
+  loss's saved fp32 probabilities and their gradient (``p + 4 + 8`` bytes an element, ``12`` in fp32);
+* step, the optimizer step's temporary: ``4 P'`` for adam/adamw and sgd with weight decay (torch's
+  multi-tensor implementations allocate one fp32 tensor per master), held after the last backward when
+  no activation is; the total is ``parameters + gradients + optimizer + max(activations + logits, step)``;
 * build, the transient peak of building the share when the rank starts (before the first step, so not
   in the total): ``4 P + 4 W`` (+ ``p P`` when ``p`` is not 4), the share drawn in fp32 by the
   plan-independent rule (docs/models.md), ``W`` the widest layer the stage splits over ``tensor``
@@ -46,7 +52,7 @@ PRECISION_BYTES = {ir.Precision.FP32: 4, ir.Precision.FP16: 2, ir.Precision.BF16
 GRADIENT_BYTES = 4   # fp32 accumulation buffers, whatever the precision
 STATE_BYTES = 4      # optimizer states and the master copy are fp32
 FLOAT_DTYPES = frozenset({"f64", "f32", "f16", "bf16"})
-PARTS = ("parameters", "gradients", "optimizer", "activations", "total", "build")
+PARTS = ("parameters", "gradients", "optimizer", "activations", "logits", "step", "total", "build")
 
 
 def degree(program: ir.Program, st, axis: str) -> int:
@@ -138,13 +144,17 @@ class StageMemory:
     zero: int = 0
     recompute: bool = False
     widest: int = 0         # parameters of the widest layer drawn whole before it is sharded over tensor
+    last_out: int = 0       # elements of the model's last output (the logits) for one whole micro-batch, on a
+                            # device of the last stage (its vocabulary slice); 0 on the other stages
+    step_states: bool = False   # the optimizer's step allocates a temporary as large as its fp32 tensors
 
     def with_(self, **changes) -> "StageMemory":
         """The same stage under other settings (``zero``, ``recompute``, ``micro_batch``: the activation
         bytes scale with the rows, as the probe's shapes do)."""
         m = changes.get("micro_batch", self.micro_batch)
         if m != self.micro_batch:
-            changes.update(outputs=self.outputs * m // self.micro_batch, inputs=self.inputs * m // self.micro_batch)
+            changes.update(outputs=self.outputs * m // self.micro_batch, inputs=self.inputs * m // self.micro_batch,
+                           last_out=self.last_out * m // self.micro_batch)
         return dataclasses.replace(self, **changes)
 
     def _slice(self, whole: int) -> int:
@@ -181,6 +191,19 @@ class StageMemory:
         return self.parameters + self.gradients + self.optimizer
 
     @property
+    def logits(self) -> int:
+        """One micro-batch slice's logits at the last stage as the loss holds them: the output in the
+        precision, its fp32 upcast (bf16/fp16), the loss's saved fp32 probabilities and their gradient."""
+        p = PRECISION_BYTES[self.precision]
+        return self._slice(self.last_out) * (p + (STATE_BYTES if p != STATE_BYTES else 0) + 2 * STATE_BYTES)
+
+    @property
+    def step(self) -> int:
+        """The optimizer step's temporary (torch's multi-tensor Adam: the denominators, one fp32 tensor per
+        master), held after the last backward, when the activations are gone."""
+        return STATE_BYTES * (-(-self.params // self.data) if self.zero else self.params) if self.step_states else 0
+
+    @property
     def build(self) -> int:
         p = PRECISION_BYTES[self.precision]
         return STATE_BYTES * (self.params + self.widest) + (p * self.params if p != STATE_BYTES else 0)
@@ -192,13 +215,14 @@ class StageMemory:
         return in_flight * (self.slice_inputs + self.slice_outputs)
 
     def total(self, in_flight: int) -> int:
-        return self.static + self.activations(in_flight)
+        return self.static + max(self.activations(in_flight) + self.logits, self.step)
 
     def parts(self, in_flight: int) -> dict:
         """plan.json's ``pipeline.stages[i].memory``: bytes per device by part, and their total."""
         act = self.activations(in_flight)
         return {"parameters": self.parameters, "gradients": self.gradients, "optimizer": self.optimizer,
-                "activations": act, "total": self.static + act, "build": self.build}
+                "activations": act, "logits": self.logits, "step": self.step, "total": self.total(in_flight),
+                "build": self.build}
 
 
 def saved(m: StageMemory, in_flight: int) -> dict:
@@ -230,7 +254,13 @@ def stage_memory(program: ir.Program, stages, probe) -> tuple[StageMemory, ...]:
         widest = max((w for w, d in zip(probe.layer_params[a:b], per_device) if d < w), default=0)
         outputs = kept_bytes(probe, a, min(b, n), precision, tensor)
         inputs = sum(_transfer_bytes(t, probe, precision) for t in program.transfers if t.dst_stage == st.index)
+        last = 0
+        if b >= n and probe.layer_shapes and probe.layer_shapes[-1]:   # the logits, split like the head's params
+            last = math.prod(probe.layer_shapes[-1])
+            if per_device and probe.layer_params[-1] and per_device[-1] < probe.layer_params[-1]:
+                last = last * per_device[-1] // probe.layer_params[-1]
+        adam = train.optimizer.name in ("adam", "adamw") or bool(dict(train.optimizer.params).get("weight_decay", 0))
         out.append(StageMemory(st.index, params, degree(program, st, ir.MeshAxis.DATA), train.micro_batch,
                                outputs, inputs, precision, optimizer_states(train.optimizer), train.zero,
-                               recomputes(program, st.index), widest))
+                               recomputes(program, st.index), widest, last, adam))
     return tuple(out)
