@@ -30,8 +30,8 @@ import pytest
 from planc.codegen import write_output
 from planc.compile import compile_file
 
-from e2e_util import (ROOT, _load_callable, compare_dumps, independent_reference, launch_sh, schedule_bound,
-                      stage_gradient_program, stage_ranks)
+from e2e_util import (ROOT, _load_callable, assert_controls_fail, compare_dumps, data_degree, independent_reference,
+                      launch_sh, schedule_bound, stage_gradient_program, stage_ranks)
 
 PLANS_DIR = ROOT / "tests" / "plans"
 STEPS = 3
@@ -138,9 +138,17 @@ def train_and_compare(tmp_path, plan_path, sc: Scenario, steps=STEPS, extra=()):
     assert not c.untrainable, "compile reports the plan untrainable: " + "; ".join(d.message for d in c.untrainable)
     r = launch_sh(out, "--steps", str(steps), "--dump-params", str(tmp_path / "dump"), *extra)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
-    ref_losses, ref_state = independent_reference(plan, out, steps)
-    assert losses_of(r.stdout) == pytest.approx(ref_losses, rel=1e-4, abs=1e-6), r.stdout[-2000:]
-    sharded = compare_dumps(tmp_path / "dump", stage_ranks(plan), ref_state, rtol=1e-5, atol=1e-6)
+    assert c.program.train.optimizer.name == "sgd", "SGD: the parameters see a gradient scale"
+    losses = losses_of(r.stdout)
+
+    def compare(ref_losses, ref_state, _record):
+        assert losses == pytest.approx(ref_losses, rel=1e-4, abs=1e-6), "losses"
+        return compare_dumps(tmp_path / "dump", stage_ranks(plan), ref_state, rtol=1e-5, atol=1e-6)
+
+    # the reference's dataflow is the plan text's (not plan.json's); the controls (gradients x2, a data
+    # rank's rows missing) must fail the same comparison
+    sharded = compare(*independent_reference(plan, out, steps, source=plan_path), None)
+    assert_controls_fail(compare, plan, out, steps, source=plan_path, data_parts=data_degree(plan))
     return plan, r, sharded
 
 
@@ -168,7 +176,7 @@ def test_cross_host_data_axis_gets_hierarchical_program(name):
 def test_independent_reference_runs_on_each_plan(name):
     """The reference alone, 1 step, on each plan's dataflow (transfers, skips, tuple outputs)."""
     plan = compiled(name).plan_json
-    losses, state = independent_reference(plan, ROOT / "examples", 1)
+    losses, state = independent_reference(plan, ROOT / "examples", 1, source=PLANS_DIR / name)
     assert len(losses) == 1 and losses[0] > 0
     n_layers = max(st["layers"][1] for st in plan["stages"])
     assert {k.split(".")[1] for k in state} == {str(i) for i in range(n_layers)}
@@ -180,7 +188,7 @@ def test_independent_reference_matches_runtime_reference():
     import torch
     from planc.runtime.engine import build_optimizer, run_reference
     plan = compile_file(ROOT / "plans" / "unet-skip.plan").plan_json
-    ours, our_state = independent_reference(plan, ROOT / "examples", STEPS)
+    ours, our_state = independent_reference(plan, ROOT / "examples", STEPS, source=ROOT / "plans" / "unet-skip.plan")
 
     train, examples = plan["train"], ROOT / "examples"
     args, seed = train["model"]["args"], train["seed"]
