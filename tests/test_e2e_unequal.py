@@ -182,6 +182,36 @@ def test_independent_reference_runs_on_each_plan(name):
     assert {k.split(".")[1] for k in state} == {str(i) for i in range(n_layers)}
 
 
+def test_independent_reference_reads_the_dataflow_from_the_plan_text(tmp_path):
+    """The reference's stage cut and transfer taps are the plan text's, never plan.json's: a plan.json wired
+    otherwise (stage 2's inputs in another order, a tap moved, the cut moved: what a compiler bug would
+    write) trains the reference exactly as before, and the same change made in the text changes its numbers."""
+    import copy
+
+    import torch
+
+    from e2e_util import plan_dataflow
+    src = PLANS_DIR / "unet-skip-unequal.plan"
+    plan = compiled("unet-skip-unequal.plan").plan_json
+    assert plan_dataflow(src) == ([(0, 0, 2), (1, 2, 3), (2, 3, 6)],
+                                  [("down", 0, None, 1), ("mid", 1, None, 2), ("e2", 0, 1, 2), ("e1", 0, 0, 2)])
+    want, want_state = independent_reference(plan, ROOT / "examples", 1, source=src)
+    wrong = copy.deepcopy(plan)
+    t = {x["name"]: x for x in wrong["transfers"]}
+    wrong["transfers"] = [t["down"], t["e2"], t["mid"], t["e1"]]   # stage 2 would get (e2, mid, e1)
+    t["e2"]["src"]["layer"] = 0
+    wrong["stages"][0]["layers"], wrong["stages"][1]["layers"] = [0, 1], [1, 3]
+    got, got_state = independent_reference(wrong, ROOT / "examples", 1, source=src)
+    assert got == want and all(torch.equal(got_state[k], want_state[k]) for k in want_state)
+    text = src.read_text()
+    mid, e2 = (next(line for line in text.splitlines() if line.strip().startswith(f"transfer {n} ")) for n in ("mid", "e2"))
+    swapped = tmp_path / "swapped.plan"
+    swapped.write_text(text.replace(mid, "@@").replace(e2, mid).replace("@@", e2))
+    assert [n for n, *_ in plan_dataflow(swapped)[1]] == ["down", "e2", "mid", "e1"]
+    other, _ = independent_reference(plan, ROOT / "examples", 1, source=swapped)
+    assert other != want
+
+
 def test_independent_reference_matches_runtime_reference():
     """plans/unet-skip.plan (skips from stage 0 to stage 2): the independent reference trains exactly
     like planc's own run_reference (same losses, same parameters)."""
