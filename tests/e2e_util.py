@@ -145,13 +145,62 @@ def schedule_factor(schedule: dict, t: int) -> float:
     return r + (1 - r) * 0.5 * (1 + math.cos(math.pi * p))
 
 
+def plan_source(plan: dict, model_dir: Path) -> Path:
+    """The plan text plan.json was compiled from, found by its ``source`` record (file name and sha256 of
+    its bytes) beside the compiled output (``model_dir``, its parent) or among the bundled plans; the
+    hash must match, so the text is the one compiled. For callers that do not name it."""
+    import hashlib
+    name, want = Path(plan["source"]["path"]), plan["source"]["sha256"]
+    model_dir = Path(model_dir)
+    places = [name] if name.is_absolute() else [d / name.name for d in (
+        model_dir, model_dir.parent, ROOT / "plans", ROOT / "tests" / "plans", Path.cwd())]
+    for path in places:
+        if path.is_file() and hashlib.sha256(path.read_bytes()).hexdigest() == want:
+            return path
+    raise AssertionError(f"independent_reference: the plan text {name} (sha256 {want[:12]}...) is not beside "
+                         f"{model_dir}: pass source= (the .plan compiled)")
+
+
+def plan_dataflow(source) -> tuple[list[tuple[int, int, int]] | None, list[tuple[str, int, int | None, int]]]:
+    """The stage cut and the transfers as the plan TEXT writes them (LANGUAGE.md), never plan.json's: a
+    compiler that wired a transfer from the wrong layer, or cut the stages elsewhere, must not have its
+    mistake copied into the reference. ``source``: the .plan file (a Path) or its text.
+
+    Returns (``[(stage, first layer, end layer)]`` sorted by stage, or None where the text leaves the cut to
+    the compiler: ``stages = auto(N)``, ``layers auto``; ``[(name, src stage, src layer or None, dst stage)]``
+    in declaration order). No ``transfer`` line: the inferred chain (each stage's output to the next stage)."""
+    import re
+    text = Path(source).read_text() if isinstance(source, Path) else str(source)
+    text = re.sub(r"#[^\n]*", "", text)
+    stages = [(int(i), int(a), int(b)) for i, a, b in
+              re.findall(r"^\s*stage\s+(\d+)\s*:\s*layers\s+(\d+)\s*\.\.\s*(\d+)", text, re.M)]
+    auto = re.search(r"\bstages\s*=\s*auto\b|^\s*stage\s+\d+\s*:\s*layers\s+auto\b", text, re.M)
+    assert not (stages and auto), "the plan text both cuts the stages and leaves them to the compiler"
+    transfers = [(name, int(src), int(layer) if layer else None, int(dst)) for name, src, layer, dst in
+                 re.findall(r"^\s*transfer\s+(\w+)\b[^\n]*?\bfrom\s+stage\s+(\d+)(?:\s+layer\s+(\d+))?"
+                            r"[^\n]*?\bto\s+stage\s+(\d+)", text, re.M)]
+    if auto:
+        assert not transfers, ("the reference needs the stage cut the plan text writes where it writes transfers "
+                               "(the layer a transfer enters is its stage's first)")
+        return None, []
+    assert stages, "the plan text writes no `stage I : layers A..B` line"
+    stages.sort()
+    if not transfers:   # the chain the language infers
+        transfers = [(f"chain{i}", s0, None, s1) for i, ((s0, _, _), (s1, _, _)) in enumerate(zip(stages, stages[1:]))]
+    return stages, transfers
+
+
 def independent_reference(plan: dict, model_dir: Path, steps: int, micro_batches: int | None = None,
-                          lr_factor: float = 1.0, record: dict | None = None, skip=()):
+                          lr_factor: float = 1.0, record: dict | None = None, skip=(), *, source=None,
+                          grad_scale: float = 1.0, drop_rows: tuple[int, int] | None = None):
     """Train the whole model in this process with plain torch, knowing nothing of planc's runtime.
 
     ``plan`` is a compiled plan.json: its ``train`` block names the model, loss and data files (found
-    in ``model_dir``, e.g. the compiled output or examples/) and the hyper-parameters; ``stages``
-    give the layer ranges and ``transfers`` (in declaration order) the dataflow:
+    in ``model_dir``, e.g. the compiled output or examples/) and the hyper-parameters. The dataflow is
+    the plan TEXT's (``source``, read by ``plan_dataflow``; by default the file plan.json's ``source``
+    names, found by ``plan_source`` and checked by its hash), never plan.json's stages and transfers: the
+    layer ranges and the transfers in declaration order (a plan that leaves the cut to the compiler
+    writes no transfer: its layers run one after the other, as any cut of a chain computes):
 
     - torch is seeded with ``train.seed``, then the builder builds every layer (no tensor_parallel),
       then ``batches(micro_batch, seed, **model_args)`` gives the data;
@@ -167,8 +216,14 @@ def independent_reference(plan: dict, model_dir: Path, steps: int, micro_batches
       The steps listed in ``skip`` (fp16 overflows) draw their data and take no optimizer step: t counts
       the steps taken.
 
+    Negative controls (a fault trained on purpose, that a comparison at the suite's tolerances must see):
+    ``grad_scale`` multiplies every gradient before the norm, the clip and the step (a gradient-scale
+    error: 2.0, 0.5); ``drop_rows = (k, n)`` leaves out part k of n of every micro-batch's rows (the rows
+    of data rank k of n: a data rank whose rows never count), the loss the mean over the rows left.
+
     Returns (loss sum per step, ``{"layers.<i>.<param>": tensor}``); ``record``, when given, gets the
-    rate (``"lr"``) and, with clipping, the norm before clipping (``"grad_norm"``) of every step.
+    rate (``"lr"``) and the L2 norm over all gradients before any clipping (``"grad_norm"``, what rank 0
+    prints when the plan clips) of every step taken.
     """
     import torch
     train = plan["train"]
@@ -193,16 +248,13 @@ def independent_reference(plan: dict, model_dir: Path, steps: int, micro_batches
     if record is not None:
         record.update(lr=[], grad_norm=[])
 
-    stages = sorted(plan["stages"], key=lambda st: st["index"])
-    transfers = plan["transfers"]
-    for t in transfers:
-        assert t["src"]["stage"] < t["dst"]["stage"], f"transfer {t['name']} does not flow forward"
-
-    def src_layer(t):
-        layer = t["src"].get("layer")
-        if layer is None:
-            layer = next(st for st in stages if st["index"] == t["src"]["stage"])["layers"][1] - 1
-        return layer
+    cut, written = plan_dataflow(source if source is not None else plan_source(plan, model_dir))
+    if cut is None:
+        cut = [(0, 0, len(layers))]
+    for name, src, _, dst in written:
+        assert src < dst, f"transfer {name} does not flow forward"
+    first = cut[0][0]
+    ends = {s: b for s, _, b in cut}
 
     losses = []
     taken = 0
@@ -210,25 +262,28 @@ def independent_reference(plan: dict, model_dir: Path, steps: int, micro_batches
         total = 0.0
         for _ in range(micro_batches):
             x, y = next(data)
+            if drop_rows is not None:
+                k, n = drop_rows
+                rows = x.shape[0]
+                assert rows % n == 0, f"drop_rows: {rows} rows do not split in {n}"
+                keep = torch.cat([torch.arange(0, k * rows // n), torch.arange((k + 1) * rows // n, rows)])
+                x, y = x[keep], y[keep]
             sent = {}
             out = None
-            for st in stages:
-                a, b = st["layers"]
-                s = st["index"]
-                inputs = (x,) if s == stages[0]["index"] else tuple(
-                    sent[t["name"]] for t in transfers if t["dst"]["stage"] == s)
-                taps = {src_layer(t) for t in transfers if t["src"]["stage"] == s}
+            for s, a, b in cut:
+                inputs = (x,) if s == first else tuple(sent[name] for name, _, _, dst in written if dst == s)
                 outputs = {}
                 for i in range(a, b):
                     out = layers[i](*inputs)
                     outputs[i] = out
                     inputs = out if isinstance(out, tuple) else (out,)
-                for t in transfers:
-                    if t["src"]["stage"] == s:
-                        value = outputs[src_layer(t)]
-                        assert isinstance(value, torch.Tensor), f"transfer {t['name']}: layer output is not a tensor"
-                        sent[t["name"]] = value
-                assert taps <= set(outputs)
+                for name, src, layer, _ in written:
+                    if src == s:
+                        layer = ends[s] - 1 if layer is None else layer
+                        assert layer in outputs, f"transfer {name}: layer {layer} is not in stage {s}"
+                        value = outputs[layer]
+                        assert isinstance(value, torch.Tensor), f"transfer {name}: layer output is not a tensor"
+                        sent[name] = value
             loss = loss_fn(out, y) / micro_batches
             loss.backward()
             total += float(loss.detach())
@@ -236,10 +291,17 @@ def independent_reference(plan: dict, model_dir: Path, steps: int, micro_batches
             optimizer.zero_grad()
             losses.append(total)
             continue
+        if grad_scale != 1.0:
+            for p in params:
+                if p.grad is not None:
+                    p.grad.mul_(grad_scale)
         if clip is not None:
             norm = torch.nn.utils.clip_grad_norm_(params, clip)
-            if record is not None:
-                record["grad_norm"].append(float(norm))
+        else:
+            norm = torch.linalg.vector_norm(torch.stack(
+                [torch.linalg.vector_norm(p.grad) for p in params if p.grad is not None]))
+        if record is not None:
+            record["grad_norm"].append(float(norm))
         rate = lr * schedule_factor(schedule, taken) * lr_factor
         taken += 1
         for group in optimizer.param_groups:
@@ -252,6 +314,37 @@ def independent_reference(plan: dict, model_dir: Path, steps: int, micro_batches
     state = {f"layers.{i}.{k}": v.detach().clone() for i, layer in enumerate(layers)
              for k, v in layer.named_parameters()}
     return losses, state
+
+
+def controls(data_parts: int) -> dict[str, dict]:
+    """The negative controls every training e2e family runs (issue 45): the reference trained with a
+    gradient-scale error (x2) and with one data rank's rows missing (rank 0 of ``data_parts``; with one
+    data rank, half of every micro-batch's rows). Keyword arguments for ``independent_reference``."""
+    return {"gradients x2": {"grad_scale": 2.0},
+            f"data rank 0 of {data_parts}'s rows missing": {"drop_rows": (0, max(2, data_parts))}}
+
+
+def assert_controls_fail(compare, plan: dict, model_dir: Path, steps: int, *, source, data_parts: int,
+                         only=None, **ref) -> dict[str, str]:
+    """Every control of ``controls(data_parts)`` (those named in ``only``) trained by the reference, then
+    given to ``compare(losses, state, record)``: the very check, at the very tolerances, the real
+    reference passed against the run's output (no launch of its own). Each must fail it; a control that
+    passes means the comparison cannot see that fault. Returns {control: the first line of its failure}."""
+    seen = {}
+    for name, fault in controls(data_parts).items():
+        if only is not None and not any(name.startswith(o) for o in only):
+            continue
+        record: dict = {}
+        losses, state = independent_reference(plan, model_dir, steps, record=record, source=source, **ref, **fault)
+        try:
+            compare(losses, state, record)
+        except AssertionError as e:
+            seen[name] = (str(e).strip().splitlines() or [""])[0]
+            continue
+        raise AssertionError(f"negative control ({name}): the reference trained with that fault matches the "
+                             f"run at the suite's tolerances, so the comparison cannot see it")
+    assert seen, f"no control named {only}"
+    return seen
 
 
 # ---------------------------------------------------------------- plan.json queries
@@ -278,6 +371,12 @@ def stage_gradient_program(plan: dict, stage: int) -> tuple[list[list[int]], dic
             found.append((mine, r["program"]))
     assert len(found) == 1, f"stage {stage}: {len(found)} gradients entries hold its groups"
     return found[0]
+
+
+def data_degree(plan: dict) -> int:
+    """The largest ``data`` dimension of any stage's mesh (1 without one): the controls' rows of one data rank."""
+    return max([st["mesh_shape"][st["mesh_axes"].index("data")] for st in plan["stages"]
+                if "data" in st.get("mesh_axes", [])] or [1])
 
 
 def schedule_bound(ops) -> int:
@@ -339,6 +438,20 @@ def step_lines(stdout: str) -> dict[int, dict]:
                           "grad_norm": float(m[4]) if m[4] else None, "loss_scale": float(m[5]) if m[5] else None}
     for m in re.finditer(r"^step (\d+) skipped: overflow, loss scale ([0-9.e+]+)$", stdout, re.M):
         out.setdefault(int(m[1]), {})["skipped"] = float(m[2])
+    return out
+
+
+def rank_devices(stdout: str) -> dict[int, tuple[str, str]]:
+    """Rank 0's start-up line ``devices: BACKEND DEVICE (ranks 0, 1), ...`` (every rank's own backend and
+    device, gathered at start-up): ``{rank: (backend, device)}``."""
+    import re
+    m = re.search(r"^devices: (.*)$", stdout, re.M)
+    assert m, f"no devices line: {stdout[-2000:]}"
+    out = {}
+    for backend, device, ranks in re.findall(r"(\w+) (\S+) \(ranks? ([0-9, ]+)\)", m[1]):
+        for r in ranks.split(", "):
+            assert int(r) not in out, f"rank {r} twice in {m[0]!r}"
+            out[int(r)] = (backend, device)
     return out
 
 

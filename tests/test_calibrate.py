@@ -206,6 +206,7 @@ def test_calibrate_this_machine(tmp_path, capsys):
 
 
 @pytest.mark.slow
+@pytest.mark.testbed
 @pytest.mark.skipif(__import__("os").geteuid() != 0, reason="the testbed needs root (network namespaces, tc)")
 def test_calibrate_on_the_testbed_then_predict(tmp_path, capsys):
     from benchmarks.testbed import available

@@ -1,15 +1,18 @@
 """Checkpoints and resume of the generated training program (``train.py --save DIR``, ``--resume DIR``).
 
-- ``two``: a 2-rank plan (mlp, Adam, ``save_every = 2``) trained 4 steps uninterrupted
-  with ``--save``; resuming its step-2 checkpoint must print the same losses for steps 2 and 3 and
-  end with the same parameters as the uninterrupted run. Checkpoints of another plan (another
+- ``two``: a 2-rank plan (mlp, Adam, ``clip = 1e6`` so that rank 0 prints the gradient norms,
+  ``save_every = 2``) trained 4 steps uninterrupted with ``--save``; resuming its step-2 checkpoint
+  must print the losses, rates and gradient norms of ``independent_reference`` (plain torch, 4 steps)
+  for steps 2 and 3 and end with its parameters, and the negative controls (the reference with
+  gradients x2, or half the rows missing) must fail that comparison; beyond that, the resumed run
+  is bit for bit the uninterrupted one. Checkpoints of another plan (another
   digest), missing, incomplete or damaged ones are refused with a clear message, exit 2, no
   traceback (in process through ``planc.runtime.main.main``, one real ``python train.py``).
 - an unequal-mesh plan (GPT, SGD with momentum: stage 0 on a data-2 mesh, stage 1 on a tensor-2 mesh whose
   block is really sharded, one idle rank) whose first rank kills itself (SIGKILL, in the data
   function the test supplies) right after the step-2 checkpoint; resumed, the losses of both
   launches and the final parameters must be those of ``independent_reference`` (plain torch, 4
-  steps, no planc code). (Not Adam here: GPT's key biases get gradients that are zero up to rounding,
+  steps, no planc code), and those of the negative controls must not. (Not Adam here: GPT's key biases get gradients that are zero up to rounding,
   and Adam turns rounding noise into full-size steps, so no two summation orders agree; against the
   uninterrupted run of the same program, above, Adam's state is compared exactly.)
 
@@ -32,7 +35,8 @@ import torch
 from planc.codegen import write_output
 from planc.compile import compile_file
 
-from e2e_util import PY, ROOT, compare_dumps, independent_reference, launch_env, stage_ranks, start_ranks
+from e2e_util import (PY, ROOT, assert_controls_fail, compare_dumps, data_degree, independent_reference, launch_env,
+                      stage_ranks, start_ranks, step_lines)
 
 EXAMPLES = ROOT / "examples"
 STEPS = 4
@@ -68,10 +72,12 @@ plan ckpt_two {
   transfer a : f32[8, 16] from stage 0 as R R to stage 1 as R R
   train {
     micro_batch = 8, micro_batches = 2, steps = 4, save_every = 2, timeout = 20 s
-    schedule = 1f1b, optimizer = adam(lr = 0.01), precision = fp32, seed = 5
+    schedule = 1f1b, optimizer = adam(lr = 0.01), clip = 1e6, precision = fp32, seed = 5
   }
 }
 """
+# clip = 1e6 never scales: it makes rank 0 print every step's gradient norm, which the reference's must match
+# (Adam's parameters barely see a gradient-scale error; the norm does)
 
 # 5 ranks: stage 0 (embedding, block 1) on a data-2 mesh {0, 1}; stage 1 (block 2, head) on a
 # tensor-2 mesh {2, 3} (GPT opts in to tensor parallelism: block 2 is sharded); device 4 is idle
@@ -160,11 +166,27 @@ def test_saves_every_n_steps_and_at_the_end(two):
 
 @pytest.mark.slow
 def test_resume_prints_the_same_losses_and_ends_with_the_same_parameters(two, tmp_path):
+    """Resumed at step 2: steps 2 and 3 (losses, rates, gradient norms) and the final parameters are the
+    independent reference's (4 steps in one process, its dataflow from the plan text), and the controls
+    (gradients x2, half of every micro-batch's rows missing) fail that same comparison; and, beyond,
+    bit for bit the uninterrupted run's (the same masters, moments, step counts, data and RNG)."""
     rc, text, every = start_ranks(two["out"], 2, "--resume", two["ck"] / "step2", "--dump-params", tmp_path / "dump")
     assert rc == 0, every[-4000:]
     assert f"resumed from {two['ck'] / 'step2'} at step 2" in text
+    lines = step_lines(text)
+    assert sorted(lines) == [2, 3], text[-2000:]
+
+    def compare(ref_losses, ref_state, record):
+        assert [lines[s]["loss"] for s in (2, 3)] == pytest.approx(ref_losses[2:], rel=1e-4, abs=1e-6), "losses"
+        assert [lines[s]["lr"] for s in (2, 3)] == pytest.approx(record["lr"][2:], rel=1e-6), "rates"
+        assert [lines[s]["grad_norm"] for s in (2, 3)] == pytest.approx(record["grad_norm"][2:], rel=1e-4), "norms"
+        compare_dumps(tmp_path / "dump", [0, 1], ref_state, rtol=1e-5, atol=1e-5)
+
+    src = two["tmp"] / "two.plan"
+    record: dict = {}
+    compare(*independent_reference(two["plan"], two["out"], STEPS, record=record, source=src), record)
+    assert_controls_fail(compare, two["plan"], two["out"], STEPS, source=src, data_parts=1)
     resumed = losses_of(text)
-    assert sorted(resumed) == [2, 3], text[-2000:]
     for s in (2, 3):   # bit for bit: the same masters, moments, step counts, data and RNG
         assert resumed[s] == two["losses"][s], (s, resumed, two["losses"])
     for rank in (0, 1):
@@ -264,11 +286,16 @@ def test_unequal_mesh_run_killed_after_a_save_resumes_exactly(tmp_path):
     idle = [f for f in manifest["files"] if f.startswith("__4_")]   # the idle rank writes no tensor
     assert all(manifest["files"][f]["size"] == 0 for f in idle), manifest["files"]
 
-    ref_losses, ref_state = independent_reference(plan, out, STEPS)
     got = [first[0], first[1], second[2], second[3]]
-    assert got == pytest.approx(ref_losses, rel=1e-4, abs=1e-6)
-    sharded = compare_dumps(tmp_path / "dump", stage_ranks(plan), ref_state, rtol=1e-5, atol=1e-6)
+
+    def compare(ref_losses, ref_state, _record):   # SGD: the parameters see a gradient scale
+        assert got == pytest.approx(ref_losses, rel=1e-4, abs=1e-6), "losses"
+        return compare_dumps(tmp_path / "dump", stage_ranks(plan), ref_state, rtol=1e-5, atol=1e-6)
+
+    src = tmp_path / "unequal.plan"
+    sharded = compare(*independent_reference(plan, out, STEPS, source=src), None)
     assert {int(k.split(".")[1]) for k in sharded} == {2}, sorted(sharded)   # block 2 really is sharded
+    assert_controls_fail(compare, plan, out, STEPS, source=src, data_parts=data_degree(plan))
 
 
 # ---------------------------------------------------------------- no launch: the checks alone

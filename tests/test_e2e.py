@@ -1,7 +1,9 @@
 """End-to-end: the real compiler on the bundled plans (and variants edited in tmp_path),
 the compiled output launched with its own launch.sh (the `deepspeed` launcher, CPU/gloo),
 3 training steps, every rank's parameters compared with an independent plain-torch single-process
-reference (e2e_util.independent_reference) trained on the same data. 8 launches of 6-8 ranks, ~25-30 s each on 2 cores."""
+reference (e2e_util.independent_reference, its dataflow read from the plan text) trained on the same
+data, and the same comparison failing for the reference trained with a fault (gradients x2, a data rank's rows
+missing; no launch of their own). 8 launches of 6-8 ranks, ~25-30 s each on 2 cores."""
 
 import json
 import os
@@ -12,7 +14,8 @@ import pytest
 from planc.compile import compile_file
 from planc.codegen import write_output
 
-from e2e_util import ROOT, compare_dumps, independent_reference, launch_sh, spelled
+from e2e_util import (ROOT, assert_controls_fail, compare_dumps, independent_reference, launch_sh, rank_devices,
+                      spelled, step_lines)
 
 STEPS = 3
 
@@ -40,23 +43,45 @@ def compile_to(tmp_path, plan_path, probe=False):
     return c, out
 
 
-def train_and_compare(tmp_path, plan_path, ranks):
+def train_and_compare(tmp_path, plan_path, ranks, data_parts):
+    """Compile and launch ``plan_path``, then compare the run with the independent reference (losses,
+    every rank's parameters, and where rank 0 prints it every step's gradient norm), and the negative
+    controls (e2e_util.assert_controls_fail: gradients x2, one data rank's rows missing) with the same
+    comparison: each must fail it. An SGD run sees a gradient scale in its parameters; Adam's update
+    barely does (its step is g / sqrt(v)), so an Adam run must clip (``clip = 1e6`` never scales) for
+    rank 0 to print the norm the x2 control must fail on."""
     c, out = compile_to(tmp_path, plan_path)
     plan = json.loads((out / "plan.json").read_text())
     assert plan["cluster"]["devices"] == ranks
     r = launch_sh(out, "--steps", str(STEPS), "--dump-params", str(tmp_path / "dump"))
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
-    losses = [float(x) for x in re.findall(r"step \d+ loss ([-0-9.e]+)", r.stdout)]
-    # plain torch, knowing nothing of planc's runtime (never the output's own code: no test compares the
-    # product with itself)
-    ref_losses, ref_state = independent_reference(plan, out, STEPS)
-    assert losses == pytest.approx(ref_losses, rel=1e-4, abs=1e-5)
+    got = step_lines(r.stdout)
+    assert sorted(got) == list(range(STEPS)), r.stdout[-3000:]
+    sgd = c.program.train.optimizer.name == "sgd"
+    norms = [got[s]["grad_norm"] for s in range(STEPS)]
+    assert sgd or None not in norms, "an Adam run must print its gradient norms (clip): its parameters barely see a scale"
     # SGD carries gradient rounding linearly; Adam divides by sqrt(v) and lifts it for
     # near-zero gradients (observed <= 4e-5 after 3 steps at lr 1e-3), hence two tolerances
-    atol = 1e-6 if c.program.train.optimizer.name == "sgd" else 1e-4
-    # tensor-parallel shards are compared with their slice of the reference and must tile it
-    sharded = compare_dumps(tmp_path / "dump", ranks, ref_state, rtol=1e-5, atol=atol)
-    return plan, r.stdout, sharded
+    atol = 1e-6 if sgd else 1e-4
+
+    def compare(ref_losses, ref_state, record):
+        assert [got[s]["loss"] for s in range(STEPS)] == pytest.approx(ref_losses, rel=1e-4, abs=1e-5), "losses"
+        if None not in norms:
+            assert norms == pytest.approx(record["grad_norm"], rel=1e-4), "gradient norms"
+        # tensor-parallel shards are compared with their slice of the reference and must tile it
+        return compare_dumps(tmp_path / "dump", ranks, ref_state, rtol=1e-5, atol=atol)
+
+    # plain torch, knowing nothing of planc's runtime (never the output's own code: no test compares the
+    # product with itself), its dataflow read from the plan text
+    record: dict = {}
+    ref_losses, ref_state = independent_reference(plan, out, STEPS, record=record, source=plan_path)
+    sharded = compare(ref_losses, ref_state, record)
+    failed = assert_controls_fail(compare, plan, out, STEPS, source=plan_path, data_parts=data_parts)
+    if not sgd:   # Adam: the norm is what must see the scale
+        def norms_only(_losses, _state, rec):
+            assert norms == pytest.approx(rec["grad_norm"], rel=1e-4), "gradient norms"
+        assert_controls_fail(norms_only, plan, out, STEPS, source=plan_path, data_parts=data_parts, only=["gradients"])
+    return plan, r.stdout, sharded, failed
 
 
 @pytest.mark.slow
@@ -67,8 +92,12 @@ def test_gpt_2x4_schedules_match_reference(tmp_path, schedule):
     """plans/gpt-2x4.plan: pipe 2 x data 2 x tensor 2 on 2 hosts of 4, synthesized program;
     the blocks really split over the tensor axis (Megatron-style)."""
     # 4 micro-batches a step (the bundled 8 add time, not coverage: the schedule's order is the same)
-    path = variant(tmp_path, "gpt-2x4.plan", schedule, edits=[(r"micro_batches = 8\b", "micro_batches = 4")])
-    plan, stdout, sharded = train_and_compare(tmp_path, path, 8)
+    # Adam: clip = 1e6 (never scales) makes rank 0 print every step's gradient norm, the check a gradient-scale
+    # error must fail (Adam's parameters barely see it)
+    path = variant(tmp_path, "gpt-2x4.plan", schedule, edits=[(r"micro_batches = 8\b", "micro_batches = 4"),
+                                                              (r"optimizer = adam\(lr = 1e-3\)", "optimizer = adam(lr = 1e-3), clip = 1e6")])
+    plan, stdout, sharded, _ = train_and_compare(tmp_path, path, 8, data_parts=2)
+    assert plan["train"]["clip"] == 1e6
     assert plan["pipeline"]["schedule"] == schedule
     assert len(plan["tensor_groups"]) == 4 and all(
         len(g) == 2 and g in plan["groups"] and any(set(g) <= set(st["devices"]) for st in plan["stages"])
@@ -76,6 +105,8 @@ def test_gpt_2x4_schedules_match_reference(tmp_path, schedule):
     # 4 blocks x (qkv.weight, qkv.bias, proj.weight, fc1.weight, fc1.bias, fc2.weight), each in 2 parts
     assert len(sharded) == 24 and all(parts == 2 for _, parts, _ in sharded.values())
     assert sharded["layers.1.qkv.weight"] == (0, 2, 3) and sharded["layers.4.mlp.2.weight"] == (1, 2, 1)
+    # every rank says where it ran (the line the GPU tier reads to refuse a fallback to gloo)
+    assert rank_devices(stdout) == {r: ("gloo", "cpu") for r in range(8)}, stdout[-2000:]
     # launched without OMP_NUM_THREADS (launch_env): each rank takes its share of this machine's cores
     threads = max(1, len(os.sched_getaffinity(0)) // 8)
     assert (f"cpu threads: {threads} per rank ({len(os.sched_getaffinity(0))} core(s) ÷ 8 rank(s) on this "
@@ -89,7 +120,7 @@ def test_unet_skips_using_allreduce_match_reference(tmp_path):
     program path on U-Net skips: test_e2e_unequal's unet-skip-unequal."""
     path = variant(tmp_path, "unet-skip.plan",
                    edits=[(r"reduce gradients over data[^\n]*", "reduce gradients over data using allreduce")])
-    plan, stdout, sharded = train_and_compare(tmp_path, path, 6)
+    plan, stdout, sharded, _ = train_and_compare(tmp_path, path, 6, data_parts=2)
     assert not sharded and plan["pipeline"]["schedule"] == "eager_1f1b"
     assert {(t["src"]["stage"], t["dst"]["stage"]) for t in plan["transfers"]} >= {(0, 2)}
     assert plan["reductions"][0]["program"]["text"] == "allreduce(slice=root, form=inside)"

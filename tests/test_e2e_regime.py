@@ -36,8 +36,8 @@ from planc import plan as P
 from planc.codegen import write_output
 from planc.compile import compile_file
 
-from e2e_util import (ROOT, compare_dumps, edit_plan, independent_reference, stage_ranks, start_ranks, step_lines,
-                      update_error)
+from e2e_util import (ROOT, assert_controls_fail, compare_dumps, data_degree, edit_plan, independent_reference,
+                      stage_ranks, start_ranks, step_lines, update_error)
 
 EXAMPLES = ROOT / "examples"
 WORLD = 5
@@ -92,12 +92,30 @@ def run(out, *args):
     return text
 
 
-def check_lines(lines, ref_losses, record, rtol):
+def check_lines(lines, ref_losses, record, rtol, plan):
     assert sorted(lines) == list(range(len(ref_losses))), lines
-    assert [lines[s]["loss"] for s in sorted(lines)] == pytest.approx(ref_losses, rel=rtol, abs=1e-6)
-    assert [lines[s]["lr"] for s in sorted(lines)] == pytest.approx(record["lr"], rel=1e-5)
-    if record["grad_norm"]:
-        assert [lines[s]["grad_norm"] for s in sorted(lines)] == pytest.approx(record["grad_norm"], rel=rtol)
+    assert [lines[s]["loss"] for s in sorted(lines)] == pytest.approx(ref_losses, rel=rtol, abs=1e-6), "losses"
+    assert [lines[s]["lr"] for s in sorted(lines)] == pytest.approx(record["lr"], rel=1e-5), "rates"
+    if plan["train"].get("clip") is not None:   # rank 0 prints the norm where the plan clips
+        assert [lines[s]["grad_norm"] for s in sorted(lines)] == pytest.approx(record["grad_norm"], rel=rtol), "norms"
+
+
+def against_reference(text, plan, out, dump, atol, steps=STEPS):
+    """Rank 0's lines (losses, rates, norms) at rtol 1e-4 and every rank's parameters (rtol 1e-5, ``atol``)
+    against the independent reference, its dataflow read from the plan text (``out``'s ``.plan`` beside
+    it); then the negative controls (gradients x2, a data rank's rows missing) through the same check,
+    each of which must fail it. Returns the reference's record (rates, norms)."""
+    lines = step_lines(text)
+
+    def compare(ref_losses, ref_state, record):
+        check_lines(lines, ref_losses, record, 1e-4, plan)
+        compare_dumps(dump, stage_ranks(plan), ref_state, rtol=1e-5, atol=atol)
+
+    src = out.parent / f"{out.name}.plan"
+    record: dict = {}
+    compare(*independent_reference(plan, out, steps, record=record, source=src), record)
+    assert_controls_fail(compare, plan, out, steps, source=src, data_parts=data_degree(plan))
+    return record
 
 
 # ---------------------------------------------------------------- fp32
@@ -107,12 +125,11 @@ def test_clip_and_recompute_with_sgd_match_the_reference(tmp_path):
     out, plan = build(tmp_path, "clip", SGD + ", clip = 0.3, recompute = full")
     assert (plan["train"]["clip"], plan["train"]["recompute"]) == (0.3, [True, True])
     text = run(out, "--dump-params", tmp_path / "dump")
-    record = {}
-    ref_losses, ref_state = independent_reference(plan, out, STEPS, record=record)
+    # every step clipped: the parameters cannot see a gradient x2, the printed norms must
+    record = against_reference(text, plan, out, tmp_path / "dump", atol=1e-6)
     assert min(record["grad_norm"]) > 0.3   # every step really clipped
-    check_lines(step_lines(text), ref_losses, record, rtol=1e-4)
-    sharded = compare_dumps(tmp_path / "dump", stage_ranks(plan), ref_state, rtol=1e-5, atol=1e-6)
-    assert {int(k.split(".")[1]) for k in sharded} == {2}   # block 2 really is sharded over tensor
+    info = json.loads((tmp_path / "dump" / "rank2.shards.json").read_text())
+    assert {int(k.split(".")[1]) for k in info} == {2}   # block 2 really is sharded over tensor
 
 
 @pytest.mark.slow
@@ -126,14 +143,12 @@ def test_adamw_warmup_cosine_clip_recompute_zero_together_match_the_reference(tm
     assert (plan["train"]["zero"], plan["train"]["recompute"]) == (1, [True, False])
     text = run(out, "--dump-params", tmp_path / "dump")
     assert "gradients: planc program reduce_scatter" in text
-    record = {}
-    ref_losses, ref_state = independent_reference(plan, out, STEPS, record=record)
-    assert record["lr"][0] == pytest.approx(0.005) and len(set(record["lr"])) == 3   # warm-up, peak, decay
-    assert max(record["grad_norm"]) > 0.5 > min(record["grad_norm"])   # clipped on some steps only
-    check_lines(step_lines(text), ref_losses, record, rtol=1e-4)
     assert plan["train"]["optimizer"] == {"name": "adamw", "lr": 0.01, "betas": [0.8, 0.99], "eps": 1e-5,
                                           "weight_decay": 0.1}
-    compare_dumps(tmp_path / "dump", stage_ranks(plan), ref_state, rtol=1e-4, atol=1e-5)
+    # AdamW barely sees a gradient scale in its parameters: the printed norms (clip) must
+    record = against_reference(text, plan, out, tmp_path / "dump", atol=1e-5)
+    assert record["lr"][0] == pytest.approx(0.005) and len(set(record["lr"])) == 3   # warm-up, peak, decay
+    assert max(record["grad_norm"]) > 0.5 > min(record["grad_norm"])   # clipped on some steps only
 
 
 @pytest.mark.slow
@@ -144,10 +159,7 @@ def test_zero1_alone_with_sgd_changes_no_number(tmp_path):
     assert programs[("parameters", 0)]["target"] == "all_gather"
     text = run(out, "--dump-params", tmp_path / "dump")
     assert "gradients: planc program reduce_scatter" in text and "ZeRO-1" in text, text
-    record = {}
-    ref_losses, ref_state = independent_reference(plan, out, STEPS, record=record)
-    check_lines(step_lines(text), ref_losses, record, rtol=1e-4)
-    compare_dumps(tmp_path / "dump", stage_ranks(plan), ref_state, rtol=1e-5, atol=1e-6)
+    against_reference(text, plan, out, tmp_path / "dump", atol=1e-6)
 
 
 # ---------------------------------------------------------------- bf16, fp16
@@ -157,13 +169,14 @@ def test_bf16_trains_within_tolerance_and_a_five_percent_rate_error_does_not(tmp
     out, plan = build(tmp_path, "bf16", precision="bf16")   # the transfer is declared f32: sent in bf16
     assert plan["train"]["precision"] == "bf16" and [t["dtype"] for t in plan["transfers"]] == ["bf16"]
     text = run(out, "--dump-params", tmp_path / "dump")
-    ref_losses, ref_state = independent_reference(plan, out, STEPS)
-    _, init = independent_reference(plan, out, 0)
+    src = out.parent / f"{out.name}.plan"
+    ref_losses, ref_state = independent_reference(plan, out, STEPS, source=src)
+    _, init = independent_reference(plan, out, 0, source=src)
     lines = step_lines(text)
     assert [lines[s]["loss"] for s in sorted(lines)] == pytest.approx(ref_losses, rel=1e-3)
     assert update_error(tmp_path / "dump", plan, ref_state, init) < UPDATE_TOL
     for factor in (1.05, 0.95):
-        _, wrong = independent_reference(plan, out, STEPS, lr_factor=factor)
+        _, wrong = independent_reference(plan, out, STEPS, lr_factor=factor, source=src)
         assert update_error(tmp_path / "dump", plan, wrong, init) > UPDATE_TOL, factor
 
 
@@ -201,8 +214,9 @@ def test_fp16_skips_overflowing_steps_and_resumes_with_its_loss_scale(tmp_path):
             assert lines[s]["skipped"] == want[s + 1]
     record = {}
     skip = {s for s in range(steps) if skipped[s]}
-    ref_losses, ref_state = independent_reference(plan, out, steps, record=record, skip=skip)
-    _, init = independent_reference(plan, out, 0)
+    src = out.parent / f"{out.name}.plan"
+    ref_losses, ref_state = independent_reference(plan, out, steps, record=record, skip=skip, source=src)
+    _, init = independent_reference(plan, out, 0, source=src)
     assert [lines[s]["loss"] for s in range(steps)] == pytest.approx(ref_losses, rel=1e-3)
     taken = [lines[s]["lr"] for s in range(steps) if not skipped[s]]   # t counts the steps taken
     assert taken == pytest.approx(record["lr"], rel=1e-5)
@@ -276,14 +290,11 @@ def test_recompute_keeps_the_skip_taps_of_a_unet(tmp_path):
     src.write_text(UNET.replace("EXAMPLES", str(EXAMPLES)))
     c = compile_file(src)
     assert not c.untrainable, "; ".join(d.message for d in c.untrainable)
-    out = tmp_path / "out"
+    out = tmp_path / "unet"   # the plan text beside it: unet.plan
     write_output(c.plan_json, c.program, out)
     plan = json.loads((out / "plan.json").read_text())
     assert plan["train"]["recompute"] == [True, True, True]
     rc, text, every = start_ranks(out, 4, "--dump-params", tmp_path / "dump")
     assert rc == 0 and "Traceback" not in every, every[-4000:]
-    record = {}
-    ref_losses, ref_state = independent_reference(plan, out, 3, record=record)
+    record = against_reference(text, plan, out, tmp_path / "dump", atol=1e-6, steps=3)
     assert max(record["grad_norm"]) > 0.5   # clipped at least once
-    check_lines(step_lines(text), ref_losses, record, rtol=1e-4)
-    compare_dumps(tmp_path / "dump", stage_ranks(plan), ref_state, rtol=1e-5, atol=1e-6)

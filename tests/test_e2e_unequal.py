@@ -30,8 +30,8 @@ import pytest
 from planc.codegen import write_output
 from planc.compile import compile_file
 
-from e2e_util import (ROOT, _load_callable, compare_dumps, independent_reference, launch_sh, schedule_bound,
-                      stage_gradient_program, stage_ranks)
+from e2e_util import (ROOT, _load_callable, assert_controls_fail, compare_dumps, data_degree, independent_reference,
+                      launch_sh, schedule_bound, stage_gradient_program, stage_ranks)
 
 PLANS_DIR = ROOT / "tests" / "plans"
 STEPS = 3
@@ -138,9 +138,17 @@ def train_and_compare(tmp_path, plan_path, sc: Scenario, steps=STEPS, extra=()):
     assert not c.untrainable, "compile reports the plan untrainable: " + "; ".join(d.message for d in c.untrainable)
     r = launch_sh(out, "--steps", str(steps), "--dump-params", str(tmp_path / "dump"), *extra)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
-    ref_losses, ref_state = independent_reference(plan, out, steps)
-    assert losses_of(r.stdout) == pytest.approx(ref_losses, rel=1e-4, abs=1e-6), r.stdout[-2000:]
-    sharded = compare_dumps(tmp_path / "dump", stage_ranks(plan), ref_state, rtol=1e-5, atol=1e-6)
+    assert c.program.train.optimizer.name == "sgd", "SGD: the parameters see a gradient scale"
+    losses = losses_of(r.stdout)
+
+    def compare(ref_losses, ref_state, _record):
+        assert losses == pytest.approx(ref_losses, rel=1e-4, abs=1e-6), "losses"
+        return compare_dumps(tmp_path / "dump", stage_ranks(plan), ref_state, rtol=1e-5, atol=1e-6)
+
+    # the reference's dataflow is the plan text's (not plan.json's); the controls (gradients x2, a data
+    # rank's rows missing) must fail the same comparison
+    sharded = compare(*independent_reference(plan, out, steps, source=plan_path), None)
+    assert_controls_fail(compare, plan, out, steps, source=plan_path, data_parts=data_degree(plan))
     return plan, r, sharded
 
 
@@ -168,10 +176,40 @@ def test_cross_host_data_axis_gets_hierarchical_program(name):
 def test_independent_reference_runs_on_each_plan(name):
     """The reference alone, 1 step, on each plan's dataflow (transfers, skips, tuple outputs)."""
     plan = compiled(name).plan_json
-    losses, state = independent_reference(plan, ROOT / "examples", 1)
+    losses, state = independent_reference(plan, ROOT / "examples", 1, source=PLANS_DIR / name)
     assert len(losses) == 1 and losses[0] > 0
     n_layers = max(st["layers"][1] for st in plan["stages"])
     assert {k.split(".")[1] for k in state} == {str(i) for i in range(n_layers)}
+
+
+def test_independent_reference_reads_the_dataflow_from_the_plan_text(tmp_path):
+    """The reference's stage cut and transfer taps are the plan text's, never plan.json's: a plan.json wired
+    otherwise (stage 2's inputs in another order, a tap moved, the cut moved: what a compiler bug would
+    write) trains the reference exactly as before, and the same change made in the text changes its numbers."""
+    import copy
+
+    import torch
+
+    from e2e_util import plan_dataflow
+    src = PLANS_DIR / "unet-skip-unequal.plan"
+    plan = compiled("unet-skip-unequal.plan").plan_json
+    assert plan_dataflow(src) == ([(0, 0, 2), (1, 2, 3), (2, 3, 6)],
+                                  [("down", 0, None, 1), ("mid", 1, None, 2), ("e2", 0, 1, 2), ("e1", 0, 0, 2)])
+    want, want_state = independent_reference(plan, ROOT / "examples", 1, source=src)
+    wrong = copy.deepcopy(plan)
+    t = {x["name"]: x for x in wrong["transfers"]}
+    wrong["transfers"] = [t["down"], t["e2"], t["mid"], t["e1"]]   # stage 2 would get (e2, mid, e1)
+    t["e2"]["src"]["layer"] = 0
+    wrong["stages"][0]["layers"], wrong["stages"][1]["layers"] = [0, 1], [1, 3]
+    got, got_state = independent_reference(wrong, ROOT / "examples", 1, source=src)
+    assert got == want and all(torch.equal(got_state[k], want_state[k]) for k in want_state)
+    text = src.read_text()
+    mid, e2 = (next(line for line in text.splitlines() if line.strip().startswith(f"transfer {n} ")) for n in ("mid", "e2"))
+    swapped = tmp_path / "swapped.plan"
+    swapped.write_text(text.replace(mid, "@@").replace(e2, mid).replace("@@", e2))
+    assert [n for n, *_ in plan_dataflow(swapped)[1]] == ["down", "e2", "mid", "e1"]
+    other, _ = independent_reference(plan, ROOT / "examples", 1, source=swapped)
+    assert other != want
 
 
 def test_independent_reference_matches_runtime_reference():
@@ -180,7 +218,7 @@ def test_independent_reference_matches_runtime_reference():
     import torch
     from planc.runtime.engine import build_optimizer, run_reference
     plan = compile_file(ROOT / "plans" / "unet-skip.plan").plan_json
-    ours, our_state = independent_reference(plan, ROOT / "examples", STEPS)
+    ours, our_state = independent_reference(plan, ROOT / "examples", STEPS, source=ROOT / "plans" / "unet-skip.plan")
 
     train, examples = plan["train"], ROOT / "examples"
     args, seed = train["model"]["args"], train["seed"]

@@ -9,7 +9,9 @@ test (a data-2 stage with ZeRO-1 feeding a one-device stage, fp16 loss scaling) 
 and is skipped, saying so, on a machine with fewer.
 
 Each rank is ``python OUT/train.py`` (``e2e_util.start_ranks``) with ``DS_ACCELERATOR=cuda``; the plan's
-backend is ``auto``, which is NCCL where CUDA is present.
+backend is ``auto``, which is NCCL where CUDA is present. Rank 0's start-up line ``devices: ...`` (every
+rank's backend and device, gathered) must show NCCL on a CUDA device of its own for every rank: a
+silent fallback to gloo or the CPU fails.
 """
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ import torch
 from planc.codegen import write_output
 from planc.compile import compile_file
 
-from e2e_util import ROOT, independent_reference, start_ranks, step_lines, update_error
+from e2e_util import ROOT, independent_reference, rank_devices, start_ranks, step_lines, update_error
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: the NCCL tier needs a GPU")]
@@ -83,9 +85,16 @@ def train_on_gpus(tmp_path, text, world):
                                    timeout=600)
     assert rc == 0, every[-4000:]
     assert "Traceback" not in every, every[-4000:]
+    # every rank really ran NCCL on its own CUDA device (a silent fallback to gloo or the CPU would
+    # otherwise pass every number below)
+    where = rank_devices(rank0)
+    assert sorted(where) == list(range(world)), rank0[-3000:]
+    assert all(b == "nccl" and d.startswith("cuda:") for b, d in where.values()), where
+    assert len({d for _, d in where.values()}) == world, f"ranks share a GPU: {where}"
     record = {}
-    ref_losses, ref_state = independent_reference(plan, out, STEPS, record=record)
-    _, init = independent_reference(plan, out, 0)
+    src = tmp_path / "gpu.plan"
+    ref_losses, ref_state = independent_reference(plan, out, STEPS, record=record, source=src)
+    _, init = independent_reference(plan, out, 0, source=src)
     lines = step_lines(rank0)
     assert sorted(lines) == list(range(STEPS)) and not any("skipped" in v for v in lines.values()), rank0[-3000:]
     assert [lines[s]["loss"] for s in range(STEPS)] == pytest.approx(ref_losses, rel=2e-3)

@@ -15,7 +15,16 @@ from benchmarks.testbed import IFNAME, Testbed, available
 
 ROOT = Path(__file__).resolve().parents[1]
 
-pytestmark = pytest.mark.skipif(available() is not None, reason=f"testbed unavailable: {available()}")
+# what needs the testbed (root, network namespaces) is marked `testbed` and skipped with the reason
+# without it; the argument checks and the step bar run anywhere
+TESTBED = [pytest.mark.testbed,
+           pytest.mark.skipif(available() is not None, reason=f"testbed unavailable: {available()}")]
+
+
+def on_testbed(f):
+    for mark in reversed(TESTBED):
+        f = mark(f)
+    return f
 
 
 def _sh(*argv: str) -> str:
@@ -59,6 +68,7 @@ PROBE = textwrap.dedent("""
 """)
 
 
+@on_testbed
 def test_namespaces_links_shaping_and_cleanup():
     before = _root_state()
     root_addrs = [a.split("/")[0] for a in re.findall(r"inet (\S+)", _sh("ip", "-4", "-o", "addr", "show"))
@@ -95,6 +105,7 @@ def test_namespaces_links_shaping_and_cleanup():
     assert _root_state() == before
 
 
+@on_testbed
 @pytest.mark.parametrize("error", [RuntimeError, KeyboardInterrupt])
 def test_cleanup_when_the_body_raises(error):
     before = _root_state()
@@ -107,6 +118,7 @@ def test_cleanup_when_the_body_raises(error):
     assert _root_state() == before
 
 
+@on_testbed
 def test_cleanup_stale_removes_only_dead_testbeds():
     from benchmarks.testbed import cleanup_stale
 
@@ -139,6 +151,8 @@ plan tb_tiny {
 """
 
 
+@on_testbed
+@pytest.mark.slow
 def test_comm_only_plan_runs_inside_the_testbed(tmp_path):
     from planc.codegen import write_output
     from planc.compile import compile_file
@@ -177,8 +191,8 @@ plan tb_train {{
 """
 
 
+@on_testbed
 @pytest.mark.slow
-@pytest.mark.testbed
 def test_training_plan_launched_per_host_by_the_deepspeed_launcher(tmp_path):
     """Each host's namespace runs `deepspeed --no_ssh --node_rank=h ...` for its own ranks, as a
     multi-node job without ssh does; rank 0's step lines come back, the rate can change mid-run."""
@@ -248,6 +262,7 @@ def test_step_bar_follows_rank_0s_steps_on_a_terminal_only(monkeypatch):
     assert piped.getvalue() == ""
 
 
+@on_testbed
 def test_link_check_moves_every_flow_and_accounts_the_busiest_direction():
     """``planc testbed check``'s measurement (benchmarks.testbed.linkcheck): every flow of a pattern
     delivers its bytes (a client that does not exits non-zero and fails the call), the busiest
@@ -266,6 +281,7 @@ def test_link_check_moves_every_flow_and_accounts_the_busiest_direction():
         assert r["fraction"] == pytest.approx(r["rate"] / (200e6 / 8))
 
 
+@on_testbed
 @pytest.mark.slow
 def test_gloo_link_check_reports_every_pattern():
     """The gloo half of ``planc testbed check``: 2 hosts x 2 ranks run benchmarks/testbed/gloocheck.py;

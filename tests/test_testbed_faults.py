@@ -1,8 +1,8 @@
 """Faults on the multi-host testbed (docs/testbed.md "Faults"): a host link dropping 5% of its packets,
 a host link going down mid-run, a rank killed mid-iteration on host 1, and the testbed's own process
 interrupted. Every host's ranks are started by DeepSpeed's launcher in that host's namespace. A failed
-run ends every rank on every host by itself, non-zero, within the plan's collective timeout
-(tests/plans/fault-2x2.plan: 15 s), the launch's account names the failed host or rank and what the
+run ends every rank on every host by itself, non-zero, after the plan's collective timeout
+(tests/plans/fault-2x2.plan: 15 s; the test's bound is a generous multiple of it, ``ended_within``), the launch's account names the failed host or rank and what the
 others were doing, and afterwards nothing of the testbed is left. Needs root and iproute2.
 
 The lossy run must train exactly what plain torch trains (``independent_reference``); no assertion
@@ -21,7 +21,7 @@ import pytest
 
 from benchmarks.testbed import Testbed, available
 
-from e2e_util import ROOT, compare_dumps, independent_reference
+from e2e_util import ROOT, assert_controls_fail, compare_dumps, independent_reference
 
 pytestmark = [pytest.mark.testbed, pytest.mark.slow,
               pytest.mark.skipif(available() is not None, reason=f"testbed unavailable: {available()}")]
@@ -29,9 +29,18 @@ pytestmark = [pytest.mark.testbed, pytest.mark.slow,
 PLANS = ROOT / "tests" / "plans"
 TIMEOUT_S = 15          # the plans' train { timeout = 15 s }
 MARGIN_S = 30           # start-up of the survivors' error paths and the launchers' 1 s polls, on 2 loaded cores
+
+
+def ended_within(timeout_s: float) -> float:
+    """A liveness bound, not a timing: a generous multiple of the configured collective timeout within which
+    every rank must have ended by itself after a fault (what is asserted is the fact: the exit codes and the
+    messages naming the failed rank; a rank that never ends fails here instead of hanging the suite)."""
+    return 4 * timeout_s + MARGIN_S
+
+
 # after the first rank fails the testbed waits this long before killing what is left: a survivor that
 # began waiting on a collective just before that failure needs up to a whole timeout to notice it
-GRACE_S = TIMEOUT_S + MARGIN_S
+GRACE_S = ended_within(TIMEOUT_S)
 
 
 def _sh(*argv: str) -> str:
@@ -96,9 +105,14 @@ def test_a_lossy_link_slows_training_but_it_trains_correctly(out1, tmp_path):
     assert r.events == [(0.0, "from the start: host 0's link drops 5% of its packets"),
                         (0.0, "from the start: host 1's link drops 5% of its packets")]
     plan = json.loads((out1 / "plan.json").read_text())
-    ref_losses, ref_state = independent_reference(plan, out1, 3)
-    assert _losses(r.stdout) == pytest.approx(ref_losses, rel=1e-5, abs=1e-7), r.stdout[-2000:]
-    compare_dumps(tmp_path / "dump", 2, ref_state, rtol=1e-5, atol=1e-6)
+    losses = _losses(r.stdout)
+
+    def compare(ref_losses, ref_state, _record):   # SGD: the parameters see a gradient scale
+        assert losses == pytest.approx(ref_losses, rel=1e-5, abs=1e-7), r.stdout[-2000:]
+        compare_dumps(tmp_path / "dump", 2, ref_state, rtol=1e-5, atol=1e-6)
+
+    compare(*independent_reference(plan, out1, 3, source=PLANS / "fault-2x1.plan"), None)
+    assert_controls_fail(compare, plan, out1, 3, source=PLANS / "fault-2x1.plan", data_parts=1)
     assert _leftovers(prefix) == []
     assert _machine_state() == before
 
@@ -161,7 +175,7 @@ def test_a_link_going_down_and_a_rank_killed_on_host_1_each_end_every_rank_withi
     assert down_at, r.stdout[-2000:]
     assert "NO-CARRIER" in carrier, carrier            # the host's side sees a pulled cable
     _ended_by_themselves(r, 2)
-    assert max(r.rank_ended_s.values()) - (down_at[0] - t0) < TIMEOUT_S + MARGIN_S, r.failure
+    assert max(r.rank_ended_s.values()) - (down_at[0] - t0) < ended_within(TIMEOUT_S), r.failure
     # the account: the fault, then who failed first and where every rank was waiting when it timed out
     assert re.search(r"^faults: [0-9.]+ s: host 1's link set down \(bridge port p1\)$", r.failure, re.M), r.failure
     assert re.search(r"^first to fail: rank [01] \(host [01]\) (exited \d+|killed by SIG\w+) at [0-9.]+ s: "
@@ -179,7 +193,7 @@ def test_a_link_going_down_and_a_rank_killed_on_host_1_each_end_every_rank_withi
     assert r.rank_exits[3] == -signal.SIGKILL
     kill_t = r.events[0][0]
     assert r.events[0][1] == "rank 3 (host 1) sent SIGKILL by the testbed"
-    assert max(r.rank_ended_s.values()) - kill_t < TIMEOUT_S + MARGIN_S, r.failure
+    assert max(r.rank_ended_s.values()) - kill_t < ended_within(TIMEOUT_S), r.failure
     assert re.search(r"^first to fail: rank 3 \(host 1\) killed by SIGKILL at [0-9.]+ s$", r.failure, re.M), r.failure
     # the survivors (host 0's ranks and rank 2) say what they were in when their peer vanished
     # either in their own words, or (when a sibling's failure reached the rendezvous store first)

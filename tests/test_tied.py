@@ -228,6 +228,7 @@ def _copies_identical(dump, plan: dict) -> None:
             assert torch.equal(v, copies[0][2]), f"rank {r} {k} differs from rank {copies[0][0]} {copies[0][1]}"
 
 
+@pytest.mark.slow
 def test_shared_linear_across_a_data_stage_and_a_tensor_stage_with_clip(tmp_path):
     """The first layer on 2 data devices, the last on 2 tensor devices, SGD with clip: every copy of the
     shared Linear ends equal to the single process's, and the clipped norm counts it once."""
@@ -240,6 +241,7 @@ def test_shared_linear_across_a_data_stage_and_a_tensor_stage_with_clip(tmp_path
     assert P.load(out / "plan.json").train.clip == 0.05
 
 
+@pytest.mark.slow
 def test_equal_tensor_degrees_reduce_per_coordinate_at_run_time(tmp_path):
     """Both stages on 2 tensor devices: the shared Linear is summed by two groups, one per tensor coordinate
     ([0, 2] and [1, 3]), every device contributing; SGD with momentum, as the single process."""
@@ -252,6 +254,7 @@ def test_equal_tensor_degrees_reduce_per_coordinate_at_run_time(tmp_path):
     _run(out, 4, plan)
 
 
+@pytest.mark.slow
 def test_zero_one_with_a_tie_and_adamw(tmp_path):
     """zero = 1 on a stage of 2 data devices, the tie reaching a stage of one device: the tied parameter stays
     outside the sharded buffers (a replicated fp32 master); AdamW as the single process's."""
@@ -266,6 +269,7 @@ def test_zero_one_with_a_tie_and_adamw(tmp_path):
     _run(out, 3, plan)
 
 
+@pytest.mark.slow
 def test_bf16_masters_and_zero_one_with_a_tie(tmp_path):
     """bf16 with zero = 1 and clip: the tied parameter's fp32 master is replicated on its holders, every copy
     steps identically, and the update is the fp32 reference's within bf16's tolerance (a 5 % rate error
@@ -286,6 +290,7 @@ def test_bf16_masters_and_zero_one_with_a_tie(tmp_path):
     _copies_identical(out / "dump", plan)
 
 
+@pytest.mark.slow
 def test_a_plan_without_the_tie_is_refused_at_launch(tmp_path):
     """Compiled without the probe (the transfer's type written out), the plan knows nothing of the tie: the
     ranks refuse it, naming the layers, instead of letting the copies drift apart."""
@@ -329,6 +334,7 @@ def _hf_reference(plan: dict, steps: int):
     return losses, {planc_name(k, a["layers"]): v.detach().clone() for k, v in named.items()}
 
 
+@pytest.mark.slow
 def test_gpt2_tied_embeddings_on_unequal_meshes_with_adamw(tmp_path):
     """plans/hf-gpt2.plan (embeddings on stage 0's one device, the head on stage 1's two data devices), AdamW:
     the embedding on stage 0 and the head on stage 1 end equal to the HF model's one tied weight."""

@@ -272,6 +272,7 @@ def _compile(plan: Path, out: Path):
     return r
 
 
+@pytest.mark.slow
 def test_the_output_runs_where_the_plans_folder_is_absent(tmp_path):
     """The output holds the modules the plan's code imports beside it (planc.outputfiles): compiled, the
     source folder moved away, OUT/ trains alone."""
@@ -297,6 +298,7 @@ RUNTIME = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode,line", RUNTIME, ids=[m for m, _ in RUNTIME])
 def test_a_failure_only_running_shows_ends_every_rank_with_one_line(tmp_path, mode, line):
     """Past the probe and the start-up check, a failure of the user's code in a step ends every rank with
@@ -380,6 +382,7 @@ def test_launch_sh_says_how_to_get_deepspeed(tmp_path):
     assert r.returncode == 7 and f"launcher {fake}/deepspeed" in r.stderr, r.stderr
 
 
+@pytest.mark.slow
 def test_the_start_up_check_names_the_layer_and_the_users_line(tmp_path):
     """Compiled without the probe (so nothing ran the model), a last-stage layer that cannot take its input
     stops every rank at the start-up check with the layer, its class and the user's file and line."""

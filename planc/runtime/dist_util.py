@@ -90,6 +90,22 @@ def init_distributed(backend: str | None = None, timeout: datetime.timedelta | N
     return backend
 
 
+def backend_device() -> torch.device:
+    """The device of the started backend: this process's current CUDA device under NCCL, else the CPU."""
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+
+
+def devices_line(described) -> str:
+    """Rank 0's start-up line of where every rank runs, from each rank's ``(anything, "BACKEND DEVICE")``:
+    ``devices: gloo cpu (ranks 0, 1, 2)`` or ``devices: nccl cuda:0 (rank 0), nccl cuda:1 (rank 1)``;
+    what a test of the GPU tier reads to know no rank fell back to gloo or the CPU."""
+    ranks: dict[str, list[int]] = {}
+    for r, (_, where) in enumerate(described):
+        ranks.setdefault(where, []).append(r)
+    return "devices: " + ", ".join(f"{where} (rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))})"
+                                   for where, rs in ranks.items())
+
+
 def cpu_threads(backend: str, env=None, cores: int | None = None) -> tuple[int | None, str]:
     """The intra-op threads one CPU rank should use, and why.
 

@@ -26,8 +26,8 @@ from planc import plan as planfile
 
 from . import checkpoint, nicorder
 from .checkpoint import CheckpointError, CountingIterator
-from .dist_util import (GroupMissing, StartupError, choose_backend, collective_timeout, init_distributed,
-                        limit_cpu_threads, startup_checks)
+from .dist_util import (GroupMissing, StartupError, backend_device, choose_backend, collective_timeout, devices_line,
+                        init_distributed, limit_cpu_threads, startup_checks)
 from .engine import EngineError, PlanEngine, check_stage_shapes
 from .failwatch import FailureWatch, report_failure
 from planc.plan import Collective, Direction, Plan, PlanFileError
@@ -405,14 +405,14 @@ def _main(argv=None, out_dir: str | None = None) -> int:
         _fail_together(problems, f"cannot resume from {resume_from}")
         if rank == 0:
             print(checkpoint.resumed_line(resume_from, manifest, digest, args.weights_only, read_s), flush=True)
-    described = [None] * dist.get_world_size()   # every stage's gradient reduction, for rank 0's summary
-    dist.all_gather_object(described, (stage.index, engine.reduce_description) if engine is not None else None)
+    device = engine.device if engine is not None else backend_device()   # an idle rank's: its backend's
+    described = [None] * dist.get_world_size()   # every stage's gradient reduction, every rank's backend and device
+    dist.all_gather_object(described, ((stage.index, engine.reduce_description) if engine is not None else None,
+                                       f"{dist.get_backend()} {device}"))
     if rank == 0:
         if threads_line:
             print(threads_line, flush=True)
-        print(f"gradients: {gradient_summary(described)}", flush=True)
-    device = engine.device if engine is not None else (
-        torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu"))
+        print(f"gradients: {gradient_summary([d for d, _ in described])}\n{devices_line(described)}", flush=True)
     samples = plan.train.micro_batch * plan.train.micro_batches
     reporter = min(d for st in plan.stages for d in st.devices)   # every stage rank knows the step's figures
     fp16 = str(plan.train.precision) == "fp16"
