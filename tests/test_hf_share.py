@@ -242,3 +242,21 @@ def test_a_tie_across_stages_or_a_vocabulary_that_does_not_divide_stays_whole():
     odd = _config("LlamaForCausalLM", vocab_size=63)
     layers = hf.build_share(odd, 0, range(0, 1), tp)
     assert layers[0].embed_tokens.weight.shape[0] == 63 and not hasattr(layers[0].embed_tokens, VOCAB_ATTR)
+
+
+def test_a_folder_of_pytorch_bin_files_is_memory_mapped(tmp_path):
+    """A folder with only ``pytorch_model.bin``: read through torch.load(mmap=True), the same values."""
+    from planc.runtime import hf
+    config = _config("LlamaForCausalLM")
+    model = spec_model(config, 2)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(1.5)
+    (tmp_path / "m").mkdir()
+    config.save_pretrained(tmp_path / "m")
+    torch.save(model.state_dict(), tmp_path / "m" / "pytorch_model.bin")
+    folder_config, _ = hf.config_from_folder(str(tmp_path / "m"))
+    layers = hf.build_share(folder_config, 0, range(2, 4), folder=str(tmp_path / "m"))
+    want = dict(model.named_parameters())
+    for name, p in _named(layers, range(2, 4)).items():
+        assert torch.equal(p.detach(), want[name].detach()), name

@@ -43,11 +43,11 @@ class FolderWeights:
                     self.where.update({k: name for k in f.keys()})
             self.kind = "safetensors"
         else:
+            self.kind = "bin"
             bins = sorted(f for f in os.listdir(folder) if f.endswith(".bin"))
             for name in bins:
                 for k in self._file(name):
                     self.where[k] = name
-            self.kind = "bin"
 
     def _file(self, name: str):
         if name not in self._open:
