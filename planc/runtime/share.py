@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 
 import torch
 from torch import nn
@@ -68,6 +69,7 @@ class Peak:
         except OSError:
             self.resettable = False
         self.base = _status("VmRSS") or 0
+        self.started = time.perf_counter()
 
     def hwm(self) -> int | None:
         """The resident high-water mark since the reset (None where it cannot be reset)."""
@@ -78,7 +80,8 @@ class Peak:
         return None if hwm is None else max(hwm - self.base, 0)
 
     def report(self) -> dict:
-        return {"rss_before": self.base, "rss_peak": self.hwm(), "peak_over_before": self.peak()}
+        return {"rss_before": self.base, "rss_peak": self.hwm(), "peak_over_before": self.peak(),
+                "seconds": time.perf_counter() - self.started}
 
 
 def held_bytes(layers, initial=None) -> dict:
