@@ -1,0 +1,39 @@
+"""planc_runtime.startup (``train.py --profile-startup``, issue 45): the phase clock and its tables."""
+
+import time
+
+import pytest
+
+from planc.runtime.startup import PHASES, StartupClock, durations, process_start, profile_table, rank_line
+
+
+def test_process_start_is_before_now_and_recent():
+    start = process_start()
+    assert start is not None and start <= time.time() and time.time() - start < 3600
+
+
+def test_durations_follow_the_phases_from_the_process_start():
+    rec = {"start": 100.0, "ends": {"imports": 105.0, "process group": 106.5, "first step": 110.0}}
+    assert durations(rec) == [("imports", 5.0), ("process group", 1.5), ("first step", 3.5)]
+    assert "to the end of the first step 10.00 s" in rank_line(3, rec) and rank_line(3, rec).startswith("startup rank 3:")
+
+
+def test_the_clock_marks_each_phase_once_and_refuses_unknown_ones():
+    clock = StartupClock(start=time.time() - 1.0)
+    for phase in PHASES:
+        clock.mark(phase)
+    first = clock.record()["ends"]["imports"]
+    clock.mark("imports")                       # a second mark keeps the first
+    assert clock.record()["ends"]["imports"] == first
+    assert [p for p, _ in durations(clock.record())] == list(PHASES)
+    with pytest.raises(ValueError, match="unknown start-up phase"):
+        clock.mark("lunch")
+
+
+def test_profile_table_gives_median_slowest_and_the_launch_span():
+    recs = [{"start": 10.0 + r, "ends": {"imports": 15.0 + r, "first step": 20.0 + 2 * r}} for r in range(3)]
+    text = profile_table(recs)
+    assert "over 3 ranks" in text
+    rows = {line.split()[0]: line.split()[-2:] for line in text.splitlines()[1:3]}
+    assert rows == {"imports": ["5.00", "5.00"], "first": ["6.00", "7.00"]}   # median, slowest
+    assert "startup to the first step's end: 14.00 s" in text    # rank 2 ends at 24, rank 0 started at 10
