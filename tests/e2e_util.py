@@ -55,62 +55,6 @@ def launch_sh(out: Path, *args, timeout=300):
                           text=True, timeout=timeout, cwd=out)
 
 
-def run_ranks(out: Path, world: int, *args, timeout=300, env=None):
-    """The ranks of OUT/train.py started directly, with the environment DeepSpeed's launch.py gives each
-    (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_SIZE, CROSS_RANK/CROSS_SIZE, MASTER_ADDR/PORT, ``--local_rank=R``),
-    for tests about what the ranks compute, not about the launcher: no ``deepspeed`` runner and
-    ``launch.py`` (two more Pythons that import torch and DeepSpeed, ~4 s of a launch on 2 cores, and
-    launch.py's 1 s poll at the end). launch.sh itself stays tested where the launch is the subject
-    (test_e2e, test_ui, test_user_mistakes, test_comm_only's launch).
-
-    Returns a ``subprocess.CompletedProcess``: ``stdout`` rank 0's output (stdout and stderr, as its
-    DeepSpeed log holds them), ``stderr`` every other rank's that failed or printed an error, headed
-    ``--- rank R ---``; ``returncode`` the first non-zero one. A rank that exits non-zero ends the rest
-    (as launch.py does), and ``timeout`` ends them all (``subprocess.TimeoutExpired``)."""
-    import tempfile
-    import time
-    base = dict(launch_env() if env is None else env)
-    base.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=base.get("PLANC_MASTER_PORT", "29500"),
-                WORLD_SIZE=str(world), LOCAL_SIZE=str(world), CROSS_RANK="0", CROSS_SIZE="1")
-    logs, procs = [], []
-    with tempfile.TemporaryDirectory(prefix="planc-ranks-") as folder:
-        try:
-            for r in range(world):
-                log = open(Path(folder) / f"rank{r}.log", "w+")
-                logs.append(log)
-                procs.append(subprocess.Popen(
-                    [PY, "-u", str(out / "train.py"), f"--local_rank={r}", *args], cwd=out, stdout=log,
-                    stderr=subprocess.STDOUT, env=dict(base, RANK=str(r), LOCAL_RANK=str(r))))
-            deadline, rc = time.monotonic() + timeout, 0
-            while any(p.poll() is None for p in procs):
-                failed = [p.returncode for p in procs if p.returncode not in (None, 0)]
-                if failed or time.monotonic() > deadline:
-                    rc = rc or (failed[0] if failed else rc)
-                    for p in procs:
-                        if p.poll() is None:
-                            p.terminate()
-                    for p in procs:
-                        try:
-                            p.wait(timeout=10)
-                        except subprocess.TimeoutExpired:
-                            p.kill()
-                    if not failed:
-                        raise subprocess.TimeoutExpired([str(out / "train.py"), *args], timeout)
-                    break
-                time.sleep(0.05)
-            rc = next((p.returncode for p in procs if p.returncode), 0)
-            texts = []
-            for log in logs:
-                log.seek(0)
-                texts.append(log.read())
-        finally:
-            for log in logs:
-                log.close()
-    err = "".join(f"--- rank {r} ---\n{t}" for r, t in enumerate(texts[1:], 1)
-                  if rc != 0 or "error" in t.lower() or "traceback" in t.lower())
-    return subprocess.CompletedProcess([str(out / "train.py"), *args], rc, texts[0], err)
-
-
 def shard_of(full, dim, index, parts, blocks=1):
     """The part of a reference tensor a tensor-parallel rank holds (planc_runtime.tensor_parallel.shard_of):
     ``dim`` viewed as ``blocks`` equal blocks, part ``index`` of ``parts`` of each, concatenated."""
@@ -378,6 +322,19 @@ def start_ranks(out, world: int, *args, env=None, timeout=240):
             if p.poll() is None:
                 p.kill()
     return max(abs(p.returncode) for p in procs), texts[0], "\n".join(texts)
+
+
+def run_direct(out, *args, timeout=300, env=None):
+    """``start_ranks`` for a test about what the ranks compute, not about the launcher, shaped as
+    ``launch_sh``'s result: a ``subprocess.CompletedProcess`` whose ``stdout`` is rank 0's output and
+    ``stderr`` every rank's; the world is OUT/plan.json's ``cluster.devices``. No ``deepspeed`` runner
+    and launch.py (two more Pythons importing torch and DeepSpeed before the first rank starts, ~4 s of
+    a launch on 2 cores, 10 s on a loaded one: ``python -m benchmarks bench startup``). launch.sh
+    stays tested where it is the subject (test_e2e, test_comm_only's logs, test_ui, test_user_mistakes)."""
+    import json
+    world = json.loads((Path(out) / "plan.json").read_text())["cluster"]["devices"]
+    rc, rank0, every = start_ranks(out, world, *args, env=env, timeout=timeout)
+    return subprocess.CompletedProcess([str(Path(out) / "train.py"), *map(str, args)], rc, rank0, every)
 
 
 STEP_LINE = (r"^step (\d+) loss ([-0-9.e+]+) time [0-9.]+ s [0-9.]+ samples/s lr ([-0-9.e+]+)"
