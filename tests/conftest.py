@@ -39,7 +39,7 @@ LONG_FIRST = (
     "test_checkpoint_cli.py", "test_testbed_faults.py", "test_testbed_failures.py", "test_testbed.py",
     "test_testbed_watch.py", "test_calibrate.py", "test_user_mistakes.py", "test_comm_only.py",
     "test_bench_iteration.py", "test_e2e_nic_order.py", "test_chain_default.py", "test_packaging.py",
-    "test_runtime_harness.py", "test_runtime_reshard.py",
+    "test_runtime_reduce.py", "test_runtime_reduce_zero.py", "test_runtime_reshard.py", "test_runtime_harness.py",
 )
 # files whose module- or session-scoped fixtures launch ranks: one worker takes all of a file's tests
 # (xdist_group), so the fixture's launches run once, not once per worker
