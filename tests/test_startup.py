@@ -37,3 +37,24 @@ def test_profile_table_gives_median_slowest_and_the_launch_span():
     rows = {line.split()[0]: line.split()[-2:] for line in text.splitlines()[1:3]}
     assert rows == {"imports": ["5.00", "5.00"], "first": ["6.00", "7.00"]}   # median, slowest
     assert "startup to the first step's end: 14.00 s" in text    # rank 2 ends at 24, rank 0 started at 10
+
+
+def test_entry_runs_main_with_the_collector_back_on(monkeypatch):
+    """OUT/train.py's entry (planc_runtime.entry): main's return code, and the collector enabled again,
+    both while main runs and after."""
+    import gc
+    import sys
+    import types
+
+    from planc.runtime import entry
+
+    seen = {}
+    fake = types.ModuleType("planc.runtime.main")
+    fake.main = lambda out_dir: seen.update(out_dir=out_dir, enabled=gc.isenabled()) or 7
+    monkeypatch.setitem(sys.modules, "planc.runtime.main", fake)
+    monkeypatch.setattr(sys.modules["planc.runtime"], "main", fake, raising=False)
+    try:
+        assert entry.run("/some/out") == 7
+        assert seen == {"out_dir": "/some/out", "enabled": True} and gc.isenabled()
+    finally:
+        gc.unfreeze()      # this test process's objects go back to the collector
