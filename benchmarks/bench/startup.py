@@ -12,9 +12,10 @@ For plans/gpt-2x4.plan (8 gloo ranks on this machine), each round measures, one 
   the row is left out outside a git checkout).
 
 The *after* launch runs with ``--profile-startup``: its phases (median and slowest rank) are the second
-table; the launcher's share is from the start of bash to the first rank's process start. The figure of
-a round is its median over ``rounds`` rounds (default 3), the three kinds interleaved so that a
-loaded machine loads them alike.
+table; the launcher's share is from the start of bash to the first rank's process start. Every round
+is a row (``rounds``, default 3), then the medians; a round runs the three kinds one after the other,
+and a ratio compares a launch only with its own round's bare imports, so that a machine whose load
+changes during the run still compares like with like.
 """
 from __future__ import annotations
 
@@ -67,20 +68,33 @@ def bare_import(n: int = RANKS) -> float:
 
 
 def launch(out: Path, *args: str) -> dict:
-    """``bash OUT/launch.sh --steps 1 ARGS``: seconds to rank 0's ``step 0`` line and to the exit; stdout."""
+    """``bash OUT/launch.sh --steps 1 ARGS``: seconds to rank 0's ``step 0`` line and to the exit; rank 0's log.
+
+    The line is looked for in rank 0's log file itself (``PLANC_LOG_DIR``, polled every 50 ms), not in
+    what launch.sh's follower copies to its output, so the figure does not wait on that copy."""
+    logs = Path(tempfile.mkdtemp(prefix="logs-", dir=out))
+    env = dict(_env(), PLANC_LOG_DIR=str(logs))
     t0 = time.time()
-    proc = subprocess.Popen(["bash", str(out / "launch.sh"), "--steps", "1", *args], env=_env(), cwd=out,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    first, lines = None, []
-    for line in proc.stdout:
-        lines.append(line)
-        if first is None and line.startswith("step 0 "):
-            first = time.time() - t0
-    rc = proc.wait()
-    total = time.time() - t0
-    if rc != 0 or first is None:
-        raise RuntimeError(f"launch of {out} failed ({rc}):\n" + "".join(lines[-30:]))
-    return {"t0": t0, "first": first, "total": total, "text": "".join(lines)}
+    with open(logs / "launch.out", "w") as sink:
+        proc = subprocess.Popen(["bash", str(out / "launch.sh"), "--steps", "1", *args], env=env, cwd=out,
+                                stdout=sink, stderr=subprocess.STDOUT)
+        first = None
+        while proc.poll() is None:
+            if first is None:
+                rank0 = next(iter(logs.glob("*_rank0.log")), None)
+                if rank0 is not None and re.search(r"^step 0 ", rank0.read_text(errors="replace"), re.M):
+                    first = time.time() - t0
+            time.sleep(0.05)
+        total = time.time() - t0
+    rank0 = next(iter(logs.glob("*_rank0.log")), None)
+    text = rank0.read_text(errors="replace") if rank0 is not None else ""
+    if first is None and re.search(r"^step 0 ", text, re.M):
+        first = total          # ended between two looks
+    if proc.returncode != 0 or first is None:
+        raise RuntimeError(f"launch of {out} failed ({proc.returncode}):\n"
+                           + (logs / "launch.out").read_text(errors="replace")[-3000:])
+    shutil.rmtree(logs, ignore_errors=True)
+    return {"t0": t0, "first": first, "total": total, "text": text}
 
 
 def _before(after: Path, folder: Path) -> Path | None:
@@ -134,16 +148,31 @@ def run(rounds: int = 3) -> str:
                 got["launcher"].append(start - a["t0"])
     med = statistics.median
     bare = med(got["bare"])
-    lines = [f"Machine: {os.cpu_count()} core(s), Python {sys.version.split()[0]}; median of {rounds} round(s), "
-             f"{RANKS} ranks (plans/gpt-2x4.plan, gloo), `--steps 1`.", "",
-             f"| run | bare import of {RANKS} concurrent ranks (s) | launch to first step (s) | ÷ bare import | "
-             "whole launch (s) |", "|---|---|---|---|---|"]
-    for label, key in ((f"before ({BASELINE})", "before"), ("after", "after")):
+    lines = [f"Machine: {os.cpu_count()} core(s), Python {sys.version.split()[0]}; {rounds} round(s), "
+             f"{RANKS} ranks (plans/gpt-2x4.plan, gloo), `--steps 1`; a round runs the three one after the other.", "",
+             f"| round | bare import of {RANKS} concurrent ranks (s) | before: to first step (s) | ÷ bare import | "
+             "whole launch (s) | after: to first step (s) | ÷ bare import | whole launch (s) |",
+             "|---|---|---|---|---|---|---|---|"]
+
+    def cells(r, b):
+        return [f"{r['first']:.1f}", f"{r['first'] / b:.2f}x", f"{r['total']:.1f}"] if r else ["-", "-", "-"]
+
+    for i in range(rounds):
+        b = got["bare"][i]
+        before_r = got["before"][i] if got["before"] else None
+        lines.append("| " + " | ".join([str(i + 1), f"{b:.1f}", *cells(before_r, b), *cells(got["after"][i], b)]) + " |")
+    medians = ["median", f"{bare:.1f}"]
+    for key in ("before", "after"):
         if got[key]:
-            first, total = med(r["first"] for r in got[key]), med(r["total"] for r in got[key])
-            lines.append(f"| {label} | {bare:.1f} | {first:.1f} | {first / bare:.2f}x | {total:.1f} |")
-    lines += ["", "Phases of the *after* launch (s; `train.py --profile-startup`, median over rounds of each "
-              "phase's median and slowest rank; imports: from the rank's process start):", "",
+            first = med(r["first"] for r in got[key])
+            medians += [f"{first:.1f}", f"{med(r['first'] / b for r, b in zip(got[key], got['bare'])):.2f}x",
+                        f"{med(r['total'] for r in got[key]):.1f}"]
+        else:
+            medians += ["-", "-", "-"]
+    lines.append("| " + " | ".join(medians) + " |")
+    lines += ["", f"*before*: the runtime and train.py of {BASELINE}; *after*: this checkout's. Phases of the *after* "
+              "launches (s; `train.py --profile-startup`, median over rounds of each phase's median and slowest rank; "
+              "imports: from the rank's process start):", "",
               "| phase | median rank | slowest rank |", "|---|---|---|"]
     if got["launcher"]:
         lines.append(f"| launcher (bash, `deepspeed` runner, launch.py: to the first rank's start) | "
