@@ -6,7 +6,9 @@ For plans/gpt-2x4.plan (8 gloo ranks on this machine), each round measures, one 
   ``DS_ACCELERATOR=cpu`` as the ranks), from the first start to the last exit;
 - **before** and **after**: ``bash OUT/launch.sh --steps 1`` (the deepspeed launcher, as a user runs it)
   from the start of bash to the moment rank 0 prints ``step 0`` (the step's loss is all-reduced over
-  every rank, so every rank has started and finished its first step), and to the launch's exit.
+  every rank, so every rank has started and finished its first step), and to the launch's exit, with
+  the CPU seconds (user + system) of every process of the launch (for the bare imports: of the 8); on a
+  machine shared with other work the CPU seconds are the steadier figure of the work done.
   *after* is the runtime of this checkout; *before* the same compiled output with the runtime and
   ``train.py`` of ``BASELINE`` (the commit before issue 45's start-up work, read with ``git show``;
   the row is left out outside a git checkout).
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import os
 import re
+import resource
 import shutil
 import statistics
 import subprocess
@@ -57,14 +60,20 @@ def _env() -> dict:
     return env
 
 
-def bare_import(n: int = RANKS) -> float:
-    """Seconds for ``n`` concurrent ``import torch, deepspeed``, first start to last exit."""
-    t0 = time.time()
+def _cpu() -> float:
+    """CPU seconds (user + system) of every child process waited for so far, their own children included."""
+    ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return ru.ru_utime + ru.ru_stime
+
+
+def bare_import(n: int = RANKS) -> tuple[float, float]:
+    """Seconds for ``n`` concurrent ``import torch, deepspeed``, first start to last exit, and their CPU seconds."""
+    t0, c0 = time.time(), _cpu()
     procs = [subprocess.Popen([sys.executable, "-c", "import torch, deepspeed"], env=_env()) for _ in range(n)]
     for p in procs:
         if p.wait() != 0:
             raise RuntimeError("python -c 'import torch, deepspeed' failed")
-    return time.time() - t0
+    return time.time() - t0, _cpu() - c0
 
 
 def launch(out: Path, *args: str) -> dict:
@@ -74,7 +83,7 @@ def launch(out: Path, *args: str) -> dict:
     what launch.sh's follower copies to its output, so the figure does not wait on that copy."""
     logs = Path(tempfile.mkdtemp(prefix="logs-", dir=out))
     env = dict(_env(), PLANC_LOG_DIR=str(logs))
-    t0 = time.time()
+    t0, c0 = time.time(), _cpu()
     with open(logs / "launch.out", "w") as sink:
         proc = subprocess.Popen(["bash", str(out / "launch.sh"), "--steps", "1", *args], env=env, cwd=out,
                                 stdout=sink, stderr=subprocess.STDOUT)
@@ -85,7 +94,7 @@ def launch(out: Path, *args: str) -> dict:
                 if rank0 is not None and re.search(r"^step 0 ", rank0.read_text(errors="replace"), re.M):
                     first = time.time() - t0
             time.sleep(0.05)
-        total = time.time() - t0
+        total, cpu = time.time() - t0, _cpu() - c0
     rank0 = next(iter(logs.glob("*_rank0.log")), None)
     text = rank0.read_text(errors="replace") if rank0 is not None else ""
     if first is None and re.search(r"^step 0 ", text, re.M):
@@ -94,7 +103,7 @@ def launch(out: Path, *args: str) -> dict:
         raise RuntimeError(f"launch of {out} failed ({proc.returncode}):\n"
                            + (logs / "launch.out").read_text(errors="replace")[-3000:])
     shutil.rmtree(logs, ignore_errors=True)
-    return {"t0": t0, "first": first, "total": total, "text": text}
+    return {"t0": t0, "first": first, "total": total, "cpu": cpu, "text": text}
 
 
 def _before(after: Path, folder: Path) -> Path | None:
@@ -133,10 +142,12 @@ def run(rounds: int = 3) -> str:
         compiled = compile_file(PLAN)
         after = write_output(compiled.plan_json, compiled.program, folder / "after", text=compiled.text)
         before = _before(after, folder)
-        got = {"bare": [], "before": [], "after": [], "launcher": []}
+        got = {"bare": [], "bare cpu": [], "before": [], "after": [], "launcher": []}
         phases: dict[str, list[tuple[float, float]]] = {}
         for _ in range(rounds):
-            got["bare"].append(bare_import())
+            wall, cpu = bare_import()
+            got["bare"].append(wall)
+            got["bare cpu"].append(cpu)
             if before is not None:
                 got["before"].append(launch(before))
             a = launch(after, "--profile-startup")
@@ -150,23 +161,25 @@ def run(rounds: int = 3) -> str:
     bare = med(got["bare"])
     lines = [f"Machine: {os.cpu_count()} core(s), Python {sys.version.split()[0]}; {rounds} round(s), "
              f"{RANKS} ranks (plans/gpt-2x4.plan, gloo), `--steps 1`; a round runs the three one after the other.", "",
-             f"| round | bare import of {RANKS} concurrent ranks (s) | before: to first step (s) | ÷ bare import | "
-             "whole launch (s) | after: to first step (s) | ÷ bare import | whole launch (s) |",
+             f"| round | bare import of {RANKS} concurrent ranks: s (CPU s) | before: to first step (s) | ÷ bare import | "
+             "whole launch: s (CPU s) | after: to first step (s) | ÷ bare import | whole launch: s (CPU s) |",
              "|---|---|---|---|---|---|---|---|"]
 
     def cells(r, b):
-        return [f"{r['first']:.1f}", f"{r['first'] / b:.2f}x", f"{r['total']:.1f}"] if r else ["-", "-", "-"]
+        return ([f"{r['first']:.1f}", f"{r['first'] / b:.2f}x", f"{r['total']:.1f} ({r['cpu']:.0f})"] if r
+                else ["-", "-", "-"])
 
     for i in range(rounds):
         b = got["bare"][i]
         before_r = got["before"][i] if got["before"] else None
-        lines.append("| " + " | ".join([str(i + 1), f"{b:.1f}", *cells(before_r, b), *cells(got["after"][i], b)]) + " |")
-    medians = ["median", f"{bare:.1f}"]
+        lines.append("| " + " | ".join([str(i + 1), f"{b:.1f} ({got['bare cpu'][i]:.0f})", *cells(before_r, b),
+                                        *cells(got["after"][i], b)]) + " |")
+    medians = ["median", f"{bare:.1f} ({med(got['bare cpu']):.0f})"]
     for key in ("before", "after"):
         if got[key]:
             first = med(r["first"] for r in got[key])
             medians += [f"{first:.1f}", f"{med(r['first'] / b for r, b in zip(got[key], got['bare'])):.2f}x",
-                        f"{med(r['total'] for r in got[key]):.1f}"]
+                        f"{med(r['total'] for r in got[key]):.1f} ({med(r['cpu'] for r in got[key]):.0f})"]
         else:
             medians += ["-", "-", "-"]
     lines.append("| " + " | ".join(medians) + " |")
