@@ -58,3 +58,12 @@ def test_entry_runs_main_with_the_collector_back_on(monkeypatch):
         assert seen == {"out_dir": "/some/out", "enabled": True} and gc.isenabled()
     finally:
         gc.unfreeze()      # this test process's objects go back to the collector
+
+
+def test_bench_startup_reads_the_table_rank_0_prints():
+    """benchmarks/bench/startup.py parses rank 0's --profile-startup table: the two stay in step."""
+    from benchmarks.bench.startup import _phases
+    recs = [{"start": 10.0, "ends": {"imports": 15.0, "process group": 15.5, "first step": 18.0}}]
+    rows, start = _phases("step 0 loss 1.0\n" + profile_table(recs) + "\n")
+    assert rows == [("imports", 5.0, 5.0), ("process group", 0.5, 0.5), ("first step", 2.5, 2.5)]
+    assert start == 10.0
