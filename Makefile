@@ -29,7 +29,8 @@ demo: install
 	PATH="$(abspath $(VENV))/bin:$$PATH" bash $(DEMO_OUT)/launch.sh
 
 test: install
-	$(PY) -m pytest -n 2 -q -p no:cacheprovider
+	# two workers, long files first (tests/conftest.py), the 30 slowest tests listed at the end of every run
+	$(PY) -m pytest -n 2 --dist loadgroup -q -p no:cacheprovider --durations=30
 
 clean:
 	rm -rf $(VENV) build

@@ -26,3 +26,38 @@ def pytest_sessionfinish(session, exitstatus):
                 os.unlink(path)
         except OSError:
             pass
+
+
+# The suite runs on two workers (Makefile: pytest -n 2 --dist loadgroup), which take the tests in
+# collection order. The launches dominate it (each several seconds of start-up on 2 cores), so the
+# files that hold the most launches go first, longest first: the last test a worker takes is then a
+# short one, and neither waits alone at the end for a long file the other could have shared. The order
+# is by launches held (and the known slow fixtures); `make test` prints --durations=30 to correct it.
+LONG_FIRST = (
+    "test_hf_models.py", "test_checkpoint_reshard.py", "test_e2e_regime.py", "test_failures.py",
+    "test_checkpoint.py", "test_hf_gpt2.py", "test_hf_tp.py", "test_e2e_unequal.py", "test_e2e.py",
+    "test_checkpoint_cli.py", "test_testbed_faults.py", "test_testbed_failures.py", "test_testbed.py",
+    "test_testbed_watch.py", "test_calibrate.py", "test_user_mistakes.py", "test_comm_only.py",
+    "test_bench_iteration.py", "test_e2e_nic_order.py", "test_chain_default.py", "test_packaging.py",
+    "test_runtime_reduce.py", "test_runtime_reduce_zero.py", "test_runtime_reshard.py", "test_runtime_harness.py",
+)
+# files whose module- or session-scoped fixtures launch ranks: one worker takes all of a file's tests
+# (xdist_group), so the fixture's launches run once, not once per worker
+ONE_WORKER = ("test_checkpoint_reshard.py", "test_checkpoint.py", "test_testbed_faults.py",
+              "test_testbed_failures.py", "test_bench_iteration.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    import pytest
+    rank = {name: i for i, name in enumerate(LONG_FIRST)}
+
+    def key(item):
+        name = item.path.name
+        if name in rank:
+            return rank[name]
+        return len(LONG_FIRST) + (0 if item.get_closest_marker("slow") else 1)
+
+    for item in items:
+        if item.path.name in ONE_WORKER:
+            item.add_marker(pytest.mark.xdist_group(item.path.stem))
+    items.sort(key=key)    # stable: a file's tests keep their order

@@ -423,6 +423,19 @@ def start_ranks(out, world: int, *args, env=None, timeout=240):
     return max(abs(p.returncode) for p in procs), texts[0], "\n".join(texts)
 
 
+def run_direct(out, *args, timeout=300, env=None):
+    """``start_ranks`` for a test about what the ranks compute, not about the launcher, shaped as
+    ``launch_sh``'s result: a ``subprocess.CompletedProcess`` whose ``stdout`` is rank 0's output and
+    ``stderr`` every rank's; the world is OUT/plan.json's ``cluster.devices``. No ``deepspeed`` runner
+    and launch.py (two more Pythons importing torch and DeepSpeed before the first rank starts, ~4 s of
+    a launch on 2 cores, 10 s on a loaded one: ``python -m benchmarks bench startup``). launch.sh
+    stays tested where it is the subject (test_e2e, test_comm_only's logs, test_ui, test_user_mistakes)."""
+    import json
+    world = json.loads((Path(out) / "plan.json").read_text())["cluster"]["devices"]
+    rc, rank0, every = start_ranks(out, world, *args, env=env, timeout=timeout)
+    return subprocess.CompletedProcess([str(Path(out) / "train.py"), *map(str, args)], rc, rank0, every)
+
+
 STEP_LINE = (r"^step (\d+) loss ([-0-9.e+]+) time [0-9.]+ s [0-9.]+ samples/s lr ([-0-9.e+]+)"
              r"(?: grad_norm ([-0-9.e+a-z]+))?(?: loss_scale ([0-9.e+]+))?$")
 

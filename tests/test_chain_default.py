@@ -17,7 +17,7 @@ from planc.infer import chain_transfers
 from planc.lang import load
 from planc.lang.errors import PlanError
 
-from e2e_util import ROOT, assert_controls_fail, compare_dumps, independent_reference, launch_sh, stage_ranks
+from e2e_util import ROOT, assert_controls_fail, compare_dumps, independent_reference, run_direct, stage_ranks
 
 MLP = ROOT / "examples" / "mlp.py"
 
@@ -98,7 +98,7 @@ def test_a_chain_without_transfer_lines_trains(tmp_path):
     write_output(c.plan_json, c.program, out)
     plan = json.loads((out / "plan.json").read_text())
     assert [t["name"] for t in plan["transfers"]] == ["s0_to_s1"]
-    r = launch_sh(out, "--steps", "2", "--dump-params", str(tmp_path / "dump"))
+    r = run_direct(out, "--steps", "2", "--dump-params", str(tmp_path / "dump"))
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
     losses = [float(x) for x in re.findall(r"step \d+ loss ([-0-9.e+]+)", r.stdout)]
 

@@ -80,7 +80,7 @@ def test_train_py_is_thin_and_parses_args(tmp_path):
     p, plan = _gpt()
     out = codegen.write_output(plan, p, tmp_path)
     text = (out / "train.py").read_text()
-    assert "planc_runtime.main import main" in text and len(text.splitlines()) < 15
+    assert "planc_runtime.entry import run" in text and len(text.splitlines()) < 15
     r = subprocess.run([sys.executable, str(out / "train.py"), "--help"], capture_output=True, text=True,
                        timeout=120)
     assert r.returncode == 0 and "--comm-only" in r.stdout

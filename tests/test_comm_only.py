@@ -10,7 +10,7 @@ import pytest
 
 from planc.codegen import write_output
 from planc.compile import compile_file
-from tests.e2e_util import launch_sh
+from tests.e2e_util import launch_sh, run_direct
 
 COMM_PLAN = """
 plan uneven_meshes {
@@ -164,6 +164,6 @@ def test_zero_programs_are_checked_on_the_pieces_they_own(tmp_path):
     assert all(len(r["program"]["steps"]) == 2 for r in c.plan_json["reductions"])   # in-host, then across
     out = tmp_path / "out"
     write_output(c.plan_json, c.program, out)
-    r = launch_sh(out, "--comm-only", "--steps", "2")
+    r = run_direct(out, "--comm-only", "--steps", "2")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert len(re.findall(r"step \d+ comm [0-9.]+ s \(verified 0 transfer\(s\), 2 reduction\(s\)\)", r.stdout)) == 2

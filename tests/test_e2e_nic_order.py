@@ -1,5 +1,5 @@
-"""End-to-end: a plan with a host NIC order (plan.json pipeline.nic_order) trained by its own
-launch.sh (the `deepspeed` launcher, 4 CPU ranks on gloo, 2 plan hosts of 2), with SGD, against
+"""End-to-end: a plan with a host NIC order (plan.json pipeline.nic_order) trained by its ranks
+started directly (``e2e_util.run_direct``, 4 CPU ranks on gloo, 2 plan hosts of 2), with SGD, against
 ``independent_reference`` (plain torch, no planc code); its --trace shows every host's cross-host
 sends taking their turns exactly in the plan's order, step after step."""
 
@@ -13,8 +13,8 @@ import pytest
 from planc.codegen import write_output
 from planc.compile import compile_file
 
-from e2e_util import (ROOT, assert_controls_fail, compare_dumps, data_degree, independent_reference, launch_sh,
-                      stage_ranks)
+from e2e_util import (ROOT, assert_controls_fail, compare_dumps, data_degree, independent_reference,
+                      run_direct, stage_ranks)
 from test_nic_order import SLOW
 
 STEPS = 2
@@ -37,7 +37,7 @@ def test_nic_ordered_training_matches_the_reference_and_runs_the_order(tmp_path)
     order = {e["host"]: [tuple(s) for s in e["sends"]] for e in plan["pipeline"].get("nic_order", ())}
     assert order, "the compiler kept no NIC order for a 25 Mbit/s host link"
 
-    r = launch_sh(out, "--steps", str(STEPS), "--dump-params", str(tmp_path / "dump"),
+    r = run_direct(out, "--steps", str(STEPS), "--dump-params", str(tmp_path / "dump"),
                   "--trace", str(tmp_path / "trace"))
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
     assert "host NIC order:" in r.stdout

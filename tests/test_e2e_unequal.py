@@ -1,7 +1,7 @@
 """End-to-end: plans whose stages sit on meshes of different sizes (tests/plans/*.plan).
 
-Each plan is compiled by the real compiler, its output launched with its own launch.sh (the
-`deepspeed` launcher, CPU/gloo, one process per device, idle devices included), trained 3 steps
+Each plan is compiled by the real compiler, its output's ranks started directly (``e2e_util.run_direct``:
+train.py once per device as a per-host launcher does, CPU/gloo, idle devices included), trained 3 steps
 with SGD (Adam divides by sqrt(v) and hides gradient-scale errors), and every stage rank's
 parameters compared with ``independent_reference``: the whole model trained in this process
 with plain torch, knowing nothing of planc's runtime.
@@ -31,7 +31,7 @@ from planc.codegen import write_output
 from planc.compile import compile_file
 
 from e2e_util import (ROOT, _load_callable, assert_controls_fail, compare_dumps, data_degree, independent_reference,
-                      launch_sh, schedule_bound, stage_gradient_program, stage_ranks)
+                      run_direct, schedule_bound, stage_gradient_program, stage_ranks)
 
 PLANS_DIR = ROOT / "tests" / "plans"
 STEPS = 3
@@ -136,7 +136,7 @@ def train_and_compare(tmp_path, plan_path, sc: Scenario, steps=STEPS, extra=()):
     plan = json.loads((out / "plan.json").read_text())
     check_layout(plan, sc)
     assert not c.untrainable, "compile reports the plan untrainable: " + "; ".join(d.message for d in c.untrainable)
-    r = launch_sh(out, "--steps", str(steps), "--dump-params", str(tmp_path / "dump"), *extra)
+    r = run_direct(out, "--steps", str(steps), "--dump-params", str(tmp_path / "dump"), *extra)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
     assert c.program.train.optimizer.name == "sgd", "SGD: the parameters see a gradient scale"
     losses = losses_of(r.stdout)
@@ -446,7 +446,7 @@ def test_a_skip_of_the_raw_input_trains(tmp_path, ids):
 }}
 """)
     _, out = compile_to(tmp_path, tmp_path / "skipin.plan")
-    r = launch_sh(out, "--steps", "3")
+    r = run_direct(out, "--steps", "3")
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
     fn = {k: _load_callable(tmp_path, {"file": "skipin.py", "function": k}) for k in ("build", "loss", "batches")}
     torch.manual_seed(21)

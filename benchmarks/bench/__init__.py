@@ -14,7 +14,7 @@ import importlib
 from pathlib import Path
 
 BENCHES = ("synthesis", "resharding", "testbed", "iteration", "fuzz", "accuracy", "cut", "nic", "verify", "scale", "zero", "regime",
-           "checkpoint", "build")
+           "checkpoint", "build", "startup")
 
 
 def run_bench(name: str, write: str | None = None, **options) -> str:

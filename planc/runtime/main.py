@@ -12,7 +12,6 @@ trains; rank 0 prints ``step N loss X ... lr L`` (docs/training.md). With ``--sa
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import math
 import os
@@ -25,19 +24,19 @@ import torch.distributed as dist
 from planc import plan as planfile
 
 from . import checkpoint, nicorder
+from .commcheck import comm_only, contribution, pattern, plan_micro_batches  # noqa: F401 (re-exported)
 from .checkpoint import CheckpointError, CountingIterator
 from .dist_util import (GroupMissing, StartupError, backend_device, choose_backend, collective_timeout, devices_line,
                         init_distributed, limit_cpu_threads, startup_checks)
 from .engine import EngineError, PlanEngine, check_stage_shapes
 from .failwatch import FailureWatch, report_failure
-from planc.plan import Collective, Direction, Plan, PlanFileError
-from .reduce import ReductionError, ReductionExecutor
+from planc.plan import PlanFileError
+from .reduce import ReductionError
 from .regime import cast_stage, param_dtype
-from .reshard import TransferExecutor
+from .startup import StartupClock, profile_table, rank_line
 from .tensor_parallel import context_from_plan, shard_info
 from .topology import create_groups
 from .trace import Tracer
-from .checkdata import contribution, pattern  # noqa: F401 (contribution: re-exported for tests)
 from .hf_vocab import loss_for as vocab_loss
 from .share import Peak, build_only, build_stage
 from .usercode import (MissingFunction, accepts_tensor_parallel, build_layers, builtin_function,  # noqa: F401
@@ -86,6 +85,9 @@ def parse_args(argv):
                    "gradient bucket of every step in DIR/trace-rank<R>.json (Chrome trace; `planc trace DIR`)")
     p.add_argument("--build-only", action="store_true", help="build each rank's share of the model, print its "
                    "bytes and build peak beside the plan's memory model, and exit")
+    p.add_argument("--profile-startup", action="store_true",
+                   help="time each start-up phase (imports, process group, checks, groups, DeepSpeed, model, "
+                        "engine, first step) on every rank; rank 0 prints them all after the last step")
     p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
@@ -99,118 +101,6 @@ def _fail_together(problems: list[str], headline: str = "the plan cannot train")
         error = EngineError(f"{headline}:\n  " + "\n  ".join(dict.fromkeys(every)))
         error.same_on_every_rank = True   # gathered from all ranks: rank 0 says it for everyone
         raise error
-
-
-def _transfer_peers(transfer, rank: int) -> list[int]:
-    """The ranks this rank exchanges data with in ``transfer`` (either direction), from the plan's tasks."""
-    peers = set()
-    for task in transfer.forward.tasks:
-        ends = {task.sender, *task.receivers, *(r for part in task.parts for r in part)}
-        if rank in ends:
-            peers |= ends
-    peers.discard(rank)
-    return sorted(peers)
-
-
-@contextlib.contextmanager
-def _naming(rank: int, step: int, what: str, peers):
-    """A communication failure (a dead or hung peer, the collective timeout) reported naming this rank,
-    the step, the transfer or reduction and the ranks it was exchanging with."""
-    try:
-        yield
-    except RuntimeError as e:
-        first = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise EngineError(f"rank {rank} failed in {what} at step {step}"
-                          f"{f' with ranks {list(peers)}' if peers else ''}: {first}") from e
-
-
-def comm_only(plan: Plan, groups: dict, rank: int, steps: int) -> None:
-    """Run every transfer forward and every reduction once per step, and check every byte.
-
-    Source ranks send a known pattern; each destination rank compares what it
-    assembled with the pattern over its own region. Each reduction sums
-    every member's :func:`contribution`, which depends on the element's position, so a piece reduced
-    into the wrong place is found. Any difference stops the run with the
-    transfer or reduction named; rank 0 prints the time per step: the
-    communication alone, between two barriers (patterns are made before it,
-    and checked after it).
-    """
-    tags = plan.tag_layout()
-    transfers = [(t, TransferExecutor(t, Direction.FORWARD, rank, groups, tags, index=i,
-                                      signal=plan.runtime.signal_transfers))
-                 for i, t in enumerate(plan.transfers)]
-    reductions = [(r, ReductionExecutor.for_plan(plan, r, groups, rank), r.group_of(rank))
-                  for r in plan.reductions if r.group_of(rank) is not None]
-    # patterns, expected regions and reduction inputs are made before the timed region, and checked after it
-    sent = {i: pattern(t.shape, ex.my_src, ex.dtype) for i, (t, ex) in enumerate(transfers) if ex.is_sender}
-    want = {i: pattern(t.shape, ex.my_dst, ex.dtype) for i, (t, ex) in enumerate(transfers) if ex.my_dst is not None}
-    # who each operation waits for, named when it fails (worked out once, outside the timed region)
-    others = [r for r in range(dist.get_world_size()) if r != rank]
-    transfer_peers = [_transfer_peers(t, rank) for t, _ in transfers]
-    sizes = [max(1, r.nbytes // 4) for r, _, _ in reductions]
-    sums = []
-    for (_, _, group), n in zip(reductions, sizes):   # summed in place: one buffer more per reduction
-        total = torch.zeros(n, dtype=torch.float32)
-        for d in group:
-            total += contribution(n, d)
-        sums.append(total)
-    for step in range(steps):
-        problems = []
-        mb = step % plan_micro_batches(plan)
-        inputs = [_reduction_input(r, ex, n, rank, total)
-                  for (r, ex, _), n, total in zip(reductions, sizes, sums)]
-        got, outs = {}, []
-        with _naming(rank, step, "the barrier that starts the step", others):
-            dist.barrier()
-        t0 = time.perf_counter()
-        for i, (t, ex) in enumerate(transfers):
-            with _naming(rank, step, f"transfer {t.name!r}", transfer_peers[i]):
-                works = ex.send(sent[i], micro_batch=mb) if ex.is_sender else []
-                if ex.my_dst is not None:
-                    got[i] = ex.recv(micro_batch=mb)
-                for w in works or ():
-                    w.wait()
-        for (r, ex, group), x in zip(reductions, inputs):
-            with _naming(rank, step, f"reduction {r.name!r}", [g for g in group if g != rank]):
-                outs.append(ex.run(x))
-        with _naming(rank, step, "the barrier that ends the step", others):
-            dist.barrier()
-        elapsed = time.perf_counter() - t0
-        for i, g in got.items():
-            if not torch.equal(g, want[i]):
-                t, ex = transfers[i]
-                problems.append(f"rank {rank}: transfer {t.name!r} delivered wrong data for region {ex.my_dst}")
-        for (r, ex, group), out, total in zip(reductions, outs, sums):
-            if r.target is Collective.REDUCE_SCATTER:   # only this rank's owned slices hold the sum
-                keep = torch.zeros(total.numel(), dtype=torch.bool)
-                for a, b in ex.owned_slices(total.numel()):
-                    keep[a:b] = True
-                out, total = out[keep], total[keep]
-            if not torch.equal(out, total):
-                wrong = (out != total).nonzero().flatten()
-                problems.append(f"rank {rank}: reduction {r.name!r} over {list(group)} gave a wrong sum at "
-                                f"{wrong.numel()} of {total.numel()} elements (first: {int(wrong[0])})")
-        gathered = [None] * dist.get_world_size()
-        with _naming(rank, step, "gathering every rank's check", others):
-            dist.all_gather_object(gathered, problems)
-        every = [p for ps in gathered for p in ps]
-        if every:
-            raise EngineError("communication check failed:\n  " + "\n  ".join(every))
-        if rank == 0:
-            print(f"step {step} comm {elapsed:.6f} s (verified {len(transfers)} transfer(s), "
-                  f"{len(plan.reductions)} reduction(s))", flush=True)
-
-
-def _reduction_input(r, ex, n: int, rank: int, total):
-    """What rank ``rank`` puts into reduction ``r`` at each step: its :func:`contribution`; for an all-gather
-    target (ZeRO-1's parameters) the reduced sum in the slices it owns and zeros elsewhere, as the
-    reduce-scatter leaves it."""
-    if r.target is not Collective.ALL_GATHER:
-        return contribution(n, rank)
-    x = torch.zeros(n, dtype=torch.float32)
-    for a, b in ex.owned_slices(n):
-        x[a:b] = total[a:b]
-    return x
 
 
 def gradient_summary(described: list) -> str:
@@ -241,10 +131,6 @@ def step_vector(share: float, engine, reports: bool, device) -> torch.Tensor:
         out[4] = float(r["skipped"])
         out[5] = r["next_scale"]
     return out
-
-
-def plan_micro_batches(plan: Plan) -> int:
-    return plan.pipeline.micro_batches if plan.pipeline is not None else 1
 
 
 # Failures the runtime plans for and words itself: one line per rank, exit 2, no traceback
@@ -282,6 +168,8 @@ def main(argv=None, out_dir: str | None = None) -> int:
 
 
 def _main(argv=None, out_dir: str | None = None) -> int:
+    clock = StartupClock()
+    clock.mark("imports")
     args = parse_args(sys.argv[1:] if argv is None else argv)
     out_dir = out_dir or os.path.dirname(os.path.abspath(sys.argv[0]))
     plan = planfile.load(os.path.join(out_dir, "plan.json"))
@@ -300,17 +188,21 @@ def _main(argv=None, out_dir: str | None = None) -> int:
     if args.resume or args.weights_only:   # checked before the process group starts: every rank finds the same problem
         resume_from = checkpoint.resolve(args.resume)
         manifest = checkpoint.check(resume_from, plan, weights_only=args.weights_only)
+    clock.mark("plan read")
 
     if os.environ.get("PLANC_DUMP_STACKS_AFTER_S"):   # debugging a hang: every rank prints its stack
         import faulthandler
         faulthandler.dump_traceback_later(float(os.environ["PLANC_DUMP_STACKS_AFTER_S"]), exit=False)
     init_distributed(backend=choose_backend(plan), timeout=collective_timeout(plan))
+    clock.mark("process group")
     threads_line = limit_cpu_threads(dist.get_backend())   # before any compute (docs/runtime.md)
     global _WATCH
     _WATCH = FailureWatch(dist.get_rank())
     startup_checks(plan, digest)
+    clock.mark("plan checks")
     rank = dist.get_rank()
     groups = create_groups(plan, timeout=collective_timeout(plan))
+    clock.mark("groups")
 
     if args.comm_only or plan.train is None:
         comm_only(plan, groups, rank, steps)
@@ -326,6 +218,7 @@ def _main(argv=None, out_dir: str | None = None) -> int:
     import deepspeed
     deepspeed.init_distributed(dist_backend=dist.get_backend(), dist_init_required=False,
                                timeout=collective_timeout(plan))
+    clock.mark("deepspeed init")
     stage = plan.stage_of(rank)
     engine, problems, data, initial, build_stats = None, [], None, None, None
     if stage is not None:
@@ -370,6 +263,7 @@ def _main(argv=None, out_dir: str | None = None) -> int:
             except (EngineError, ValueError, KeyError) as e:
                 problems = [f"rank {rank}: {e}"]
     _fail_together(problems)
+    clock.mark("model build")
     if args.build_only:   # docs/memory.md, "Checking the model"
         build_only(rank, stage, layers if stage else None, initial, build_stats, out_dir)
         return _close()
@@ -413,6 +307,7 @@ def _main(argv=None, out_dir: str | None = None) -> int:
         if threads_line:
             print(threads_line, flush=True)
         print(f"gradients: {gradient_summary([d for d, _ in described])}\n{devices_line(described)}", flush=True)
+    clock.mark("engine")
     samples = plan.train.micro_batch * plan.train.micro_batches
     reporter = min(d for st in plan.stages for d in st.devices)   # every stage rank knows the step's figures
     fp16 = str(plan.train.precision) == "fp16"
@@ -447,6 +342,7 @@ def _main(argv=None, out_dir: str | None = None) -> int:
         if tracer is not None:
             tracer.complete(f"step {step}", t0_trace, tracer.now(), "main", step=step)
         total += elapsed
+        clock.mark("first step")
         if rank == 0:
             print(f"step {step} loss {loss:.6f} time {elapsed:.4f} s {samples / elapsed:.1f} samples/s"
                   f" lr {lr:.6g}" + (f" grad_norm {norm:.6g}" if norm != -1.0 else "")
@@ -471,6 +367,12 @@ def _main(argv=None, out_dir: str | None = None) -> int:
         with open(os.path.join(args.memory_stats, f"rank{rank}.json"), "w") as f:
             json.dump(dict(engine.memory_report(), build=build_stats, rss_after_build=peak.base,
                            rss_training_peak=peak.hwm()), f, sort_keys=True)
+    if args.profile_startup:   # after the last step: the gather changes nothing the steps did
+        print(rank_line(rank, clock.record()), flush=True)
+        records = [None] * dist.get_world_size()
+        dist.all_gather_object(records, clock.record())
+        if rank == 0:
+            print(profile_table(records), flush=True)
     return _close()
 
 

@@ -29,7 +29,7 @@ The model, per rank:
   order, each once the compute thread handed it over (it signals instead of
   issuing) and the host's previous listed send was sent; the compute thread
   waits for those turns with its other sends;
-- ``--comm-only`` (``main.comm_only``): one thread; a barrier, then per
+- ``--comm-only`` (``commcheck.comm_only``): one thread; a barrier, then per
   transfer the forward sends, the receives and a wait on the sends, then
   every reduction the rank is in, then a barrier.
 

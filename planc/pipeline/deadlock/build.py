@@ -1,6 +1,6 @@
 """Every rank's thread programs for one mode and backend, as the runtime issues its communication
 (``engine``, ``comm.RecvAhead``, ``TransferExecutor``, ``ReductionExecutor``, ``nicorder.NicOrder``,
-``main.comm_only``); ``planc.pipeline.deadlock``'s docstring has the model."""
+``commcheck.comm_only``); ``planc.pipeline.deadlock``'s docstring has the model."""
 
 from __future__ import annotations
 

@@ -1,0 +1,69 @@
+"""planc_runtime.startup (``train.py --profile-startup``, issue 45): the phase clock and its tables."""
+
+import time
+
+import pytest
+
+from planc.runtime.startup import PHASES, StartupClock, durations, process_start, profile_table, rank_line
+
+
+def test_process_start_is_before_now_and_recent():
+    start = process_start()
+    assert start is not None and start <= time.time() and time.time() - start < 3600
+
+
+def test_durations_follow_the_phases_from_the_process_start():
+    rec = {"start": 100.0, "ends": {"imports": 105.0, "process group": 106.5, "first step": 110.0}}
+    assert durations(rec) == [("imports", 5.0), ("process group", 1.5), ("first step", 3.5)]
+    assert "to the end of the first step 10.00 s" in rank_line(3, rec) and rank_line(3, rec).startswith("startup rank 3:")
+
+
+def test_the_clock_marks_each_phase_once_and_refuses_unknown_ones():
+    clock = StartupClock(start=time.time() - 1.0)
+    for phase in PHASES:
+        clock.mark(phase)
+    first = clock.record()["ends"]["imports"]
+    clock.mark("imports")                       # a second mark keeps the first
+    assert clock.record()["ends"]["imports"] == first
+    assert [p for p, _ in durations(clock.record())] == list(PHASES)
+    with pytest.raises(ValueError, match="unknown start-up phase"):
+        clock.mark("lunch")
+
+
+def test_profile_table_gives_median_slowest_and_the_launch_span():
+    recs = [{"start": 10.0 + r, "ends": {"imports": 15.0 + r, "first step": 20.0 + 2 * r}} for r in range(3)]
+    text = profile_table(recs)
+    assert "over 3 ranks" in text
+    rows = {line.split()[0]: line.split()[-2:] for line in text.splitlines()[1:3]}
+    assert rows == {"imports": ["5.00", "5.00"], "first": ["6.00", "7.00"]}   # median, slowest
+    assert "startup to the first step's end: 14.00 s" in text    # rank 2 ends at 24, rank 0 started at 10
+
+
+def test_entry_runs_main_with_the_collector_back_on(monkeypatch):
+    """OUT/train.py's entry (planc_runtime.entry): main's return code, and the collector enabled again,
+    both while main runs and after."""
+    import gc
+    import sys
+    import types
+
+    from planc.runtime import entry
+
+    seen = {}
+    fake = types.ModuleType("planc.runtime.main")
+    fake.main = lambda out_dir: seen.update(out_dir=out_dir, enabled=gc.isenabled()) or 7
+    monkeypatch.setitem(sys.modules, "planc.runtime.main", fake)
+    monkeypatch.setattr(sys.modules["planc.runtime"], "main", fake, raising=False)
+    try:
+        assert entry.run("/some/out") == 7
+        assert seen == {"out_dir": "/some/out", "enabled": True} and gc.isenabled()
+    finally:
+        gc.unfreeze()      # this test process's objects go back to the collector
+
+
+def test_bench_startup_reads_the_table_rank_0_prints():
+    """benchmarks/bench/startup.py parses rank 0's --profile-startup table: the two stay in step."""
+    from benchmarks.bench.startup import _phases
+    recs = [{"start": 10.0, "ends": {"imports": 15.0, "process group": 15.5, "first step": 18.0}}]
+    rows, start = _phases("step 0 loss 1.0\n" + profile_table(recs) + "\n")
+    assert rows == [("imports", 5.0, 5.0), ("process group", 0.5, 0.5), ("first step", 2.5, 2.5)]
+    assert start == 10.0
