@@ -151,31 +151,31 @@ def test_the_start_up_shape_check_leaves_batchnorm_statistics_alone(tmp_path):
 
 
 def test_a_builder_taking_layers_builds_only_the_share():
-    """build_layers passes ``layers=range(a, b)`` to a builder that takes it; the builder may return the held
+    """build_layers passes ``stage_layers=range(a, b)`` to a builder that takes it; the builder may return the held
     layers or all of them (None outside the range); the result is always the model's length; a builder
     without the keyword is called as before; a wrong count is refused naming both."""
     import pytest as _pytest
     from planc.runtime.usercode import build_layers
     calls = []
 
-    def held_only(width, layers):
-        calls.append(layers)
-        return [f"L{i}" for i in layers]
+    def held_only(width, layers, stage_layers):   # `layers`: the builder's own count, as in examples/
+        calls.append((layers, stage_layers))
+        return [f"L{i}" for i in stage_layers]
 
-    def all_of_them(width, layers):
-        return [f"L{i}" if i in layers else None for i in range(5)]
+    def all_of_them(width, stage_layers):
+        return [f"L{i}" if i in stage_layers else None for i in range(5)]
 
     def plain(width):
         return [f"L{i}" for i in range(5)]
 
-    assert build_layers(held_only, {"width": 4}, None, range(1, 3), 5) == [None, "L1", "L2", None, None]
-    assert calls == [range(1, 3)]
+    assert build_layers(held_only, {"width": 4, "layers": 5}, None, range(1, 3), 5) == [None, "L1", "L2", None, None]
+    assert calls == [(5, range(1, 3))]   # the model's own `layers` argument is left as the plan gives it
     assert build_layers(all_of_them, {"width": 4}, None, range(3, 5), 5) == [None, None, None, "L3", "L4"]
     assert build_layers(plain, {"width": 4}, None, range(1, 3), 5) == plain(4)
 
-    def wrong(width, layers):
+    def wrong(width, stage_layers):
         return ["x"] * 3
-    with _pytest.raises(ValueError, match=r"called with layers=1\.\.2, returned 3 layers: expected the 2 held ones or all 5"):
+    with _pytest.raises(ValueError, match=r"called with stage_layers=1\.\.2, returned 3 layers: expected the 2 held ones or all 5"):
         build_layers(wrong, {"width": 4}, None, range(1, 3), 5)
 
 
@@ -189,8 +189,8 @@ def test_build_stage_puts_placeholders_where_the_rank_holds_nothing():
     class Plan:
         stages = [type("S", (), {"layers": (0, 1)}), Stage, type("S", (), {"layers": (3, 4)})]
 
-    def builder(layers):
-        return [torch.nn.Linear(2, 2) for _ in layers]
+    def builder(stage_layers):
+        return [torch.nn.Linear(2, 2) for _ in stage_layers]
     built = build_stage(builder, {}, None, Plan, Stage)
     assert [type(m).__name__ for m in built] == ["NotHeld", "Linear", "Linear", "NotHeld"]
     assert not list(built[0].parameters()) and isinstance(built[3], NotHeld)

@@ -384,8 +384,8 @@ def _one_name_per_tie(layers) -> None:
 
 
 def builder(record: dict, out_dir: str, seed: int):
-    """The model builder of plan.json's ``train.model.hf`` record: ``build(tensor_parallel=None, layers=None)``
-    returns the pipeline layers, those in ``layers`` (a range; None: all) materialized (:func:`build_share`),
+    """The model builder of plan.json's ``train.model.hf`` record: ``build(tensor_parallel=None,
+    stage_layers=None)`` returns the pipeline layers, those in ``stage_layers`` (a range; None: all) materialized (:func:`build_share`),
     each decoder layer sharded by the config's ``base_model_tp_plan`` for a tensor context."""
     arch = record["architecture"]
     folder = record.get("folder")
@@ -401,8 +401,8 @@ def builder(record: dict, out_dir: str, seed: int):
     import importlib
     importlib.import_module(model_class(config.architectures[0]).__module__)
 
-    def build(tensor_parallel=None, layers=None):
-        held = range(config.num_hidden_layers + 2) if layers is None else layers
+    def build(tensor_parallel=None, stage_layers=None):
+        held = range(config.num_hidden_layers + 2) if stage_layers is None else stage_layers
         return build_share(config, seed, held, tensor_parallel, folder, attn=record.get("attn_implementation"))
     return build
 

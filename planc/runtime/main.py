@@ -28,6 +28,7 @@ from .commcheck import comm_only, contribution, pattern, plan_micro_batches  # n
 from .checkpoint import CheckpointError, CountingIterator
 from .dist_util import (GroupMissing, StartupError, backend_device, choose_backend, collective_timeout, devices_line,
                         init_distributed, limit_cpu_threads, startup_checks)
+from .dsops import preload_built_op
 from .engine import EngineError, PlanEngine, check_stage_shapes
 from .failwatch import FailureWatch, report_failure
 from planc.plan import PlanFileError
@@ -216,6 +217,7 @@ def _main(argv=None, out_dir: str | None = None) -> int:
     # DeepSpeed's communication backend starts collectively (its shared-memory ops wait for every
     # local rank), so idle ranks start it too, though they build no engine
     import deepspeed
+    preload_built_op()   # DeepSpeed's built CPU op without its build lock (dsops.py)
     deepspeed.init_distributed(dist_backend=dist.get_backend(), dist_init_required=False,
                                timeout=collective_timeout(plan))
     clock.mark("deepspeed init")

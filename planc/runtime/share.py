@@ -1,10 +1,11 @@
 """A rank builds only its share of the model, and can say what that costs (``train.py --build-only``).
 
 ``build_stage(builder, model_args, tp, plan, stage)`` calls the model builder with the stage's layer
-range when it takes a keyword ``layers`` (a Hugging Face model's builder always does: it materializes the
+range when it takes a keyword ``stage_layers`` (a Hugging Face model's builder always does: it materializes the
 stage's modules only, ``hf.build_share``); a layer the rank does not hold is a :class:`NotHeld`
 placeholder (or, for a Hugging Face model, the module left on the meta device), so every index of the
 model keeps its place. Builders without that keyword build every layer, as before (docs/models.md).
+The model's own arguments may hold ``layers`` (the bundled builders' layer count): it is theirs.
 
 ``Peak`` measures a rank's resident memory over a baseline: ``VmRSS`` when it starts, the kernel's
 high-water mark ``VmHWM`` after (reset through ``/proc/self/clear_refs``, so an import's peak before the

@@ -63,23 +63,28 @@ def accepts_tensor_parallel(builder) -> bool:
     return _accepts(builder, "tensor_parallel")
 
 
+SHARE_KEYWORD = "stage_layers"   # not ``layers``: the bundled builders' (and users') own layer-count argument
+
+
 def accepts_layers(builder) -> bool:
-    """Whether the model builder takes a keyword ``layers`` (builds only the layers a rank holds)."""
-    return _accepts(builder, "layers")
+    """Whether the model builder takes the keyword ``stage_layers`` (builds only the layers a rank holds)."""
+    return _accepts(builder, SHARE_KEYWORD)
 
 
 def build_layers(builder, model_args: dict, tensor_parallel=None, layers: range | None = None, total: int | None = None):
     """Call the model builder: with ``tensor_parallel=`` when it accepts that keyword, else as before (its
-    layers are then replicas along the tensor axis); with ``layers=`` (the range of global layer indices the
-    rank holds) when it accepts that keyword. Such a builder returns either the held layers (``len(layers)``
+    layers are then replicas along the tensor axis); with ``stage_layers=`` (the range of global layer
+    indices the rank holds) when it accepts that keyword. Such a builder returns either the held layers (``len(layers)``
     of them) or all ``total`` layers (those outside the range may be None); the result is always ``total``
-    long, a layer the rank does not hold being ``None`` (docs/models.md, "Builders that build a share")."""
+    long, a layer the rank does not hold being ``None`` (docs/models.md, "Building only a share"). The keyword
+    is ``stage_layers``, not LANGUAGE.md's ``layers``: every bundled builder takes ``layers`` as its own
+    layer count (``model "gpt.py:build" { layers = 2 }``), which the range would silently replace."""
     kwargs = dict(model_args)
     if accepts_tensor_parallel(builder):
         kwargs["tensor_parallel"] = tensor_parallel
     share = layers is not None and accepts_layers(builder)
     if share:
-        kwargs["layers"] = layers
+        kwargs[SHARE_KEYWORD] = layers
     built = builder(**kwargs)
     if not share:
         return built
@@ -89,7 +94,7 @@ def build_layers(builder, model_args: dict, tensor_parallel=None, layers: range 
         out[layers.start:layers.stop] = built
         return out
     if total is not None and len(built) != total:
-        raise ValueError(f"the model builder, called with layers={layers.start}..{layers.stop - 1}, returned "
+        raise ValueError(f"the model builder, called with stage_layers={layers.start}..{layers.stop - 1}, returned "
                          f"{len(built)} layers: expected the {len(layers)} held ones or all {total}")
     return built
 
