@@ -218,7 +218,7 @@ def build_share(config, seed: int, held: range, tp=None, folder: str | None = No
         from .hf_tp import layer_tp_plan, parallelize_layer
         plan = layer_tp_plan(config)
     weights = _weights(folder)
-    vocab = _vocab_split(model, held, len(layers), tp)
+    vocab = _vocab_split(layers, held, tp)
 
     def done(name, module):
         if name in roots:   # a whole decoder layer: shard it, then read its shards
@@ -244,16 +244,17 @@ def build_share(config, seed: int, held: range, tp=None, folder: str | None = No
     return layers
 
 
-def _vocab_split(model, held: range, n: int, tp) -> dict | None:
-    """The embedding and head to split by vocabulary on this rank (``hf_vocab.splits``), else None."""
-    emb, head = model.get_input_embeddings(), model.get_output_embeddings()
-    if tp is None or emb is None or head is None or not isinstance(head, nn.Linear):
+def _vocab_split(layers, held: range, tp) -> dict | None:
+    """The embedding and head this rank splits by vocabulary (``hf_vocab.table_and_head``), else None."""
+    n = len(layers)
+    if tp is None or not (0 in held or n - 1 in held):
         return None
-    tied = head.weight is emb.weight
-    across = tied and not (0 in held and n - 1 in held)
-    if not hf_vocab.splits(emb.weight.shape[0], tp.size, across) or not (0 in held or n - 1 in held):
+    found = hf_vocab.table_and_head(layers, tp.size, 0 in held and n - 1 in held)
+    if found is None:
         return None
-    return {"embedding": emb if 0 in held else None, "head": head if n - 1 in held else None, "tied": tied}
+    emb, head = found
+    return {"embedding": emb if 0 in held else None, "head": head if n - 1 in held else None,
+            "tied": head.weight is emb.weight}
 
 
 def _names(prefix_local: str, prefix_hf: str, module: nn.Module) -> dict[str, str]:

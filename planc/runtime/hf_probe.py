@@ -30,6 +30,7 @@ import torch
 from .hf import HfModelError, attn_implementation, build_model, causal_lm_loss, config_from_folder, \
     config_from_keys, has_weights, pipeline_layers
 from .probe_measure import count_flops
+from .tensor_parallel import TensorParallel
 from .tied import probe_record as tied_record
 from .usererrors import UserCodeError, draw_batches, shapes
 
@@ -56,18 +57,13 @@ def layer_tp_plan_of(config) -> dict[str, str]:
 
 def _vocab_rows(layers, k: int, stages) -> set[int]:
     """The ids of the embedding and head parameters a tensor stage of ``k`` splits by vocabulary
-    (``hf_vocab.splits``: the vocabulary divides, and the weight is not tied to a layer of another stage;
-    with the stages not yet cut, a tie counts as across stages)."""
-    from .hf_vocab import splits
-    first, last = layers[0], layers[-1]
-    emb = next((m for m in first.modules() if isinstance(m, torch.nn.Embedding)), None)
-    head = getattr(last, "lm_head", None)
-    if emb is None or not isinstance(head, torch.nn.Linear):
-        return set()
-    tied = head.weight is emb.weight
+    (``hf_vocab.table_and_head``; with the stages not yet cut, a tie counts as across stages)."""
+    from .hf_vocab import table_and_head
     one = any(r is not None and int(r[0]) == 0 and int(r[1]) >= len(layers) for r in stages)
-    if not splits(emb.weight.shape[0], k, tied and not one):
+    found = table_and_head(layers, k, one)
+    if found is None:
         return set()
+    emb, head = found
     return {id(emb.weight), id(head.weight), *((id(head.bias),) if head.bias is not None else ())}
 
 
@@ -92,21 +88,12 @@ def sharded_params(layers, config, k: int, stages=(None,)) -> list[int]:
     return out
 
 
-class _MetaTP:
-    """A tensor group on the meta device (rank 0 of ``size``): collectives are identities, so a split build
-    runs and autograd's saved tensors show what one device keeps."""
+class _MetaTensorParallel(TensorParallel):
+    """A tensor group on the meta device (rank 0): collectives are identities, so a split build runs and
+    autograd's saved tensors show what one device keeps."""
 
-    def __init__(self, size: int):
-        from .tensor_parallel import TensorParallel
-        self.tp = type("MetaTensorParallel", (TensorParallel,), {"all_reduce": lambda self, t: t})(None, 0, size)
-
-
-def check_degree_or_none(config, k: int):
-    try:
-        from .hf_tp import check_degree
-    except ImportError:
-        return "planc_runtime.hf_tp is missing"
-    return check_degree(config, k)
+    def all_reduce(self, t):
+        return t
 
 
 def _split_on_meta(layers, config, k: int, stages):
@@ -117,7 +104,7 @@ def _split_on_meta(layers, config, k: int, stages):
     from .hf_vocab import split_embedding, split_head
     vocab = _vocab_rows(layers, k, stages)
     out = copy.deepcopy(layers)
-    tp = _MetaTP(k).tp
+    tp = _MetaTensorParallel(None, 0, k)
     plan = layer_tp_plan(config)
     for layer in out[1:-1]:
         parallelize_layer(layer.layer, plan, tp)
@@ -242,17 +229,19 @@ def probe_hf(req: dict, run_graph, saved_by_layer, load, part) -> dict:
                         {"name": t["name"], "shape": None, "dtype": None,
                          "error": errors[0] if errors else "its layer did not run"})
     degrees = sorted({int(k) for k in req.get("tensor_degrees", ()) if int(k) > 1})
-    sharded = {str(k): sharded_params(layers, config, k, req.get("stages") or [None]) for k in degrees}
-    split_saved = {} if errors else {str(k): saved_by_layer(_split_on_meta(layers, config, k, req.get("stages") or [None]),
-                                                            x, stages, transfers)
-                                     for k in degrees if not check_degree_or_none(config, k)}
-    shard_errors = {}
+    stage_ranges = req.get("stages") or [None]
+    sharded = {str(k): sharded_params(layers, config, k, stage_ranges) for k in degrees}
+    shard_errors, split_saved = {}, {}
     try:
         from .hf_tp import check_degree   # what the runtime's tensor parallelism refuses (issue 35)
         shard_errors = {str(k): why for k in degrees if (why := check_degree(config, k))}
+        # what one device of each degree the runtime can split keeps for backward (memory model)
+        split_saved = {} if errors else {str(k): saved_by_layer(_split_on_meta(layers, config, k, stage_ranges),
+                                                                x, stages, transfers)
+                                         for k in degrees if str(k) not in shard_errors}
     except ImportError:
         pass
-    traffic = [_traffic(config, layers, st, int(x.shape[1]), req.get("stages") or [None])
+    traffic = [_traffic(config, layers, st, int(x.shape[1]), stage_ranges)
                for st in req.get("tensor_stages", ())
                if st.get("layers") is None or int(st["layers"][0]) < len(layers)]
     folder = spec.get("folder")

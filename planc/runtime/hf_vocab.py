@@ -21,15 +21,28 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from .hf_tp import _GatherLast
 from .tensor_parallel import TensorParallel, reduce_from_region
 
-__all__ = ["splits", "split_embedding", "split_head", "parallel_cross_entropy", "loss_for", "VOCAB_ATTR"]
+__all__ = ["splits", "table_and_head", "split_embedding", "split_head", "parallel_cross_entropy", "loss_for", "VOCAB_ATTR"]
 
 VOCAB_ATTR = "planc_vocab"   # on a split module and on the Head layer: (tp, lo, hi, vocabulary size)
 
 
 def splits(vocab: int, degree: int, tied_across_stages: bool) -> bool:
     return degree > 1 and vocab % degree == 0 and not tied_across_stages
+
+
+def table_and_head(layers, degree: int, one_stage_holds_both: bool):
+    """(embedding module, lm_head) of the pipeline ``layers`` that a tensor stage of ``degree`` splits by
+    vocabulary (:func:`splits`; a tie counts as across stages unless one stage holds layer 0 and the last
+    layer), else None. The one rule of the runtime's build and the compiler's probe."""
+    emb = next((m for m in layers[0].modules() if isinstance(m, nn.Embedding)), None)
+    head = getattr(layers[-1], "lm_head", None)
+    if emb is None or not isinstance(head, nn.Linear):
+        return None
+    tied = head.weight is emb.weight
+    return (emb, head) if splits(emb.weight.shape[0], degree, tied and not one_stage_holds_both) else None
 
 
 def _rows(vocab: int, tp: TensorParallel) -> tuple[int, int]:
@@ -124,22 +137,6 @@ def parallel_cross_entropy(logits, labels, tp: TensorParallel, lo: int):
     return per_token.sum() / keep.sum().clamp(min=1)
 
 
-class _GatherVocab(torch.autograd.Function):
-    """The whole logits on every rank of the group (for a loss the user wrote); backward: the own slice."""
-
-    @staticmethod
-    def forward(ctx, x, tp, lo):
-        n = x.shape[-1]
-        ctx.span = (lo, n)
-        full = x.new_zeros(*x.shape[:-1], n * tp.size)
-        full.narrow(-1, lo, n).copy_(x)
-        return tp.all_reduce(full)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad.narrow(-1, *ctx.span).contiguous(), None, None
-
-
 def loss_for(layers, loss, builtin: bool):
     """The loss the last stage runs: ``loss`` itself, unless its Head is split by vocabulary: then the
     parallel cross-entropy in place of the built-in causal-LM loss, or ``loss`` on the gathered logits."""
@@ -149,4 +146,4 @@ def loss_for(layers, loss, builtin: bool):
     tp, lo, _, _ = vocab
     if builtin:
         return lambda logits, labels: parallel_cross_entropy(logits, labels, tp, lo)
-    return lambda logits, labels: loss(_GatherVocab.apply(logits, tp, lo), labels)
+    return lambda logits, labels: loss(_GatherLast.apply(logits, tp), labels)   # rank r's slice is the r-th

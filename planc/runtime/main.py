@@ -240,7 +240,7 @@ def _main(argv=None, out_dir: str | None = None) -> int:
                     tp = context_from_plan(plan, groups, rank)
                 except (ValueError, KeyError) as e:
                     raise EngineError(f"rank {rank}: {e.args[0] if e.args else e}") from None
-            torch.manual_seed(seed)   # a builder without `layers` builds every layer alike; the rank keeps its stage's
+            torch.manual_seed(seed)   # a builder without `stage_layers` builds every layer alike; the rank keeps its stage's
             try:
                 peak = Peak()
                 layers = build_stage(builder, model_args, tp, plan, stage)

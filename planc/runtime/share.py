@@ -37,7 +37,7 @@ class NotHeld(nn.Module):
 
 
 def build_stage(builder, model_args: dict, tp, plan, stage) -> list:
-    """The model's layers, those of ``stage`` built (all of them for a builder without ``layers``)."""
+    """The model's layers, those of ``stage`` built (all of them for a builder without ``stage_layers``)."""
     total = plan.stages[-1].layers[1] if plan.stages[-1].layers is not None else None
     held = range(*stage.layers) if stage.layers is not None else None
     layers = build_layers(builder, model_args, tp, held, total)

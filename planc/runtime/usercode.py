@@ -9,7 +9,7 @@ import inspect
 import os
 import sys
 
-__all__ = ["load_callable", "accepts_tensor_parallel", "build_layers", "accepts_layers", "is_hf", "data_arguments", "hf_builder",
+__all__ = ["load_callable", "accepts_tensor_parallel", "build_layers", "accepts_stage_layers", "is_hf", "data_arguments", "hf_builder",
            "builtin_function"]
 
 
@@ -66,7 +66,7 @@ def accepts_tensor_parallel(builder) -> bool:
 SHARE_KEYWORD = "stage_layers"   # not ``layers``: the bundled builders' (and users') own layer-count argument
 
 
-def accepts_layers(builder) -> bool:
+def accepts_stage_layers(builder) -> bool:
     """Whether the model builder takes the keyword ``stage_layers`` (builds only the layers a rank holds)."""
     return _accepts(builder, SHARE_KEYWORD)
 
@@ -82,7 +82,7 @@ def build_layers(builder, model_args: dict, tensor_parallel=None, layers: range 
     kwargs = dict(model_args)
     if accepts_tensor_parallel(builder):
         kwargs["tensor_parallel"] = tensor_parallel
-    share = layers is not None and accepts_layers(builder)
+    share = layers is not None and accepts_stage_layers(builder)
     if share:
         kwargs[SHARE_KEYWORD] = layers
     built = builder(**kwargs)
