@@ -160,3 +160,24 @@ def test_two_launched_plans_start_from_the_spec_weights_bitwise(tmp_path):
         assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
         plan = json.loads((tmp_path / name / "plan.json").read_text())
         compare_dumps(tmp_path / f"dump-{name}", stage_ranks(plan), ref, rtol=0, atol=0)
+
+
+@pytest.mark.slow
+def test_build_only_reports_every_ranks_share_beside_the_prediction(tmp_path):
+    """``train.py --build-only``: every stage rank builds its share, rank 0 prints each rank's bytes and build
+    peak beside plan.json's memory parts, and the job ends without training."""
+    import re
+    from e2e_util import ROOT, run_direct
+    from planc.cli import main
+    assert main(["compile", str(ROOT / "plans" / "llama-unequal.plan"), "-o", str(tmp_path / "out")]) == 0
+    r = run_direct(tmp_path / "out", "--build-only")
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "built each rank's share" in r.stdout and "step 0 loss" not in r.stdout
+    reports = json.loads(re.search(r"^build report: (.*)$", r.stdout, re.M)[1])
+    plan = json.loads((tmp_path / "out" / "plan.json").read_text())
+    memory = {s["stage"]: s["memory"] for s in plan["pipeline"]["stages"]}
+    assert sorted(x["rank"] for x in reports) == [0, 1, 2, 3, 4]
+    for x in reports:
+        assert x["predicted"] == memory[x["stage"]]
+        assert x["parameters"] == memory[x["stage"]]["parameters"]   # fp32: what the model says, to the byte
+        assert x["build_peak"] is not None and x["build_peak"] >= 0

@@ -267,7 +267,7 @@ def _main(argv=None, out_dir: str | None = None) -> int:
     _fail_together(problems)
     clock.mark("model build")
     if args.build_only:   # docs/memory.md, "Checking the model"
-        build_only(rank, stage, layers if stage else None, initial, build_stats, out_dir)
+        build_only(rank, stage, layers if stage else None, initial, build_stats, plan)
         return _close()
 
     tracer = Tracer(rank, stage.index if stage is not None else None) if args.trace else None

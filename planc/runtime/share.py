@@ -14,7 +14,6 @@ baseline is not counted). ``build_report`` puts what the rank holds beside plan.
 from __future__ import annotations
 
 import json
-import os
 import time
 
 import torch
@@ -99,21 +98,21 @@ def held_bytes(layers, initial=None) -> dict:
             "masters": nbytes((initial or {}).values())}
 
 
-def predicted(out_dir: str, stage: int) -> dict:
-    """plan.json's ``pipeline.stages[stage].memory`` (bytes by part), {} where the plan has none."""
+def predicted(plan, stage: int) -> dict:
+    """plan.json's ``pipeline.stages[stage].memory`` (bytes by part) from the bytes the runtime loaded, {}
+    where the plan has none."""
     try:
-        with open(os.path.join(out_dir, "plan.json")) as f:
-            raw = json.load(f)
+        raw = json.loads(plan.raw)
         return next((dict(s.get("memory") or {}) for s in raw["pipeline"].get("stages", [])
                      if int(s.get("stage", -1)) == stage), {})
-    except (OSError, ValueError, KeyError):
+    except (TypeError, ValueError, KeyError):
         return {}
 
 
-def build_report(rank: int, stage: int, layers, initial, stats: dict, out_dir: str) -> dict:
+def build_report(rank: int, stage: int, layers, initial, stats: dict, plan) -> dict:
     held = held_bytes(layers, initial)
     return {"rank": rank, "stage": stage, **held, "build_peak": stats["peak_over_before"], **stats,
-            "predicted": predicted(out_dir, stage)}
+            "predicted": predicted(plan, stage)}
 
 
 def _mib(x) -> str:
@@ -131,13 +130,13 @@ def format_report(reports: list[dict]) -> str:
     return "\n".join(rows)
 
 
-def build_only(rank: int, stage, layers, initial, stats, out_dir: str) -> None:
+def build_only(rank: int, stage, layers, initial, stats, plan) -> None:
     """``--build-only``: every stage rank's report gathered; rank 0 prints the table."""
     import torch.distributed as dist
     mine = None
     if stage is not None:
         lo, hi = stage.layers if stage.layers is not None else (0, len(layers))
-        mine = build_report(rank, stage.index, layers[lo:hi], initial, stats, out_dir)
+        mine = build_report(rank, stage.index, layers[lo:hi], initial, stats, plan)
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, mine)
     if rank == 0:
