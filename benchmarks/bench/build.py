@@ -28,6 +28,8 @@ import textwrap
 import time
 from pathlib import Path
 
+from benchmarks.bench.launching import launch_sh
+
 ROOT = Path(__file__).resolve().parents[2]
 BYTES = ROOT / "examples" / "bytes.py"
 MiB = 2 ** 20
@@ -78,15 +80,7 @@ def _compile(name: str, out: Path) -> dict:
 
 
 def _launch(out: Path, *args: str, timeout: float = 1200) -> str:
-    bin_dir = str(Path(sys.executable).parent)
-    env = dict(os.environ, DS_ACCELERATOR="cpu", PYTHONPATH="", PYTHON=sys.executable,
-               PATH=bin_dir + os.pathsep + os.environ.get("PATH", ""))
-    r = subprocess.run(["bash", str(out / "launch.sh"), *args], env=env, capture_output=True, text=True,
-                       timeout=timeout, cwd=out)
-    if r.returncode != 0:
-        raise RuntimeError(f"benchmarks bench build: {out.name} {' '.join(args)} failed:\n{r.stdout[-3000:]}"
-                           f"{r.stderr[-3000:]}")
-    return r.stdout
+    return launch_sh(out, *args, bench="build", timeout=timeout)
 
 
 _BEFORE = textwrap.dedent("""\

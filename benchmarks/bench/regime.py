@@ -19,11 +19,11 @@ import os
 import platform
 import re
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
+
+from benchmarks.bench.launching import launch_sh
 
 ROOT = Path(__file__).resolve().parents[2]
 PLAN = ROOT / "plans" / "gpt-bench-2x2.plan"
@@ -52,15 +52,8 @@ def _compile(text: str, out: Path) -> dict:
 
 
 def _launch(out: Path, stats: Path, timeout: float = 600) -> list[float]:
-    bin_dir = str(Path(sys.executable).parent)
-    env = dict(os.environ, DS_ACCELERATOR="cpu", PYTHONPATH="", PYTHON=sys.executable,
-               PATH=bin_dir + os.pathsep + os.environ.get("PATH", ""))
-    r = subprocess.run(["bash", str(out / "launch.sh"), "--steps", str(STEPS), "--memory-stats", str(stats)],
-                       env=env, capture_output=True, text=True, timeout=timeout, cwd=out)
-    if r.returncode != 0:
-        raise RuntimeError(f"benchmarks bench regime: the launch of {out.name} failed:\n{r.stdout[-2000:]}"
-                           f"{r.stderr[-2000:]}")
-    return [float(t) for t in re.findall(r"^step \d+ loss \S+ time ([0-9.]+) s", r.stdout, re.M)]
+    text = launch_sh(out, "--steps", STEPS, "--memory-stats", stats, bench="regime", timeout=timeout)
+    return [float(t) for t in re.findall(r"^step \d+ loss \S+ time ([0-9.]+) s", text, re.M)]
 
 
 def measure() -> list[dict]:
