@@ -181,3 +181,95 @@ def test_build_only_reports_every_ranks_share_beside_the_prediction(tmp_path):
         assert x["predicted"] == memory[x["stage"]]
         assert x["parameters"] == memory[x["stage"]]["parameters"]   # fp32: what the model says, to the byte
         assert x["build_peak"] is not None and x["build_peak"] >= 0
+
+
+# ---------------------------------------------------------------- vocabulary parallelism (2 gloo ranks)
+
+def vocab_worker(rank, world, payload):
+    """Each case: the whole model built as a tensor-2 share (every layer held), run as a chain on the same
+    ids; the loss (parallel cross-entropy) and every parameter's gradient equal the spec model's whole
+    forward and backward (shards compared with their slices)."""
+    import torch
+    import torch.distributed as dist
+    from planc.runtime import hf
+    from planc.runtime.hf_vocab import VOCAB_ATTR, loss_for
+    from planc.runtime.tensor_parallel import TensorParallel, shard_info, shard_of
+    import transformers as tf
+    torch.set_default_dtype(torch.float64)
+    out = []
+    for arch, extra, builtin in payload["cases"]:
+        config = hf.config_from_keys(arch, {**SMALL, "num_hidden_layers": 2, **extra})
+        config.torch_dtype = torch.float64
+        tp = TensorParallel(dist.group.WORLD, rank, world, tuple(range(world)))
+        layers = [layer.double() for layer in hf.build_share(config, 3, range(0, 4), tp)]   # buffers too, as ref's
+        emb = layers[0].embed_tokens
+        assert getattr(emb, VOCAB_ATTR)[1:] == (rank * 32, rank * 32 + 32, 64), getattr(emb, VOCAB_ATTR)
+        assert emb.weight.shape[0] == 32 and layers[-1].lm_head.weight.shape[0] == 32
+        if extra.get("tie_word_embeddings"):
+            assert layers[-1].lm_head.weight is emb.weight
+        ids = torch.randint(0, 64, (2, 10), generator=torch.Generator().manual_seed(5))
+        user = lambda logits, labels: tf.loss.loss_utils.ForCausalLMLoss(logits, labels, vocab_size=64)  # noqa: E731
+        loss_fn = loss_for(layers, hf.causal_lm_loss if builtin else user, builtin)
+        h = ids
+        for layer in layers:
+            h = layer(h)
+        loss = loss_fn(h, ids)
+        loss.backward()
+        ref = spec_model(config, 3, hf.attn_implementation(arch)).double()
+        r = ref(input_ids=ids, labels=ids)
+        r.loss.backward()
+        torch.testing.assert_close(loss, r.loss, rtol=1e-6, atol=1e-7)
+        want = dict(ref.named_parameters())
+        for layer in layers:
+            for local, p in layer.named_parameters():
+                name = layer.planc_param_names[local]
+                w, g = want[name].detach(), want[name].grad
+                info = shard_info(p)
+                if info is not None:
+                    w, g = shard_of(w, *info), shard_of(g, *info)
+                torch.testing.assert_close(p.detach(), w, rtol=0, atol=0, msg=name)
+                # the cross-entropy runs in fp32 in both (HF's loss upcasts with .float()): fp32's noise
+                torch.testing.assert_close(p.grad, g, rtol=1e-5, atol=1e-7, msg=lambda m: f"{arch} {name}: {m}")
+        out.append(f"{arch} {float(loss.detach()):.6f}")
+    return "\n".join(out)
+
+
+def test_vocabulary_parallel_embedding_head_and_loss_match_the_whole_model():
+    import test_runtime_harness as H
+    cases = [("LlamaForCausalLM", {}, True), ("LlamaForCausalLM", {"tie_word_embeddings": True}, True),
+             ("Gemma2ForCausalLM", {"head_dim": 8}, True), ("LlamaForCausalLM", {}, False)]
+    texts = H.run_ranks(vocab_worker, 2, {"cases": cases})
+    import ast
+    lines = [ast.literal_eval(texts[r].strip()).splitlines() for r in range(2)]
+    assert lines[0] == lines[1] and len(lines[0]) == len(cases)   # both tensor ranks computed the one loss
+
+
+def test_a_tie_across_stages_or_a_vocabulary_that_does_not_divide_stays_whole():
+    from planc.runtime import hf
+    from planc.runtime.hf_vocab import VOCAB_ATTR
+    from planc.runtime.tensor_parallel import TensorParallel
+    tp = TensorParallel(group=None, rank=0, size=2, members=(0, 1))
+    tied = _config("LlamaForCausalLM", tie_word_embeddings=True)
+    layers = hf.build_share(tied, 0, range(3, 5), tp)   # the head alone: its table is tied to stage 0's
+    assert layers[-1].lm_head.weight.shape[0] == 64 and not hasattr(layers[-1], VOCAB_ATTR)
+    odd = _config("LlamaForCausalLM", vocab_size=63)
+    layers = hf.build_share(odd, 0, range(0, 1), tp)
+    assert layers[0].embed_tokens.weight.shape[0] == 63 and not hasattr(layers[0].embed_tokens, VOCAB_ATTR)
+
+
+def test_a_folder_of_pytorch_bin_files_is_memory_mapped(tmp_path):
+    """A folder with only ``pytorch_model.bin``: read through torch.load(mmap=True), the same values."""
+    from planc.runtime import hf
+    config = _config("LlamaForCausalLM")
+    model = spec_model(config, 2)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(1.5)
+    (tmp_path / "m").mkdir()
+    config.save_pretrained(tmp_path / "m")
+    torch.save(model.state_dict(), tmp_path / "m" / "pytorch_model.bin")
+    folder_config, _ = hf.config_from_folder(str(tmp_path / "m"))
+    layers = hf.build_share(folder_config, 0, range(2, 4), folder=str(tmp_path / "m"))
+    want = dict(model.named_parameters())
+    for name, p in _named(layers, range(2, 4)).items():
+        assert torch.equal(p.detach(), want[name].detach()), name
