@@ -128,14 +128,23 @@ def test_parallelize_refuses_what_check_degree_refuses():
 def test_traffic_of_llama_by_hand():
     """Per layer: g after o_proj and after down_proj forward; f before q|k|v and before gate|up backward."""
     t = hf_tp.layer_traffic(make_config("llama"), rows=3, seq=7, dtype_bytes=2)
-    assert t == {"forward": [3 * 7 * 32 * 2] * 2, "backward": [3 * 7 * 32 * 2] * 2, "errors": []}
+    assert t == {"forward": [3 * 7 * 32 * 2] * 2, "backward": [3 * 7 * 32 * 2] * 2, "errors": [],
+                 "forward_kinds": ["all_reduce"] * 2, "backward_kinds": ["all_reduce"] * 2}
+    # sequence-parallel: each region's input gathered and its output reduce-scattered (full widths), the two
+    # norms' gradients (32 each) summed last
+    t = hf_tp.layer_traffic(make_config("llama"), rows=3, seq=8, dtype_bytes=2, sequence=True)
+    tok = 3 * 8 * 2
+    assert t == {"forward": [tok * 32] * 4, "forward_kinds": ["all_gather", "reduce_scatter"] * 2,
+                 "backward": [tok * 32] * 4 + [64, 64],
+                 "backward_kinds": ["all_gather", "reduce_scatter"] * 2 + ["all_reduce"] * 2, "errors": []}
     # Phi-3: gathers of q|k|v (64 wide) and gate|up (128), g after o_proj and down_proj; backward the
     # gradient gathers of o_proj's input (32) and down_proj's (64), f before qkv_proj and gate_up_proj
     t = hf_tp.layer_traffic(make_config("phi3"), rows=1, seq=1, dtype_bytes=4)
     assert t == {"forward": [4 * 64, 4 * 32, 4 * 128, 4 * 32], "backward": [4 * 64, 4 * 32, 4 * 32, 4 * 32],
-                 "errors": []}
+                 "errors": [], "forward_kinds": ["all_reduce"] * 4, "backward_kinds": ["all_reduce"] * 4}
     t = hf_tp.layer_traffic(transformers.GPT2Config(), rows=1, seq=1, dtype_bytes=4)
-    assert t == {"forward": [], "backward": [], "errors": ["GPT2Config has no base_model_tp_plan entries 'layers.*.…'"]}
+    assert t == {"forward": [], "backward": [], "errors": ["GPT2Config has no base_model_tp_plan entries 'layers.*.…'"],
+                 "forward_kinds": [], "backward_kinds": []}
 
 
 # ---- two gloo ranks against the unsharded layer and torch's DTensor tensor parallelism ----
@@ -285,3 +294,118 @@ def test_two_ranks_match_the_unsharded_layer_and_torch_tensor_parallel():
         assert set(report) == set(MODELS)
         for name, (sharded, reduces) in report.items():
             assert sharded >= 4 and reduces >= 4, (r, name, sharded, reduces)
+
+
+# ---- sequence parallelism: two gloo ranks, each with its part of the sequence, against the unsharded layer ----
+
+SP_SEQ = 6
+
+
+def sequence_worker(rank, world, payload):
+    import torch
+    import torch.distributed as dist
+
+    from planc.runtime.tensor_parallel import TensorParallel, shard_info, shard_of
+
+    class Logged(TensorParallel):   # every collective the layer issues, in order: (kind, bytes of the whole)
+        def __init__(self, *a):
+            super().__init__(*a)
+            self.log = []
+
+        def all_reduce(self, t):
+            self.log.append(("all_reduce", t.numel() * t.element_size()))
+            return super().all_reduce(t)
+
+        def all_gather_seq(self, x):
+            self.log.append(("all_gather", x.numel() * x.element_size() * self.size))
+            return super().all_gather_seq(x)
+
+        def reduce_scatter_seq(self, x):
+            self.log.append(("reduce_scatter", x.numel() * x.element_size()))
+            return super().reduce_scatter_seq(x)
+
+    torch.set_default_dtype(torch.float64)
+    close = dict(rtol=1e-5, atol=1e-9)
+    report = {}
+    part = SP_SEQ // world
+    own = slice(rank * part, (rank + 1) * part)
+    for name in payload["models"]:
+        config = make_config(name)
+        torch.manual_seed(0)
+        base = transformers.AutoModel.from_config(config)
+        with torch.no_grad():
+            for p in base.parameters():
+                p.add_(torch.randn_like(p) * 0.1)
+        base.train()
+        plan = hf_tp.layer_tp_plan(config)
+        full = base.layers[0]
+        ours = copy.deepcopy(full)
+        gen = torch.Generator().manual_seed(1)
+        x = torch.randn(ROWS, SP_SEQ, config.hidden_size, generator=gen)
+        w = torch.randn(ROWS, SP_SEQ, config.hidden_size, generator=gen)
+        ref_out, ref_dx = _run_layer(full, base, x, w)
+        ref = dict(full.named_parameters())
+
+        tp = Logged(dist.group.WORLD, rank, world, tuple(range(world)))
+        tp.sequence_parallel = True
+        hf_tp.parallelize_layer(ours, plan, tp)
+        pos = torch.arange(SP_SEQ).unsqueeze(0).expand(ROWS, -1)
+        xs = x[:, own].detach().clone().requires_grad_(True)
+        tp.log = []
+        out = ours(xs, position_embeddings=base.rotary_emb(x, pos))
+        out = out[0] if isinstance(out, tuple) else out
+        assert out.shape == (ROWS, part, config.hidden_size), (name, out.shape)
+        (out * w[:, own]).sum().backward()
+        torch.testing.assert_close(out.detach(), ref_out[:, own], **close, msg=lambda m: f"{name} output: {m}")
+        torch.testing.assert_close(xs.grad, ref_dx[:, own], **close, msg=lambda m: f"{name} input grad: {m}")
+        summed = 0
+        for k, p in ours.named_parameters():
+            info = shard_info(p)
+            want_p, want_g = ref[k], ref[k].grad
+            if info is not None:
+                want_p, want_g = (shard_of(t, *info) for t in (want_p, want_g))
+            else:
+                summed += 1
+            torch.testing.assert_close(p.detach(), want_p.detach(), rtol=0, atol=0)
+            torch.testing.assert_close(p.grad, want_g, **close, msg=lambda m: f"{name} {k}.grad: {m}")
+        expect = hf_tp.layer_traffic(config, ROWS, SP_SEQ, 8, sequence=True)
+        kinds = {"forward": expect["forward_kinds"], "backward": expect["backward_kinds"]}
+        n = len(expect["forward"])
+        want = (list(zip(kinds["forward"], expect["forward"])), list(zip(kinds["backward"], expect["backward"])))
+        # forward in the order issued; backward as a multiset (the sums of the norms' gradients come where
+        # the model applies the norms, which layer_traffic lists last)
+        assert tp.log[:n] == want[0] and sorted(tp.log[n:]) == sorted(want[1]), (name, tp.log, expect)
+        report[name] = (summed, len(tp.log))
+    return report
+
+
+SP_MODELS = ("llama", "qwen2", "qwen3", "mistral", "gemma", "olmo2", "phi3", "gpt_neox", "exaone4")
+
+
+def test_sequence_parallel_layers_match_the_unsharded_layer_on_their_part_of_the_sequence():
+    can = [m for m in SP_MODELS if hf_tp.check_sequence(make_config(m), 2) is None]
+    assert {"llama", "qwen3", "phi3", "olmo2"} <= set(can), can
+    texts = H.run_ranks(sequence_worker, 2, {"models": can})
+    import ast
+    for r in range(2):
+        report = ast.literal_eval(texts[r].strip())
+        assert set(report) == set(can)
+        for name, (summed, collectives) in report.items():
+            assert summed >= 2 and collectives >= 8, (r, name, summed, collectives)
+
+
+def test_sequence_parallel_refusals_name_the_reason():
+    import torch
+    config = make_config("llama")
+    layer = copy.deepcopy(transformers.AutoModel.from_config(config).layers[0])
+    plan = dict(hf_tp.layer_tp_plan(config))
+    assert hf_tp.sequence_problem(layer, plan) is None
+    flat = {**plan, "input_layernorm": "replicated_with_grad_allreduce"}
+    assert hf_tp.sequence_problem(layer, flat) is None   # a replicated module outside the regions: summed anyway
+    direct = {"proj": "colwise", **plan}
+    layer.proj = torch.nn.Linear(32, 32)
+    assert hf_tp.sequence_problem(layer, direct) == \
+        "the tp plan splits proj directly in the decoder layer (no module to gather around)"
+    no_row = {k: v for k, v in plan.items() if k != "mlp.down_proj"}
+    assert hf_tp.sequence_problem(copy.deepcopy(transformers.AutoModel.from_config(config).layers[0]), no_row) == \
+        "layers.*.mlp has no row-parallel projection to scatter its output along the sequence"

@@ -86,9 +86,10 @@ class Stage:
     data_groups: tuple[Group, ...] = ()
     model_groups: tuple[Group, ...] = ()
     extra: tuple = ()
+    sequence_parallel: bool = False    # activations split along the sequence over ``tensor`` (written where tensor > 1)
 
     KEYS = ("index", "layers", "devices", "mesh", "mesh_axes", "mesh_shape", "mesh_devices", "rows",
-            "data_groups", "model_groups")
+            "data_groups", "model_groups", "sequence_parallel")
 
     @staticmethod
     def read(at: At) -> "Stage":
@@ -122,7 +123,9 @@ class Stage:
             at.key("rows").fail("must give a row range for every device of the stage")
         st = Stage(at.key("index").int(0), layers, devices, at.key("mesh").value, axes, shape, mesh_devices,
                    tuple(sorted(rows)), at.key("data_groups", []).groups(), at.key("model_groups", []).groups(),
-                   extra(at, Stage.KEYS))
+                   extra(at, Stage.KEYS), at.key("sequence_parallel", False).bool())
+        if st.sequence_parallel and st.axis_size("tensor") < 2:
+            at.key("sequence_parallel").fail("true on a stage without a 'tensor' mesh axis of size > 1")
         for name in ("data_groups", "model_groups"):
             groups = getattr(st, name)
             if groups and sorted(d for g in groups for d in g) != list(devices):
@@ -159,7 +162,13 @@ class Stage:
             out["data_groups"] = lists(self.data_groups)
         if self.model_groups:
             out["model_groups"] = lists(self.model_groups)
+        if self.axis_size("tensor") > 1:
+            out["sequence_parallel"] = self.sequence_parallel
         return with_extra(out, self.extra)
+
+    def axis_size(self, name: str) -> int:
+        """The size of mesh axis ``name`` (1 when the stage has none)."""
+        return self.mesh_shape[self.mesh_axes.index(name)] if name in self.mesh_axes else 1
 
 
 

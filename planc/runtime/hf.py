@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from . import hf_init, hf_vocab
+from .tensor_parallel import gather_sequence_whole, scatter_sequence
 
 __all__ = ["ATTN_IMPLEMENTATION", "attn_implementation", "HfModelError", "config_from_keys", "config_from_record", "build_model",
            "pipeline_layers", "builder", "causal_lm_loss", "causal_lm_architectures"]
@@ -236,6 +237,9 @@ def build_share(config, seed: int, held: range, tp=None, folder: str | None = No
     hf_init.materialize(model, seed, wanted, done=done)
     if weights is not None:
         weights.close()
+    if plan is not None and getattr(tp, "sequence_parallel", False):   # hidden states split along the sequence
+        for i in held:
+            layers[i].sequence = tp
     if vocab:
         if vocab["tied"]:   # one stage holds both: the head takes the split table (tie_weights gave it)
             hf_vocab.split_head(vocab["head"], tp, weight=vocab["embedding"].weight)
@@ -274,12 +278,13 @@ class Embeddings(nn.Module):
         self.planc_param_names = {}
         for name, mod in parts.items():
             self.planc_param_names.update(_names(name, f"{base_prefix}.{name}".lstrip("."), mod))
+        self.sequence = None   # a sequence-parallel stage's TensorParallel: the output is the rank's part
 
     def forward(self, ids):
         h = ids
         for name in self.parts:
             h = getattr(self, name)(h)
-        return h
+        return h if self.sequence is None else scatter_sequence(h, self.sequence)
 
 
 def _mask_function(config, index: int):
@@ -302,15 +307,20 @@ class DecoderLayer(nn.Module):
         self.planc_label = hf_prefix.split(".", 1)[-1] if "." in hf_prefix else hf_prefix
         self._mask = _mask_function(config, index)
         self.planc_param_names = _names("layer", hf_prefix, layer)
+        self.sequence = None   # a sequence-parallel stage's TensorParallel: hidden is the rank's part of the sequence
 
     def forward(self, hidden):
-        positions = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
+        whole = hidden
+        if self.sequence is not None:   # the mask and positions are the whole sequence's (the regions gather it)
+            whole = hidden.new_zeros(()).expand(hidden.shape[0], hidden.shape[1] * self.sequence.size,
+                                                *hidden.shape[2:])
+        positions = torch.arange(whole.shape[1], device=hidden.device).unsqueeze(0)
         # on the meta device (the compile-time probe) HF's check for packed sequences cannot read the
         # positions: they are 0..T-1, one sequence per row, which is what it concludes on real tensors
-        mask = self._mask(self.config, hidden, None, None, position_ids=None if hidden.is_meta else positions)
+        mask = self._mask(self.config, whole, None, None, position_ids=None if hidden.is_meta else positions)
         extra = {}
         if hasattr(self, "rotary"):
-            extra["position_embeddings"] = self.rotary(hidden, positions)
+            extra["position_embeddings"] = self.rotary(whole, positions)
         out = self.layer(hidden, attention_mask=mask, position_ids=positions, use_cache=False, **extra)
         return out[0] if isinstance(out, tuple) else out
 
@@ -331,9 +341,12 @@ class Head(nn.Module):
             self.add_module(name, mod)
             self.planc_param_names.update(_names(name, name, mod))
         self.softcap = softcap
+        self.sequence = None   # a sequence-parallel stage's TensorParallel: hidden is the rank's part of the sequence
 
     def forward(self, hidden):
-        h = hidden
+        # the rank's part gathered: the norm runs on the whole sequence, and the head either repeats on every
+        # rank or (split by vocabulary) sums its input gradient over the group, so the gradient is whole
+        h = hidden if self.sequence is None else gather_sequence_whole(hidden, self.sequence)
         for name in self.parts:
             h = getattr(self, name)(h)
         if self.softcap is not None:
@@ -403,6 +416,7 @@ def builder(record: dict, out_dir: str, seed: int):
     importlib.import_module(model_class(config.architectures[0]).__module__)
 
     def build(tensor_parallel=None, stage_layers=None):
+        # sequence parallelism: ``tensor_parallel.sequence_parallel`` (plan.json stages[i].sequence_parallel)
         held = range(config.num_hidden_layers + 2) if stage_layers is None else stage_layers
         return build_share(config, seed, held, tensor_parallel, folder, attn=record.get("attn_implementation"))
     return build

@@ -14,7 +14,11 @@ Public API (called by the runtime's ``model hf`` support):
         execute, heads or widths that do not split into ``degree`` equal parts), else None.
     parallelize_layer(module, plan, tp) -> None
         shards one decoder layer in place for the rank's ``TensorParallel``: parameters stay plain
-        ``nn.Parameter``s holding the local shard, marked like ``TensorParallel.shard`` does.
+        ``nn.Parameter``s holding the local shard, marked like ``TensorParallel.shard`` does. With
+        ``tp.sequence_parallel`` the layer takes and returns its hidden states split along the sequence
+        (below).
+    sequence_problem(layer, plan) -> str | None / check_sequence(config, degree) -> str | None
+        why the layer (the config's layers) cannot run sequence-parallel, else None.
     layer_traffic(config, rows, seq, dtype_bytes) -> {"forward": [...], "backward": [...], "errors": []}
         the bytes of each all-reduce one device of the tensor group issues per decoder layer for one
         micro-batch of ``rows`` x ``seq`` tokens (the record ``probe.measure_tensor_traffic`` gives).
@@ -32,6 +36,19 @@ Styles (transformers' names; ``f``/``g`` are Megatron's operators of ``tensor_pa
     replicated_with_grad_allreduce
                              parameters replicated, each gradient summed over the group as it
                              arrives (Qwen3's per-head q_norm/k_norm see only the local heads)
+
+Sequence parallelism (``tp.sequence_parallel``; Megatron-LM's, Korthikanti et al. 2022). The layer's
+hidden states are [batch, sequence / size, hidden] on each rank: norms, residual adds and every other
+module outside the split projections run on the rank's part of the sequence. A *region* is a module
+whose direct children the tp plan splits (``self_attn``, ``mlp``): its input is all-gathered along the
+sequence on entry (backward: reduce-scattered, which sums the column-parallel projections' input
+gradients, so they skip f), and its row-parallel projections reduce-scatter their partial outputs along
+the sequence instead of all-reducing them (backward: all-gathered), so the region returns the rank's part.
+The gradients of the parameters that see only the rank's part of the sequence (the norms outside the
+regions, a row-parallel bias) are summed over the group as they arrive. A layer runs sequence-parallel
+only when this is exact (``sequence_problem``): every split projection's parent is a region other than
+the layer itself, each column-parallel projection takes its region's input as it came, and a region holds
+no parameter outside the tp plan.
 """
 from __future__ import annotations
 
@@ -41,9 +58,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .tensor_parallel import TensorParallel
+from .tensor_parallel import TensorParallel, gather_sequence, reduce_scatter_sequence
 
-__all__ = ["layer_tp_plan", "check_degree", "parallelize_layer", "layer_traffic", "STYLES"]
+__all__ = ["layer_tp_plan", "check_degree", "parallelize_layer", "layer_traffic", "STYLES", "sequence_problem",
+           "check_sequence"]
 
 _COLWISE = {"colwise": False, "colwise_gather_output": True, "colwise_rep": True}      # -> gather?
 _ROWWISE = {"rowwise": False, "rowwise_split_input": True, "rowwise_rep": True}        # -> split?
@@ -130,6 +148,49 @@ def check_degree(config, degree) -> str | None:
     return None
 
 
+def _regions(plan: dict) -> list[str]:
+    """The modules whose direct children the tp plan splits (in plan order, each once)."""
+    out = []
+    for name, style in plan.items():
+        parent = name.rpartition(".")[0]
+        if style != _REPLICATED and parent not in out:
+            out.append(parent)
+    return out
+
+
+def sequence_problem(layer: nn.Module, plan: dict) -> str | None:
+    """Why ``layer`` cannot run sequence-parallel by ``plan``, else None (the module docstring's conditions
+    that can be read from the modules; a column-parallel projection fed something else than its region's
+    input is found when the layer first runs)."""
+    if not plan:
+        return "its config has no tp plan for the decoder layers"
+    regions = _regions(plan)
+    if "" in regions:
+        names = [n for n, s in plan.items() if "." not in n and s != _REPLICATED]
+        return f"the tp plan splits {', '.join(names)} directly in the decoder layer (no module to gather around)"
+    for r in regions:
+        if any(o != r and (r.startswith(o + ".") or o.startswith(r + ".")) for o in regions):
+            return f"the tp plan splits projections at two depths under layers.*.{r}"
+    for r in regions:
+        if not any(s in _ROWWISE for n, s in plan.items() if n.rpartition(".")[0] == r):
+            return f"layers.*.{r} has no row-parallel projection to scatter its output along the sequence"
+    return None
+
+
+def check_sequence(config, degree) -> str | None:
+    """Why the config's decoder layers cannot run sequence-parallel over ``degree`` devices, else None (a
+    degree they cannot be split over at all is ``check_degree``'s)."""
+    plan = layer_tp_plan(config)
+    if degree == 1 or check_degree(config, degree):
+        return None
+    layers = _meta_layers(config)
+    for i, layer in enumerate(layers):
+        why = sequence_problem(layer, plan)
+        if why:
+            return why if i == 0 else f"decoder layer {i}: {why}"
+    return None
+
+
 class _GatherLast(torch.autograd.Function):
     """The shards along the last dim, in rank order, on every rank (an all-reduce of the zero-padded
     full width); backward: the gradient is replicated, each rank keeps its slice."""
@@ -170,22 +231,41 @@ class _LayerState:
     same tensor share one f, i.e. one all-reduce of its gradient). A deep copy keeps the group and
     starts with no inputs."""
 
-    def __init__(self, tp: TensorParallel):
-        self.tp, self.seen = tp, []
+    def __init__(self, tp: TensorParallel, sequence: bool = False):
+        self.tp, self.seen, self.sequence = tp, [], sequence
+        self.gathered: list = []   # sequence parallel: the regions' gathered inputs in this forward
 
     def __deepcopy__(self, memo):
-        return _LayerState(self.tp)
+        return _LayerState(self.tp, self.sequence)
 
     def clear(self, *_args):
-        self.seen = []
+        self.seen, self.gathered = [], []
 
     def f(self, x: torch.Tensor) -> torch.Tensor:
         for src, fx in self.seen:
             if src is x:
                 return fx
+        if self.sequence:
+            if any(g is x for g in self.gathered):   # the gather's backward already sums the input gradient
+                return x
+            raise RuntimeError("sequence parallelism: a column-parallel projection's input is not its module's "
+                               "input as the layer passed it, so its gradient would not be summed exactly once")
         fx = self.tp.copy_to_region(x)
         self.seen.append((x, fx))
         return fx
+
+    def gather_input(self, module, args, kwargs):
+        """A region's forward pre-hook: its hidden states (first positional argument or ``hidden_states``)
+        gathered along the sequence."""
+        if args:
+            g = gather_sequence(args[0], self.tp)
+            self.gathered.append(g)
+            return (g,) + tuple(args[1:]), kwargs
+        if "hidden_states" in kwargs:
+            g = gather_sequence(kwargs["hidden_states"], self.tp)
+            self.gathered.append(g)
+            return args, {**kwargs, "hidden_states": g}
+        raise RuntimeError(f"sequence parallelism: {type(module).__name__} was called without hidden states")
 
     def reduce_grad(self, grad: torch.Tensor) -> torch.Tensor:
         return self.tp.all_reduce(grad.clone(memory_format=torch.contiguous_format))
@@ -208,7 +288,10 @@ class TPLinear(nn.Linear):
             return _GatherLast.apply(y, st.tp) if _COLWISE[style] else y
         if _ROWWISE[style]:
             x = _SplitLast.apply(x, st.tp)
-        y = st.tp.reduce_from_region(F.linear(x, self.weight))
+        if st.sequence:
+            y = reduce_scatter_sequence(F.linear(x, self.weight), st.tp)
+        else:
+            y = st.tp.reduce_from_region(F.linear(x, self.weight))
         return y if self.bias is None else y + self.bias
 
 
@@ -239,10 +322,16 @@ def parallelize_layer(module: nn.Module, plan: dict, tp: TensorParallel | None) 
     attn = next((m for m in module.modules() if _is_attention(m)), None)
     config = getattr(attn, "config", None) or getattr(module, "config", None)
     why = _problem(module, plan, tp.size, config)
+    sequence = bool(getattr(tp, "sequence_parallel", False))
+    if not why and sequence:
+        why = sequence_problem(module, plan)
+        why = why and f"it cannot run sequence-parallel: {why}"
     if why:
         raise ValueError(why)
-    state = _LayerState(tp)
+    state = _LayerState(tp, sequence)
     head_split = set()
+    summed = set()   # parameters whose gradient is summed over the group as it arrives, or split
+    seq_biases = set()
     with torch.no_grad():
         for name, style in plan.items():
             sub = module.get_submodule(name)
@@ -250,10 +339,23 @@ def parallelize_layer(module: nn.Module, plan: dict, tp: TensorParallel | None) 
                 for p in sub.parameters():
                     if p.requires_grad:
                         p.register_hook(state.reduce_grad)
+                    summed.add(id(p))
                 continue
             _split_linear(sub, style, state)
+            summed.update(id(p) for p in sub.parameters())   # shards: nothing to sum, except ...
+            if sequence and style in _ROWWISE and sub.bias is not None:
+                summed.discard(id(sub.bias))   # ... a row-parallel bias, added to the rank's part of the sequence
+                seq_biases.add(id(sub.bias))
             if style == "colwise" and _is_attention(_parent(module, name)):
                 head_split.add(name.rpartition(".")[0])
+    if sequence:   # what sees only the rank's part of the sequence: its gradient summed over the group
+        regions = _regions(plan)
+        inside = {id(p) for r in regions for p in module.get_submodule(r).parameters()} - seq_biases
+        for p in module.parameters():
+            if id(p) not in summed and id(p) not in inside and p.requires_grad:
+                p.register_hook(state.reduce_grad)
+        for r in regions:
+            module.get_submodule(r).register_forward_pre_hook(state.gather_input, with_kwargs=True)
     for name in sorted(head_split):   # the attention module sees its local heads
         sub = module.get_submodule(name) if name else module
         for a in _HEAD_ATTRS:
@@ -264,39 +366,69 @@ def parallelize_layer(module: nn.Module, plan: dict, tp: TensorParallel | None) 
     module.register_forward_hook(state.clear)
 
 
-def layer_traffic(config, rows: int, seq: int, dtype_bytes: int) -> dict:
-    """The all-reduces one device of a tensor group issues per decoder layer for one micro-batch of
-    ``rows`` x ``seq`` tokens with activations (and gradients) of ``dtype_bytes`` bytes, in the order
-    issued: forward, g of every row-parallel projection and the padded gather of every
-    ``*_gather_output``; backward, one f per distinct input of column-parallel projections (siblings
-    under one module share their input), the gradient gather of every ``rowwise_split_input`` and one
-    per parameter of a ``replicated_with_grad_allreduce`` module (in reverse module order).
-    The tensor degree does not change the bytes: every all-reduce carries the full width. Widths are
+def layer_traffic(config, rows: int, seq: int, dtype_bytes: int, sequence: bool = False) -> dict:
+    """The collectives one device of a tensor group issues per decoder layer for one micro-batch of
+    ``rows`` x ``seq`` tokens with activations (and gradients) of ``dtype_bytes`` bytes: ``forward`` and
+    ``backward`` their bytes (of the whole tensor: an all-gather's output, a reduce-scatter's input),
+    ``forward_kinds`` and ``backward_kinds`` each one's collective (``all_reduce``, ``all_gather``,
+    ``reduce_scatter``), in the order issued.
+
+    Without sequence parallelism, all all-reduces: forward, g of every row-parallel projection and the
+    padded gather of every ``*_gather_output``; backward, one f per distinct input of column-parallel
+    projections (siblings under one module share their input), the gradient gather of every
+    ``rowwise_split_input`` and one per parameter of a ``replicated_with_grad_allreduce`` module (in
+    reverse module order). With ``sequence``: each region's input all-gathered (backward: reduce-scattered)
+    in place of f, every row-parallel output reduce-scattered (backward: all-gathered) in place of g, and
+    last in backward (their place among the others depends on where the model applies them), the sum of
+    every parameter gradient that sees only the rank's part of the sequence.
+    The tensor degree does not change the bytes: every collective carries the full width. Widths are
     decoder layer 0's (the supported models' layers are alike)."""
     plan = layer_tp_plan(config)
-    out: dict = {"forward": [], "backward": [], "errors": []}
+    out: dict = {"forward": [], "backward": [], "errors": [], "forward_kinds": [], "backward_kinds": []}
     if not plan:
         out["errors"].append(f"{type(config).__name__} has no base_model_tp_plan entries 'layers.*.…'")
         return out
     layer = _meta_layers(config)[0]
+    if sequence and (why := sequence_problem(layer, plan)):
+        out["errors"].append(f"not sequence-parallel: {why}")
+        return out
     tokens = int(rows) * int(seq) * int(dtype_bytes)
-    backward, f_inputs = [], set()
+    fwd, bwd, f_inputs, entered = [], [], set(), set()
     for name, style in plan.items():
         sub = layer.get_submodule(name)
+        parent = name.rpartition(".")[0]
         if style == _REPLICATED:
-            backward += [p.numel() * dtype_bytes for p in sub.parameters() if p.requires_grad]
+            bwd += [("all_reduce", p.numel() * dtype_bytes) for p in sub.parameters() if p.requires_grad]
         elif style in _COLWISE:
-            parent = name.rpartition(".")[0]
             if parent not in f_inputs:
                 f_inputs.add(parent)
-                backward.append(tokens * sub.in_features)
+                if sequence:   # the region's entry: gathered forward, reduce-scattered backward
+                    fwd.append(("all_gather", tokens * sub.in_features))
+                    bwd.append(("reduce_scatter", tokens * sub.in_features))
+                else:
+                    bwd.append(("all_reduce", tokens * sub.in_features))
             if _COLWISE[style]:
-                out["forward"].append(tokens * sub.out_features)
+                fwd.append(("all_reduce", tokens * sub.out_features))
         elif style in _ROWWISE:
-            out["forward"].append(tokens * sub.out_features)
+            if sequence and parent not in f_inputs:   # a region entered by its row-parallel projection
+                f_inputs.add(parent)
+                fwd.append(("all_gather", tokens * sub.in_features))
+                bwd.append(("reduce_scatter", tokens * sub.in_features))
             if _ROWWISE[style]:
-                backward.append(tokens * sub.in_features)
+                bwd.append(("all_reduce", tokens * sub.in_features))
+            fwd.append(("reduce_scatter" if sequence else "all_reduce", tokens * sub.out_features))
+            if sequence:
+                bwd.append(("all_gather", tokens * sub.out_features))
         else:
             out["errors"].append(f"layers.*.{name}: style {style} is not supported")
-    out["backward"] = backward[::-1]
+    bwd = bwd[::-1]
+    if sequence:
+        biases = {id(m.bias) for n, s in plan.items() if s in _ROWWISE
+                  and (m := layer.get_submodule(n)).bias is not None}
+        kept = {id(p) for r in _regions(plan) for p in layer.get_submodule(r).parameters()}
+        kept |= {id(p) for n in plan for p in layer.get_submodule(n).parameters()}
+        bwd += [("all_reduce", p.numel() * dtype_bytes) for p in layer.parameters()
+                if (id(p) not in kept or id(p) in biases) and p.requires_grad]
+    out["forward"], out["forward_kinds"] = [b for _, b in fwd], [k for k, _ in fwd]
+    out["backward"], out["backward_kinds"] = [b for _, b in bwd], [k for k, _ in bwd]
     return out

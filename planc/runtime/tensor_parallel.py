@@ -19,7 +19,19 @@ Public API (stable):
         .shard(tensor, dim, blocks=1) -> nn.Parameter
                   this rank's part of ``tensor`` along ``dim`` (see shard_of), marked
                   ``planc_shard = (dim, rank, size)`` (and ``planc_shard_blocks``)
+        .sequence_parallel   True when plan.json runs the rank's stage sequence-parallel
+                  (``stages[i].sequence_parallel``): activations between layers are split along
+                  dim 1 (the sequence) over the group, rank r holding the r-th of ``size`` equal parts
+        .all_gather_seq(x) / .reduce_scatter_seq(x)   the raw collectives along dim 1 (no autograd)
     copy_to_region(x, tp) / reduce_from_region(x, tp)     the same as functions
+    Sequence parallelism (Megatron-LM's, Korthikanti et al. 2022), on activations [batch, sequence, ...]:
+    gather_sequence(x, tp)          all-gather along dim 1; backward: reduce-scatter (before column-parallel
+                                    projections, which then skip f: the reduce-scatter sums their input gradient)
+    reduce_scatter_sequence(x, tp)  the partial sums reduce-scattered along dim 1 (after row-parallel
+                                    projections, instead of g); backward: all-gather
+    scatter_sequence(x, tp)         a replicated tensor's own part along dim 1; backward: all-gather
+    gather_sequence_whole(x, tp)    all-gather along dim 1 into a tensor whose later computation is replicated;
+                                    backward: the own part of the (replicated) gradient
     shard_of(tensor, dim, index, parts, blocks=1) -> Tensor
         ``dim`` viewed as ``blocks`` equal blocks (e.g. 3 for a fused q|k|v); part
         ``index`` of ``parts`` of every block, concatenated. blocks = 1: a plain chunk.
@@ -32,9 +44,11 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["TensorParallel", "copy_to_region", "reduce_from_region", "shard_of", "shard_info",
-           "context_from_plan", "TENSOR_AXIS"]
+           "context_from_plan", "TENSOR_AXIS", "gather_sequence", "reduce_scatter_sequence", "scatter_sequence",
+           "gather_sequence_whole", "SEQUENCE_DIM"]
 
 TENSOR_AXIS = "tensor"
+SEQUENCE_DIM = 1   # activations are [batch, sequence, ...] (Hugging Face's layout)
 
 
 def shard_of(tensor: torch.Tensor, dim: int, index: int, parts: int, blocks: int = 1) -> torch.Tensor:
@@ -77,6 +91,83 @@ class _ReduceFromRegion(torch.autograd.Function):
         return grad, None
 
 
+def _own_part(x: torch.Tensor, tp: "TensorParallel") -> torch.Tensor:
+    n = x.shape[SEQUENCE_DIM]
+    if n % tp.size:
+        raise ValueError(f"sequence length {n} does not split into {tp.size} equal parts (sequence parallelism)")
+    part = n // tp.size
+    return x.narrow(SEQUENCE_DIM, tp.rank * part, part).contiguous()
+
+
+class _GatherSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, tp):
+        ctx.tp = tp
+        return tp.all_gather_seq(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ctx.tp.reduce_scatter_seq(grad), None
+
+
+class _ReduceScatterSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, tp):
+        ctx.tp = tp
+        return tp.reduce_scatter_seq(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ctx.tp.all_gather_seq(grad), None
+
+
+class _ScatterSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, tp):
+        ctx.tp = tp
+        return _own_part(x, tp)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ctx.tp.all_gather_seq(grad), None
+
+
+class _GatherSequenceWhole(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, tp):
+        ctx.tp = tp
+        return tp.all_gather_seq(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _own_part(grad, ctx.tp), None
+
+
+def gather_sequence(x: torch.Tensor, tp: "TensorParallel") -> torch.Tensor:
+    """The sequence-split ``x`` gathered along dim 1 on every rank; its gradient reduce-scattered back (the
+    ranks' partial input gradients of the column-parallel projections that follow, summed)."""
+    return x if tp is None or tp.size == 1 else _GatherSequence.apply(x, tp)
+
+
+def reduce_scatter_sequence(x: torch.Tensor, tp: "TensorParallel") -> torch.Tensor:
+    """A row-parallel projection's partial outputs summed over the group, each rank keeping its part of the
+    sequence; the gradient all-gathered back."""
+    return x if tp is None or tp.size == 1 else _ReduceScatterSequence.apply(x, tp)
+
+
+def scatter_sequence(x: torch.Tensor, tp: "TensorParallel") -> torch.Tensor:
+    """A replicated ``x``'s own part along the sequence (no message); the parts' gradients all-gathered back,
+    since the replicated producer needs its whole gradient on every rank."""
+    return x if tp is None or tp.size == 1 else _ScatterSequence.apply(x, tp)
+
+
+def gather_sequence_whole(x: torch.Tensor, tp: "TensorParallel") -> torch.Tensor:
+    """The sequence-split ``x`` gathered along dim 1 for a computation every rank then repeats (or that reduces
+    its own input gradient over the group, as a column-parallel head does): its gradient arrives whole and
+    equal on every rank, and each keeps its part."""
+    return x if tp is None or tp.size == 1 else _GatherSequenceWhole.apply(x, tp)
+
+
 def copy_to_region(x: torch.Tensor, tp: "TensorParallel") -> torch.Tensor:
     """Megatron's f: the input of a column-parallel layer (identity; gradients summed over the group)."""
     return x if tp is None or tp.size == 1 else _CopyToRegion.apply(x, tp)
@@ -94,14 +185,38 @@ class TensorParallel:
         if not 0 <= rank < size:
             raise ValueError(f"tensor-parallel rank {rank} is not in 0..{size - 1}")
         self.group, self.rank, self.size, self.members = group, int(rank), int(size), tuple(members)
+        self.sequence_parallel = False
 
     def __repr__(self):
-        return f"TensorParallel(rank={self.rank}, size={self.size}, members={list(self.members)})"
+        sp = ", sequence_parallel=True" if self.sequence_parallel else ""
+        return f"TensorParallel(rank={self.rank}, size={self.size}, members={list(self.members)}{sp})"
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         if self.size > 1:
             dist.all_reduce(t, group=self.group)
         return t
+
+    def all_gather_seq(self, x: torch.Tensor) -> torch.Tensor:
+        """The ranks' parts of ``x`` along dim 1 concatenated in rank order (no autograd)."""
+        if self.size == 1:
+            return x
+        x = x.contiguous()
+        out = x.new_empty((self.size * x.shape[0],) + tuple(x.shape[1:]))
+        dist.all_gather_into_tensor(out, x, group=self.group)
+        parts = out.view((self.size,) + tuple(x.shape))
+        return torch.cat(parts.unbind(0), dim=SEQUENCE_DIM)
+
+    def reduce_scatter_seq(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` summed over the group, rank r keeping the r-th part along dim 1 (no autograd)."""
+        if self.size == 1:
+            return x
+        n = x.shape[SEQUENCE_DIM]
+        if n % self.size:
+            raise ValueError(f"sequence length {n} does not split into {self.size} equal parts (sequence parallelism)")
+        parts = torch.stack(x.chunk(self.size, dim=SEQUENCE_DIM), 0).contiguous()   # [size, batch, n/size, ...]
+        out = parts.new_empty(parts.shape[1:])
+        _reduce_scatter(out, parts.view((-1,) + tuple(parts.shape[2:])), group=self.group)
+        return out
 
     def copy_to_region(self, x: torch.Tensor) -> torch.Tensor:
         return copy_to_region(x, self)
@@ -116,6 +231,10 @@ class TensorParallel:
         if blocks != 1:
             p.planc_shard_blocks = int(blocks)
         return p
+
+
+# torch 2.13 renamed reduce_scatter_tensor (deprecated there); torch >= 2.4 has the old name
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def context_from_plan(plan, groups: dict, rank: int) -> TensorParallel | None:
@@ -136,4 +255,6 @@ def context_from_plan(plan, groups: dict, rank: int) -> TensorParallel | None:
                          f"'{TENSOR_AXIS}' axis has size {size}")
     if members not in groups:
         raise KeyError(f"tensor group {list(members)} is not in plan.json \"groups\"")
-    return TensorParallel(groups[members], stage.position(rank)[k], size, members)
+    tp = TensorParallel(groups[members], stage.position(rank)[k], size, members)
+    tp.sequence_parallel = bool(stage.sequence_parallel)
+    return tp
