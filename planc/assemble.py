@@ -42,7 +42,8 @@ def assemble(decisions, ctx) -> planfile.Plan:
     plan = planfile.Plan(
         program.name, cluster_record(cluster), groups, _ordered_groups(groups_used(backward, cluster)),
         tensor_groups, program.stage_mode,
-        tuple(stage_record(s, program.train.micro_batch if training else None) for s in stages), reds,
+        tuple(stage_record(s, program.train.micro_batch if training else None,
+                           next((p for p in program.stages if p.index == s.index), None)) for s in stages), reds,
         transfer_records(program, stages, transfers, backward),
         pipeline.record() if pipeline is not None else None,
         train, program.train.runtime, _head(program, ctx))

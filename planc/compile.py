@@ -36,7 +36,7 @@ from planc.pipeline.deadlock import check_rendezvous
 from planc.pipeline.schedules import PipelinePlan, build as build_pipeline
 from planc.pipeline.siminput import compiled_input
 from planc.placement import Placement, place, warm
-from planc.infer import chain_transfers, infer_transfers
+from planc.infer import chain_transfers, decide_sequence, infer_transfers
 from planc.probe import (ModelProbe, check_against_model, check_model_reductions, probe_for_cut, probe_model,
                          start_probe, tensor_traffic_by_stage)
 from planc.reduction import plan_reductions, plan_tied
@@ -174,7 +174,7 @@ def infer_pass(program: ir.Program, ctx: Context) -> ir.Program:
     if ctx.probe is not None:
         check_against_model(program, ctx.probe)
         check_model_reductions(program, ctx.probe)
-    return infer_transfers(program, ctx.probe)
+    return infer_transfers(decide_sequence(program, ctx.probe), ctx.probe)
 
 
 def _param_bytes(program: ir.Program, ctx: Context):
@@ -185,7 +185,7 @@ def _param_bytes(program: ir.Program, ctx: Context):
 def place_pass(program: ir.Program, ctx: Context) -> Placement:
     """The matrix, ranked by predicted communication: gradient reductions, transfers, and the
     tensor-parallel all-reduces the probe measured (no declaration needed; planc.probe.TensorTraffic)."""
-    return place(program, _param_bytes(program, ctx), tensor_traffic=tensor_traffic_by_stage(ctx.probe))
+    return place(program, _param_bytes(program, ctx), tensor_traffic=tensor_traffic_by_stage(ctx.probe, program))
 
 
 def reductions_pass(program: ir.Program, ctx: Context):

@@ -27,16 +27,45 @@ from planc.lang.errors import Diagnostic, PlanError, Span
 from planc.probe import ModelProbe, activation_dtype
 
 DATA_AXIS = ir.MeshAxis.DATA
+TENSOR_AXIS = ir.MeshAxis.TENSOR
 
 Mesh = tuple[tuple[int, ...], tuple[str, ...]]
 
 
-def derived_spec(ndim: int, mesh: Mesh | None) -> ir.ShardingSpec:
-    """The layout a training stage computes: dim 0 over the mesh axis ``data`` (size > 1), else R."""
+def derived_spec(ndim: int, mesh: Mesh | None, sequence: bool = False) -> ir.ShardingSpec:
+    """The layout a training stage computes: dim 0 over the mesh axis ``data`` (size > 1), else R; on a
+    sequence-parallel stage (``sequence``) dim 1, the sequence, over the mesh axis ``tensor``."""
     dims: list[tuple[int, ...]] = [()] * ndim
     if ndim and ir.axis_size(mesh, DATA_AXIS) > 1:
         dims[0] = (mesh[1].index(DATA_AXIS),)
+    if sequence and ndim >= 2 and ir.axis_size(mesh, TENSOR_AXIS) > 1:
+        dims[1] = (mesh[1].index(TENSOR_AXIS),)
     return ir.ShardingSpec(tuple(dims))
+
+
+def decide_sequence(program: ir.Program, probe: ModelProbe | None) -> ir.Program:
+    """Every stage with a mesh axis ``tensor`` > 1 marked sequence-parallel or given the reason it is not
+    (LANGUAGE.md "Hugging Face models"): on unless ``train { sequence_parallel = false }``, the model cannot
+    (a builder without the keyword ``sequence_parallel``, a tp plan without modules to gather around) or
+    the sequence does not split over the degree (the probe's ``sequence_errors``)."""
+    if program.model is None:
+        return program
+    out = []
+    for st in program.stages:
+        k = ir.axis_size(program.stage_mesh(st.index), TENSOR_AXIS)
+        if k < 2:
+            out.append(st)
+            continue
+        if not program.train.sequence_parallel:
+            why = "train { sequence_parallel = false }"
+        elif probe is None:
+            why = "the model was not probed (--no-probe), so planc cannot tell whether it can"
+        elif not probe.tensor_parallel:
+            why = "the model builder does not split its layers over tensor (no keyword tensor_parallel)"
+        else:
+            why = probe.sequence_problem(k)
+        out.append(dataclasses.replace(st, sequence_parallel=why is None, sequence_why=why))
+    return dataclasses.replace(program, stages=tuple(out))
 
 
 def same_layout(a: ir.ShardingSpec, b: ir.ShardingSpec, mesh: Mesh | None) -> bool:
@@ -60,6 +89,9 @@ def describe_layout(spec: ir.ShardingSpec, mesh: Mesh | None) -> str:
     if spec.dims and spec.dims[0]:
         over = ", ".join(f"{axes[a]} = {shape[a]}" for a in spec.dims[0])
         parts.append(f"batch rows split over {over}")
+    if len(spec.dims) > 1 and spec.dims[1]:
+        over = ", ".join(f"{axes[a]} = {shape[a]}" for a in spec.dims[1])
+        parts.append(f"the sequence split over {over}: sequence parallelism")
     rest = [axes[a] for a in range(len(axes)) if a not in split]
     if rest:
         parts.append("replicated over " + ", ".join(rest))
@@ -151,6 +183,7 @@ def infer_transfers(program: ir.Program, probe: ModelProbe | None) -> ir.Program
         return program
     errs: list[Diagnostic] = []
     out = []
+    sequence_stages = {s.index: s.sequence_parallel for s in program.stages}
     for t in program.transfers:
         dtype, shape = _type(t, probe, errs, program.train.precision)
         if shape is None:
@@ -159,7 +192,8 @@ def infer_transfers(program: ir.Program, probe: ModelProbe | None) -> ir.Program
         for side, stage, spec, span in (("source", t.src_stage, t.src_spec, t.src_spec_span),
                                         ("destination", t.dst_stage, t.dst_spec, t.dst_spec_span)):
             mesh = program.stage_mesh(stage)
-            want = derived_spec(len(shape), mesh)
+            sequence = sequence_stages.get(stage, False)
+            want = derived_spec(len(shape), mesh, sequence)
             at = _at(span, t.span)
             if spec is None:
                 problems = _spec_errors(t, side, want, shape, mesh, stage, at)
@@ -167,9 +201,12 @@ def infer_transfers(program: ir.Program, probe: ModelProbe | None) -> ir.Program
                 specs[side] = want if not problems else None
                 continue
             problems = _spec_errors(t, side, spec, shape, mesh, stage, at)
+            whole = derived_spec(len(shape), mesh)   # written replicated on a sequence-parallel stage: honoured
             if problems:
                 errs += problems
                 specs[side] = None
+            elif sequence and same_layout(spec, whole, mesh):
+                specs[side] = whole
             elif not same_layout(spec, want, mesh):
                 errs.append(Diagnostic(f"transfer '{t.name}': stage {stage} computes {describe_layout(want, mesh)}, "
                                        f"but the plan says {spec}", at))

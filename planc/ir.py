@@ -316,6 +316,10 @@ class Stage:
     span: Span = field(default=_NOSPAN, compare=False, repr=False)
     auto_layers: bool = False
     recompute: bool | None = None           # `stage I : ... recompute`; None: the train block's setting
+    # filled by planc.infer.decide_sequence for a stage with `tensor` > 1: its activations split along the
+    # sequence over `tensor` (LANGUAGE.md "Hugging Face models"), else why not
+    sequence_parallel: bool = False
+    sequence_why: str | None = None
 
     @property
     def explicit_devices(self) -> tuple[int, ...] | None:
@@ -425,6 +429,7 @@ class Train:
     zero: int = 0                    # 0 | 1 (ZeRO-1: master weights and optimizer state sharded over data)
     recompute: Recompute = Recompute.NONE   # every stage's default; Stage.recompute overrides
     clip: float | None = None        # global gradient-norm bound (None: no clipping)
+    sequence_parallel: bool = True   # where a stage has tensor > 1 and its model can (`= false`: nowhere)
     schedule_span: Span = field(default=_NOSPAN, compare=False, repr=False)   # `schedule = ...` as written
     # (setting, span of its value) as written: a setting that cannot be honoured is reported there
     setting_spans: tuple[tuple[str, Span], ...] = field(default=(), compare=False, repr=False)

@@ -34,6 +34,19 @@ class MeasuredTransfer:
     error: str | None = None
 
 
+def _allreduce_equivalents(ops) -> tuple[int, ...]:
+    out, gathers, scatters = [], [], []
+    for kind, nbytes in ops:
+        if kind == "all_reduce":
+            out.append(int(nbytes))
+        else:
+            (gathers if kind == "all_gather" else scatters).append(int(nbytes))
+    out += [(a + b) // 2 for a, b in zip(gathers, scatters)]
+    k = min(len(gathers), len(scatters))
+    out += [b // 2 for b in gathers[k:] + scatters[k:]]
+    return tuple(out)
+
+
 @dataclass(frozen=True, slots=True)
 class TensorTraffic:
     """What one device of a tensor-parallel stage all-reduces over its tensor group per micro-batch.
@@ -51,6 +64,20 @@ class TensorTraffic:
     forward: tuple[int, ...] = ()
     backward: tuple[int, ...] = ()
     error: str | None = None
+    # the same stage sequence-parallel: ((collective, bytes), ...) forward and backward, in issue order
+    # (collective all_reduce, all_gather or reduce_scatter; bytes of the whole tensor); None: not measured
+    sequence: tuple | None = None
+
+    def with_sequence(self) -> "TensorTraffic":
+        """This stage's traffic when it runs sequence-parallel, as all-reduce equivalents (the form placement
+        and the simulator price): in the ring model an all-gather and a reduce-scatter of N bytes each cost
+        half an all-reduce of N bytes, bandwidth and latency alike, so each all-gather is paired with a
+        reduce-scatter (in order) into one all-reduce of their mean size; one left unpaired counts as an
+        all-reduce of half its size (its latency counted whole)."""
+        if self.sequence is None:
+            return self
+        return dataclasses.replace(self, forward=_allreduce_equivalents(self.sequence[0]),
+                                   backward=_allreduce_equivalents(self.sequence[1]))
 
     @property
     def ops(self) -> tuple[int, ...]:
@@ -109,9 +136,21 @@ class ModelProbe:
     # per tensor degree, the ties (their first holder (layer, local name)) whose parameter the model splits
     # over a tensor group of that size: ((degree, ((layer, name), ...)), ...)
     tied_split: tuple[tuple[int, tuple[tuple[int, str], ...]], ...] = ()
+    # sequence parallelism: whether the model can run it at all (a Hugging Face model; a builder that takes
+    # the keyword ``sequence_parallel``), per tensor degree why it cannot, and what a device saves when it does
+    sequence_opts_in: bool = False
+    sequence_errors: tuple[tuple[int, str], ...] = ()
+    sequence_layer_saved: tuple = ()
 
     def measured(self, name: str) -> MeasuredTransfer | None:
         return next((m for m in self.transfers if m.name == name), None)
+
+    def sequence_problem(self, tensor: int) -> str | None:
+        """Why a stage of this tensor degree cannot run sequence-parallel, else None."""
+        if not self.sequence_opts_in:
+            return ("the model builder does not take the keyword sequence_parallel (docs/models.md)"
+                    if not self.hf else "the model cannot run it")
+        return dict(self.sequence_errors).get(int(tensor))
 
     def params_per_device(self, tensor: int) -> tuple[int, ...]:
         """Per layer, the parameters one device holds when its stage's ``tensor`` axis has this size."""
@@ -336,8 +375,10 @@ def probe_for_cut(chain: ModelProbe, program: ir.Program) -> ModelProbe | None:
         if None in parts:
             return None
         errors = "; ".join(p.error for p in parts if p.error) or None
+        sequence = None if any(p.sequence is None for p in parts) else (
+            sum((p.sequence[0] for p in parts), ()), sum((p.sequence[1] for p in parts), ()))
         traffic.append(TensorTraffic(st["stage"], st["degree"], st["rows"], sum((p.forward for p in parts), ()),
-                                     sum((p.backward for p in parts), ()), errors))
+                                     sum((p.backward for p in parts), ()), errors, sequence))
     flops = wants_flops(program)
     return dataclasses.replace(chain, transfers=tuple(measured), stage_tensor=stage_tensor, chain=False,
                                tensor_traffic=tuple(sorted(traffic, key=lambda t: t.stage)), layer_traffic=(),
@@ -359,7 +400,7 @@ def probe_from_json(doc: dict, micro_batch: int, stage_tensor=(), chain: bool = 
     flops = doc.get("layer_flops")
     traffic = tuple(TensorTraffic(int(t["stage"]), int(t["degree"]), int(t["rows"]),
                                   tuple(int(b) for b in t.get("forward", ())), tuple(int(b) for b in t.get("backward", ())),
-                                  "; ".join(t.get("errors") or ()) or None)
+                                  "; ".join(t.get("errors") or ()) or None, _sequence_ops(t.get("sequence")))
                     for t in doc.get("tensor_traffic") or ())
     return ModelProbe(
         layer_params=tuple(int(x) for x in doc["layer_params"]),
@@ -385,15 +426,35 @@ def probe_from_json(doc: dict, micro_batch: int, stage_tensor=(), chain: bool = 
         tied=tuple((tuple((int(i), str(n)) for i, n in t["holders"]), int(t["numel"])) for t in doc.get("tied") or ()),
         tied_split=tuple(sorted((int(k), tuple((int(i), str(n)) for i, n in v))
                                 for k, v in (doc.get("tied_split") or {}).items())),
+        sequence_opts_in=bool(doc.get("hf")) or bool(doc.get("sequence_opts_in")),
+        sequence_errors=tuple(sorted((int(k), str(v)) for k, v in (doc.get("sequence_errors") or {}).items())),
+        sequence_layer_saved=tuple(sorted((int(k), _saved(v))
+                                          for k, v in (doc.get("sequence_layer_saved") or {}).items())),
     )
 
 
-def tensor_traffic_by_stage(probe: ModelProbe | None) -> dict[int, tuple[tuple[int, ...], tuple[int, ...]]]:
-    """Per tensor-parallel stage, ``(forward, backward)``: the bytes of each all-reduce one device
-    issues over its tensor group per micro-batch (placement's input; empty without a measurement)."""
+def _sequence_ops(rec) -> tuple | None:
+    if not rec or rec.get("errors"):
+        return None
+    return tuple(tuple(zip((str(k) for k in rec[f"{side}_kinds"]), (int(b) for b in rec[side])))
+                 for side in ("forward", "backward"))
+
+
+def stage_traffic(probe: ModelProbe | None, program: ir.Program | None = None) -> tuple[TensorTraffic, ...]:
+    """The probe's tensor traffic per stage, a sequence-parallel stage's (``ir.Stage.sequence_parallel``) as
+    its all-reduce equivalents (``TensorTraffic.with_sequence``)."""
     if probe is None:
-        return {}
-    return {t.stage: (t.forward, t.backward) for t in probe.tensor_traffic if t.ops}
+        return ()
+    sp = {s.index for s in program.stages if s.sequence_parallel} if program is not None else set()
+    return tuple(t.with_sequence() if t.stage in sp else t for t in getattr(probe, "tensor_traffic", ()))
+
+
+def tensor_traffic_by_stage(probe: ModelProbe | None, program: ir.Program | None = None
+                            ) -> dict[int, tuple[tuple[int, ...], tuple[int, ...]]]:
+    """Per tensor-parallel stage, ``(forward, backward)``: the bytes of each all-reduce one device
+    issues over its tensor group per micro-batch (placement's input; empty without a measurement);
+    sequence-parallel stages as :func:`stage_traffic` gives them."""
+    return {t.stage: (t.forward, t.backward) for t in stage_traffic(probe, program) if t.ops}
 
 
 def _type_text(dtype: str | None, shape) -> str:

@@ -191,6 +191,30 @@ def test_llama_untied_two_tensor_stages_vocabulary_parallel_sgd(tmp_path):
     plan, sharded = train_and_compare(tmp_path, plan_path, "LlamaForCausalLM", keys, seq=12)
     assert plan["transfers"][0]["shape"] == [2, 12, 32]
     assert sharded["layers.0.embed_tokens.weight"] == sharded["layers.3.lm_head.weight"] == (0, 2, 1)
+    # sequence parallelism on both (the default): the boundary moves each tensor rank's part of the sequence
+    assert [s["sequence_parallel"] for s in plan["stages"]] == [True, True]
+    regions = plan["transfers"][0]["regions"]
+    assert sorted(tuple(r[1]) for r in regions["src"].values()) == [(0, 6), (6, 12)]
+    assert sorted(tuple(r[1]) for r in regions["dst"].values()) == [(0, 6), (0, 6), (6, 12), (6, 12)]
+
+
+@pytest.mark.slow
+def test_llama_sequence_parallel_stages_with_a_boundary_written_replicated_adamw(tmp_path):
+    """Vocabulary-parallel + sequence-parallel on two tensor stages (the second also data 2), AdamW + clip,
+    with the boundary written replicated: stage 0 gathers its sequence before sending, stage 1 receives the
+    whole sequence and keeps its part (LANGUAGE.md: a written replicated spec is honoured)."""
+    keys = {**SMALL, "num_hidden_layers": 2, "tie_word_embeddings": False}
+    plan_path = write_plan(tmp_path, "LlamaForCausalLM", keys, """\
+        stage 0 : layers 0..3 on devices 0..2 as (tensor = 2)
+        stage 1 : layers 3..4 on devices 2..6 as (data = 2, tensor = 2)
+        transfer h from stage 0 as R R R to stage 1 as S(data) R R
+        """, 6, "micro_batch = 2, micro_batches = 2, steps = 3, schedule = 1f1b, optimizer = adamw(lr = 1e-2), "
+                "clip = 1e6, seed = 3", seq=8)
+    plan, sharded = train_and_compare(tmp_path, plan_path, "LlamaForCausalLM", keys, seq=8, atol=1e-5)
+    assert [s["sequence_parallel"] for s in plan["stages"]] == [True, True]
+    regions = plan["transfers"][0]["regions"]
+    assert {tuple(r[1]) for side in ("src", "dst") for r in regions[side].values()} == {(0, 8)}
+    assert sharded["layers.0.embed_tokens.weight"] == (0, 2, 1)
 
 
 @pytest.mark.slow
@@ -242,6 +266,7 @@ def test_the_bundled_llama_plan_tied_across_stages_with_a_tensor_parallel_stage(
                                       aliases={"layers.4.lm_head.weight": "layers.0.embed_tokens.weight"},
                                       save=ckpt)
     assert plan["tensor_groups"] and sharded   # the projections of layers 1..2 are held as shards
+    assert plan["stages"][1]["sequence_parallel"] is True   # and their norms and residuals by the sequence
     tied = [r["tied"] for r in plan["reductions"] if r.get("tied")]
     assert len(tied) == 1 and sorted({h["stage"] for h in tied[0]["holders"]}) == [0, 1]
     assert main(["checkpoint", "export", str(ckpt), "--hf", str(tmp_path / "hf")]) == 0

@@ -164,6 +164,8 @@ def to_text(p: ir.Program) -> str:
         out.append(f"    timeout = {_num(t.timeout)} s")
     if t.save_every is not None:
         out.append(f"    save_every = {t.save_every}")
+    if not t.sequence_parallel:
+        out.append("    sequence_parallel = false")
     out.append("  }")
     if p.deepspeed_overrides:
         out.append(f'  deepspeed "{p.deepspeed_overrides}"')

@@ -14,8 +14,9 @@ __all__ = ["stage_record", "loss_devices"]
 DATA_AXIS = ir.MeshAxis.DATA
 
 
-def stage_record(s: ir.StageLayout, micro_batch: int | None) -> planfile.Stage:
-    """Stage ``s`` as plan.json writes it; ``micro_batch`` None: no training (no rows, no grid)."""
+def stage_record(s: ir.StageLayout, micro_batch: int | None, stage: ir.Stage | None = None) -> planfile.Stage:
+    """Stage ``s`` as plan.json writes it; ``micro_batch`` None: no training (no rows, no grid). ``stage``:
+    the program's, for its sequence parallelism (and why not, ``sequence_parallel_why``)."""
     devices = tuple(sorted(s.devices))
     mesh = (s.index, tuple(s.layers) if s.layers else None, devices, _as_lists(s.mesh()), tuple(s.axes), tuple(s.shape),
             tuple(s.devices))
@@ -27,7 +28,9 @@ def stage_record(s: ir.StageLayout, micro_batch: int | None) -> planfile.Stage:
     for d in devices:
         i = s.position(d)[k] if k is not None else 0
         rows.append((d, (i * micro_batch // data, (i + 1) * micro_batch // data)))
-    return planfile.Stage(*mesh, tuple(rows), _split(s, k, along=True), _split(s, k, along=False))
+    sp = stage is not None and stage.sequence_parallel
+    why = (("sequence_parallel_why", stage.sequence_why),) if stage is not None and stage.sequence_why else ()
+    return planfile.Stage(*mesh, tuple(rows), _split(s, k, along=True), _split(s, k, along=False), why, sp)
 
 
 def loss_devices(last: ir.StageLayout) -> tuple[int, ...]:

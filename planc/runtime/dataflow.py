@@ -15,7 +15,8 @@ import torch
 from planc.plan import Plan
 from .reshard import DTYPES
 
-__all__ = ["EngineError", "StageGraph", "apply_layers", "build_optimizer", "run_reference", "check_stage_shapes"]
+__all__ = ["EngineError", "StageGraph", "apply_layers", "build_optimizer", "run_reference", "check_stage_shapes",
+           "SequenceBoundary"]
 
 
 class EngineError(RuntimeError):
@@ -58,6 +59,35 @@ def apply_layers(layers, first: int, inputs, taps=()):
             tapped[first + i] = out
         args = tuple(out) if isinstance(out, (tuple, list)) else (out,)
     return out, tapped
+
+
+class SequenceBoundary:
+    """A sequence-parallel stage's transfers written replicated (LANGUAGE.md: an explicit replicated spec is
+    honoured, the boundary gathers): such an input arrives whole and the stage keeps its part of the sequence
+    (backward: the parts' gradients gathered back, the whole gradient sent); such an output is gathered
+    before it is sent (backward: the rank keeps its part of the whole gradient it receives). Transfers in the
+    derived layout (the sequence split over ``tensor``) pass as they are. ``tp``: the stage's sequence-parallel
+    ``TensorParallel`` (its layers' ``sequence``), None: nothing to do."""
+
+    def __init__(self, plan: Plan, rank: int, layers):
+        self.tp = next((t for t in (getattr(layer, "sequence", None) for layer in layers) if t is not None), None)
+        self.whole_in, self.whole_out = set(), set()
+        if self.tp is None:
+            return
+        for t in plan.transfers:
+            for side, names in (("dst", self.whole_in), ("src", self.whole_out)):
+                if rank in dict(getattr(t.forward, f"{side}_regions")):
+                    a, b = t.forward.region(side, rank)[1]
+                    if b - a == t.shape[1] and self.tp.size > 1:
+                        names.add(t.name)
+
+    def inputs(self, names, xs) -> list:
+        from .tensor_parallel import scatter_sequence
+        return [scatter_sequence(x, self.tp) if n in self.whole_in else x for n, x in zip(names, xs)]
+
+    def output(self, name: str, x):
+        from .tensor_parallel import gather_sequence_whole
+        return gather_sequence_whole(x, self.tp) if name in self.whole_out else x
 
 
 def build_optimizer(params, ds_config: dict):
@@ -121,6 +151,9 @@ def check_stage_shapes(plan: Plan, rank: int, layers, sample_x, device=None) -> 
             t = graph.by_name[n]
             region = t.forward.region("dst", rank)
             inputs.append(torch.zeros([b - a for a, b in region], dtype=DTYPES[t.dtype], device=device))
+    boundary = SequenceBoundary(plan, rank, layers)
+    if stage.index != 0:
+        inputs = boundary.inputs(incoming, inputs)
     taps = {graph.src_layer(graph.by_name[n]) for n in outgoing}
     # the check's forward must leave no trace: buffers a forward updates in training mode (BatchNorm's
     # running statistics and batch count) are put back as they were
@@ -139,6 +172,9 @@ def check_stage_shapes(plan: Plan, rank: int, layers, sample_x, device=None) -> 
     for n in outgoing:
         t = graph.by_name[n]
         out = tapped[graph.src_layer(t)]
+        if torch.is_tensor(out):
+            with torch.no_grad():
+                out = boundary.output(n, out)
         if not torch.is_tensor(out):
             problems.append(f"stage {stage.index}, transfer {n!r}: layer {graph.src_layer(t)} "
                             f"returns {type(out).__name__}, not a tensor")

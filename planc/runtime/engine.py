@@ -34,7 +34,7 @@ from deepspeed.runtime.pipe import schedule as ds_schedule
 from deepspeed.runtime.pipe.engine import PipelineEngine
 from deepspeed.runtime.pipe.module import PipelineModule
 
-from .dataflow import (EngineError, StageGraph, apply_layers, build_optimizer, check_stage_shapes,  # noqa: F401
+from .dataflow import (EngineError, SequenceBoundary, StageGraph, apply_layers, build_optimizer, check_stage_shapes,  # noqa: F401
                        run_reference)
 from planc.plan import Direction, Plan, Precision, Stage
 from .reduce import ReductionExecutor
@@ -111,6 +111,7 @@ class PlanEngine(PipelineEngine):
                               f"{plan.pipeline.micro_batches} micro-batches")
         self.incoming = self.graph.incoming(self.stage_id)
         self.outgoing = self.graph.outgoing(self.stage_id)
+        self.boundary = SequenceBoundary(plan, rank, self.module.forward_funcs)   # written-replicated transfers
         self.rows = self.stage.rows_of(rank)
         self.loss_weight = (self.rows[1] - self.rows[0]) / plan.train.micro_batch
         self.counts_loss = rank in plan.train.loss_devices
@@ -258,7 +259,7 @@ class PlanEngine(PipelineEngine):
 
     def _exec_forward_pass(self, buffer_id):
         held = self.held["inputs"][buffer_id]
-        inputs = [held["x"]] if self.is_first_stage() else [held[n] for n in self.incoming]
+        inputs = [held["x"]] if self.is_first_stage() else self.boundary.inputs(self.incoming, [held[n] for n in self.incoming])
         taps = {self.graph.src_layer(self.graph.by_name[n]) for n in self.outgoing}
         with self._saved_bytes(buffer_id):
             if self.recompute:   # keeps only the inputs; the forward reruns in backward
@@ -271,7 +272,7 @@ class PlanEngine(PipelineEngine):
                 tapped = dict(zip(order, values))
             else:
                 out, tapped = self.module(*inputs, taps=taps)
-        self.held["outputs"][buffer_id] = {n: tapped[self.graph.src_layer(self.graph.by_name[n])]
+        self.held["outputs"][buffer_id] = {n: self.boundary.output(n, tapped[self.graph.src_layer(self.graph.by_name[n])])
                                            for n in self.outgoing}
         if self.is_last_stage():
             # this device's rows' share of the micro-batch loss, in fp32 from the upcast output;

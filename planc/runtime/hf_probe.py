@@ -95,8 +95,14 @@ class _MetaTensorParallel(TensorParallel):
     def all_reduce(self, t):
         return t
 
+    def all_gather_seq(self, x):
+        return torch.cat([x] * self.size, dim=1)
 
-def _split_on_meta(layers, config, k: int, stages):
+    def reduce_scatter_seq(self, x):
+        return x.narrow(1, 0, x.shape[1] // self.size).contiguous()
+
+
+def _split_on_meta(layers, config, k: int, stages, sequence: bool = False):
     """A copy of the meta layers split as a tensor rank of ``k`` splits them (decoder layers by the tp plan,
     the embedding table and head by vocabulary where ``hf_vocab.splits``), to measure what it saves."""
     import copy
@@ -105,9 +111,13 @@ def _split_on_meta(layers, config, k: int, stages):
     vocab = _vocab_rows(layers, k, stages)
     out = copy.deepcopy(layers)
     tp = _MetaTensorParallel(None, 0, k)
+    tp.sequence_parallel = sequence
     plan = layer_tp_plan(config)
     for layer in out[1:-1]:
         parallelize_layer(layer.layer, plan, tp)
+    if sequence:   # hidden states split along the sequence between the layers (hf.build_share)
+        for layer in out:
+            layer.sequence = tp
     if vocab:
         emb = next(m for m in out[0].modules() if isinstance(m, torch.nn.Embedding))
         split_embedding(emb, tp)
@@ -145,7 +155,36 @@ def _traffic(config, layers, st: dict, seq: int, stages=(None,)) -> dict:
             rec["errors"] += [f"layer {i}: {e}" for e in t.get("errors", ())]
     if head:   # the parallel cross-entropy: the max, then the sum and the target's logit, a float per token
         rec["forward"] += [tokens, 2 * tokens]
+    if seq % rec["degree"] == 0 and not rec["errors"]:
+        rec["sequence"] = _sequence_traffic(config, rec, lo, hi, len(layers), decoders, tokens, bool(vocab), seq)
     return rec
+
+
+def _sequence_traffic(config, rec: dict, lo: int, hi: int, n: int, decoders, tokens: int, vocab: bool,
+                      seq: int) -> dict:
+    """The same stage sequence-parallel (``hf_tp`` module docstring): ``forward``/``backward`` bytes with
+    their ``*_kinds``, in the order issued (a decoder layer's norm gradient sums last in its backward)."""
+    from .hf_tp import layer_traffic
+    fwd, bwd = [], []   # (kind, bytes); bwd in forward order, reversed at the end
+    width = tokens * config.hidden_size
+    if lo == 0:   # the embedding: its partial lookups summed (split by vocabulary), then the rank's part
+        if vocab:
+            fwd.append(("all_reduce", width))
+        bwd.append(("all_gather", width))   # the part's gradient gathered back to the whole sequence
+    t = layer_traffic(config, int(rec["rows"]), seq, 4, sequence=True) if decoders else None
+    if t is not None and t.get("errors"):
+        return {"errors": [f"layers {decoders[0]}..{decoders[-1] + 1}: {e}" for e in t["errors"]]}
+    for _ in decoders:
+        fwd += list(zip(t["forward_kinds"], t["forward"]))
+        bwd += list(zip(t["backward_kinds"], t["backward"]))[::-1]
+    if hi >= n:   # the head gathers the whole sequence (its gradient comes back whole: no message)
+        fwd.append(("all_gather", width))
+        if vocab:
+            bwd.append(("all_reduce", width))   # the split head's input gradient (f)
+            fwd += [("all_reduce", tokens), ("all_reduce", 2 * tokens)]   # the parallel cross-entropy
+    bwd = bwd[::-1]
+    return {"forward": [b for _, b in fwd], "forward_kinds": [k for k, _ in fwd],
+            "backward": [b for _, b in bwd], "backward_kinds": [k for k, _ in bwd], "errors": []}
 
 
 def _check_ids(x, config) -> None:
@@ -231,10 +270,19 @@ def probe_hf(req: dict, run_graph, saved_by_layer, load, part) -> dict:
     degrees = sorted({int(k) for k in req.get("tensor_degrees", ()) if int(k) > 1})
     stage_ranges = req.get("stages") or [None]
     sharded = {str(k): sharded_params(layers, config, k, stage_ranges) for k in degrees}
-    shard_errors, split_saved = {}, {}
+    shard_errors, split_saved, sequence_errors, sequence_saved = {}, {}, {}, {}
     try:
         from .hf_tp import check_degree   # what the runtime's tensor parallelism refuses (issue 35)
         shard_errors = {str(k): why for k in degrees if (why := check_degree(config, k))}
+        from .hf_tp import check_sequence
+        seq = int(x.shape[1])
+        sequence_errors = {str(k): (check_sequence(config, k) or
+                                    (f"the sequence length {seq} does not split into {k} equal parts" if seq % k else None))
+                           for k in degrees if str(k) not in shard_errors}
+        sequence_errors = {k: why for k, why in sequence_errors.items() if why}
+        sequence_saved = {} if errors else {str(k): saved_by_layer(_split_on_meta(layers, config, k, stage_ranges, True),
+                                                                   x, stages, transfers)
+                                            for k in degrees if str(k) not in shard_errors and str(k) not in sequence_errors}
         # what one device of each degree the runtime can split keeps for backward (memory model)
         split_saved = {} if errors else {str(k): saved_by_layer(_split_on_meta(layers, config, k, stage_ranges),
                                                                 x, stages, transfers)
@@ -252,6 +300,8 @@ def probe_hf(req: dict, run_graph, saved_by_layer, load, part) -> dict:
                                        if torch.is_tensor(t)) if i in outputs else None for i in range(len(layers))],
             "layer_saved": saved_by_layer(layers, x, stages, transfers) if not errors else [],
             "sharded_layer_saved": split_saved,
+            # sequence parallelism per tensor degree: why a degree cannot run it, what a device saves when it does
+            "sequence_errors": sequence_errors, "sequence_layer_saved": sequence_saved,
             "layer_flops": flops, "flop_errors": flop_errors, "transfers": measured,
             "tensor_parallel": True, "sharded_layer_params": sharded, "shard_errors": shard_errors,
             "tensor_traffic": sorted(traffic, key=lambda t: t["stage"]), "graph_errors": errors,

@@ -58,6 +58,16 @@ def _enum_value(errs: Diagnostics, kv: ast.KeyValue | None, enum, default):
     return enum(text)
 
 
+def _bool_setting(errs: Diagnostics, kv: ast.KeyValue | None, default: bool) -> bool:
+    if kv is None:
+        return default
+    v = kv.value
+    if isinstance(v, ast.Name) and v.value in ("true", "false"):
+        return v.value == "true"
+    errs.add(f"{kv.key.value} must be true or false", v.span)
+    return default
+
+
 def _int_setting(errs: Diagnostics, kv: ast.KeyValue | None, default: int, minimum: int = 1) -> int:
     if kv is None:
         return default
@@ -176,7 +186,7 @@ def check_train(errs: Diagnostics, block: ast.SettingsBlock | None, parallel: ir
     """Training settings; ``micro_batch`` must divide over every stage's data axis."""
     s = _settings(errs, block, ["micro_batch", "micro_batches", "steps", "schedule", "optimizer", "lr_schedule",
                                 "precision", "zero", "recompute", "clip", "seed", "save_every", "timeout",
-                                *RUNTIME_KEYS])
+                                "sequence_parallel", *RUNTIME_KEYS])
     seed = _int_setting(errs, s.get("seed"), 1234, minimum=0)
     steps = _int_setting(errs, s.get("steps"), 10)
     train = ir.Train(
@@ -194,6 +204,7 @@ def check_train(errs: Diagnostics, block: ast.SettingsBlock | None, parallel: ir
         zero=check_zero(errs, s.get("zero")),
         recompute=_enum_value(errs, s.get("recompute"), ir.Recompute, ir.Recompute.NONE),
         clip=check_clip(errs, s.get("clip")),
+        sequence_parallel=_bool_setting(errs, s.get("sequence_parallel"), True),
         schedule_span=s["schedule"].value.span if "schedule" in s else (block.span if block else ir.Train().schedule_span),
         setting_spans=tuple((k, v.value.span) for k, v in sorted(s.items())),
     )
