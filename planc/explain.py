@@ -117,7 +117,8 @@ def explain_data(plan: dict) -> dict:
             "ranked": [{"matrix": r["matrix"], "predicted": r["predicted"], "breakdown": dict(r.get("breakdown") or {})}
                        for r in ranked],
         }
-    data["stages"] = [{"index": s["index"], "layers": s.get("layers"), "mesh": s["mesh"], "mesh_axes": list(s["mesh_axes"])}
+    data["stages"] = [{"index": s["index"], "layers": s.get("layers"), "mesh": s["mesh"], "mesh_axes": list(s["mesh_axes"]),
+                       "sequence_parallel": s.get("sequence_parallel"), "sequence_why": s.get("sequence_parallel_why")}
                       for s in plan["stages"]]
     listing = (plan.get("train") or {}).get("layers")
     if listing:   # a Hugging Face model's layers (plan.json train.layers), each with the stage holding it
@@ -290,6 +291,16 @@ def _stages(stages: list[dict], tty: bool):
                       str(s["mesh"]), ", ".join(s["mesh_axes"])] for s in stages], tty=tty)
 
 
+def _sequence_lines(stages: list[dict]) -> list[str]:
+    """Which tensor stages run sequence-parallel, and why the others do not (plan.json stages[i])."""
+    on = [str(s["index"]) for s in stages if s.get("sequence_parallel")]
+    out = [f"sequence parallelism: stage{'s' if len(on) > 1 else ''} {', '.join(on)} (norms, residuals and the "
+           "activations between stages split along the sequence over tensor)"] if on else []
+    out += [f"stage {s['index']}: no sequence parallelism: {s['sequence_why']}" for s in stages
+            if s.get("sequence_parallel") is False and s.get("sequence_why")]
+    return out
+
+
 _VERB = {"allreduce": "reduce", "reduce_scatter": "reduce-scatter", "all_gather": "all-gather"}
 
 
@@ -422,7 +433,7 @@ def explain_renderables(data: dict, tty: bool = False) -> list:
     out: list = [f"plan {data['plan']}: {c['devices']} devices ({levels}); {c['hosts']} host(s) at level '{c['host_level']}'"]
     if data["placement"]:
         out += [""] + _placement(data["placement"], tty)
-    out += ["", "stages:", _stages(data["stages"], tty)]
+    out += ["", "stages:", _stages(data["stages"], tty)] + _sequence_lines(data["stages"])
     if data.get("layers"):
         out += ["", "layers (the model's; FLOPs for one micro-batch):", _layers(data["layers"], tty)]
     idle = idle_devices(data["stages"], c["devices"])

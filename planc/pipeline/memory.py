@@ -102,17 +102,25 @@ def layer_bytes(probe, i: int, precision: ir.Precision) -> int:
     return math.prod(shape) * size
 
 
-def kept_bytes(probe, a: int, b: int, precision: ir.Precision, tensor: int = 1) -> int:
+def kept_bytes(probe, a: int, b: int, precision: ir.Precision, tensor: int = 1, sequence: bool = False) -> int:
     """Bytes layers ``a..b`` keep for their backward per whole micro-batch: the distinct storages autograd
     saved when the probe ran the dataflow with gradients (``layer_saved``, or ``sharded_layer_saved`` of
     the stage's tensor degree where the probe ran a tensor-split build: a device keeps its heads' and its
-    MLP columns' activations only; float tensors at the precision's size, others at their own; parameters
-    left out), or, where that was not measured, every tensor the layers return (:func:`layer_bytes`)."""
-    saved = dict(getattr(probe, "sharded_layer_saved", ())).get(tensor) or getattr(probe, "layer_saved", ())
+    MLP columns' activations only; ``sequence_layer_saved`` where the stage is also sequence-parallel: its
+    norms and residuals for its part of the sequence only; float tensors at the precision's size, others at
+    their own; parameters left out), or, where that was not measured, every tensor the layers return
+    (:func:`layer_bytes`)."""
+    saved = ((sequence and dict(getattr(probe, "sequence_layer_saved", ())).get(tensor))
+             or dict(getattr(probe, "sharded_layer_saved", ())).get(tensor) or getattr(probe, "layer_saved", ()))
     if len(saved) < b:
         return sum(layer_bytes(probe, i, precision) for i in range(a, min(b, len(probe.layer_params))))
     seen = {sid: (n, f) for i in range(a, b) for sid, n, f in saved[i]}
     return sum(n * PRECISION_BYTES[precision] // 4 if f else n for n, f in seen.values())
+
+
+def _splits_sequence(t: ir.Transfer) -> bool:
+    """Whether the transfer's destination layout splits dim 1 (a sequence-parallel stage's input)."""
+    return t.dst_spec is not None and len(t.dst_spec.dims) > 1 and bool(t.dst_spec.dims[1])
 
 
 def _transfer_bytes(t: ir.Transfer, probe, precision: ir.Precision) -> int:
@@ -252,8 +260,11 @@ def stage_memory(program: ir.Program, stages, probe) -> tuple[StageMemory, ...]:
             per_device = probe.layer_params[a:b]
         params = sum(per_device)
         widest = max((w for w, d in zip(probe.layer_params[a:b], per_device) if d < w), default=0)
-        outputs = kept_bytes(probe, a, min(b, n), precision, tensor)
-        inputs = sum(_transfer_bytes(t, probe, precision) for t in program.transfers if t.dst_stage == st.index)
+        sequence = any(s.index == st.index and s.sequence_parallel for s in program.stages)
+        outputs = kept_bytes(probe, a, min(b, n), precision, tensor, sequence)
+        # a received input is the device's part (the data division is StageMemory's; the sequence's here)
+        inputs = sum(_transfer_bytes(t, probe, precision) // (tensor if _splits_sequence(t) else 1)
+                     for t in program.transfers if t.dst_stage == st.index)
         last = 0
         if b >= n and probe.layer_shapes and probe.layer_shapes[-1]:   # the logits, split like the head's params
             last = math.prod(probe.layer_shapes[-1])
