@@ -121,3 +121,24 @@ def test_the_memory_model_counts_the_sequence_split(tmp_path):
     for a, b in zip(on, off):
         assert a["memory"]["parameters"] == b["memory"]["parameters"]
         assert a["memory"]["activations"] < b["memory"]["activations"], (a["memory"], b["memory"])
+
+
+def test_a_builder_that_opts_in_gets_the_sequence_split_layouts(tmp_path):
+    (tmp_path / "spgpt.py").write_text(textwrap.dedent(f"""\
+        import sys
+        sys.path.insert(0, {str(ROOT / "examples")!r})
+        from gpt import build as _build, loss, batches  # noqa: F401
+
+
+        def build(tensor_parallel=None, sequence_parallel=False, **args):
+            return _build(tensor_parallel=tensor_parallel, **args)
+        """))
+    text = (ROOT / "plans" / "gpt-tp-2x2.plan").read_text().replace(
+        '"../examples/gpt.py:build"', f'"{tmp_path}/spgpt.py:build"').replace('"../examples/', f'"{ROOT}/examples/')
+    plan = compile_plan(tmp_path, text, "gpt")
+    assert [s["sequence_parallel"] for s in plan["stages"]] == [True, True]
+    t = plan["transfers"][0]
+    assert sorted({tuple(r[1]) for r in t["regions"]["src"].values()}) == [(0, 32), (32, 64)]   # seq 64 over 2
+    odd = compile_plan(tmp_path, text.replace("seq = 64", "seq = 63"), "odd")
+    assert {s["sequence_parallel_why"] for s in odd["stages"]} == {"the sequence length 63 does not split into 2 "
+                                                                   "equal parts"}

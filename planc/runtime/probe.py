@@ -366,7 +366,21 @@ def _request(req: dict) -> dict:
             "tensor_parallel": opts_in, "sharded_layer_params": sharded, "shard_errors": shard_errors,
             "tensor_traffic": sorted(traffic, key=lambda t: t["stage"]), "graph_errors": errors,
             "tied": tied_record(layers),   # parameters shared by several layers (tied.py)
-            "tied_split": tied_split}      # per tensor degree, the ties whose parameter that split shards
+            "tied_split": tied_split,      # per tensor degree, the ties whose parameter that split shards
+            **_sequence_fields(builder, x, req)}
+
+
+def _sequence_fields(builder, x, req) -> dict:
+    """A builder's sequence parallelism: whether it opts in (the keyword ``sequence_parallel``) and, per
+    tensor degree, why not when the input's dim 1 (the sequence) does not split over it."""
+    from .usercode import accepts_sequence_parallel
+    if not accepts_sequence_parallel(builder):
+        return {}
+    seq = int(x.shape[1]) if torch.is_tensor(x) and x.dim() >= 2 else None
+    errors = {str(k): (f"the sequence length {seq} does not split into {k} equal parts" if seq is not None
+                       else "the model's input has no sequence dimension (dim 1)")
+              for k in (int(k) for k in req.get("tensor_degrees", ()) if int(k) > 1) if seq is None or seq % k}
+    return {"sequence_opts_in": True, "sequence_errors": errors}
 
 
 def main(argv=None) -> int:

@@ -9,7 +9,7 @@ import inspect
 import os
 import sys
 
-__all__ = ["load_callable", "accepts_tensor_parallel", "build_layers", "accepts_stage_layers", "is_hf", "data_arguments", "hf_builder",
+__all__ = ["load_callable", "accepts_tensor_parallel", "accepts_sequence_parallel", "build_layers", "accepts_stage_layers", "is_hf", "data_arguments", "hf_builder",
            "builtin_function"]
 
 
@@ -71,6 +71,11 @@ def accepts_stage_layers(builder) -> bool:
     return _accepts(builder, SHARE_KEYWORD)
 
 
+def accepts_sequence_parallel(builder) -> bool:
+    """Whether the model builder takes the keyword ``sequence_parallel`` (opts in to sequence parallelism)."""
+    return _accepts(builder, "sequence_parallel")
+
+
 def build_layers(builder, model_args: dict, tensor_parallel=None, layers: range | None = None, total: int | None = None):
     """Call the model builder: with ``tensor_parallel=`` when it accepts that keyword, else as before (its
     layers are then replicas along the tensor axis); with ``stage_layers=`` (the range of global layer
@@ -82,6 +87,8 @@ def build_layers(builder, model_args: dict, tensor_parallel=None, layers: range 
     kwargs = dict(model_args)
     if accepts_tensor_parallel(builder):
         kwargs["tensor_parallel"] = tensor_parallel
+    if accepts_sequence_parallel(builder):   # plan.json stages[i].sequence_parallel, through the tensor context
+        kwargs["sequence_parallel"] = bool(getattr(tensor_parallel, "sequence_parallel", False))
     share = layers is not None and accepts_stage_layers(builder)
     if share:
         kwargs[SHARE_KEYWORD] = layers
