@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from planc import ui
 from planc.pipeline.simulate import NIC_ORDER_GAIN
-from planc.summaries import check_summary  # noqa: F401 - planc check's table, re-exported
+from planc.summaries import check_summary, sequence_lines  # noqa: F401 - planc check's table, re-exported
 from planc.ui import Col
 
 
@@ -291,16 +291,6 @@ def _stages(stages: list[dict], tty: bool):
                       str(s["mesh"]), ", ".join(s["mesh_axes"])] for s in stages], tty=tty)
 
 
-def _sequence_lines(stages: list[dict]) -> list[str]:
-    """Which tensor stages run sequence-parallel, and why the others do not (plan.json stages[i])."""
-    on = [str(s["index"]) for s in stages if s.get("sequence_parallel")]
-    out = [f"sequence parallelism: stage{'s' if len(on) > 1 else ''} {', '.join(on)} (norms, residuals and the "
-           "activations between stages split along the sequence over tensor)"] if on else []
-    out += [f"stage {s['index']}: no sequence parallelism: {s['sequence_why']}" for s in stages
-            if s.get("sequence_parallel") is False and s.get("sequence_why")]
-    return out
-
-
 _VERB = {"allreduce": "reduce", "reduce_scatter": "reduce-scatter", "all_gather": "all-gather"}
 
 
@@ -433,7 +423,7 @@ def explain_renderables(data: dict, tty: bool = False) -> list:
     out: list = [f"plan {data['plan']}: {c['devices']} devices ({levels}); {c['hosts']} host(s) at level '{c['host_level']}'"]
     if data["placement"]:
         out += [""] + _placement(data["placement"], tty)
-    out += ["", "stages:", _stages(data["stages"], tty)] + _sequence_lines(data["stages"])
+    out += ["", "stages:", _stages(data["stages"], tty)] + sequence_lines(data["stages"])
     if data.get("layers"):
         out += ["", "layers (the model's; FLOPs for one micro-batch):", _layers(data["layers"], tty)]
     idle = idle_devices(data["stages"], c["devices"])

@@ -1,4 +1,4 @@
-"""`planc check`'s summary table (re-exported by planc.explain)."""
+"""`planc check`'s summary table (re-exported by planc.explain), and explain's sequence-parallelism lines."""
 from __future__ import annotations
 
 import re
@@ -6,7 +6,7 @@ import re
 from planc import ui
 from planc.ui import Col
 
-__all__ = ["check_summary"]
+__all__ = ["check_summary", "sequence_lines"]
 
 
 def check_summary(summary: str, tty: bool = False) -> list:
@@ -25,3 +25,13 @@ def check_summary(summary: str, tty: bool = False) -> list:
     if rows:
         out.append(ui.table([Col("item"), Col("what", wrap=True)], rows, tty=tty))
     return out + notes
+
+
+def sequence_lines(stages: list[dict]) -> list[str]:
+    """Which tensor stages run sequence-parallel, and why the others do not (plan.json stages[i])."""
+    on = [str(s["index"]) for s in stages if s.get("sequence_parallel")]
+    out = [f"sequence parallelism: stage{'s' if len(on) > 1 else ''} {', '.join(on)} (norms, residuals and the "
+           "activations between stages split along the sequence over tensor)"] if on else []
+    out += [f"stage {s['index']}: no sequence parallelism: {s['sequence_why']}" for s in stages
+            if s.get("sequence_parallel") is False and s.get("sequence_why")]
+    return out
