@@ -142,3 +142,49 @@ def test_a_builder_that_opts_in_gets_the_sequence_split_layouts(tmp_path):
     odd = compile_plan(tmp_path, text.replace("seq = 64", "seq = 63"), "odd")
     assert {s["sequence_parallel_why"] for s in odd["stages"]} == {"the sequence length 63 does not split into 2 "
                                                                    "equal parts"}
+
+
+# ---- the whole chain on two gloo ranks: masks, positions and rotary of the whole sequence on its parts ----
+
+CHAIN_FAMILIES = {   # the attention variants whose mask or positions a part of the sequence could get wrong
+    "MistralForCausalLM": {"sliding_window": 3},
+    "Qwen2ForCausalLM": {"use_sliding_window": True, "sliding_window": 3, "max_window_layers": 1},
+    "Gemma2ForCausalLM": {"head_dim": 8, "sliding_window": 3},
+}
+
+
+def chain_worker(rank, world, payload):
+    import torch
+    import torch.distributed as dist
+
+    from planc.runtime import hf
+    from planc.runtime.tensor_parallel import TensorParallel
+    torch.set_default_dtype(torch.float64)
+    out = {}
+    for arch, extra in payload.items():
+        keys = {"hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
+                "vocab_size": 64, "num_hidden_layers": 2, "tie_word_embeddings": False, **extra}
+        config = hf.config_from_keys(arch, keys)
+        whole = hf.pipeline_layers(hf.build_model(config, seed=3))
+        tp = TensorParallel(dist.group.WORLD, rank, world, tuple(range(world)))
+        tp.sequence_parallel = True
+        part = hf.build_share(config, 3, range(len(whole)), tp)
+        ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(5))
+        want, got = ids, ids
+        for a, b in zip(whole, part):
+            want, got = a(want), b(got)
+            if isinstance(b, hf.DecoderLayer):   # the rank's part of the whole sequence's hidden states
+                torch.testing.assert_close(got, want[:, rank * 4:(rank + 1) * 4], rtol=1e-6, atol=1e-9,
+                                           msg=lambda m: f"{arch} {b.planc_label}: {m}")
+        cols = got.shape[-1]   # the head split by vocabulary: the rank's columns of the logits
+        torch.testing.assert_close(got, want[..., rank * cols:(rank + 1) * cols], rtol=1e-6, atol=1e-9)
+        out[arch] = cols
+    return out
+
+
+def test_whole_chains_with_sliding_windows_match_on_their_parts_of_the_sequence():
+    import sys
+    sys.path.insert(0, str(Path(__file__).parent))
+    import test_runtime_harness as H
+    texts = H.run_ranks(chain_worker, 2, CHAIN_FAMILIES)
+    assert all(t.strip() for t in texts.values())
