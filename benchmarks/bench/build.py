@@ -2,7 +2,7 @@
 the memory model's prediction (docs/memory.md), for Llama models of real shape on 8 CPU ranks.
 
 Each model is one plan: ``LlamaForCausalLM`` from config keys on one host of 8 CPU devices, 4 stages of
-``(tensor = 2)``, bf16 + AdamW, 4 micro-batches of 4 rows of 64 byte tokens, 1F1B. Launched with
+``(tensor = 2)`` (sequence-parallel, the default), bf16 + AdamW, 4 micro-batches of 4 rows of 64 byte tokens, 1F1B. Launched with
 ``train.py --build-only`` (every rank builds its share and reports its resident high-water mark, VmHWM,
 reset through /proc/self/clear_refs before the build) and, for the models that fit this machine's 24 GiB
 when trained, ``train.py --steps 2 --memory-stats`` (each rank's parameters, gradient buckets, masters,
@@ -140,8 +140,8 @@ def _ratio(a, b) -> str:
 def report(data: dict) -> str:
     tiny = data.get("tiny")
     base_build = {r["rank"]: r["rss_peak"] for r in tiny["build"]} if tiny else {}
-    lines = [f"Machine: {platform.machine()}, {os.cpu_count()} cores; 8 CPU ranks (gloo), 4 stages x tensor 2, "
-             "bf16 + AdamW. Command: `python -m benchmarks bench build --write docs/benchmarks.md`.", "",
+    lines = [f"Machine: {platform.machine()}, {os.cpu_count()} cores; 8 CPU ranks (gloo), 4 stages x tensor 2 "
+             "(sequence-parallel), bf16 + AdamW. Command: `python -m benchmarks bench build --write docs/benchmarks.md`.", "",
              "**At start** (per stage, its largest rank; resident figures over the tiny model's, rank by rank; "
              "*before*: the whole model in fp32, which every rank built first until now):", "",
              "| model | stage | held MiB (params + masters) | build peak MiB | predicted build MiB | ratio | build s | "
