@@ -76,7 +76,7 @@ class SequenceBoundary:
             return
         for t in plan.transfers:
             for side, names in (("dst", self.whole_in), ("src", self.whole_out)):
-                if rank in dict(getattr(t.forward, f"{side}_regions")):
+                if len(t.shape) > 1 and rank in dict(getattr(t.forward, f"{side}_regions")):
                     a, b = t.forward.region(side, rank)[1]
                     if b - a == t.shape[1] and self.tp.size > 1:
                         names.add(t.name)
