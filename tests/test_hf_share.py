@@ -200,15 +200,16 @@ def vocab_worker(rank, world, payload):
     for arch, extra, builtin in payload["cases"]:
         config = hf.config_from_keys(arch, {**SMALL, "num_hidden_layers": 2, **extra})
         config.torch_dtype = torch.float64
+        vocab = config.vocab_size   # 64, or 63: padded to 64, rank 1's last row padding
         tp = TensorParallel(dist.group.WORLD, rank, world, tuple(range(world)))
         layers = [layer.double() for layer in hf.build_share(config, 3, range(0, 4), tp)]   # buffers too, as ref's
         emb = layers[0].embed_tokens
-        assert getattr(emb, VOCAB_ATTR)[1:] == (rank * 32, rank * 32 + 32, 64), getattr(emb, VOCAB_ATTR)
+        assert getattr(emb, VOCAB_ATTR)[1:] == (rank * 32, rank * 32 + 32, vocab), getattr(emb, VOCAB_ATTR)
         assert emb.weight.shape[0] == 32 and layers[-1].lm_head.weight.shape[0] == 32
         if extra.get("tie_word_embeddings"):
             assert layers[-1].lm_head.weight is emb.weight
-        ids = torch.randint(0, 64, (2, 10), generator=torch.Generator().manual_seed(5))
-        user = lambda logits, labels: tf.loss.loss_utils.ForCausalLMLoss(logits, labels, vocab_size=64)  # noqa: E731
+        ids = torch.randint(0, vocab, (2, 10), generator=torch.Generator().manual_seed(5))
+        user = lambda logits, labels: tf.loss.loss_utils.ForCausalLMLoss(logits, labels, vocab_size=vocab)  # noqa: E731
         loss_fn = loss_for(layers, hf.causal_lm_loss if builtin else user, builtin)
         h = ids
         for layer in layers:
@@ -226,6 +227,10 @@ def vocab_worker(rank, world, payload):
                 w, g = want[name].detach(), want[name].grad
                 info = shard_info(p)
                 if info is not None:
+                    if info[0] == 0 and p.shape[0] * info[2] > w.shape[0]:   # padded: zero rows, zero gradient
+                        extra_rows = p.shape[0] * info[2] - w.shape[0]
+                        w = torch.cat([w, w.new_zeros((extra_rows, *w.shape[1:]))])
+                        g = torch.cat([g, g.new_zeros((extra_rows, *g.shape[1:]))])
                     w, g = shard_of(w, *info), shard_of(g, *info)
                 torch.testing.assert_close(p.detach(), w, rtol=0, atol=0, msg=name)
                 # the cross-entropy runs in fp32 in both (HF's loss upcasts with .float()): fp32's noise
@@ -237,24 +242,45 @@ def vocab_worker(rank, world, payload):
 def test_vocabulary_parallel_embedding_head_and_loss_match_the_whole_model():
     import test_runtime_harness as H
     cases = [("LlamaForCausalLM", {}, True), ("LlamaForCausalLM", {"tie_word_embeddings": True}, True),
-             ("Gemma2ForCausalLM", {"head_dim": 8}, True), ("LlamaForCausalLM", {}, False)]
+             ("Gemma2ForCausalLM", {"head_dim": 8}, True), ("LlamaForCausalLM", {}, False),
+             # a vocabulary that does not divide: padded to 64, the padded logits no probability (both losses;
+             # Gemma-2's soft-capping maps a padded logit to a finite one: masked after it)
+             ("LlamaForCausalLM", {"vocab_size": 63}, True), ("LlamaForCausalLM", {"vocab_size": 63}, False),
+             ("Gemma2ForCausalLM", {"head_dim": 8, "vocab_size": 63}, True)]
     texts = H.run_ranks(vocab_worker, 2, {"cases": cases})
     import ast
     lines = [ast.literal_eval(texts[r].strip()).splitlines() for r in range(2)]
     assert lines[0] == lines[1] and len(lines[0]) == len(cases)   # both tensor ranks computed the one loss
 
 
-def test_a_tie_across_stages_or_a_vocabulary_that_does_not_divide_stays_whole():
+def test_a_tie_across_stages_and_a_vocabulary_that_does_not_divide_split_and_pad():
+    """The head alone of a tied table keeps its rows of the embedding's draw (the whole table goes); a
+    vocabulary of 63 on tensor 2 pads to 64: rank 1 keeps rows 32..62 and one zero row; plan.json's
+    vocabulary record pads a tied table to the holders' least common multiple (here 4 on a tensor-2 rank)."""
     from planc.runtime import hf
     from planc.runtime.hf_vocab import VOCAB_ATTR
-    from planc.runtime.tensor_parallel import TensorParallel
-    tp = TensorParallel(group=None, rank=0, size=2, members=(0, 1))
+    from planc.runtime.tensor_parallel import TensorParallel, shard_info, shard_size
     tied = _config("LlamaForCausalLM", tie_word_embeddings=True)
-    layers = hf.build_share(tied, 0, range(3, 5), tp)   # the head alone: its table is tied to stage 0's
-    assert layers[-1].lm_head.weight.shape[0] == 64 and not hasattr(layers[-1], VOCAB_ATTR)
+    ref = spec_model(tied, 0).model.embed_tokens.weight.detach()
+    for r in range(2):
+        tp = TensorParallel(group=None, rank=r, size=2, members=(0, 1))
+        layers = hf.build_share(tied, 0, range(3, 5), tp)   # the head alone: its table is tied to stage 0's
+        w = layers[-1].lm_head.weight
+        assert w.shape[0] == 32 and getattr(layers[-1], VOCAB_ATTR)[1:] == (32 * r, 32 * r + 32, 64)
+        assert torch.equal(w.detach(), ref[32 * r:32 * r + 32]) and shard_info(w) == (0, r, 2, 1)
+        assert layers[0].embed_tokens.weight is w   # the unheld embedding keeps the tie, not the whole table
     odd = _config("LlamaForCausalLM", vocab_size=63)
-    layers = hf.build_share(odd, 0, range(0, 1), tp)
-    assert layers[0].embed_tokens.weight.shape[0] == 63 and not hasattr(layers[0].embed_tokens, VOCAB_ATTR)
+    ref = spec_model(odd, 0).model.embed_tokens.weight.detach()
+    tp = TensorParallel(group=None, rank=1, size=2, members=(0, 1))
+    emb = hf.build_share(odd, 0, range(0, 1), tp)[0].embed_tokens
+    assert getattr(emb, VOCAB_ATTR)[1:] == (32, 64, 63) and shard_size(emb.weight) == 63
+    assert torch.equal(emb.weight.detach()[:31], ref[32:]) and not emb.weight.detach()[31].any()
+    record = {"size": 63, "embedding": 68, "lm_head": 68}   # tied across tensor 2 and tensor 4: lcm 4
+    layers = hf.build_share(_config("LlamaForCausalLM", vocab_size=63, tie_word_embeddings=True), 0,
+                            range(0, 2), tp, vocab=record)
+    assert getattr(layers[0].embed_tokens, VOCAB_ATTR)[1:] == (34, 68, 63)
+    with pytest.raises(ValueError, match="do not split over a tensor group of 2"):
+        hf.build_share(odd, 0, range(0, 1), tp, vocab={"size": 63, "embedding": 63, "lm_head": 63})
 
 
 def test_a_folder_of_pytorch_bin_files_is_memory_mapped(tmp_path):
