@@ -181,16 +181,27 @@ def test_mistral_sliding_window_two_stages_data_parallel_unequal_mesh_adamw(tmp_
 @pytest.mark.slow
 def test_llama_untied_two_tensor_stages_vocabulary_parallel_sgd(tmp_path):
     """Two tensor stages, the second also data 2: the embedding table and lm_head split by vocabulary
-    (the loss a parallel cross-entropy over the split logits), the decoder layers by the tp plan."""
-    keys = {**SMALL, "num_hidden_layers": 2, "tie_word_embeddings": False}
+    (the loss a parallel cross-entropy over the split logits), the decoder layers by the tp plan. The
+    vocabulary of 257 does not divide by 2: padded to 258, the padding row (tensor rank 1's last) stays
+    zero (compare_dumps pads the reference with zeros), and the checkpoint exports 257 rows."""
+    import torch
+    from planc.cli import main
+    keys = {**SMALL, "num_hidden_layers": 2, "tie_word_embeddings": False, "vocab_size": 257}
     plan_path = write_plan(tmp_path, "LlamaForCausalLM", keys, """\
         stage 0 : layers 0..3 on devices 0..2 as (tensor = 2)
         stage 1 : layers 3..4 on devices 2..6 as (data = 2, tensor = 2)
         """, 6, "micro_batch = 2, micro_batches = 3, steps = 3, schedule = 1f1b, optimizer = sgd(lr = 0.5), seed = 2",
                            seq=12)
-    plan, sharded = train_and_compare(tmp_path, plan_path, "LlamaForCausalLM", keys, seq=12)
+    ckpt = tmp_path / "ckpt"
+    plan, sharded = train_and_compare(tmp_path, plan_path, "LlamaForCausalLM", keys, seq=12, save=ckpt)
     assert plan["transfers"][0]["shape"] == [2, 12, 32]
     assert sharded["layers.0.embed_tokens.weight"] == sharded["layers.3.lm_head.weight"] == (0, 2, 1)
+    assert plan["train"]["model"]["hf"]["vocab"] == {"size": 257, "embedding": 258, "lm_head": 258}
+    assert main(["checkpoint", "export", str(ckpt), "--hf", str(tmp_path / "hf")]) == 0
+    exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", local_files_only=True)
+    assert exported.model.embed_tokens.weight.shape == exported.lm_head.weight.shape == torch.Size([257, 32])
+    joined = _dumped_as_reference(tmp_path, "layers.3.lm_head.weight", sharded)
+    torch.testing.assert_close(exported.lm_head.weight.detach(), joined, rtol=0, atol=0)
 
 
 @pytest.mark.slow
@@ -284,12 +295,14 @@ def _dumped_as_reference(tmp_path: Path, name: str, sharded: dict):
         if name not in sharded:
             return mine[name]
         info = json.loads(f.with_suffix("").with_suffix(".shards.json").read_text())
-        dim, index, parts_n, blocks = info[name]
+        dim, index, parts_n, blocks = info[name][:4]
         assert blocks == 1
         parts[index] = (dim, mine[name])
     assert parts, name
     dim = next(iter(parts.values()))[0]
-    return torch.cat([parts[i][1] for i in sorted(parts)], dim=dim)
+    whole = torch.cat([parts[i][1] for i in sorted(parts)], dim=dim)
+    real = info[name][4] if len(info[name]) > 4 else whole.shape[dim]   # a padded shard: its real rows
+    return whole.narrow(dim, 0, real)
 
 
 def plan_names(tmp_path: Path) -> set[str]:
