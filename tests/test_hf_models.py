@@ -206,18 +206,25 @@ def test_llama_untied_two_tensor_stages_vocabulary_parallel_sgd(tmp_path):
 
 @pytest.mark.slow
 def test_llama_tied_across_stages_of_tensor_2_and_4_sgd(tmp_path):
-    """The embedding tied across a tensor-2 and a tensor-4 stage: a tie across stages stays whole on every
-    tensor rank (hf_vocab), its gradient summed over the holders by the planned tied reduction."""
-    keys = {**SMALL, "num_hidden_layers": 2, "num_key_value_heads": 4, "tie_word_embeddings": True}
+    """The embedding tied across a tensor-2 and a tensor-4 stage, split by vocabulary on both: the table of
+    258 rows padded to 260 (the holders' lcm 4), stage 0's ranks keep 130 rows, stage 1's 65 (its last
+    rank 63 real and 2 padding, which stay zero); the tied gradient summed piece by piece (rows in the grid
+    of 4) over the holders that hold each piece, by the planned, checked piecewise program."""
+    keys = {**SMALL, "num_hidden_layers": 2, "num_key_value_heads": 4, "tie_word_embeddings": True,
+            "vocab_size": 258}
     plan_path = write_plan(tmp_path, "LlamaForCausalLM", keys, """\
         stage 0 : layers 0..2 on devices 0..2 as (data = 1, tensor = 2)
         stage 1 : layers 2..4 on devices 2..6 as (data = 1, tensor = 4)
         """, 6, "micro_batch = 2, micro_batches = 2, steps = 3, schedule = 1f1b, optimizer = sgd(lr = 0.5), seed = 4")
     plan, sharded = train_and_compare(tmp_path, plan_path, "LlamaForCausalLM", keys, atol=1e-5,
                                       aliases={"layers.3.lm_head.weight": "layers.0.embed_tokens.weight"})
-    assert "layers.0.embed_tokens.weight" not in sharded and "layers.3.lm_head.weight" not in sharded
+    assert sharded["layers.0.embed_tokens.weight"] == (0, 2, 1) and sharded["layers.3.lm_head.weight"] == (0, 4, 1)
     assert "layers.1.layer.self_attn.q_proj.weight" in sharded and "layers.2.layer.mlp.up_proj.weight" in sharded
-    assert [r for r in plan["reductions"] if r.get("tied")]
+    assert plan["train"]["model"]["hf"]["vocab"] == {"size": 258, "embedding": 260, "lm_head": 260}
+    pieces = sorted((tuple(rows), tuple(g)) for r in plan["reductions"] if r.get("tied")
+                    for rows, g in zip(r["tied"]["split"]["rows"], r["groups"]))
+    # stage 0: devices 0, 1 (rows 0..130, 130..260); stage 1: devices 2..5 (65 rows each)
+    assert pieces == [((0, 65), (0, 2)), ((65, 130), (0, 3)), ((130, 195), (1, 4)), ((195, 258), (1, 5))]
 
 
 @pytest.mark.slow
