@@ -261,7 +261,10 @@ def test_the_bundled_llama_plan_tied_across_stages_with_a_tensor_parallel_stage(
                                       save=ckpt)
     assert plan["tensor_groups"] and sharded   # the projections of layers 1..2 are held as shards
     tied = [r["tied"] for r in plan["reductions"] if r.get("tied")]
-    assert len(tied) == 1 and sorted({h["stage"] for h in tied[0]["holders"]}) == [0, 1]
+    assert all(sorted({h["stage"] for h in t["holders"]}) == [0, 1] for t in tied)
+    # stage 0 (one device) holds the whole table, stage 1 splits it over tensor 2: one piece each half,
+    # summed over device 0 and stage 1's two data replicas at that tensor coordinate
+    assert sorted(t["split"]["rows"][0] for t in tied) == [[0, 128], [128, 256]]
     assert main(["checkpoint", "export", str(ckpt), "--hf", str(tmp_path / "hf")]) == 0
     exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", local_files_only=True)
     assert exported.lm_head.weight is exported.model.embed_tokens.weight   # tied again by transformers

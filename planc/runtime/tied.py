@@ -136,6 +136,14 @@ class TiedGradients:
         would sum every ``.grad``, the tied ones too: the engine uses the buckets when this rank holds one."""
         return [p for p in params if id(p) not in self.ids]
 
+    def written(self, p) -> list | None:
+        """The flat element spans of ``p`` this rank writes to a checkpoint: None, all of it (a tied
+        parameter held whole: every holder writes the same chunk, which DCP writes once); for a table split
+        by rows, the pieces it counts in the norm (one writer per piece: the holders' rows overlap)."""
+        if not any(e[1] is p and e[0].tied.split is not None for e in self.entries):
+            return None
+        return list(self.counts_norm.get(id(p)) or ())
+
     def describe(self) -> str:
         return "; ".join(f"{r.tied.parameter} over {[list(g) for g in r.groups]} by {r.text}"
                          for r, _, _, _, _ in self.entries)
