@@ -299,3 +299,112 @@ def test_a_folder_of_pytorch_bin_files_is_memory_mapped(tmp_path):
     want = dict(model.named_parameters())
     for name, p in _named(layers, range(2, 4)).items():
         assert torch.equal(p.detach(), want[name].detach()), name
+
+
+# ---------------------------------------------------------------- tied tables split by vocabulary: the checker
+
+def _layouts():
+    """Stage 0: tensor 2 on devices 0, 1; stage 1: data 2 x tensor 4 on devices 2..9 (DESIGN.md's meshes)."""
+    from planc import ir
+    return [ir.StageLayout(0, (0, 1), (2,), ("tensor",), (0, 1)),
+            ir.StageLayout(1, (1, 2), (2, 4), ("data", "tensor"), tuple(range(2, 10)))]
+
+
+def test_the_piecewise_program_sums_each_piece_over_exactly_its_holders():
+    """258 rows padded to 260 (lcm 4) over tensor 2 and data 2 x tensor 4: four pieces of 65 rows (the
+    last cut to 63 real ones), each summed over the one stage-0 device and the two stage-1 data replicas
+    that keep it; the checker, knowing only the plan's words, accepts it and rejects every wrong variant."""
+    from planc import plan as P
+    from planc.reduction.check import check_tied, check_tied_pieces
+    from planc.reduction.tied import _piece_records, contribution_keys
+    stages = _layouts()
+    records = _piece_records(stages, 258, 260)
+    got = sorted((ab, g) for rec in records for g, ab in rec)
+    assert got == [((0, 65), (0, 2, 6)), ((65, 130), (0, 3, 7)), ((130, 195), (1, 4, 8)), ((195, 258), (1, 5, 9))]
+    assert sorted(len(rec) for rec in records) == [1, 1, 2]   # pieces 0 and 2 share a buffer layout
+
+    def split(rec):
+        return P.TiedSplit(258, 260, tuple(ab for _, ab in rec), tuple(min(g) for g, _ in rec)), [g for g, _ in rec]
+    good = [split(rec) for rec in records]
+    assert check_tied_pieces(good, stages, 258, 260) is None
+    keys = contribution_keys(stages)
+    for rec in records:
+        groups = [g for g, _ in rec]
+        s, _ = split(rec)
+        assert check_tied([("allreduce", groups)], groups, sorted(d for g in groups for d in g), keys,
+                          pieces=s.rows) is None
+    # a piece summed over the wrong holders: rows 65..130 with stage 1's tensor coordinate 2 (devices 4, 8)
+    wrong = [(s, [(0, 4, 8) if tuple(s.rows[i]) == (65, 130) else g for i, g in enumerate(gs)]) for s, gs in good]
+    assert "rows [65, 130) are summed over [0, 4, 8], but the devices holding them are [0, 3, 7]" in \
+        check_tied_pieces(wrong, stages, 258, 260)
+    # (read as a program alone that group is fine: one of each (stage, data replica); only the rows tell);
+    # a group that leaves out stage 1's second data replica misses a contribution
+    assert check_tied([("allreduce", [(0, 4, 8)])], [(0, 4, 8)], [0, 4, 8], keys, pieces=[(65, 130)]) is None
+    assert "contributions" in check_tied([("allreduce", [(0, 3)])], [(0, 3)], [0, 3], keys, pieces=[(65, 130)])
+    gap = [(P.TiedSplit(258, 260, (ab,), (min(g),)), [g]) for rec in records for g, ab in rec if ab != (195, 258)]
+    assert check_tied_pieces(gap, stages, 258, 260) == "rows [195, 258) are summed by no group"
+    straddle = [(P.TiedSplit(258, 260, ((0, 130),), (0,)), [(0, 2, 3, 6, 7)]),
+                (P.TiedSplit(258, 260, ((130, 258),), (1,)), [(1, 4, 5, 8, 9)])]
+    assert "hold only part of the piece" in check_tied_pieces(straddle, stages, 258, 260)
+    assert "do not split over its tensor axis of 4" in check_tied_pieces(good, stages, 258, 258)
+
+
+def _plan_doc(tmp_path):
+    """The output of Llama tied across tensor 2 and tensor 4 (vocabulary 258), compiled."""
+    import sys
+    from planc.cli import main
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
+    from test_hf_models import SMALL as KEYS, write_plan
+    keys = {**KEYS, "num_hidden_layers": 1, "num_key_value_heads": 4, "tie_word_embeddings": True, "vocab_size": 258}
+    plan = write_plan(tmp_path, "LlamaForCausalLM", keys, """\
+        stage 0 : layers 0..2 on devices 0..2 as (data = 1, tensor = 2)
+        stage 1 : layers 2..3 on devices 2..6 as (data = 1, tensor = 4)
+        """, 6, "micro_batch = 2, micro_batches = 2, steps = 1, optimizer = sgd(lr = 0.5), seed = 4")
+    assert main(["compile", str(plan), "-o", str(tmp_path / "out")]) == 0
+    return tmp_path / "out"
+
+
+def test_a_compiled_piecewise_plan_passes_every_checker_and_a_wrong_one_fails_each(tmp_path):
+    """The compiled plan passes verify's reading and the contract's outside checker; a piece moved to the
+    wrong holders in plan.json is rejected by both, and malformed vocabulary records are located errors."""
+    import copy
+    import plan_contract
+    from planc import plan as P
+    from planc.verify import _assembled
+    out = _plan_doc(tmp_path)
+    doc = json.loads((out / "plan.json").read_text())
+    assert plan_contract.check(out)[0] == []
+    assert _assembled(P.Plan.from_json(doc), None) == []
+    tied = [i for i, r in enumerate(doc["reductions"]) if r.get("tied")]
+    i = next(i for i in tied if doc["reductions"][i]["tied"]["split"]["rows"] == [[65, 130]])
+    assert doc["reductions"][i]["groups"] == [[0, 3]]
+
+    bad = copy.deepcopy(doc)   # rows 65..130 summed over stage 1's tensor coordinate 2 instead of 1
+    r = bad["reductions"][i]
+    r["groups"] = [[0, 4]]
+    r["tied"]["contributors"] = [0, 4]
+    for s in r["program"]["steps"]:
+        s["groups"] = [[0, 4]]
+    bad["groups"].append([0, 4]) if [0, 4] not in bad["groups"] else None
+    (out / "plan.json").write_text(json.dumps(bad))
+    assert any("rows [65, 130)" in v for v in plan_contract.check(out)[0])
+    problems = _assembled(P.Plan.from_json(bad), None)
+    assert any("rows [65, 130) are summed over [0, 4], but the devices holding them are [0, 3]" in p
+               for p in problems), problems
+
+    def refused(edit, match):
+        d = copy.deepcopy(doc)
+        edit(d)
+        with pytest.raises(P.PlanFileError, match=match):
+            P.Plan.from_json(d).check()
+    refused(lambda d: d["train"]["model"]["hf"]["vocab"].update(lm_head=258),
+            r"train\.model\.hf\.vocab\.lm_head: 258 rows do not split over stage 1's tensor axis of 4")
+    refused(lambda d: d["train"]["model"]["hf"]["vocab"].update(embedding=262),
+            r"train\.model\.hf\.vocab\.embedding: 262 rows, but the tied table of reductions\[\d\]\.tied\.split "
+            r"is padded to 260")
+    refused(lambda d: d["train"]["model"]["hf"]["vocab"].update(lm_head=200),
+            r"train\.model\.hf\.vocab\.lm_head: 200 rows: fewer than the vocabulary's 258")
+    refused(lambda d: d["reductions"][i]["tied"]["split"].update(rows=[[65, 300]]),
+            rf"reductions\[{i}\]\.tied\.split\.rows\[0\]: expected a non-empty range")
+    refused(lambda d: d["reductions"][i]["tied"]["split"].update(norm_devices=[1]),
+            rf"reductions\[{i}\]\.tied\.split\.norm_devices\[0\]: device 1 is not a contributor in group \[0, 3\]")

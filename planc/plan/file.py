@@ -180,6 +180,10 @@ class Plan:
                 raise PlanFileError(f"plan.json: train.model.hf.vocab.{part}: {padded} rows do not split over stage "
                                     f"{stage.index}'s tensor axis of {k} (pad the vocabulary of {vocab.size} to a "
                                     f"multiple of {k})")
+            for i, r in enumerate(self.reductions):   # one table tied across stages: one padding
+                if r.tied is not None and r.tied.split is not None and r.tied.split.padded != padded:
+                    raise PlanFileError(f"plan.json: train.model.hf.vocab.{part}: {padded} rows, but the tied table "
+                                        f"of reductions[{i}].tied.split is padded to {r.tied.split.padded}")
             if k == 1 and padded != vocab.size and not any(r.tied is not None for r in self.reductions):
                 raise PlanFileError(f"plan.json: train.model.hf.vocab.{part}: {padded} rows, but stage "
                                     f"{stage.index} does not split it (no tensor axis): it holds the "
