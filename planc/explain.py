@@ -124,6 +124,9 @@ def explain_data(plan: dict) -> dict:
         stage_of = {i: s["index"] for s in plan["stages"] if s.get("layers") for i in range(*s["layers"])}
         data["layers"] = [{"index": i, "name": lay["name"], "stage": stage_of.get(i), "params": lay["params"],
                            "flops": lay.get("flops")} for i, lay in enumerate(listing)]
+    vocab = (((plan.get("train") or {}).get("model") or {}).get("hf") or {}).get("vocab")
+    if vocab:   # the vocabulary split of the embedding table and lm_head (docs/models.md), padded where it is
+        data["vocab"] = dict(vocab)
     host_of = {d: h for h, devs in enumerate(c.get("hosts") or ()) for d in devs}
 
     def in_host(groups) -> bool:
@@ -154,6 +157,9 @@ def explain_data(plan: dict) -> dict:
             entry["tied"] = {"parameter": t["parameter"], "holders": [dict(h) for h in t["holders"]],
                              "devices": sorted(d for g in r["groups"] for d in g),
                              "contributors": list(t["contributors"]), "norm_device": t["norm_device"]}
+            if t.get("split"):   # a table split by vocabulary: each group sums its piece of rows
+                entry["tied"]["pieces"] = [{"rows": list(ab), "group": list(g)}
+                                           for ab, g in zip(t["split"]["rows"], r["groups"])]
         data["reductions"].append(entry)
     _zero_pairs(data["reductions"])
     by_src: dict[int, list[str]] = {}
@@ -425,6 +431,8 @@ def explain_renderables(data: dict, tty: bool = False) -> list:
     out += ["", "stages:", _stages(data["stages"], tty)]
     if data.get("layers"):
         out += ["", "layers (the model's; FLOPs for one micro-batch):", _layers(data["layers"], tty)]
+    if data.get("vocab"):
+        out.append(_vocab_line(data["vocab"]))
     idle = idle_devices(data["stages"], c["devices"])
     if idle:
         out.append(idle_warning(idle, c["devices"]))
@@ -463,10 +471,23 @@ def _tied_lines(r: dict) -> list[str]:
     out = [f"reduce tied parameter {t['parameter']}: {_bytes(r['bytes'])}, held by stages "
            f"{', '.join(map(str, stages))} on devices {t['devices']}, {r['groups']} group(s) of {r['group_size']}",
            "  holders: " + ", ".join(f"layers.{h['layer']}.{h['name']} (stage {h['stage']})" for h in t["holders"]),
-           f"  summed after the last backward, before clip and the step; device {t['norm_device']} counts it in the norm"]
+           f"  summed after the last backward, before clip and the step; "
+           + ("each piece's first device counts it in the norm" if t.get("pieces") else
+              f"device {t['norm_device']} counts it in the norm")]
     if others:
         out.append(f"  devices {others} enter zeros (tensor replicas of a contributor's identical gradient)")
+    for p in t.get("pieces") or ():
+        out.append(f"  rows {p['rows'][0]}..{p['rows'][1]} of the table summed over {p['group']} (the devices "
+                   "holding them)")
     return out
+
+
+def _vocab_line(v: dict) -> str:
+    """The vocabulary split (plan.json train.model.hf.vocab): the padding of each table, where there is any."""
+    parts = [f"{what} {v[key]} rows ({v[key] - v['size']} padding)" if v[key] != v["size"] else f"{what} unpadded"
+             for what, key in (("embedding", "embedding"), ("lm_head", "lm_head"))]
+    return (f"vocabulary split by the tensor stages: {v['size']} tokens; " + ", ".join(parts)
+            + " (padding rows zero, never trained nor written to checkpoints)")
 
 
 def compile_summary(plan: dict, tty: bool = False) -> list:

@@ -205,6 +205,30 @@ def test_llama_untied_two_tensor_stages_vocabulary_parallel_sgd(tmp_path):
 
 
 @pytest.mark.slow
+def test_llama_vocabulary_that_does_not_divide_adamw_resumes_under_another_padding(tmp_path):
+    """A vocabulary of 257 on one tensor-2 stage (padded to 258), AdamW: the run matches the reference and
+    its checkpoint holds 257 rows; resumed under tensor 4 (padded to 260, other padding rows) it trains on as
+    the uninterrupted reference, its padding rows zero."""
+    keys = {**SMALL, "num_hidden_layers": 1, "num_key_value_heads": 4, "vocab_size": 257}
+    train = "micro_batch = 2, micro_batches = 2, steps = 3, schedule = 1f1b, optimizer = adamw(lr = 1e-2), seed = 3"
+    plan_path = write_plan(tmp_path, "LlamaForCausalLM", keys, """\
+        stage 0 : layers 0..3 on devices 0..2 as (data = 1, tensor = 2)
+        """, 2, train.replace("schedule = 1f1b, ", ""))
+    ckpt = tmp_path / "ckpt"
+    plan, sharded = train_and_compare(tmp_path, plan_path, "LlamaForCausalLM", keys, atol=1e-4, save=ckpt)
+    assert plan["train"]["model"]["hf"]["vocab"] == {"size": 257, "embedding": 258, "lm_head": 258}
+    assert sharded["layers.0.embed_tokens.weight"] == (0, 2, 1)
+    (tmp_path / "b").mkdir()
+    plan_b = write_plan(tmp_path / "b", "LlamaForCausalLM", keys, """\
+        stage 0 : layers 0..3 on devices 0..4 as (data = 1, tensor = 4)
+        """, 4, train.replace("schedule = 1f1b, ", "").replace("steps = 3", "steps = 4"))
+    plan2, sharded2 = train_and_compare(tmp_path / "b", plan_b, "LlamaForCausalLM", keys, atol=1e-4,
+                                        resume=(ckpt, STEPS), steps=STEPS + 1)
+    assert plan2["train"]["model"]["hf"]["vocab"] == {"size": 257, "embedding": 260, "lm_head": 260}
+    assert sharded2["layers.2.lm_head.weight"] == (0, 4, 1)
+
+
+@pytest.mark.slow
 def test_llama_tied_across_stages_of_tensor_2_and_4_sgd(tmp_path):
     """The embedding tied across a tensor-2 and a tensor-4 stage, split by vocabulary on both: the table of
     258 rows padded to 260 (the holders' lcm 4), stage 0's ranks keep 130 rows, stage 1's 65 (its last

@@ -375,6 +375,10 @@ def test_a_compiled_piecewise_plan_passes_every_checker_and_a_wrong_one_fails_ea
     doc = json.loads((out / "plan.json").read_text())
     assert plan_contract.check(out)[0] == []
     assert _assembled(P.Plan.from_json(doc), None) == []
+    from planc.explain import explain
+    text = " ".join(explain(doc).split())
+    assert "vocabulary split by the tensor stages: 258 tokens; embedding 260 rows (2 padding), lm_head 260 rows" in text
+    assert "rows 65..130 of the table summed over [0, 3]" in text
     tied = [i for i, r in enumerate(doc["reductions"]) if r.get("tied")]
     i = next(i for i in tied if doc["reductions"][i]["tied"]["split"]["rows"] == [[65, 130]])
     assert doc["reductions"][i]["groups"] == [[0, 3]]
