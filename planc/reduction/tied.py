@@ -14,6 +14,11 @@ The program is P² synthesis's on those groups (``plan_reduction``: a hierarchy 
 the flat allreduce when it is irregular), checked by ``check.py`` against the allreduce target at
 construction, and the contributors' rule by ``check.check_tied``. docs/reduction.md, "Tied
 parameters".
+
+A Hugging Face model's tied embedding table split by vocabulary over a holder's ``tensor`` axis is summed
+piece by piece instead (:func:`vocab_pieces`: the rows of the lcm grid of the holders' degrees, each over
+the devices holding it; one reduction per buffer layout), checked by ``check.check_tied_pieces``
+from the stages alone. docs/reduction.md, "Tied parameters split by vocabulary".
 """
 from __future__ import annotations
 

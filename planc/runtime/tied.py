@@ -12,7 +12,11 @@ Two halves, both torch and the contract only:
   last backward each is summed by its planned program over the devices of every stage holding it (a
   rank not among the record's ``contributors`` enters zeros: a tensor replica's identical gradient is
   counted once). Every holder then has the same gradient, and the same parameter (every rank built the
-  whole model from the same seed), so every copy takes the same step.
+  whole model from the same seed), so every copy takes the same step. A table split by vocabulary
+  (``tied.split``: a Hugging Face model's tied embedding on a tensor stage) has one record per buffer
+  layout of its pieces: each sums the rank's piece of rows, a slice of its shard's gradient, over the
+  holders of that piece (docs/reduction.md, "Tied parameters split by vocabulary"); every holder of a
+  row then has the same gradient and value for it.
 """
 from __future__ import annotations
 
@@ -46,8 +50,9 @@ def probe_record(layers) -> list[dict]:
 
 
 def split_record(layers) -> list[list]:
-    """The first holder ``[layer, name]`` of each shared parameter the build split over a tensor group
-    (``TensorParallel.shard``): the compiler refuses such a tie across stages (reduction/tied.py)."""
+    """The first holder ``[layer, name]`` of each shared parameter a builder model's build split over a
+    tensor group (``TensorParallel.shard``): the compiler refuses such a tie across stages
+    (reduction/tied.py); a Hugging Face model's vocabulary split is planned piecewise instead."""
     from .tensor_parallel import shard_info
     return [list(group[0]) for group in shared_parameters(layers) if shard_info(_first(layers, group)) is not None]
 
