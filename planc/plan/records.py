@@ -280,11 +280,6 @@ class Tied:
         split = None if split.value is None else TiedSplit.read(split, groups, contributors)
         return Tied(at.key("parameter").str(), tuple(holders), contributors, norm, split)
 
-    def norm_devices(self, groups) -> tuple[int, ...]:
-        """Per group, the device that counts the group's gradient in the global norm."""
-        return self.split.norm_devices if self.split is not None else tuple(
-            self.norm_device if self.norm_device in g else -1 for g in groups)
-
     def to_json(self) -> dict:
         out = {"parameter": self.parameter, "holders": [h.to_json() for h in self.holders],
                "contributors": list(self.contributors), "norm_device": self.norm_device}
