@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from planc import budget, ir
+from planc import budget, hfmodel, ir
 from planc.assemble import assemble
 from planc.lang import load
 from planc.lang.errors import Diagnostic, PlanError
@@ -191,7 +191,8 @@ def place_pass(program: ir.Program, ctx: Context) -> Placement:
 def reductions_pass(program: ir.Program, ctx: Context):
     """Each stage's gradients (and standalone reductions), then every parameter tied across stages."""
     p = ctx.placement
-    tied = (plan_tied(program, p.stages, ctx.probe.tied, len(ctx.probe.layer_params), ctx.probe.tied_split)
+    vocab = hfmodel.vocab_record(program, ctx.probe) if hfmodel.is_hf(program) and ctx.probe is not None else None
+    tied = (plan_tied(program, p.stages, ctx.probe.tied, len(ctx.probe.layer_params), ctx.probe.tied_split, vocab)
             if ctx.training and ctx.probe is not None and ctx.probe.tied else ())
     return plan_reductions(program, p.coords, p.stages, p.matrix, _param_bytes(program, ctx)) + tied
 

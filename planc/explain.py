@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from planc import ui
 from planc.pipeline.simulate import NIC_ORDER_GAIN
-from planc.summaries import check_summary, sequence_lines  # noqa: F401 - planc check's table, re-exported
+from planc.summaries import check_summary, sequence_lines, tied_lines, vocab_line  # noqa: F401 - check's table re-exported
 from planc.ui import Col
 
 
@@ -30,11 +30,7 @@ def _t(seconds) -> str:
     return f"{seconds * 1e6:.1f} us"
 
 
-def _bytes(n: float) -> str:
-    for unit, f in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= f:
-            return f"{n / f:.1f} {unit}"
-    return f"{int(n)} B"
+_bytes = ui.human_bytes
 
 
 def _ranges(region) -> str:
@@ -125,6 +121,9 @@ def explain_data(plan: dict) -> dict:
         stage_of = {i: s["index"] for s in plan["stages"] if s.get("layers") for i in range(*s["layers"])}
         data["layers"] = [{"index": i, "name": lay["name"], "stage": stage_of.get(i), "params": lay["params"],
                            "flops": lay.get("flops")} for i, lay in enumerate(listing)]
+    vocab = (((plan.get("train") or {}).get("model") or {}).get("hf") or {}).get("vocab")
+    if vocab:   # the vocabulary split of the embedding table and lm_head (docs/models.md), padded where it is
+        data["vocab"] = dict(vocab)
     host_of = {d: h for h, devs in enumerate(c.get("hosts") or ()) for d in devs}
 
     def in_host(groups) -> bool:
@@ -155,6 +154,9 @@ def explain_data(plan: dict) -> dict:
             entry["tied"] = {"parameter": t["parameter"], "holders": [dict(h) for h in t["holders"]],
                              "devices": sorted(d for g in r["groups"] for d in g),
                              "contributors": list(t["contributors"]), "norm_device": t["norm_device"]}
+            if t.get("split"):   # a table split by vocabulary: each group sums its piece of rows
+                entry["tied"]["pieces"] = [{"rows": list(ab), "group": list(g)}
+                                           for ab, g in zip(t["split"]["rows"], r["groups"])]
         data["reductions"].append(entry)
     _zero_pairs(data["reductions"])
     by_src: dict[int, list[str]] = {}
@@ -347,7 +349,7 @@ def _reduction(r: dict, tty: bool) -> list:
     speed = f"{r['speedup']:.2f}x vs flat {flat_name}" if r["speedup"] is not None else "no data to move"
     zero = "" if target == "allreduce" else " (zero = 1)"
     out = [f"{_VERB[target]} {r['name']} over {', '.join(r['axes'])}{where}{zero}: {_bytes(r['bytes'])} per group, "
-           f"{r['groups']} group(s) of {r['group_size']}"] if not r.get("tied") else _tied_lines(r)
+           f"{r['groups']} group(s) of {r['group_size']}"] if not r.get("tied") else tied_lines(r)
     if r["hierarchy"]:
         out.append("  synthesis hierarchy: root > " + " > ".join(f"{h['name']}({h['factor']})" for h in r["hierarchy"]))
     if not r["program"] and r["group_size"] <= 1:   # each gradient is held by one device
@@ -426,6 +428,8 @@ def explain_renderables(data: dict, tty: bool = False) -> list:
     out += ["", "stages:", _stages(data["stages"], tty)] + sequence_lines(data["stages"])
     if data.get("layers"):
         out += ["", "layers (the model's; FLOPs for one micro-batch):", _layers(data["layers"], tty)]
+    if data.get("vocab"):
+        out.append(vocab_line(data["vocab"]))
     idle = idle_devices(data["stages"], c["devices"])
     if idle:
         out.append(idle_warning(idle, c["devices"]))
@@ -454,20 +458,6 @@ def explain_renderables(data: dict, tty: bool = False) -> list:
 def explain(plan: dict) -> str:
     """The plain (piped) text of `planc explain` for a plan.json."""
     return ui.render(*explain_renderables(explain_data(plan), tty=False)).rstrip("\n")
-
-
-def _tied_lines(r: dict) -> list[str]:
-    """The head of a tied parameter's reduction: the parameter, its holders and devices, who contributes."""
-    t = r["tied"]
-    stages = sorted({h["stage"] for h in t["holders"]})
-    others = [d for d in t["devices"] if d not in t["contributors"]]
-    out = [f"reduce tied parameter {t['parameter']}: {_bytes(r['bytes'])}, held by stages "
-           f"{', '.join(map(str, stages))} on devices {t['devices']}, {r['groups']} group(s) of {r['group_size']}",
-           "  holders: " + ", ".join(f"layers.{h['layer']}.{h['name']} (stage {h['stage']})" for h in t["holders"]),
-           f"  summed after the last backward, before clip and the step; device {t['norm_device']} counts it in the norm"]
-    if others:
-        out.append(f"  devices {others} enter zeros (tensor replicas of a contributor's identical gradient)")
-    return out
 
 
 def compile_summary(plan: dict, tty: bool = False) -> list:

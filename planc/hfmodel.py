@@ -150,7 +150,33 @@ def model_record(program: ir.Program, probe) -> planfile.HfModel:
     folder = output_folder(program)
     # without a probe the compiler cannot ask transformers: sdpa, which every family the docs list supports
     return planfile.HfModel(arch, config, hf.get("attn_implementation", "sdpa"), keys, folder,
-                            bool(hf.get("weights")))
+                            bool(hf.get("weights")), vocab_record(program, probe))
+
+
+def vocab_record(program: ir.Program, probe) -> planfile.VocabSplit | None:
+    """plan.json ``train.model.hf.vocab``: the rows the embedding table (layer 0) and ``lm_head`` (the last
+    layer) are padded to for the tensor stages that split them by vocabulary (``planc.plan.padded_vocab``:
+    a multiple of the holding stage's tensor degree; of the least common multiple of both holders' when
+    the model ties them, ``probe.tied``); None when no holding stage has a ``tensor`` axis, or no probe."""
+    hf = dict(getattr(probe, "hf", None) or ())
+    vocab = (hf.get("config") or {}).get("vocab_size")
+    n = len(getattr(probe, "layer_params", ()) or ())
+    if not isinstance(vocab, int) or n < 2:
+        return None
+    degree = {}
+    for s in program.stages:
+        a, b = s.layers if s.layers is not None else (0, n)
+        for i in (0, n - 1):
+            if a <= i < b:
+                degree[i] = ir.axis_size(program.stage_mesh(s.index), ir.MeshAxis.TENSOR)
+    k0, k1 = degree.get(0, 1), degree.get(n - 1, 1)
+    if max(k0, k1) <= 1:
+        return None
+    tied = any({0, n - 1} <= {int(layer) for layer, _ in holders} for holders, _ in probe.tied)
+    if tied:
+        rows = planfile.padded_vocab(vocab, (k0, k1))
+        return planfile.VocabSplit(vocab, rows, rows)
+    return planfile.VocabSplit(vocab, planfile.padded_vocab(vocab, (k0,)), planfile.padded_vocab(vocab, (k1,)))
 
 
 def layer_listing(probe) -> tuple:

@@ -50,6 +50,14 @@ PLAIN_BOX = box.Box(
 T = TypeVar("T")
 
 
+def human_bytes(n: float) -> str:
+    """``1.5 GiB``, ``12.0 KiB``, ``300 B``: binary units, one decimal."""
+    for unit, f in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= f:
+            return f"{n / f:.1f} {unit}"
+    return f"{int(n)} B"
+
+
 def is_tty(stream=None) -> bool:
     stream = sys.stdout if stream is None else stream
     try:

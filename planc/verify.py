@@ -16,7 +16,7 @@ import math
 from collections.abc import Callable
 
 from planc import ir
-from planc.reduction.check import check_pair, check_program, check_tied
+from planc.reduction.check import check_pair, check_program, check_tied, check_tied_pieces
 from planc.resharding.check import check_plan
 from planc import plan as planfile
 
@@ -76,9 +76,11 @@ def _reduced(reductions, _ctx) -> list[str]:
         steps = [(str(c), g) for c, g in r.steps]
         why = check_program(steps, r.groups, unit=unit, target=str(r.target), owned=owned)
         if why is None and getattr(r, "tied", None) is not None:
-            why = check_tied(steps, r.groups, r.tied.contributors, _holder_keys(r.tied, _ctx.placement.stages))
+            why = check_tied(steps, r.groups, r.tied.contributors, _holder_keys(r.tied, _ctx.placement.stages),
+                             pieces=r.tied.split.rows if r.tied.split is not None else None)
         if why is not None:
             out.append(f"{_where(r)}: {why}")
+    out += _pieces(reductions, _ctx.placement.stages, "")
     for rs, ag in _pairs(reductions, out):
         unit, owned = _units(rs.owned)
         _, ag_owned = _units(ag.owned)
@@ -86,6 +88,24 @@ def _reduced(reductions, _ctx) -> list[str]:
                          ([(str(c), g) for c, g in ag.steps], ag.groups, unit, ag_owned))
         if why is not None:
             out.append(f"{_where(rs)} and {_where(ag)}: {why}")
+    return out
+
+
+def _pieces(reductions, stages, prefix: str) -> list[str]:
+    """Every tied table split by rows: its pieces, over all its reductions, checked against the rows each
+    holding device keeps (``check_tied_pieces``, from the stages alone)."""
+    by: dict[str, list] = {}
+    for r in reductions:
+        t = getattr(r, "tied", None)
+        if t is not None and t.split is not None:
+            by.setdefault(t.parameter, []).append(r)
+    out = []
+    for name, rs in by.items():
+        t = rs[0].tied
+        held = [st for st in stages if st.index in {h.stage for h in t.holders}]
+        why = check_tied_pieces([(r.tied.split, r.groups) for r in rs], held, t.split.size, t.split.padded)
+        if why is not None:
+            out.append(f"{prefix}tied parameter {name}: {why}")
     return out
 
 
@@ -181,9 +201,11 @@ def _assembled(plan: planfile.Plan, _ctx) -> list[str]:
                             owned=r.owned if r.owned else None)
         if why is None and r.tied is not None:
             why = check_tied([(str(s.collective), s.groups) for s in r.steps], r.groups, r.tied.contributors,
-                             _holder_keys(r.tied, plan.stages), unit=r.unit, regions=[s.regions for s in r.steps])
+                             _holder_keys(r.tied, plan.stages), unit=r.unit, regions=[s.regions for s in r.steps],
+                             pieces=r.tied.split.rows if r.tied.split is not None else None)
         if why is not None:
             out.append(f"plan.json {_where(r)}: {why}")
+    out += _pieces(plan.reductions, plan.stages, "plan.json ")
     for rs, ag in _pairs(plan.reductions, out):   # the all-gather starts where the reduce-scatter's steps end
         why = check_pair(([(str(s.collective), s.groups) for s in rs.steps], rs.groups, rs.unit, rs.owned),
                          ([(str(s.collective), s.groups) for s in ag.steps], ag.groups, ag.unit, ag.owned))

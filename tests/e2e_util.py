@@ -69,7 +69,8 @@ def compare_dumps(dump_dir: Path, ranks, ref_state: dict, rtol: float, atol: flo
     """Every rank's dumped parameters (``--dump-params``) against the reference.
 
     A parameter listed in ``rank<R>.shards.json`` (``[dim, index, parts, blocks]``) is compared with
-    its slice of the reference. Every reference parameter must be held by some rank, whole or as
+    its slice of the reference; with a fifth entry (a padded vocabulary shard) with its slice of the
+    reference padded with zero rows, so its padding must be untouched zeros. Every reference parameter must be held by some rank, whole or as
     shards that tile it exactly: one layout per parameter, every index ``0..parts-1`` present, the
     shards' shapes adding up to the reference's. Returns ``{name: layout}`` of the sharded ones.
 
@@ -94,8 +95,14 @@ def compare_dumps(dump_dir: Path, ranks, ref_state: dict, rtol: float, atol: flo
         for k, v in mine.items():
             assert k in ref_state, f"rank {rank} dumped {k}, which the reference does not have"
             if k in info:
-                dim, index, parts, blocks = info[k]
-                want = shard_of(ref_state[k], dim, index, parts, blocks)
+                dim, index, parts, blocks = info[k][:4]
+                ref = ref_state[k]
+                if len(info[k]) > 4:   # a padded vocabulary shard: the reference padded with zero rows
+                    assert info[k][4] == ref.shape[dim], f"{k}: padded shard of {info[k][4]} real rows"
+                    extra = list(ref.shape)
+                    extra[dim] = v.shape[dim] * parts - ref.shape[dim]
+                    ref = torch.cat([ref, ref.new_zeros(extra)], dim=dim)
+                want = shard_of(ref, dim, index, parts, blocks)
                 layout, held = shards.setdefault(k, ((dim, parts, blocks), {}))
                 assert layout == (dim, parts, blocks), f"{k}: ranks disagree on its layout"
                 held.setdefault(index, tuple(v.shape))
@@ -109,7 +116,10 @@ def compare_dumps(dump_dir: Path, ranks, ref_state: dict, rtol: float, atol: flo
         assert set(held) == set(range(parts)), f"{k}: shards {sorted(held)} of {parts}"
         shape = list(held[0])
         shape[dim] = sum(s[dim] for s in held.values())
-        assert tuple(shape) == tuple(ref_state[k].shape), f"{k}: shards {held} do not tile {tuple(ref_state[k].shape)}"
+        real = list(ref_state[k].shape)
+        pad = shape[dim] - real[dim]   # a padded shard's zero rows (less than a shard's)
+        assert 0 <= pad < held[0][dim] and shape[:dim] + shape[dim + 1:] == real[:dim] + real[dim + 1:], \
+            f"{k}: shards {held} do not tile {tuple(ref_state[k].shape)}"
     seen = whole | set(shards)
     assert seen == set(ref_state), f"parameters held by no rank: {sorted(set(ref_state) - seen)}"
     return {k: layout for k, (layout, _) in shards.items()}

@@ -113,6 +113,7 @@ def _check_plan(doc: dict, plan_file: Path | None, report: _Report) -> None:
     _check_stages(doc, facts, report)
     for r in report.need(doc, "reductions", list, "plan") or []:
         _check_reduction(r, facts, report)
+    _check_tied_pieces(doc.get("reductions") or [], facts, report)
     check_zero_pairs(doc, report)
     for t in report.need(doc, "transfers", list, "plan") or []:
         _check_transfer(t, facts, report)
@@ -535,7 +536,12 @@ def _check_tied(r: dict, where: str, facts: _Facts, report: _Report) -> None:
         for d in st.devices:
             key[d] = (s, tuple(st.position[d][i] for i in keep))
     groups = r.get("groups") or []
-    if sorted(d for g in groups for d in g) != sorted(key):
+    if "split" in tied:   # one piece of rows per group: which devices is _check_tied_pieces'
+        members = [d for g in groups for d in g]
+        if len(members) != len(set(members)) or not set(members) <= set(key):
+            report.bad(f"{where}: groups {groups} are not disjoint groups of the holding stages' devices")
+            return
+    elif sorted(d for g in groups for d in g) != sorted(key):
         report.bad(f"{where}: groups {groups} do not partition the holding stages' devices {sorted(key)}")
         return
     for k, step in enumerate((r.get("program") or {}).get("steps") or []):
@@ -549,11 +555,51 @@ def _check_tied(r: dict, where: str, facts: _Facts, report: _Report) -> None:
         report.bad(f"{where}: the tied program is invalid: {ended}")
         return
     want = sorted(set(key.values()))
-    for d in sorted(key):
+    for d in sorted(ended):
         got = sorted(key[c] for c in ended[d])
         if got != want:
             report.bad(f"{where}: device {d} ends with the tied gradient of {got}, not one of each of {want}")
             return
+
+
+def _check_tied_pieces(reductions: list, facts: _Facts, report: _Report) -> None:
+    """LANGUAGE.md: a tied table "vocabulary-split over tensor axes of different degrees" is "padded to a
+    multiple of the least common multiple of their degrees", its gradient "summed over all of them";
+    DESIGN.md's collective semantics on pieces: each piece of rows a buffer of its own. A holder of tensor
+    degree k at coordinate c keeps part c of k of the padded rows (degree 1: all real rows); every real
+    row is summed by exactly one group, whose members are exactly the devices keeping it."""
+    by: dict[str, list] = {}
+    for r in reductions:
+        t = r.get("tied") or {}
+        if "split" in t:
+            by.setdefault(t.get("parameter"), []).append(r)
+    for name, rs in by.items():
+        split = rs[0]["tied"]["split"]
+        size, padded = split.get("size"), split.get("padded")
+        rows = {}
+        for s in sorted({h.get("stage") for h in rs[0]["tied"]["holders"]}):
+            st = facts.stages.get(s)
+            if st is None:
+                continue
+            k = st.shape[st.mesh_axes.index("tensor")] if "tensor" in st.mesh_axes else 1
+            if k > 1 and padded % k:
+                report.bad(f"tied {name}: {padded} padded rows do not split over stage {s}'s tensor axis of {k}")
+                return
+            for d in st.devices:
+                c = st.position[d][st.mesh_axes.index("tensor")] if k > 1 else 0
+                rows[d] = (0, size) if k <= 1 else (c * padded // k, min((c + 1) * padded // k, size))
+        pieces = sorted((tuple(ab), tuple(g)) for r in rs for ab, g in zip(r["tied"]["split"]["rows"], r["groups"]))
+        at = 0
+        for (a, b), g in pieces:
+            holders = sorted(d for d, (x, y) in rows.items() if x <= a and b <= y)
+            if a != at or list(g) != holders or any(x < b and a < y and not (x <= a and b <= y)
+                                                    for x, y in rows.values()):
+                report.bad(f"tied {name}: rows [{a}, {b}) summed over {list(g)}; the devices keeping them are "
+                           f"{holders} (pieces must tile the {size} rows once)")
+                return
+            at = b
+        if at != size:
+            report.bad(f"tied {name}: rows [{at}, {size}) are summed by no group")
 
 
 def _check_reduction(r: dict, facts: _Facts, report: _Report) -> None:

@@ -181,21 +181,56 @@ def test_mistral_sliding_window_two_stages_data_parallel_unequal_mesh_adamw(tmp_
 @pytest.mark.slow
 def test_llama_untied_two_tensor_stages_vocabulary_parallel_sgd(tmp_path):
     """Two tensor stages, the second also data 2: the embedding table and lm_head split by vocabulary
-    (the loss a parallel cross-entropy over the split logits), the decoder layers by the tp plan."""
-    keys = {**SMALL, "num_hidden_layers": 2, "tie_word_embeddings": False}
+    (the loss a parallel cross-entropy over the split logits), the decoder layers by the tp plan. The
+    vocabulary of 257 does not divide by 2: padded to 258, the padding row (tensor rank 1's last) stays
+    zero (compare_dumps pads the reference with zeros), and the checkpoint exports 257 rows."""
+    import torch
+    from planc.cli import main
+    keys = {**SMALL, "num_hidden_layers": 2, "tie_word_embeddings": False, "vocab_size": 257}
     plan_path = write_plan(tmp_path, "LlamaForCausalLM", keys, """\
         stage 0 : layers 0..3 on devices 0..2 as (tensor = 2)
         stage 1 : layers 3..4 on devices 2..6 as (data = 2, tensor = 2)
         """, 6, "micro_batch = 2, micro_batches = 3, steps = 3, schedule = 1f1b, optimizer = sgd(lr = 0.5), seed = 2",
                            seq=12)
-    plan, sharded = train_and_compare(tmp_path, plan_path, "LlamaForCausalLM", keys, seq=12)
+    ckpt = tmp_path / "ckpt"
+    plan, sharded = train_and_compare(tmp_path, plan_path, "LlamaForCausalLM", keys, seq=12, save=ckpt)
     assert plan["transfers"][0]["shape"] == [2, 12, 32]
     assert sharded["layers.0.embed_tokens.weight"] == sharded["layers.3.lm_head.weight"] == (0, 2, 1)
+    assert plan["train"]["model"]["hf"]["vocab"] == {"size": 257, "embedding": 258, "lm_head": 258}
+    assert main(["checkpoint", "export", str(ckpt), "--hf", str(tmp_path / "hf")]) == 0
+    exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", local_files_only=True)
+    assert exported.model.embed_tokens.weight.shape == exported.lm_head.weight.shape == torch.Size([257, 32])
+    joined = _dumped_as_reference(tmp_path, "layers.3.lm_head.weight", sharded)
+    torch.testing.assert_close(exported.lm_head.weight.detach(), joined, rtol=0, atol=0)
     # sequence parallelism on both (the default): the boundary moves each tensor rank's part of the sequence
     assert [s["sequence_parallel"] for s in plan["stages"]] == [True, True]
     regions = plan["transfers"][0]["regions"]
     assert sorted(tuple(r[1]) for r in regions["src"].values()) == [(0, 6), (6, 12)]
     assert sorted(tuple(r[1]) for r in regions["dst"].values()) == [(0, 6), (0, 6), (6, 12), (6, 12)]
+
+
+@pytest.mark.slow
+def test_llama_vocabulary_that_does_not_divide_adamw_resumes_under_another_padding(tmp_path):
+    """A vocabulary of 257 on one tensor-2 stage (padded to 258), AdamW: the run matches the reference and
+    its checkpoint holds 257 rows; resumed under tensor 4 (padded to 260, other padding rows) it trains on as
+    the uninterrupted reference, its padding rows zero."""
+    keys = {**SMALL, "num_hidden_layers": 1, "num_key_value_heads": 4, "vocab_size": 257}
+    train = "micro_batch = 2, micro_batches = 2, steps = 3, schedule = 1f1b, optimizer = adamw(lr = 1e-2), seed = 3"
+    plan_path = write_plan(tmp_path, "LlamaForCausalLM", keys, """\
+        stage 0 : layers 0..3 on devices 0..2 as (data = 1, tensor = 2)
+        """, 2, train.replace("schedule = 1f1b, ", ""))
+    ckpt = tmp_path / "ckpt"
+    plan, sharded = train_and_compare(tmp_path, plan_path, "LlamaForCausalLM", keys, atol=1e-4, save=ckpt)
+    assert plan["train"]["model"]["hf"]["vocab"] == {"size": 257, "embedding": 258, "lm_head": 258}
+    assert sharded["layers.0.embed_tokens.weight"] == (0, 2, 1)
+    (tmp_path / "b").mkdir()
+    plan_b = write_plan(tmp_path / "b", "LlamaForCausalLM", keys, """\
+        stage 0 : layers 0..3 on devices 0..4 as (data = 1, tensor = 4)
+        """, 4, train.replace("schedule = 1f1b, ", "").replace("steps = 3", "steps = 4"))
+    plan2, sharded2 = train_and_compare(tmp_path / "b", plan_b, "LlamaForCausalLM", keys, atol=1e-4,
+                                        resume=(ckpt, STEPS), steps=STEPS + 1)
+    assert plan2["train"]["model"]["hf"]["vocab"] == {"size": 257, "embedding": 260, "lm_head": 260}
+    assert sharded2["layers.2.lm_head.weight"] == (0, 4, 1)
 
 
 @pytest.mark.slow
@@ -219,18 +254,25 @@ def test_llama_sequence_parallel_stages_with_a_boundary_written_replicated_adamw
 
 @pytest.mark.slow
 def test_llama_tied_across_stages_of_tensor_2_and_4_sgd(tmp_path):
-    """The embedding tied across a tensor-2 and a tensor-4 stage: a tie across stages stays whole on every
-    tensor rank (hf_vocab), its gradient summed over the holders by the planned tied reduction."""
-    keys = {**SMALL, "num_hidden_layers": 2, "num_key_value_heads": 4, "tie_word_embeddings": True}
+    """The embedding tied across a tensor-2 and a tensor-4 stage, split by vocabulary on both: the table of
+    258 rows padded to 260 (the holders' lcm 4), stage 0's ranks keep 130 rows, stage 1's 65 (its last
+    rank 63 real and 2 padding, which stay zero); the tied gradient summed piece by piece (rows in the grid
+    of 4) over the holders that hold each piece, by the planned, checked piecewise program."""
+    keys = {**SMALL, "num_hidden_layers": 2, "num_key_value_heads": 4, "tie_word_embeddings": True,
+            "vocab_size": 258}
     plan_path = write_plan(tmp_path, "LlamaForCausalLM", keys, """\
         stage 0 : layers 0..2 on devices 0..2 as (data = 1, tensor = 2)
         stage 1 : layers 2..4 on devices 2..6 as (data = 1, tensor = 4)
         """, 6, "micro_batch = 2, micro_batches = 2, steps = 3, schedule = 1f1b, optimizer = sgd(lr = 0.5), seed = 4")
     plan, sharded = train_and_compare(tmp_path, plan_path, "LlamaForCausalLM", keys, atol=1e-5,
                                       aliases={"layers.3.lm_head.weight": "layers.0.embed_tokens.weight"})
-    assert "layers.0.embed_tokens.weight" not in sharded and "layers.3.lm_head.weight" not in sharded
+    assert sharded["layers.0.embed_tokens.weight"] == (0, 2, 1) and sharded["layers.3.lm_head.weight"] == (0, 4, 1)
     assert "layers.1.layer.self_attn.q_proj.weight" in sharded and "layers.2.layer.mlp.up_proj.weight" in sharded
-    assert [r for r in plan["reductions"] if r.get("tied")]
+    assert plan["train"]["model"]["hf"]["vocab"] == {"size": 258, "embedding": 260, "lm_head": 260}
+    pieces = sorted((tuple(rows), tuple(g)) for r in plan["reductions"] if r.get("tied")
+                    for rows, g in zip(r["tied"]["split"]["rows"], r["groups"]))
+    # stage 0: devices 0, 1 (rows 0..130, 130..260); stage 1: devices 2..5 (65 rows each)
+    assert pieces == [((0, 65), (0, 2)), ((65, 130), (0, 3)), ((130, 195), (1, 4)), ((195, 258), (1, 5))]
 
 
 @pytest.mark.slow
@@ -268,7 +310,10 @@ def test_the_bundled_llama_plan_tied_across_stages_with_a_tensor_parallel_stage(
     assert plan["tensor_groups"] and sharded   # the projections of layers 1..2 are held as shards
     assert plan["stages"][1]["sequence_parallel"] is True   # and their norms and residuals by the sequence
     tied = [r["tied"] for r in plan["reductions"] if r.get("tied")]
-    assert len(tied) == 1 and sorted({h["stage"] for h in tied[0]["holders"]}) == [0, 1]
+    assert all(sorted({h["stage"] for h in t["holders"]}) == [0, 1] for t in tied)
+    # stage 0 (one device) holds the whole table, stage 1 splits it over tensor 2: one piece each half,
+    # summed over device 0 and stage 1's two data replicas at that tensor coordinate
+    assert sorted(t["split"]["rows"][0] for t in tied) == [[0, 128], [128, 256]]
     assert main(["checkpoint", "export", str(ckpt), "--hf", str(tmp_path / "hf")]) == 0
     exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", local_files_only=True)
     assert exported.lm_head.weight is exported.model.embed_tokens.weight   # tied again by transformers
@@ -309,12 +354,14 @@ def _dumped_as_reference(tmp_path: Path, name: str, sharded: dict):
         if name not in sharded:
             return mine[name]
         info = json.loads(f.with_suffix("").with_suffix(".shards.json").read_text())
-        dim, index, parts_n, blocks = info[name]
+        dim, index, parts_n, blocks = info[name][:4]
         assert blocks == 1
         parts[index] = (dim, mine[name])
     assert parts, name
     dim = next(iter(parts.values()))[0]
-    return torch.cat([parts[i][1] for i in sorted(parts)], dim=dim)
+    whole = torch.cat([parts[i][1] for i in sorted(parts)], dim=dim)
+    real = info[name][4] if len(info[name]) > 4 else whole.shape[dim]   # a padded shard: its real rows
+    return whole.narrow(dim, 0, real)
 
 
 def plan_names(tmp_path: Path) -> set[str]:

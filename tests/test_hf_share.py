@@ -200,15 +200,16 @@ def vocab_worker(rank, world, payload):
     for arch, extra, builtin in payload["cases"]:
         config = hf.config_from_keys(arch, {**SMALL, "num_hidden_layers": 2, **extra})
         config.torch_dtype = torch.float64
+        vocab = config.vocab_size   # 64, or 63: padded to 64, rank 1's last row padding
         tp = TensorParallel(dist.group.WORLD, rank, world, tuple(range(world)))
         layers = [layer.double() for layer in hf.build_share(config, 3, range(0, 4), tp)]   # buffers too, as ref's
         emb = layers[0].embed_tokens
-        assert getattr(emb, VOCAB_ATTR)[1:] == (rank * 32, rank * 32 + 32, 64), getattr(emb, VOCAB_ATTR)
+        assert getattr(emb, VOCAB_ATTR)[1:] == (rank * 32, rank * 32 + 32, vocab), getattr(emb, VOCAB_ATTR)
         assert emb.weight.shape[0] == 32 and layers[-1].lm_head.weight.shape[0] == 32
         if extra.get("tie_word_embeddings"):
             assert layers[-1].lm_head.weight is emb.weight
-        ids = torch.randint(0, 64, (2, 10), generator=torch.Generator().manual_seed(5))
-        user = lambda logits, labels: tf.loss.loss_utils.ForCausalLMLoss(logits, labels, vocab_size=64)  # noqa: E731
+        ids = torch.randint(0, vocab, (2, 10), generator=torch.Generator().manual_seed(5))
+        user = lambda logits, labels: tf.loss.loss_utils.ForCausalLMLoss(logits, labels, vocab_size=vocab)  # noqa: E731
         loss_fn = loss_for(layers, hf.causal_lm_loss if builtin else user, builtin)
         h = ids
         for layer in layers:
@@ -226,6 +227,10 @@ def vocab_worker(rank, world, payload):
                 w, g = want[name].detach(), want[name].grad
                 info = shard_info(p)
                 if info is not None:
+                    if info[0] == 0 and p.shape[0] * info[2] > w.shape[0]:   # padded: zero rows, zero gradient
+                        extra_rows = p.shape[0] * info[2] - w.shape[0]
+                        w = torch.cat([w, w.new_zeros((extra_rows, *w.shape[1:]))])
+                        g = torch.cat([g, g.new_zeros((extra_rows, *g.shape[1:]))])
                     w, g = shard_of(w, *info), shard_of(g, *info)
                 torch.testing.assert_close(p.detach(), w, rtol=0, atol=0, msg=name)
                 # the cross-entropy runs in fp32 in both (HF's loss upcasts with .float()): fp32's noise
@@ -237,24 +242,45 @@ def vocab_worker(rank, world, payload):
 def test_vocabulary_parallel_embedding_head_and_loss_match_the_whole_model():
     import test_runtime_harness as H
     cases = [("LlamaForCausalLM", {}, True), ("LlamaForCausalLM", {"tie_word_embeddings": True}, True),
-             ("Gemma2ForCausalLM", {"head_dim": 8}, True), ("LlamaForCausalLM", {}, False)]
+             ("Gemma2ForCausalLM", {"head_dim": 8}, True), ("LlamaForCausalLM", {}, False),
+             # a vocabulary that does not divide: padded to 64, the padded logits no probability (both losses;
+             # Gemma-2's soft-capping maps a padded logit to a finite one: masked after it)
+             ("LlamaForCausalLM", {"vocab_size": 63}, True), ("LlamaForCausalLM", {"vocab_size": 63}, False),
+             ("Gemma2ForCausalLM", {"head_dim": 8, "vocab_size": 63}, True)]
     texts = H.run_ranks(vocab_worker, 2, {"cases": cases})
     import ast
     lines = [ast.literal_eval(texts[r].strip()).splitlines() for r in range(2)]
     assert lines[0] == lines[1] and len(lines[0]) == len(cases)   # both tensor ranks computed the one loss
 
 
-def test_a_tie_across_stages_or_a_vocabulary_that_does_not_divide_stays_whole():
+def test_a_tie_across_stages_and_a_vocabulary_that_does_not_divide_split_and_pad():
+    """The head alone of a tied table keeps its rows of the embedding's draw (the whole table goes); a
+    vocabulary of 63 on tensor 2 pads to 64: rank 1 keeps rows 32..62 and one zero row; plan.json's
+    vocabulary record pads a tied table to the holders' least common multiple (here 4 on a tensor-2 rank)."""
     from planc.runtime import hf
     from planc.runtime.hf_vocab import VOCAB_ATTR
-    from planc.runtime.tensor_parallel import TensorParallel
-    tp = TensorParallel(group=None, rank=0, size=2, members=(0, 1))
+    from planc.runtime.tensor_parallel import TensorParallel, shard_info, shard_size
     tied = _config("LlamaForCausalLM", tie_word_embeddings=True)
-    layers = hf.build_share(tied, 0, range(3, 5), tp)   # the head alone: its table is tied to stage 0's
-    assert layers[-1].lm_head.weight.shape[0] == 64 and not hasattr(layers[-1], VOCAB_ATTR)
+    ref = spec_model(tied, 0).model.embed_tokens.weight.detach()
+    for r in range(2):
+        tp = TensorParallel(group=None, rank=r, size=2, members=(0, 1))
+        layers = hf.build_share(tied, 0, range(3, 5), tp)   # the head alone: its table is tied to stage 0's
+        w = layers[-1].lm_head.weight
+        assert w.shape[0] == 32 and getattr(layers[-1], VOCAB_ATTR)[1:] == (32 * r, 32 * r + 32, 64)
+        assert torch.equal(w.detach(), ref[32 * r:32 * r + 32]) and shard_info(w) == (0, r, 2, 1)
+        assert layers[0].embed_tokens.weight is w   # the unheld embedding keeps the tie, not the whole table
     odd = _config("LlamaForCausalLM", vocab_size=63)
-    layers = hf.build_share(odd, 0, range(0, 1), tp)
-    assert layers[0].embed_tokens.weight.shape[0] == 63 and not hasattr(layers[0].embed_tokens, VOCAB_ATTR)
+    ref = spec_model(odd, 0).model.embed_tokens.weight.detach()
+    tp = TensorParallel(group=None, rank=1, size=2, members=(0, 1))
+    emb = hf.build_share(odd, 0, range(0, 1), tp)[0].embed_tokens
+    assert getattr(emb, VOCAB_ATTR)[1:] == (32, 64, 63) and shard_size(emb.weight) == 63
+    assert torch.equal(emb.weight.detach()[:31], ref[32:]) and not emb.weight.detach()[31].any()
+    record = {"size": 63, "embedding": 68, "lm_head": 68}   # tied across tensor 2 and tensor 4: lcm 4
+    layers = hf.build_share(_config("LlamaForCausalLM", vocab_size=63, tie_word_embeddings=True), 0,
+                            range(0, 2), tp, vocab=record)
+    assert getattr(layers[0].embed_tokens, VOCAB_ATTR)[1:] == (34, 68, 63)
+    with pytest.raises(ValueError, match="do not split over a tensor group of 2"):
+        hf.build_share(odd, 0, range(0, 1), tp, vocab={"size": 63, "embedding": 63, "lm_head": 63})
 
 
 def test_a_folder_of_pytorch_bin_files_is_memory_mapped(tmp_path):
@@ -273,3 +299,116 @@ def test_a_folder_of_pytorch_bin_files_is_memory_mapped(tmp_path):
     want = dict(model.named_parameters())
     for name, p in _named(layers, range(2, 4)).items():
         assert torch.equal(p.detach(), want[name].detach()), name
+
+
+# ---------------------------------------------------------------- tied tables split by vocabulary: the checker
+
+def _layouts():
+    """Stage 0: tensor 2 on devices 0, 1; stage 1: data 2 x tensor 4 on devices 2..9 (DESIGN.md's meshes)."""
+    from planc import ir
+    return [ir.StageLayout(0, (0, 1), (2,), ("tensor",), (0, 1)),
+            ir.StageLayout(1, (1, 2), (2, 4), ("data", "tensor"), tuple(range(2, 10)))]
+
+
+def test_the_piecewise_program_sums_each_piece_over_exactly_its_holders():
+    """258 rows padded to 260 (lcm 4) over tensor 2 and data 2 x tensor 4: four pieces of 65 rows (the
+    last cut to 63 real ones), each summed over the one stage-0 device and the two stage-1 data replicas
+    that keep it; the checker, knowing only the plan's words, accepts it and rejects every wrong variant."""
+    from planc import plan as P
+    from planc.reduction.check import check_tied, check_tied_pieces
+    from planc.reduction.tied import _piece_records, contribution_keys
+    stages = _layouts()
+    records = _piece_records(stages, 258, 260)
+    got = sorted((ab, g) for rec in records for g, ab in rec)
+    assert got == [((0, 65), (0, 2, 6)), ((65, 130), (0, 3, 7)), ((130, 195), (1, 4, 8)), ((195, 258), (1, 5, 9))]
+    assert sorted(len(rec) for rec in records) == [1, 1, 2]   # pieces 0 and 2 share a buffer layout
+
+    def split(rec):
+        return P.TiedSplit(258, 260, tuple(ab for _, ab in rec), tuple(min(g) for g, _ in rec)), [g for g, _ in rec]
+    good = [split(rec) for rec in records]
+    assert check_tied_pieces(good, stages, 258, 260) is None
+    keys = contribution_keys(stages)
+    for rec in records:
+        groups = [g for g, _ in rec]
+        s, _ = split(rec)
+        assert check_tied([("allreduce", groups)], groups, sorted(d for g in groups for d in g), keys,
+                          pieces=s.rows) is None
+    # a piece summed over the wrong holders: rows 65..130 with stage 1's tensor coordinate 2 (devices 4, 8)
+    wrong = [(s, [(0, 4, 8) if tuple(s.rows[i]) == (65, 130) else g for i, g in enumerate(gs)]) for s, gs in good]
+    assert "rows [65, 130) are summed over [0, 4, 8], but the devices holding them are [0, 3, 7]" in \
+        check_tied_pieces(wrong, stages, 258, 260)
+    # (read as a program alone that group is fine: one of each (stage, data replica); only the rows tell);
+    # a group that leaves out stage 1's second data replica misses a contribution
+    assert check_tied([("allreduce", [(0, 4, 8)])], [(0, 4, 8)], [0, 4, 8], keys, pieces=[(65, 130)]) is None
+    assert "contributions" in check_tied([("allreduce", [(0, 3)])], [(0, 3)], [0, 3], keys, pieces=[(65, 130)])
+    gap = [(P.TiedSplit(258, 260, (ab,), (min(g),)), [g]) for rec in records for g, ab in rec if ab != (195, 258)]
+    assert check_tied_pieces(gap, stages, 258, 260) == "rows [195, 258) are summed by no group"
+    straddle = [(P.TiedSplit(258, 260, ((0, 130),), (0,)), [(0, 2, 3, 6, 7)]),
+                (P.TiedSplit(258, 260, ((130, 258),), (1,)), [(1, 4, 5, 8, 9)])]
+    assert "hold only part of the piece" in check_tied_pieces(straddle, stages, 258, 260)
+    assert "do not split over its tensor axis of 4" in check_tied_pieces(good, stages, 258, 258)
+
+
+def _plan_doc(tmp_path):
+    """The output of Llama tied across tensor 2 and tensor 4 (vocabulary 258), compiled."""
+    import sys
+    from planc.cli import main
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
+    from test_hf_models import SMALL as KEYS, write_plan
+    keys = {**KEYS, "num_hidden_layers": 1, "num_key_value_heads": 4, "tie_word_embeddings": True, "vocab_size": 258}
+    plan = write_plan(tmp_path, "LlamaForCausalLM", keys, """\
+        stage 0 : layers 0..2 on devices 0..2 as (data = 1, tensor = 2)
+        stage 1 : layers 2..3 on devices 2..6 as (data = 1, tensor = 4)
+        """, 6, "micro_batch = 2, micro_batches = 2, steps = 1, optimizer = sgd(lr = 0.5), seed = 4")
+    assert main(["compile", str(plan), "-o", str(tmp_path / "out")]) == 0
+    return tmp_path / "out"
+
+
+def test_a_compiled_piecewise_plan_passes_every_checker_and_a_wrong_one_fails_each(tmp_path):
+    """The compiled plan passes verify's reading and the contract's outside checker; a piece moved to the
+    wrong holders in plan.json is rejected by both, and malformed vocabulary records are located errors."""
+    import copy
+    import plan_contract
+    from planc import plan as P
+    from planc.verify import _assembled
+    out = _plan_doc(tmp_path)
+    doc = json.loads((out / "plan.json").read_text())
+    assert plan_contract.check(out)[0] == []
+    assert _assembled(P.Plan.from_json(doc), None) == []
+    from planc.explain import explain
+    text = " ".join(explain(doc).split())
+    assert "vocabulary split by the tensor stages: 258 tokens; embedding 260 rows (2 padding), lm_head 260 rows" in text
+    assert "rows 65..130 of the table summed over [0, 3]" in text
+    tied = [i for i, r in enumerate(doc["reductions"]) if r.get("tied")]
+    i = next(i for i in tied if doc["reductions"][i]["tied"]["split"]["rows"] == [[65, 130]])
+    assert doc["reductions"][i]["groups"] == [[0, 3]]
+
+    bad = copy.deepcopy(doc)   # rows 65..130 summed over stage 1's tensor coordinate 2 instead of 1
+    r = bad["reductions"][i]
+    r["groups"] = [[0, 4]]
+    r["tied"]["contributors"] = [0, 4]
+    for s in r["program"]["steps"]:
+        s["groups"] = [[0, 4]]
+    bad["groups"].append([0, 4]) if [0, 4] not in bad["groups"] else None
+    (out / "plan.json").write_text(json.dumps(bad))
+    assert any("rows [65, 130)" in v for v in plan_contract.check(out)[0])
+    problems = _assembled(P.Plan.from_json(bad), None)
+    assert any("rows [65, 130) are summed over [0, 4], but the devices holding them are [0, 3]" in p
+               for p in problems), problems
+
+    def refused(edit, match):
+        d = copy.deepcopy(doc)
+        edit(d)
+        with pytest.raises(P.PlanFileError, match=match):
+            P.Plan.from_json(d).check()
+    refused(lambda d: d["train"]["model"]["hf"]["vocab"].update(lm_head=258),
+            r"train\.model\.hf\.vocab\.lm_head: 258 rows do not split over stage 1's tensor axis of 4")
+    refused(lambda d: d["train"]["model"]["hf"]["vocab"].update(embedding=262),
+            r"train\.model\.hf\.vocab\.embedding: 262 rows, but the tied table of reductions\[\d\]\.tied\.split "
+            r"is padded to 260")
+    refused(lambda d: d["train"]["model"]["hf"]["vocab"].update(lm_head=200),
+            r"train\.model\.hf\.vocab\.lm_head: 200 rows: fewer than the vocabulary's 258")
+    refused(lambda d: d["reductions"][i]["tied"]["split"].update(rows=[[65, 300]]),
+            rf"reductions\[{i}\]\.tied\.split\.rows\[0\]: expected a non-empty range")
+    refused(lambda d: d["reductions"][i]["tied"]["split"].update(norm_devices=[1]),
+            rf"reductions\[{i}\]\.tied\.split\.norm_devices\[0\]: device 1 is not a contributor in group \[0, 3\]")

@@ -9,17 +9,17 @@ docs/plan-format.md lists what planc adds.
 from .file import FORMAT, Plan, digest, dumps, load
 from .jsonpath import At, Group, PlanFileError, Range, Region
 from .optim import OPTIMIZER_DEFAULTS, LossScale, LrSchedule, Optimizer
-from .records import Cluster, Holder, Level, Reduction, Stage, Step, Tied
+from .records import Cluster, Holder, Level, Reduction, Stage, Step, Tied, TiedSplit
 from .runtime import DEFAULT_GRAD_BUCKET_BYTES, DEFAULT_RECV_AHEAD, DEFAULT_REDUCE_BUCKET_BYTES, Runtime
-from .training import CodeRef, HfModel, Pipeline, TagLayout, Train
+from .training import CodeRef, HfModel, Pipeline, TagLayout, Train, VocabSplit, padded_vocab, vocab_rows
 from .transfers import Route, Task, Transfer
 from .vocab import (DTYPE_NAMES, Backend, Collective, Direction, InHost, MeshAxis, Precision, Recompute,
                     ReductionMode, Schedule, StageMode, Strategy)
 
 __all__ = [
     "FORMAT", "Plan", "digest", "dumps", "load", "At", "Group", "PlanFileError", "Range", "Region", "Cluster",
-    "Level", "Reduction", "Stage", "Step", "Tied", "Holder", "DEFAULT_GRAD_BUCKET_BYTES", "DEFAULT_RECV_AHEAD",
-    "DEFAULT_REDUCE_BUCKET_BYTES", "Runtime", "CodeRef", "HfModel", "Pipeline", "TagLayout", "Train", "Route", "Task",
+    "Level", "Reduction", "Stage", "Step", "Tied", "TiedSplit", "Holder", "DEFAULT_GRAD_BUCKET_BYTES", "DEFAULT_RECV_AHEAD",
+    "DEFAULT_REDUCE_BUCKET_BYTES", "Runtime", "CodeRef", "HfModel", "VocabSplit", "padded_vocab", "vocab_rows", "Pipeline", "TagLayout", "Train", "Route", "Task",
     "Transfer", "DTYPE_NAMES", "Backend", "Collective", "Direction", "InHost", "MeshAxis", "Precision",
     "ReductionMode", "Schedule", "StageMode", "Strategy", "OPTIMIZER_DEFAULTS", "LossScale", "LrSchedule",
     "Optimizer", "Recompute",

@@ -156,9 +156,38 @@ class Plan:
                                         f"layers {list(st.layers)}")
             want = sorted(d for s in sorted({h.stage for h in r.tied.holders}) for d in self.stages[s].devices)
             have = sorted(d for g in r.groups for d in g)
+            if r.tied.split is not None:   # one piece per group: the pieces' groups lie inside the holders
+                if not set(have) <= set(want) or len(have) != len(set(have)):
+                    raise PlanFileError(f"plan.json: reductions[{i}].groups: a split tied parameter's groups must "
+                                        f"be disjoint groups of the devices of the stages holding it {want}, "
+                                        f"got {[list(g) for g in r.groups]}")
+                continue
             if have != want:
                 raise PlanFileError(f"plan.json: reductions[{i}].groups: a tied parameter's groups must partition "
                                     f"the devices of the stages holding it {want}, got {have}")
+        self._check_vocab()
+
+    def _check_vocab(self) -> None:
+        """``train.model.hf.vocab``: each padded table splits into whole rows over the tensor axis of every
+        stage holding it (the embedding: the stage of layer 0; ``lm_head``: the last stage)."""
+        vocab = getattr(getattr(self.train, "model", None), "vocab", None)
+        if vocab is None or not self.stages:
+            return
+        for part, stage in (("embedding", self.stages[0]), ("lm_head", self.stages[-1])):
+            k = stage.mesh_shape[stage.mesh_axes.index("tensor")] if "tensor" in stage.mesh_axes else 1
+            padded = vocab.padded(part)
+            if padded % k:
+                raise PlanFileError(f"plan.json: train.model.hf.vocab.{part}: {padded} rows do not split over stage "
+                                    f"{stage.index}'s tensor axis of {k} (pad the vocabulary of {vocab.size} to a "
+                                    f"multiple of {k})")
+            for i, r in enumerate(self.reductions):   # one table tied across stages: one padding
+                if r.tied is not None and r.tied.split is not None and r.tied.split.padded != padded:
+                    raise PlanFileError(f"plan.json: train.model.hf.vocab.{part}: {padded} rows, but the tied table "
+                                        f"of reductions[{i}].tied.split is padded to {r.tied.split.padded}")
+            if k == 1 and padded != vocab.size and not any(r.tied is not None for r in self.reductions):
+                raise PlanFileError(f"plan.json: train.model.hf.vocab.{part}: {padded} rows, but stage "
+                                    f"{stage.index} does not split it (no tensor axis): it holds the "
+                                    f"{vocab.size} rows unpadded")
 
     def tied_reductions(self, device: int) -> tuple[Reduction, ...]:
         """The tied-parameter reductions whose groups hold ``device``, in plan order."""

@@ -219,6 +219,46 @@ class Holder:
 
 
 @dataclass(frozen=True, slots=True)
+class TiedSplit:
+    """A tied parameter split by rows (vocabulary) over its holders' tensor axes (docs/reduction.md, "Tied
+    parameters split by vocabulary"): the table has ``size`` real rows, padded to ``padded`` (a multiple of
+    every holder's tensor degree); a holder of degree k at tensor coordinate c keeps rows
+    [c padded/k, (c + 1) padded/k) (degree 1: [0, size)). Group g of the reduction sums the piece
+    ``rows[g]`` (real rows, inside every member's); ``norm_devices[g]`` counts it in the global norm."""
+    size: int
+    padded: int
+    rows: tuple[Range, ...]
+    norm_devices: tuple[int, ...]
+
+    @staticmethod
+    def read(at: At, groups, contributors) -> "TiedSplit":
+        size = at.key("size").int(1)
+        padded = at.key("padded").int(size)
+        rows = []
+        for g, r in zip(groups, at.key("rows").items()):
+            pair = r.ints()
+            if len(pair) != 2 or not 0 <= pair[0] < pair[1] <= size:
+                r.fail(f"expected a non-empty range [a, b] of the {size} real rows, got {r.value}")
+            rows.append((pair[0], pair[1]))
+        if len(rows) != len(groups):
+            at.key("rows").fail(f"{len(at.key('rows').items())} row ranges for {len(groups)} groups")
+        lengths = {b - a for a, b in rows}
+        if len(lengths) > 1:
+            at.key("rows").fail(f"the groups' pieces must be equally long (one buffer size), got {[list(r) for r in rows]}")
+        norms = at.key("norm_devices").ints()
+        if len(norms) != len(groups):
+            at.key("norm_devices").fail(f"{len(norms)} devices for {len(groups)} groups")
+        for i, (g, d) in enumerate(zip(groups, norms)):
+            if d not in g or d not in contributors:
+                at.key("norm_devices").items()[i].fail(f"device {d} is not a contributor in group {list(g)}")
+        return TiedSplit(size, padded, tuple(rows), norms)
+
+    def to_json(self) -> dict:
+        return {"size": self.size, "padded": self.padded, "rows": [list(r) for r in self.rows],
+                "norm_devices": list(self.norm_devices)}
+
+
+@dataclass(frozen=True, slots=True)
 class Tied:
     """What a tied-parameter reduction sums (docs/plan-format.md, "Tied parameters"): the gradient of
     ``parameter`` (``layers.<first layer>.<name>``, the single-process model's name), which every
@@ -229,6 +269,7 @@ class Tied:
     holders: tuple[Holder, ...]
     contributors: tuple[int, ...]
     norm_device: int
+    split: TiedSplit | None = None   # split by rows over the holders' tensor axes: one piece per group
 
     @staticmethod
     def read(at: At, groups) -> "Tied":
@@ -244,11 +285,16 @@ class Tied:
         norm = at.key("norm_device").int(0)
         if norm not in contributors:
             at.key("norm_device").fail(f"device {norm} is not a contributor")
-        return Tied(at.key("parameter").str(), tuple(holders), contributors, norm)
+        split = at.key("split", None)
+        split = None if split.value is None else TiedSplit.read(split, groups, contributors)
+        return Tied(at.key("parameter").str(), tuple(holders), contributors, norm, split)
 
     def to_json(self) -> dict:
-        return {"parameter": self.parameter, "holders": [h.to_json() for h in self.holders],
-                "contributors": list(self.contributors), "norm_device": self.norm_device}
+        out = {"parameter": self.parameter, "holders": [h.to_json() for h in self.holders],
+               "contributors": list(self.contributors), "norm_device": self.norm_device}
+        if self.split is not None:
+            out["split"] = self.split.to_json()
+        return out
 
 
 @dataclass(frozen=True, slots=True)

@@ -4,13 +4,14 @@ Frozen, slotted, validated once in their ``read``; stdlib only (the contract pac
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from .jsonpath import At, PlanFileError, extra, with_extra
 from .optim import LossScale, LrSchedule, Optimizer
 from .vocab import Direction, Precision, Schedule
 
-__all__ = ["Pipeline", "CodeRef", "HfModel", "Train", "TagLayout"]
+__all__ = ["Pipeline", "CodeRef", "HfModel", "VocabSplit", "padded_vocab", "vocab_rows", "Train", "TagLayout"]
 
 
 # ---------------------------------------------------------------- pipeline and training
@@ -124,6 +125,51 @@ class CodeRef:
         return out
 
 
+def padded_vocab(size: int, degrees) -> int:
+    """The rows a vocabulary of ``size`` is padded to when holders of the tensor ``degrees`` split it: the
+    least multiple of their least common multiple that is >= ``size`` (``size`` itself when none splits)."""
+    m = math.lcm(*(max(1, int(d)) for d in degrees)) if degrees else 1
+    return -(-int(size) // m) * m
+
+
+def vocab_rows(size: int, padded: int, degree: int, coord: int) -> tuple[int, int]:
+    """The rows [lo, hi) of the padded table a holder at tensor coordinate ``coord`` of ``degree`` keeps: the
+    ``coord``-th of ``degree`` equal parts of ``padded`` rows (degree 1: the ``size`` real rows, unpadded)."""
+    if degree <= 1:
+        return 0, int(size)
+    n = int(padded) // int(degree)
+    return coord * n, (coord + 1) * n
+
+
+@dataclass(frozen=True, slots=True)
+class VocabSplit:
+    """``train.model.hf.vocab`` (docs/plan-format.md): the vocabulary split of the embedding table and
+    ``lm_head`` over tensor axes. ``size``: the model's vocabulary (``vocab_size``: the rows checkpoints
+    hold); ``embedding``, ``lm_head``: the rows each is padded to, a multiple of every holding stage's
+    tensor degree (of their least common multiple when tied across stages): a holder of degree k keeps
+    ``padded / k`` rows (:func:`vocab_rows`), the padding zero, never trained nor written."""
+    size: int
+    embedding: int
+    lm_head: int
+
+    @staticmethod
+    def read(at: At) -> "VocabSplit":
+        size = at.key("size").int(1)
+        rows = []
+        for key in ("embedding", "lm_head"):
+            n = at.key(key).int(1)
+            if n < size:
+                at.key(key).fail(f"{n} rows: fewer than the vocabulary's {size}")
+            rows.append(n)
+        return VocabSplit(size, rows[0], rows[1])
+
+    def padded(self, part: str) -> int:
+        return self.embedding if part == "embedding" else self.lm_head
+
+    def to_json(self) -> dict:
+        return {"size": self.size, "embedding": self.embedding, "lm_head": self.lm_head}
+
+
 @dataclass(frozen=True, slots=True)
 class HfModel:
     """``train.model`` of a Hugging Face causal LM (``{"hf": {...}}``): ``architecture`` (a transformers
@@ -138,6 +184,7 @@ class HfModel:
     keys: tuple = ()
     folder: str | None = None
     weights: bool = False
+    vocab: VocabSplit | None = None   # the embedding's and lm_head's vocabulary split, where a stage splits them
 
     @staticmethod
     def read(at: At) -> "HfModel":
@@ -151,8 +198,10 @@ class HfModel:
         if attn not in ("sdpa", "eager"):
             at.key("attn_implementation").fail(f"expected sdpa or eager, got {attn!r}")
         folder = at.key("folder", None)
+        vocab = at.key("vocab", None)
         return HfModel(at.key("architecture").str(), tuple(cfg.value.items()), attn, tuple(keys.value.items()),
-                       None if folder.value is None else folder.str(), at.key("weights", False).bool())
+                       None if folder.value is None else folder.str(), at.key("weights", False).bool(),
+                       None if vocab.value is None else VocabSplit.read(vocab))
 
     @property
     def builtin(self) -> bool:
@@ -163,6 +212,8 @@ class HfModel:
                "keys": dict(self.keys), "config": dict(self.config)}
         if self.folder is not None:
             out.update(folder=self.folder, weights=self.weights)
+        if self.vocab is not None:
+            out["vocab"] = self.vocab.to_json()
         return {"hf": out}
 
     @property

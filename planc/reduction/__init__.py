@@ -264,8 +264,9 @@ def _add(out: list, planned) -> None:
 
 
 def plan_tied(program: ir.Program, stages: Sequence[ir.StageLayout], ties, n_layers: int,
-              split=()) -> tuple[ReductionPlan, ...]:
+              split=(), vocab=None) -> tuple[ReductionPlan, ...]:
     """The tied parameters' reductions (``reduction/tied.py``): one per parameter the probe found shared by
     layers of two stages or more (``ties``: the probe's ``(holders, numel)``), synthesized on the union of
-    the holding stages' devices."""
-    return _plan_tied(program, stages, ties, n_layers, plan_reduction, split)
+    the holding stages' devices; a Hugging Face model's tied table split by vocabulary (``vocab``: plan.json's
+    ``VocabSplit``), one per buffer layout of its pieces."""
+    return _plan_tied(program, stages, ties, n_layers, plan_reduction, split, vocab)

@@ -150,17 +150,26 @@ def _check(steps, reduction_groups, unit, regions, target, owned, D) -> str | No
 
 
 def check_tied(steps: Sequence[tuple[str, Sequence[Sequence[int]]]], reduction_groups: Sequence[Sequence[int]],
-               contributors: Sequence[int], keys: dict, unit: int | None = None, regions=None) -> str | None:
+               contributors: Sequence[int], keys: dict, unit: int | None = None, regions=None,
+               pieces=None) -> str | None:
     """A tied parameter's program (DESIGN.md: a reduction whose groups join devices of several stages): None
     when, starting from every contributor holding its own gradient and every other member zeros, every
     device of ``keys`` (each holder's device -> what its gradient is a partial sum over: its stage and
     position bar the tensor coordinate) ends with the whole buffer summed over exactly one contributor
-    of each distinct key; else why not. ``unit``, ``regions``: plan.json's, checked as ``check_program`` does."""
+    of each distinct key; else why not. ``unit``, ``regions``: plan.json's, checked as ``check_program`` does.
+    ``pieces`` (a table split by rows: per group the rows it sums): the groups then hold some devices of
+    the holding stages, each group's members ending with its piece summed over one contributor of each
+    key; which devices must sum which piece is :func:`check_tied_pieces`'."""
     why = check_program(steps, reduction_groups, unit=unit, regions=regions)
     if why is not None:
         return why
     members = sorted(d for g in reduction_groups for d in g)
-    if members != sorted(keys):
+    if pieces is not None:
+        if len(pieces) != len(reduction_groups):
+            return f"{len(pieces)} pieces for {len(reduction_groups)} groups"
+        if not set(members) <= set(keys):
+            return f"the groups hold devices {sorted(set(members) - set(keys))} outside the holding stages"
+    elif members != sorted(keys):
         return f"the groups hold devices {members}, the holding stages {sorted(keys)}"
     needed = sorted(set(keys.values()))
     for g in reduction_groups:   # the allreduce target holds: every member ends with its group's sum
@@ -168,6 +177,63 @@ def check_tied(steps: Sequence[tuple[str, Sequence[Sequence[int]]]], reduction_g
         if got != needed:
             return (f"group {list(g)} ends with the contributions of {got}, not one of each of {needed} "
                     f"(contributors {sorted(contributors)})")
+    return None
+
+
+def _holder_rows(stage, size: int, padded: int) -> dict | str:
+    """Per device of a holding stage (a ``StageLayout`` or a plan.json ``Stage``), the real rows [a, b) of
+    the table it keeps: at tensor coordinate c of k, part c of k equal parts of the padded rows; without a
+    ``tensor`` axis (or of size 1), all ``size`` rows."""
+    layout = hasattr(stage, "axes")   # a StageLayout (the compiler's), else plan.json's Stage
+    axes = tuple(stage.axes if layout else stage.mesh_axes)
+    shape = tuple(stage.shape if layout else stage.mesh_shape)
+    t = axes.index("tensor") if "tensor" in axes else None
+    k = shape[t] if t is not None else 1
+    if k > 1 and padded % k:
+        return f"stage {stage.index}: {padded} padded rows do not split over its tensor axis of {k}"
+    out = {}
+    for d in stage.devices:
+        if k <= 1:
+            out[d] = (0, size)
+        else:
+            c = stage.position(d)[t]
+            out[d] = (c * padded // k, min((c + 1) * padded // k, size))
+    return out
+
+
+def check_tied_pieces(records, stages, size: int, padded: int) -> str | None:
+    """A tied table split by rows over holders of different tensor degrees (DESIGN.md's collective
+    semantics on pieces: each piece of rows is a buffer of its own, summed over the holders that hold
+    it), from the plan alone: ``records`` ``[(split, groups), ...]`` (each split's ``rows`` parallel to
+    its reduction's ``groups``), ``stages`` the holding stages. None when the pieces tile the ``size``
+    real rows exactly once, and each piece's group is exactly the devices whose rows contain it (none
+    holding only part of it); else why not."""
+    rows: dict[int, tuple[int, int]] = {}
+    for st in stages:
+        got = _holder_rows(st, size, padded)
+        if isinstance(got, str):
+            return got
+        rows.update(got)
+    pieces = []
+    for split, groups in records:
+        if split.size != size or split.padded != padded:
+            return f"a piece's table of {split.size} rows padded to {split.padded}, not {size} to {padded}"
+        pieces += [(tuple(ab), tuple(g)) for ab, g in zip(split.rows, groups)]
+    pieces.sort()
+    at = 0
+    for (a, b), g in pieces:
+        if a != at:
+            return (f"rows [{at}, {a}) are summed by no group" if a > at else
+                    f"rows [{a}, {min(b, at)}) are summed by two groups")
+        at = b
+        holders = sorted(d for d, (x, y) in rows.items() if x <= a and b <= y)
+        partial = sorted(d for d, (x, y) in rows.items() if x < b and a < y and not (x <= a and b <= y))
+        if partial:
+            return f"rows [{a}, {b}): devices {partial} hold only part of the piece"
+        if list(g) != holders:
+            return f"rows [{a}, {b}) are summed over {list(g)}, but the devices holding them are {holders}"
+    if at != size:
+        return f"rows [{at}, {size}) are summed by no group"
     return None
 
 

@@ -14,18 +14,24 @@ The program is P² synthesis's on those groups (``plan_reduction``: a hierarchy 
 the flat allreduce when it is irregular), checked by ``check.py`` against the allreduce target at
 construction, and the contributors' rule by ``check.check_tied``. docs/reduction.md, "Tied
 parameters".
+
+A Hugging Face model's tied embedding table split by vocabulary over a holder's ``tensor`` axis is summed
+piece by piece instead (:func:`vocab_pieces`: the rows of the lcm grid of the holders' degrees, each over
+the devices holding it; one reduction per buffer layout), checked by ``check.check_tied_pieces``
+from the stages alone. docs/reduction.md, "Tied parameters split by vocabulary".
 """
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Callable, Sequence
 
 from planc import ir
 from planc import plan as planfile
 from planc.lang.errors import Diagnostic, PlanError
-from planc.reduction.check import check_tied
+from planc.reduction.check import check_tied, check_tied_pieces
 
-__all__ = ["plan_tied", "tied_groups", "contribution_keys"]
+__all__ = ["plan_tied", "tied_groups", "contribution_keys", "vocab_pieces"]
 
 TENSOR = ir.MeshAxis.TENSOR
 GRAD_BYTES = 4   # gradients are reduced in fp32 (fp64 parameters: counted as fp32 here, a prediction only)
@@ -91,13 +97,57 @@ def contribution_keys(stages) -> dict[int, tuple]:
     return out
 
 
+def _coord(st, d) -> int:
+    return st.position(d)[st.axes.index(TENSOR)] if TENSOR in st.axes else 0
+
+
+def vocab_pieces(stages: Sequence[ir.StageLayout], size: int, padded: int) -> list[tuple[tuple[int, int], dict]]:
+    """The pieces of a table of ``size`` real rows padded to ``padded`` that holders split by vocabulary
+    (docs/reduction.md, "Tied parameters split by vocabulary"): the grid of lcm(degrees) equal parts of the
+    padded rows, each cut to the real rows (a piece of padding only is left out), with, per holding stage,
+    the devices that hold it (a stage of degree k keeps part c of k at tensor coordinate c; degree 1: all
+    real rows). ``[((a, b), {stage: (devices, local row offset)}), ...]`` in row order."""
+    grid = math.lcm(*(st.axis_size(TENSOR) for st in stages))
+    out = []
+    for p in range(grid):
+        a, b = p * padded // grid, min((p + 1) * padded // grid, size)
+        if a >= b:
+            continue
+        holds = {}
+        for st in stages:
+            k = st.axis_size(TENSOR)
+            if k <= 1:
+                holds[st.index] = (tuple(st.devices), a)
+                continue
+            c = p // (grid // k)
+            holds[st.index] = (tuple(d for d in st.devices if _coord(st, d) == c), a - c * (padded // k))
+        out.append(((a, b), holds))
+    return out
+
+
+def _piece_records(stages: Sequence[ir.StageLayout], size: int, padded: int) -> list[list[tuple]]:
+    """The pieces grouped into reductions: pieces of one length at one local offset on every holding stage
+    share one buffer layout, so one reduction sums them all (one group per piece, disjoint devices); a
+    degree-1 holder's offsets differ per piece, so its pieces are one reduction each. Per reduction
+    ``[(group, (a, b)), ...]``."""
+    by: dict[tuple, list] = {}
+    for (a, b), holds in vocab_pieces(stages, size, padded):
+        key = (b - a, tuple(sorted((s, off) for s, (_, off) in holds.items())))
+        group = tuple(sorted(d for devices, _ in holds.values() for d in devices))
+        by.setdefault(key, []).append((group, (a, b)))
+    return list(by.values())
+
+
 def plan_tied(program: ir.Program, stages: Sequence[ir.StageLayout], ties, n_layers: int,
-              plan_reduction: Callable, split=()) -> tuple:
+              plan_reduction: Callable, split=(), vocab=None) -> tuple:
     """One ``ReductionPlan`` (``tied`` set) per parameter the probe found shared by layers of two stages or
     more, in the probe's order; ties inside one stage need nothing. ``plan_reduction``: the package's
     (``planc.reduction.plan_reduction``), which synthesizes and ranks the program on the groups.
     ``split``: the probe's ``tied_split``, ``((degree, ((layer, name), ...)), ...)``; a tie across stages
-    whose parameter a holding stage's tensor axis would split is a located error at that stage."""
+    whose parameter a holding stage's tensor axis would split is a located error at that stage.
+    ``vocab``: plan.json's ``VocabSplit`` of a Hugging Face model: its tied embedding table (layer 0 and
+    the last layer), split by vocabulary where a holder has a ``tensor`` axis, is summed piece by piece
+    (:func:`vocab_pieces`), one reduction per buffer layout (``_piece_records``)."""
     where = _stage_of_layer(program, n_layers)
     layouts = {st.index: st for st in stages}
     across = []   # (holders, numel, holding stages) of each tie held by two stages or more
@@ -111,6 +161,11 @@ def plan_tied(program: ir.Program, stages: Sequence[ir.StageLayout], ties, n_lay
             else ir.ReductionMode.SYNTHESIZE)
     out = []
     for holders, numel, held in across:
+        if vocab is not None and {layer for layer, _ in holders} >= {0, n_layers - 1} and any(
+                layouts[s].axis_size(TENSOR) > 1 for s in held):
+            out += _plan_pieces(program, [layouts[s] for s in held], holders, where, numel, vocab, mode,
+                                plan_reduction)
+            continue
         groups, contributors = tied_groups([layouts[s] for s in held])
         first, name = holders[0]
         tied = planfile.Tied(f"layers.{first}.{name}",
@@ -124,3 +179,32 @@ def plan_tied(program: ir.Program, stages: Sequence[ir.StageLayout], ties, n_lay
             raise AssertionError(f"tied parameter {tied.parameter}: {why}")
         out.append(dataclasses.replace(planned, tied=tied))
     return tuple(out)
+
+
+def _plan_pieces(program, held, holders, where, numel: int, vocab, mode, plan_reduction) -> list:
+    """The split table's reductions (``plan_tied``): per buffer layout one, its groups the pieces'."""
+    size, padded = int(vocab.size), int(vocab.embedding)
+    row = int(numel) // size
+    first, name = holders[0]
+    keys = contribution_keys(held)
+    out = []
+    for pieces in _piece_records(held, size, padded):
+        rows = {g: ab for g, ab in pieces}
+        (a, b) = pieces[0][1]
+        red = ir.Reduction("tied", (), mode)
+        planned = plan_reduction(program.cluster, red, list(rows), (b - a) * row * GRAD_BYTES, program.synthesis)
+        contributors = tuple(sorted(d for g in planned.groups for d in g))
+        split = planfile.TiedSplit(size, padded, tuple(rows[g] for g in planned.groups),
+                                   tuple(min(g) for g in planned.groups))
+        tied = planfile.Tied(f"layers.{first}.{name}",
+                             tuple(planfile.Holder(where[layer], layer, n) for layer, n in holders if layer in where),
+                             contributors, min(contributors), split)
+        why = check_tied([(str(c), g) for c, g in planned.steps], planned.groups, contributors, keys,
+                         pieces=split.rows)
+        if why is not None:
+            raise AssertionError(f"tied parameter {tied.parameter} rows {list(split.rows)}: {why}")
+        out.append(dataclasses.replace(planned, tied=tied))
+    why = check_tied_pieces([(r.tied.split, r.groups) for r in out], held, size, padded)
+    if why is not None:
+        raise AssertionError(f"tied parameter layers.{first}.{name}: {why}")
+    return out

@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.planner import (LoadPlan, LoadPlanner, SavePla
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
-from .tensor_parallel import shard_info
+from .tensor_parallel import shard_info, shard_size
 
 __all__ = ["ParamInfo", "stage_params", "flat_rects", "owned_rects", "RectSavePlanner", "RectLoadPlanner",
            "DTYPE_NAMES"]
@@ -79,7 +79,7 @@ def stage_params(module) -> list[ParamInfo]:
         shard = shard_info(p)
         shape = list(p.shape)
         if shard is not None:
-            shape[shard[0]] *= shard[2]
+            shape[shard[0]] = shard_size(p)   # a padded vocabulary shard: the real rows only
         info = ParamInfo(name, full, p, tuple(shape), shard, [], int(index))
         seen[id(p)] = info
         out.append(info)
@@ -124,6 +124,7 @@ def owned_rects(info: ParamInfo, lo: int, hi: int) -> list[tuple[tuple, tuple, t
         return [(o, s, o) for o, s in rects]
     dim, index, parts, blocks = info.shard
     step = local_shape[dim] // blocks           # a block's part, locally
+    real = info.shape[dim]                      # a padded shard's rows past it are padding: left out
     out = []
     for off, size in rects:
         a, b = off[dim], off[dim] + size[dim]
@@ -131,9 +132,10 @@ def owned_rects(info: ParamInfo, lo: int, hi: int) -> list[tuple[tuple, tuple, t
             block = a // step
             end = min(b, (block + 1) * step)
             o, s, g = list(off), list(size), list(off)
-            o[dim], s[dim] = a, end - a
             g[dim] = block * step * parts + index * step + (a - block * step)
-            out.append((tuple(o), tuple(s), tuple(g)))
+            o[dim], s[dim] = a, min(end - a, real - g[dim])
+            if s[dim] > 0:
+                out.append((tuple(o), tuple(s), tuple(g)))
             a = end
     return out
 

@@ -41,9 +41,11 @@ def save_chunks(engine) -> dict:
     """``{(key, global offsets): (fp32 CPU tensor, global shape)}``: this rank's owned rectangles of every
     master and optimizer state tensor (``RectSavePlanner``'s input)."""
     chunks = {}
+    tied = getattr(engine, "tied", None)
     for f, info in _fragments(engine):
         shape, n = tuple(info.param.shape), info.param.numel()
-        rects = owned_rects(info, f.lo, f.hi)
+        spans = tied.written(f.param) if tied is not None and f in engine.regime.tied else None
+        rects = owned_rects(info, f.lo, f.hi) if spans is None else [x for a, b in spans for x in owned_rects(info, a, b)]
         sources = {f"model.{info.name}": f.master}
         sources.update({f"optim.{info.name}.{k}": v
                         for k, v in _tensor_states(engine.regime.optimizer, f.master).items()})

@@ -203,11 +203,14 @@ def _load_own(weights, name: str, module: nn.Module, recurse: bool) -> None:
             weights.read_into(key, p)
 
 
-def build_share(config, seed: int, held: range, tp=None, folder: str | None = None, attn: str | None = None):
+def build_share(config, seed: int, held: range, tp=None, folder: str | None = None, attn: str | None = None,
+                vocab=None):
     """The pipeline layers of the model with only ``held`` (layer indices) materialized: the others stay on
     the meta device. Each held module is drawn by the plan-independent rule (``hf_init``), a held decoder
     layer sharded for ``tp`` as soon as it is complete (so at most one whole module beyond the share is
-    held at a time), then the folder's weights are read for it, its shard's bytes only (``hf_weights``)."""
+    held at a time), then the folder's weights are read for it, its shard's bytes only (``hf_weights``).
+    On a tensor stage the embedding table and ``lm_head`` are split by vocabulary (``hf_vocab``), padded
+    to ``vocab``'s rows (plan.json ``train.model.hf.vocab``; None: to a multiple of ``tp.size``)."""
     model = meta_model(config, attn)
     layers = pipeline_layers(model)
     held_layers = [layers[i] for i in held]
@@ -219,7 +222,7 @@ def build_share(config, seed: int, held: range, tp=None, folder: str | None = No
         from .hf_tp import layer_tp_plan, parallelize_layer
         plan = layer_tp_plan(config)
     weights = _weights(folder)
-    vocab = _vocab_split(layers, held, tp)
+    vocab = _vocab_split(layers, held, tp, vocab)
 
     def done(name, module):
         if name in roots:   # a whole decoder layer: shard it, then read its shards
@@ -230,9 +233,9 @@ def build_share(config, seed: int, held: range, tp=None, folder: str | None = No
         elif weights is not None and not any(name.startswith(r + ".") for r in roots):
             _load_own(weights, name, module, recurse=False)
         if vocab and module is vocab["embedding"]:
-            hf_vocab.split_embedding(module, tp)
+            hf_vocab.split_embedding(module, tp, vocab["rows"])
         elif vocab and module is vocab["head"] and not vocab["tied"]:
-            hf_vocab.split_head(module, tp)
+            hf_vocab.split_head(module, tp, padded=vocab["head_rows"])
 
     hf_init.materialize(model, seed, wanted, done=done)
     if weights is not None:
@@ -241,24 +244,38 @@ def build_share(config, seed: int, held: range, tp=None, folder: str | None = No
         for i in held:
             layers[i].sequence = tp
     if vocab:
-        if vocab["tied"]:   # one stage holds both: the head takes the split table (tie_weights gave it)
-            hf_vocab.split_head(vocab["head"], tp, weight=vocab["embedding"].weight)
+        head = vocab["head"]
+        if head is None:
+            pass   # the embedding alone (a tied head elsewhere took the split table from tie_weights: not held)
+        elif vocab["tied"] and vocab["embedding"] is not None:   # the head takes the split table (tie_weights gave it)
+            hf_vocab.split_head(head, tp, weight=vocab["embedding"].weight, padded=vocab["rows"], vocab=vocab["size"])
+        elif vocab["tied"]:   # the head alone: its rows of the embedding's whole table
+            table = vocab["table"]
+            hf_vocab.split_head(head, tp, weight=hf_vocab.shard_rows(head.weight, tp, vocab["rows"]),
+                                padded=vocab["rows"], vocab=vocab["size"])
+            table.weight = head.weight   # the whole table goes; the (unheld) embedding keeps the tie
         if held.stop == len(layers):
-            setattr(layers[-1], hf_vocab.VOCAB_ATTR, getattr(vocab["head"], hf_vocab.VOCAB_ATTR))
+            setattr(layers[-1], hf_vocab.VOCAB_ATTR, getattr(head, hf_vocab.VOCAB_ATTR))
     return layers
 
 
-def _vocab_split(layers, held: range, tp) -> dict | None:
-    """The embedding and head this rank splits by vocabulary (``hf_vocab.table_and_head``), else None."""
+def _vocab_split(layers, held: range, tp, record=None) -> dict | None:
+    """The embedding and head this rank splits by vocabulary (``hf_vocab.table_and_head``) and the rows it
+    pads them to (``record``: plan.json's ``VocabSplit`` or its JSON; tied: one table), else None."""
     n = len(layers)
-    if tp is None or not (0 in held or n - 1 in held):
+    if tp is None or tp.size <= 1 or not (0 in held or n - 1 in held):
         return None
-    found = hf_vocab.table_and_head(layers, tp.size, 0 in held and n - 1 in held)
+    found = hf_vocab.table_and_head(layers)
     if found is None:
         return None
     emb, head = found
-    return {"embedding": emb if 0 in held else None, "head": head if n - 1 in held else None,
-            "tied": head.weight is emb.weight}
+    tied = head.weight is emb.weight
+    size = emb.weight.shape[0]
+    rows = hf_vocab.padded_rows(size, tp.size, record, "embedding") if 0 in held or tied else None
+    head_rows = rows if tied else (hf_vocab.padded_rows(head.out_features, tp.size, record, "lm_head")
+                                   if n - 1 in held else None)
+    return {"embedding": emb if 0 in held else None, "head": head if n - 1 in held else None, "table": emb,
+            "tied": tied, "size": size, "rows": rows, "head_rows": head_rows}
 
 
 def _names(prefix_local: str, prefix_hf: str, module: nn.Module) -> dict[str, str]:
@@ -418,7 +435,8 @@ def builder(record: dict, out_dir: str, seed: int):
     def build(tensor_parallel=None, stage_layers=None):
         # sequence parallelism: ``tensor_parallel.sequence_parallel`` (plan.json stages[i].sequence_parallel)
         held = range(config.num_hidden_layers + 2) if stage_layers is None else stage_layers
-        return build_share(config, seed, held, tensor_parallel, folder, attn=record.get("attn_implementation"))
+        return build_share(config, seed, held, tensor_parallel, folder, attn=record.get("attn_implementation"),
+                           vocab=record.get("vocab"))
     return build
 
 

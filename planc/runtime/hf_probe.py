@@ -27,6 +27,7 @@ import os
 
 import torch
 
+from .hf_vocab import table_and_head
 from .hf import HfModelError, attn_implementation, build_model, causal_lm_loss, config_from_folder, \
     config_from_keys, has_weights, pipeline_layers
 from .probe_measure import count_flops
@@ -55,28 +56,59 @@ def layer_tp_plan_of(config) -> dict[str, str]:
     return {k.split(".", 2)[2]: v for k, v in plan.items() if k.startswith("layers.*.")}
 
 
-def _vocab_rows(layers, k: int, stages) -> set[int]:
-    """The ids of the embedding and head parameters a tensor stage of ``k`` splits by vocabulary
-    (``hf_vocab.table_and_head``; with the stages not yet cut, a tie counts as across stages)."""
-    from .hf_vocab import table_and_head
-    one = any(r is not None and int(r[0]) == 0 and int(r[1]) >= len(layers) for r in stages)
-    found = table_and_head(layers, k, one)
-    if found is None:
-        return set()
+def vocab_padding(layers, req: dict) -> dict[str, int]:
+    """The rows the embedding table and ``lm_head`` are padded to (plan.json ``train.model.hf.vocab``, by
+    ``planc.plan.padded_vocab``): per part, to the tensor degrees of the stages holding it (both parts to
+    their least common multiple when one table is tied across stages). From the request's stages and
+    tensor stages; empty when the stages are not cut yet (each degree then pads to itself)."""
+    from planc.plan import padded_vocab
+    found = table_and_head(layers)
+    ranges = req.get("stages") or [None]
+    if found is None or ranges == [None] and len(req.get("tensor_stages") or ()) > 1:
+        return {}
+    n = len(layers)
+    degree = {}
+    for st in req.get("tensor_stages") or ():
+        lo, hi = (0, n) if st.get("layers") is None else (int(st["layers"][0]), int(st["layers"][1]))
+        for i in (0, n - 1):
+            if lo <= i < hi:
+                degree[i] = int(st["degree"])
     emb, head = found
-    return {id(emb.weight), id(head.weight), *((id(head.bias),) if head.bias is not None else ())}
+    k0, k1 = degree.get(0, 1), degree.get(n - 1, 1)
+    vocab = int(emb.weight.shape[0])
+    if head.weight is emb.weight:
+        return {"embedding": padded_vocab(vocab, (k0, k1)), "lm_head": padded_vocab(vocab, (k0, k1))}
+    return {"embedding": padded_vocab(vocab, (k0,)), "lm_head": padded_vocab(int(head.out_features), (k1,))}
 
 
-def sharded_params(layers, config, k: int, stages=(None,)) -> list[int]:
+def _vocab_rows(layers, k: int, pads: dict) -> dict[int, int]:
+    """Per parameter id of the embedding table and head, what one device of a tensor group of ``k`` keeps
+    of it (``hf_vocab``: its rows of the table padded to ``pads``' rows, else to a multiple of ``k``)."""
+    found = table_and_head(layers) if k > 1 else None
+    if found is None:
+        return {}
+    emb, head = found
+    out = {}
+    for part, p in (("embedding", emb.weight), ("lm_head", head.weight), ("lm_head", head.bias)):
+        if p is None or id(p) in out:
+            continue
+        vocab = int(p.shape[0])
+        padded = pads.get(part, 0)
+        rows = padded // k if padded and padded % k == 0 else -(-vocab // k)
+        out[id(p)] = p.numel() // vocab * rows
+    return out
+
+
+def sharded_params(layers, config, k: int, pads: dict | None = None) -> list[int]:
     """Per layer, the parameters one device of a tensor group of ``k`` holds: in each decoder layer the
     plan's ``colwise`` modules keep 1/k of each parameter, ``rowwise`` ones 1/k of their weight; the
-    embedding table and lm_head 1/k by vocabulary (``_vocab_rows``)."""
+    embedding table and lm_head their rows of the padded vocabulary (``_vocab_rows``)."""
     plan = layer_tp_plan_of(config)
     out = []
-    vocab = _vocab_rows(layers, k, stages)
+    vocab = _vocab_rows(layers, k, pads or {})
     for i, layer in enumerate(layers):
         if not 0 < i < len(layers) - 1:   # the embedding table and lm_head split by vocabulary (hf_vocab)
-            out.append(sum(p.numel() // k if id(p) in vocab else p.numel() for p in layer.parameters()))
+            out.append(sum(vocab.get(id(p), p.numel()) for p in layer.parameters()))
             continue
         n = 0
         for name, mod in layer.layer.named_modules():
@@ -102,13 +134,12 @@ class _MetaTensorParallel(TensorParallel):
         return x.narrow(1, 0, x.shape[1] // self.size).contiguous()
 
 
-def _split_on_meta(layers, config, k: int, stages, sequence: bool = False):
+def _split_on_meta(layers, config, k: int, pads: dict, sequence: bool = False):
     """A copy of the meta layers split as a tensor rank of ``k`` splits them (decoder layers by the tp plan,
-    the embedding table and head by vocabulary where ``hf_vocab.splits``), to measure what it saves."""
+    the embedding table and head by vocabulary, padded), to measure what it saves."""
     import copy
     from .hf_tp import layer_tp_plan, parallelize_layer
     from .hf_vocab import split_embedding, split_head
-    vocab = _vocab_rows(layers, k, stages)
     out = copy.deepcopy(layers)
     tp = _MetaTensorParallel(None, 0, k)
     tp.sequence_parallel = sequence
@@ -118,14 +149,20 @@ def _split_on_meta(layers, config, k: int, stages, sequence: bool = False):
     if sequence:   # hidden states split along the sequence between the layers (hf.build_share)
         for layer in out:
             layer.sequence = tp
-    if vocab:
-        emb = next(m for m in out[0].modules() if isinstance(m, torch.nn.Embedding))
-        split_embedding(emb, tp)
-        split_head(out[-1].lm_head, tp)
+    found = table_and_head(out)
+    if found is not None:
+        emb, head = found
+        tied = head.weight is emb.weight
+        rows = {part: pads[part] if pads.get(part, 0) % k == 0 and pads.get(part) else None
+                for part in ("embedding", "lm_head")}
+        vocab = int(emb.weight.shape[0])
+        split_embedding(emb, tp, rows["embedding"])
+        split_head(head, tp, weight=emb.weight if tied else None, padded=rows["embedding" if tied else "lm_head"],
+                   vocab=vocab if tied else None)
     return out
 
 
-def _traffic(config, layers, st: dict, seq: int, stages=(None,)) -> dict:
+def _traffic(config, layers, st: dict, seq: int) -> dict:
     rec = {"stage": int(st["stage"]), "degree": int(st["degree"]), "rows": int(st["rows"]),
            "forward": [], "backward": [], "errors": []}
     try:
@@ -136,7 +173,7 @@ def _traffic(config, layers, st: dict, seq: int, stages=(None,)) -> dict:
         return rec
     lo, hi = (0, len(layers)) if st.get("layers") is None else (int(st["layers"][0]), int(st["layers"][1]))
     decoders = [i for i in range(lo, min(hi, len(layers))) if 0 < i < len(layers) - 1]
-    vocab = _vocab_rows(layers, rec["degree"], stages)
+    vocab = rec["degree"] > 1 and table_and_head(layers) is not None
     tokens = rec["rows"] * seq * 4   # fp32 activations, as below
     if lo == 0 and vocab:   # the split embedding's partial lookups summed (g)
         rec["forward"].append(tokens * config.hidden_size)
@@ -268,8 +305,8 @@ def probe_hf(req: dict, run_graph, saved_by_layer, load, part) -> dict:
                         {"name": t["name"], "shape": None, "dtype": None,
                          "error": errors[0] if errors else "its layer did not run"})
     degrees = sorted({int(k) for k in req.get("tensor_degrees", ()) if int(k) > 1})
-    stage_ranges = req.get("stages") or [None]
-    sharded = {str(k): sharded_params(layers, config, k, stage_ranges) for k in degrees}
+    pads = vocab_padding(layers, req)
+    sharded = {str(k): sharded_params(layers, config, k, pads) for k in degrees}
     shard_errors, split_saved, sequence_errors, sequence_saved = {}, {}, {}, {}
     try:
         from .hf_tp import check_degree   # what the runtime's tensor parallelism refuses (issue 35)
@@ -280,16 +317,16 @@ def probe_hf(req: dict, run_graph, saved_by_layer, load, part) -> dict:
                                     (f"the sequence length {seq} does not split into {k} equal parts" if seq % k else None))
                            for k in degrees if str(k) not in shard_errors}
         sequence_errors = {k: why for k, why in sequence_errors.items() if why}
-        sequence_saved = {} if errors else {str(k): saved_by_layer(_split_on_meta(layers, config, k, stage_ranges, True),
+        sequence_saved = {} if errors else {str(k): saved_by_layer(_split_on_meta(layers, config, k, pads, True),
                                                                    x, stages, transfers)
                                             for k in degrees if str(k) not in shard_errors and str(k) not in sequence_errors}
         # what one device of each degree the runtime can split keeps for backward (memory model)
-        split_saved = {} if errors else {str(k): saved_by_layer(_split_on_meta(layers, config, k, stage_ranges),
+        split_saved = {} if errors else {str(k): saved_by_layer(_split_on_meta(layers, config, k, pads),
                                                                 x, stages, transfers)
                                          for k in degrees if str(k) not in shard_errors}
     except ImportError:
         pass
-    traffic = [_traffic(config, layers, st, int(x.shape[1]), stage_ranges)
+    traffic = [_traffic(config, layers, st, int(x.shape[1]))
                for st in req.get("tensor_stages", ())
                if st.get("layers") is None or int(st["layers"][0]) < len(layers)]
     folder = spec.get("folder")

@@ -57,11 +57,12 @@ def load_function(out_dir: str, ref, what: str = "function"):
 
 def dump_params(engine, directory: str, rank: int) -> None:
     """DIR/rank<R>.pt: name -> tensor; DIR/rank<R>.shards.json: name -> [dim, index, parts, blocks]
-    for each tensor-parallel shard (replicated parameters are not listed)."""
+    for each tensor-parallel shard (replicated parameters are not listed), and a fifth entry, the real
+    length of the split dimension, for a padded one (a vocabulary table: its padding rows are dumped)."""
     os.makedirs(directory, exist_ok=True)
     torch.save(dict(engine.plan_named_parameters()), os.path.join(directory, f"rank{rank}.pt"))
-    shards = {f"layers.{k}": list(info) for k, p in engine.module.named_parameters()
-              if (info := shard_info(p)) is not None}
+    shards = {f"layers.{k}": list(info) + ([p.planc_shard_size] if hasattr(p, "planc_shard_size") else [])
+              for k, p in engine.module.named_parameters() if (info := shard_info(p)) is not None}
     with open(os.path.join(directory, f"rank{rank}.shards.json"), "w") as f:
         json.dump(shards, f, indent=1, sort_keys=True)
 

@@ -133,8 +133,12 @@ class Regime:
         self.separate = [f for f in self.fragments + self.tied if f.master is not f.param]
         self.optimizer = make_optimizer(train.optimizer, [f.master for f in self.fragments + self.tied])
         self.counted = self._counted(tensor_index, share)
-        counts = tied.counts_norm if tied is not None else set()
-        self.counted += [self._grad_view(f).reshape(-1) for f in self.tied if id(f.param) in counts]
+        counts = tied.counts_norm if tied is not None else {}
+        for f in self.tied:   # a tied parameter once in the norm: whole, or the pieces this rank counts
+            if id(f.param) in counts:
+                flat = self._grad_view(f).reshape(-1)
+                spans = counts[id(f.param)]
+                self.counted += [flat] if spans is None else [flat[x:y] for x, y in spans]
 
     def _tied_fragments(self, tied, initial: dict, device) -> list[Fragment]:
         """One whole fragment per tied parameter; its master the parameter itself in fp32, else an fp32 copy."""

@@ -36,6 +36,7 @@ Public API (stable):
         ``dim`` viewed as ``blocks`` equal blocks (e.g. 3 for a fused q|k|v); part
         ``index`` of ``parts`` of every block, concatenated. blocks = 1: a plain chunk.
     shard_info(param) -> None | (dim, index, parts, blocks)
+    shard_size(param) -> None | global length of the split dimension (``planc_shard_size`` when padded)
     context_from_plan(plan, groups, rank) -> TensorParallel | None
 """
 from __future__ import annotations
@@ -43,7 +44,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-__all__ = ["TensorParallel", "copy_to_region", "reduce_from_region", "shard_of", "shard_info",
+__all__ = ["TensorParallel", "copy_to_region", "reduce_from_region", "shard_of", "shard_info", "shard_size",
            "context_from_plan", "TENSOR_AXIS", "gather_sequence", "reduce_scatter_sequence", "scatter_sequence",
            "gather_sequence_whole", "SEQUENCE_DIM"]
 
@@ -59,6 +60,17 @@ def shard_of(tensor: torch.Tensor, dim: int, index: int, parts: int, blocks: int
     block = n // blocks
     pieces = [tensor.narrow(dim, b * block + index * step, step) for b in range(blocks)]
     return pieces[0] if blocks == 1 else torch.cat(pieces, dim=dim)
+
+
+def shard_size(param) -> int | None:
+    """The global length of a shard's split dimension: ``planc_shard_size`` for a padded shard (the real
+    rows of a vocabulary table padded to a multiple of the parts, ``hf_vocab``), else local x parts;
+    None if replicated. Rows past it are padding: never written to checkpoints."""
+    info = shard_info(param)
+    if info is None:
+        return None
+    real = getattr(param, "planc_shard_size", None)
+    return int(real) if real is not None else int(param.shape[info[0]]) * info[2]
 
 
 def shard_info(param):

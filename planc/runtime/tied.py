@@ -12,7 +12,11 @@ Two halves, both torch and the contract only:
   last backward each is summed by its planned program over the devices of every stage holding it (a
   rank not among the record's ``contributors`` enters zeros: a tensor replica's identical gradient is
   counted once). Every holder then has the same gradient, and the same parameter (every rank built the
-  whole model from the same seed), so every copy takes the same step.
+  whole model from the same seed), so every copy takes the same step. A table split by vocabulary
+  (``tied.split``: a Hugging Face model's tied embedding on a tensor stage) has one record per buffer
+  layout of its pieces: each sums the rank's piece of rows, a slice of its shard's gradient, over the
+  holders of that piece (docs/reduction.md, "Tied parameters split by vocabulary"); every holder of a
+  row then has the same gradient and value for it.
 """
 from __future__ import annotations
 
@@ -46,8 +50,9 @@ def probe_record(layers) -> list[dict]:
 
 
 def split_record(layers) -> list[list]:
-    """The first holder ``[layer, name]`` of each shared parameter the build split over a tensor group
-    (``TensorParallel.shard``): the compiler refuses such a tie across stages (reduction/tied.py)."""
+    """The first holder ``[layer, name]`` of each shared parameter a builder model's build split over a
+    tensor group (``TensorParallel.shard``): the compiler refuses such a tie across stages
+    (reduction/tied.py); a Hugging Face model's vocabulary split is planned piecewise instead."""
     from .tensor_parallel import shard_info
     return [list(group[0]) for group in shared_parameters(layers) if shard_info(_first(layers, group)) is not None]
 
@@ -85,10 +90,9 @@ class TiedGradients:
     def __init__(self, module, records, rank: int, groups: dict, device, plan=None, bucket_bytes=None, tracer=None):
         from .grads import GradientBuckets
         from .reduce import ReductionExecutor
-        from .tensor_parallel import shard_info
         named = dict(module.named_parameters(remove_duplicate=False))
-        self.entries = []      # (record, parameter, executor, contributes)
-        seen: set[int] = set()
+        self.entries = []      # (record, parameter, executor, contributes, (x, y): its flat elements the program sums)
+        seen: dict[int, bool] = {}   # parameter id -> split by rows (several piece records may share it)
         for r in records:
             t = r.tied
             mine = [h for h in t.holders if f"{h.layer}.{h.name}" in named]
@@ -99,19 +103,24 @@ class TiedGradients:
             if any(named[f"{h.layer}.{h.name}"] is not p for h in mine[1:]):
                 raise TiedError(f"rank {rank}: tied parameter {t.parameter}: its holders in this stage are "
                                 "different parameters")
-            if shard_info(p) is not None:
-                raise TiedError(f"rank {rank}: tied parameter {t.parameter} is split over the tensor axis; only a "
-                                "replicated parameter can be tied across stages")
-            if id(p) in seen:
+            span = _piece(r, p, rank)
+            if id(p) in seen and not (seen[id(p)] and t.split is not None):
                 raise TiedError(f"rank {rank}: tied parameter {t.parameter} has two tied records")
-            seen.add(id(p))
+            seen[id(p)] = t.split is not None
             p.planc_tied_name = t.parameter   # one name in checkpoints, whichever stage writes it (ckpt_dcp)
             ex = (ReductionExecutor.for_plan(plan, r, groups, rank) if plan is not None
                   else ReductionExecutor(r, groups, rank))
-            self.entries.append((r, p, ex, rank in t.contributors))
-        self.params = [p for _, p, _, _ in self.entries]
+            self.entries.append((r, p, ex, rank in t.contributors, span))
+        self.params = list({id(p): p for _, p, _, _, _ in self.entries}.values())
         self.ids = {id(p) for p in self.params}
-        self.counts_norm = {id(p) for r, p, _, _ in self.entries if r.tied.norm_device == rank}
+        # the parameters whose gradient this rank counts in the global norm: None, all of it; else its pieces
+        self.counts_norm: dict[int, list | None] = {}
+        for r, p, _, _, span in self.entries:
+            group = r.group_of(rank)
+            if r.tied.split is None and r.tied.norm_device == rank:
+                self.counts_norm[id(p)] = None
+            elif r.tied.split is not None and r.tied.split.norm_devices[r.groups.index(group)] == rank:
+                self.counts_norm.setdefault(id(p), []).append(span)
         self.tracer = tracer
         self.buckets = (GradientBuckets(self.params, None, device, bucket_bytes=bucket_bytes)
                         if self.params else None)
@@ -132,9 +141,17 @@ class TiedGradients:
         would sum every ``.grad``, the tied ones too: the engine uses the buckets when this rank holds one."""
         return [p for p in params if id(p) not in self.ids]
 
+    def written(self, p) -> list | None:
+        """The flat element spans of ``p`` this rank writes to a checkpoint: None, all of it (a tied
+        parameter held whole: every holder writes the same chunk, which DCP writes once); for a table split
+        by rows, the pieces it counts in the norm (one writer per piece: the holders' rows overlap)."""
+        if not any(e[1] is p and e[0].tied.split is not None for e in self.entries):
+            return None
+        return list(self.counts_norm.get(id(p)) or ())
+
     def describe(self) -> str:
         return "; ".join(f"{r.tied.parameter} over {[list(g) for g in r.groups]} by {r.text}"
-                         for r, _, _, _ in self.entries)
+                         for r, _, _, _, _ in self.entries)
 
     def attach(self) -> None:
         if self.buckets is not None:
@@ -142,16 +159,16 @@ class TiedGradients:
 
     @torch.no_grad()
     def reduce(self) -> None:
-        """After the stage's last backward: each tied gradient summed over its holders by its program;
-        every holder's copy then has a gradient (zero where no contributor produced one)."""
+        """After the stage's last backward: each tied gradient (or piece of one) summed over its holders by
+        its program; every holder's copy then has a gradient (zero where no contributor produced one)."""
         if self.buckets is None:
             return
         b = self.buckets
         b.finish()
         b.no_gradient = set()
-        for r, p, ex, contributes in self.entries:
+        for r, p, ex, contributes, (x, y) in self.entries:
             slot, off = b.slot[id(p)]
-            flat = b.buckets[slot][0][off:off + p.numel()]
+            flat = b.buckets[slot][0][off + x:off + y]
             if not contributes:
                 flat.zero_()
             t0 = self.tracer.now() if self.tracer is not None else 0.0
@@ -159,5 +176,37 @@ class TiedGradients:
             if self.tracer is not None:
                 self.tracer.complete(f"reduce tied {r.tied.parameter}", t0, self.tracer.now(), "reduce",
                                      bytes=flat.numel() * flat.element_size())
+        for p in self.params:
+            slot, off = b.slot[id(p)]
+            flat = b.buckets[slot][0][off:off + p.numel()]
             if p.dtype == flat.dtype:
                 p.grad = flat.view_as(p)
+
+
+def _piece(r, p, rank: int) -> tuple[int, int]:
+    """The flat elements [x, y) of this rank's ``p`` that the tied record ``r`` sums: all of it, or for a
+    table split by rows (``tied.split``) its group's piece, at its offset in the rank's rows (its tensor
+    shard's rows of the padded table, ``shard_info``; all real rows when unsplit)."""
+    from .tensor_parallel import shard_info
+    t = r.tied
+    info = shard_info(p)
+    if t.split is None:
+        if info is not None:
+            raise TiedError(f"rank {rank}: tied parameter {t.parameter} is split over the tensor axis, but its "
+                            "tied record sums it whole (plan.json tied.split is missing)")
+        return 0, p.numel()
+    if info is not None and (info[0] != 0 or info[3] != 1):
+        raise TiedError(f"rank {rank}: tied parameter {t.parameter} is split along dimension {info[0]}; a tied "
+                        "table splits by rows (dimension 0)")
+    rows = p.shape[0]
+    total = rows * info[2] if info is not None else rows
+    if total != (t.split.padded if info is not None else t.split.size):
+        raise TiedError(f"rank {rank}: tied parameter {t.parameter}: this rank holds {rows} rows of a table of "
+                        f"{total}, but plan.json's split pads {t.split.size} rows to {t.split.padded}")
+    lo = info[1] * rows if info is not None else 0
+    a, b = t.split.rows[r.groups.index(r.group_of(rank))]
+    if not lo <= a < b <= lo + rows:
+        raise TiedError(f"rank {rank}: tied parameter {t.parameter}: its piece of rows [{a}, {b}) is not inside "
+                        f"this rank's rows [{lo}, {lo + rows})")
+    row = p.numel() // rows
+    return (a - lo) * row, (b - lo) * row
