@@ -27,17 +27,21 @@ def _cmd_check(args) -> int:
     from planc.lang import load
     from planc.lang.format import summary, to_json
 
+    from planc.summaries import plan_idle_warning
+
     errors: list[PlanError] = []
+    warnings: list[str] = []
     shown = 0
     for f in args.files:
         try:
             program = load(f)
             if not args.no_probe:   # all that compile runs but the writing (planc.checkcmd)
                 from planc.checkcmd import check_compiles
-                compiled = check_compiles(f)
+                compiled = check_compiles(f, cache=not args.no_cache)
                 if compiled.untrainable:
                     errors.append(PlanError(list(compiled.untrainable), {str(f): Path(f).read_text()}))
                     continue
+                warnings += [f"{f}: {w}" for w in plan_idle_warning(compiled.plan_json)]
         except PlanError as e:
             errors.append(e)
             continue
@@ -46,6 +50,8 @@ def _cmd_check(args) -> int:
         else:
             ui.emit(([""] if shown else []) + check_summary(summary(program), tty=ui.is_tty()))
         shown += 1
+    for w in warnings:
+        print(w, file=sys.stderr)
     for e in errors:
         print(e.render(), file=sys.stderr)
     if errors:
@@ -75,6 +81,9 @@ def _cmd_compile(args) -> int:
 
     print(f"wrote {out}/ ({compiled.describe()})", flush=True)
     ui.emit(compile_summary(compiled.plan_json, tty=ui.is_tty()))
+    from planc.summaries import plan_idle_warning
+    for w in plan_idle_warning(compiled.plan_json):
+        print(f"{src}: {w}", file=sys.stderr)
     if profile is not None:
         ui.emit(["", profile.table()])
     if compiled.untrainable:
@@ -346,6 +355,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--json", action="store_true", help="print the checked IR as JSON")
     c.add_argument("--no-probe", action="store_true",
                    help="check the plan text only: do not build the model, run the user's code or compile")
+    c.add_argument("--no-cache", action="store_true",
+                   help="probe the model even when ~/.cache/planc/probe/ holds its answer (docs/limits.md)")
     _budget_argument(c)
     c.set_defaults(func=_cmd_check)
 
