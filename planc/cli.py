@@ -135,6 +135,17 @@ def _cmd_explain(args) -> int:
     return 0
 
 
+def _overhead_line(sim) -> str:
+    """Whether the figures count the runtime's own time (the cluster file's op_overhead, step_overhead)."""
+    if sim.op_overhead or sim.step_overhead:
+        return (f"runtime overhead included: {sim.op_overhead * 1e3:.3g} ms per instruction, "
+                f"{sim.step_overhead * 1e3:.3g} ms per step (the cluster's op_overhead, step_overhead)")
+    return ("runtime overhead excluded: the cluster gives no op_overhead or step_overhead, so these times are the "
+            "layers' FLOPs and the communication only; the runtime's own time per instruction and per step is "
+            "not modelled, and a small model's real step is many times longer (docs/calibrate.md, \"The runtime's "
+            "own time\")")
+
+
 def _cmd_simulate(args) -> int:
     import json
 
@@ -182,6 +193,7 @@ def _cmd_simulate(args) -> int:
     given = "" if pipe["predicted"].get("flops_given") else " (the default: the cluster gives no flops)"
     lines = [f"{plan['name']}: {len(plan['stages'])} stages, {pipe['micro_batches']} micro-batches, "
              f"device throughput {rate / 1e12:g} TFLOP/s{given}", table(rows, chosen=pipe["schedule"])]
+    lines.append(_overhead_line(sim))
     for f in chart.stages:
         lines.append(f"  {shown} stage {f.stage}: busy {f.busy:.1%}, bubble {f.bubble:.1%}, exposed "
                      f"communication {f.exposed_communication * 1e6:.4g} us, peak activations "
