@@ -92,7 +92,9 @@ def test_explain_draw_svg_has_one_node_per_device(tmp_path):
     ids = re.findall(r'id="device-(\d+)"', text)
     assert sorted(map(int, ids)) == list(range(plan["cluster"]["devices"]))
     groups = re.findall(r'id="group-(\d+)-(\d+)"', text)
-    assert len(groups) == sum(len(r["groups"]) for r in plan["reductions"])
+    assert len(groups) == sum(len(r["groups"]) for r in plan["reductions"] if any(len(g) > 1 for g in r["groups"]))
+    sends = {(int(t), int(k)) for t, k in re.findall(r'id="transfer-(\d+)-(\d+)"', text)}
+    assert {t for t, _ in sends} == set(range(len(plan["transfers"])))   # a row of arrows per transfer
     png = tmp_path / "tree.png"
     draw(plan, png)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -220,3 +222,15 @@ def test_explain_says_nothing_to_reduce_once_for_the_stages_that_have_nothing(tm
             "device holds each gradient; no communication)") in flat
     assert flat.count("nothing to reduce") == 1
     assert "reduce gradients over data (stage 2): " in flat and "0 group(s) of 0" not in flat
+
+
+def test_draw_leaves_out_the_rows_with_nothing_and_shows_tensor_groups_and_sends(tmp_path):
+    """Stage 0 (data = 1) has nothing to reduce: no row for it; stage 1's tensor groups and transfer h's
+    sends (device 0 to each device of stage 1) have theirs."""
+    plan = compile_file(TP, probe=False).plan_json
+    assert [r["groups"] for r in plan["reductions"]] == [[], [[1, 3], [2, 4]]]
+    text = (tmp_path / "t.svg").read_text() if draw(plan, tmp_path / "t.svg") else ""
+    assert sorted(re.findall(r'id="group-(\d+)-\d+"', text)) == ["1", "1"]
+    assert "reduce gradients (stage 0)" not in text and "reduce gradients (stage 1)" in text
+    assert sorted(re.findall(r'id="tensor-(\d+)"', text)) == ["0", "1"] and "tensor groups" in text
+    assert len(re.findall(r'id="transfer-0-\d+"', text)) == 4 and "transfer h (0 -&gt; 1)" in text
