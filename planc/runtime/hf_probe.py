@@ -221,7 +221,7 @@ def _meta_layers(config, arch: str, keys: dict, seed: int, part):
     the plan's key the message names, else at the model line; not a failure of the model's code."""
     try:
         model = build_model(config, seed, device="meta")
-    except (AssertionError, ValueError) as e:
+    except (AssertionError, ValueError, RuntimeError) as e:
         text = " ".join(str(e).split()) or "(no message)"
         named = [k for k in _jsonable(config) if re.search(rf"\b{re.escape(k)}\b", text)]
         key = next((k for k in named if k in keys), "")
