@@ -15,14 +15,15 @@ from planc.lang.errors import PlanError
 __all__ = ["check_compiles"]
 
 
-def check_compiles(path: str | Path, probe: bool = True) -> CompiledPlan:
+def check_compiles(path: str | Path, probe: bool = True, cache: bool = True) -> CompiledPlan:
     """Compile ``path`` as ``planc compile`` would and run the output writer's checks, writing nothing.
     A user error is a located ``PlanError``; a plan that cannot train (``CompiledPlan.untrainable``) is
-    returned for the caller to report, as ``planc compile`` does."""
+    returned for the caller to report, as ``planc compile`` does. ``cache``: the probe's answer may come
+    from the probe cache (``--no-cache``: it runs)."""
     from planc.codegen import ds_config
     from planc.outputfiles import output_code_files
 
-    compiled = compile_file(path, probe=probe)
+    compiled = compile_file(path, probe=probe, cache=cache)
     program: ir.Program = compiled.program
     try:
         output_code_files(program)            # what the writer would copy (raises where it could not)

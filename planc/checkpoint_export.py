@@ -12,6 +12,7 @@ import os
 from pathlib import Path
 
 from planc.checkpoint_read import MODEL, Checkpoint, CheckpointError
+from planc.resources import publish
 
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}   # --dtype and planc.json precision
 TIED_HEAD = "lm_head.weight"     # what transformers leaves out of a model with tie_word_embeddings
@@ -55,6 +56,7 @@ def export_torch(ck: Checkpoint, out: str | os.PathLike, optimizer: bool) -> str
         out.parent.mkdir(parents=True, exist_ok=True)
         with open(tmp, "wb") as f:   # a file object: the archive's inner name is torch's fixed one, not OUT's
             torch.save(state, f)
+        publish(tmp)
         os.replace(tmp, out)
     except OSError as e:
         tmp.unlink(missing_ok=True)
@@ -134,10 +136,13 @@ def export_hf(ck: Checkpoint, out: str | os.PathLike, dtype: str | None) -> str:
     tensors = {n: loaded[names[n]].to(target).contiguous() for n in expected}
     tmp = out / "model.safetensors.partial"
     try:
+        created = not out.exists()   # a folder that was there keeps its mode
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.json.partial").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        publish(*([out] if created else []), out / "config.json.partial")
         os.replace(out / "config.json.partial", out / "config.json")
         save_file(tensors, str(tmp), metadata={"format": "pt"})
+        publish(tmp)
         os.replace(tmp, out / "model.safetensors")
     except OSError as e:
         tmp.unlink(missing_ok=True)

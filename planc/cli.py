@@ -27,17 +27,21 @@ def _cmd_check(args) -> int:
     from planc.lang import load
     from planc.lang.format import summary, to_json
 
+    from planc.summaries import plan_idle_warning
+
     errors: list[PlanError] = []
+    warnings: list[str] = []
     shown = 0
     for f in args.files:
         try:
             program = load(f)
             if not args.no_probe:   # all that compile runs but the writing (planc.checkcmd)
                 from planc.checkcmd import check_compiles
-                compiled = check_compiles(f)
+                compiled = check_compiles(f, cache=not args.no_cache)
                 if compiled.untrainable:
                     errors.append(PlanError(list(compiled.untrainable), {str(f): Path(f).read_text()}))
                     continue
+                warnings += [f"{f}: {w}" for w in plan_idle_warning(compiled.plan_json)]
         except PlanError as e:
             errors.append(e)
             continue
@@ -46,6 +50,8 @@ def _cmd_check(args) -> int:
         else:
             ui.emit(([""] if shown else []) + check_summary(summary(program), tty=ui.is_tty()))
         shown += 1
+    for w in warnings:
+        print(w, file=sys.stderr)
     for e in errors:
         print(e.render(), file=sys.stderr)
     if errors:
@@ -75,6 +81,9 @@ def _cmd_compile(args) -> int:
 
     print(f"wrote {out}/ ({compiled.describe()})", flush=True)
     ui.emit(compile_summary(compiled.plan_json, tty=ui.is_tty()))
+    from planc.summaries import plan_idle_warning
+    for w in plan_idle_warning(compiled.plan_json):
+        print(f"{src}: {w}", file=sys.stderr)
     if profile is not None:
         ui.emit(["", profile.table()])
     if compiled.untrainable:
@@ -126,6 +135,17 @@ def _cmd_explain(args) -> int:
     return 0
 
 
+def _overhead_line(sim) -> str:
+    """Whether the figures count the runtime's own time (the cluster file's op_overhead, step_overhead)."""
+    if sim.op_overhead or sim.step_overhead:
+        return (f"runtime overhead included: {sim.op_overhead * 1e3:.3g} ms per instruction, "
+                f"{sim.step_overhead * 1e3:.3g} ms per step (the cluster's op_overhead, step_overhead)")
+    return ("runtime overhead excluded: the cluster gives no op_overhead or step_overhead, so these times are the "
+            "layers' FLOPs and the communication only; the runtime's own time per instruction and per step is "
+            "not modelled, and a small model's real step is many times longer (docs/calibrate.md, \"The runtime's "
+            "own time\")")
+
+
 def _cmd_simulate(args) -> int:
     import json
 
@@ -173,6 +193,7 @@ def _cmd_simulate(args) -> int:
     given = "" if pipe["predicted"].get("flops_given") else " (the default: the cluster gives no flops)"
     lines = [f"{plan['name']}: {len(plan['stages'])} stages, {pipe['micro_batches']} micro-batches, "
              f"device throughput {rate / 1e12:g} TFLOP/s{given}", table(rows, chosen=pipe["schedule"])]
+    lines.append(_overhead_line(sim))
     for f in chart.stages:
         lines.append(f"  {shown} stage {f.stage}: busy {f.busy:.1%}, bubble {f.bubble:.1%}, exposed "
                      f"communication {f.exposed_communication * 1e6:.4g} us, peak activations "
@@ -346,6 +367,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--json", action="store_true", help="print the checked IR as JSON")
     c.add_argument("--no-probe", action="store_true",
                    help="check the plan text only: do not build the model, run the user's code or compile")
+    c.add_argument("--no-cache", action="store_true",
+                   help="probe the model even when ~/.cache/planc/probe/ holds its answer (docs/limits.md)")
     _budget_argument(c)
     c.set_defaults(func=_cmd_check)
 

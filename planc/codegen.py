@@ -171,10 +171,10 @@ def _write_output(plan: dict, program: ir.Program, out: Path, text: str | None =
         "launch.sh": env.get_template("launch.sh.j2").render(ctx),
         "README.md": env.get_template("README.md.j2").render(ctx),
     }
+    created = not out.exists()   # a folder that was there keeps its mode
     out.mkdir(parents=True, exist_ok=True)
     for name, text in sorted(files.items()):
         (out / name).write_text(text)
-    os.chmod(out / "launch.sh", 0o755)
     for folder in ("planc_runtime", "planc"):
         if (out / folder).exists():
             shutil.rmtree(out / folder)
@@ -192,4 +192,7 @@ def _write_output(plan: dict, program: ir.Program, out: Path, text: str | None =
     for name, src in sorted(code.items()):
         (out / name).parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(src, out / name)
+    written = [out / n for n in (*files, *code)] + [*rt.iterdir(), *(out / "planc").rglob("*")]
+    resources.publish(*([out] if created else []), *sorted({p.parent for p in written} - {out}), *written)
+    os.chmod(out / "launch.sh", resources.SCRIPT_MODE)
     return out

@@ -2,10 +2,14 @@
 
 The tree runs from the cluster (top) through every level's units to the devices (leaves, left to
 right in rank order). Each device is a box filled with its stage's colour and labelled with its
-rank and its coordinates on that stage's mesh; below the leaves, one row per reduction draws each
-of its groups as a coloured bar through its members. Hosts are the units of the host level,
-outlined. matplotlib with the Agg backend (no display); PNG or SVG by the file's suffix. In an SVG
-every device box is an element with id ``device-<rank>`` and every group bar ``group-<r>-<g>``.
+rank and its coordinates on that stage's mesh; below the leaves, one row per reduction that moves
+something draws each of its groups as a coloured bar through its members (a reduction whose groups
+are single devices has nothing to draw and no row), one row the tensor groups, and one row per
+transfer its unit tasks' sends, an arrow from each sender to each of its receivers. Hosts are the
+units of the host level, outlined. matplotlib with the Agg backend (no display); PNG or SVG by the
+file's suffix. In an SVG every device box is an element with id ``device-<rank>``, every group bar
+``group-<r>-<g>`` (``r`` the reduction's index in plan.json), every tensor group ``tensor-<g>`` and
+every send ``transfer-<t>-<k>``.
 """
 
 from __future__ import annotations
@@ -60,10 +64,15 @@ def draw(plan: dict, path) -> int:
             stage_of[d], pos_of[d] = s["index"], x
     stage_cmap = plt.get_cmap("tab10")
     group_cmap = plt.get_cmap("Set2")
-    reds = plan["reductions"]
+    reds = [(r, red) for r, red in enumerate(plan["reductions"]) if any(len(g) > 1 for g in red["groups"])]
+    tensor = [list(g) for g in plan.get("tensor_groups") or ()]
+    sends = [(t, tr, sorted({(task["sender"], d) for task in tr["tasks"] for d in task["receivers"]
+                             if d != task["sender"]})) for t, tr in enumerate(plan.get("transfers") or ())]
+    sends = [x for x in sends if x[2]]
+    rows = len(reds) + bool(tensor) + len(sends)
 
     width = max(6.0, 0.55 * n + 1.5)
-    height = 1.2 * depth + 1.6 + 0.45 * len(reds)
+    height = 1.2 * depth + 1.6 + 0.45 * rows
     fig, ax = plt.subplots(figsize=(min(width, 40.0), height))
     ax.set_axis_off()
 
@@ -101,23 +110,40 @@ def draw(plan: dict, path) -> int:
         ax.text(d, 0.0, str(d), ha="center", va="center", fontsize=7, zorder=4)
         if st is not None:
             ax.text(d, -0.38, f"s{st} {list(pos_of[d])}", ha="center", va="top", fontsize=5, zorder=4)
-    # the chosen groups, one row per reduction
-    for r, red in enumerate(reds):
-        y = -0.95 - 0.45 * r
-        where = f" (stage {red['stage']})" if red.get("stage") is not None else ""
-        ax.text(-0.6, y, f"reduce {red['name']}{where}", ha="right", va="center", fontsize=6)
-        for g, members in enumerate(red["groups"]):
+    def bars(y, groups, gid):   # each group a coloured bar through its members
+        for g, members in enumerate(groups):
             colour = group_cmap(g % 8)
             off = (g % 3 - 1) * 0.08
             line, = ax.plot([min(members), max(members)], [y + off, y + off], color=colour, lw=2.5, zorder=2,
                             solid_capstyle="round")
-            line.set_gid(f"group-{r}-{g}")
+            line.set_gid(gid(g))
             ax.plot(members, [y + off] * len(members), "o", color=colour, ms=4, mec="black", mew=0.4, zorder=3)
+
+    # the chosen groups, one row per reduction that moves something, then the tensor groups, then the sends
+    y_rows = (-0.95 - 0.45 * i for i in range(rows))
+    for r, red in reds:
+        y = next(y_rows)
+        where = f" (stage {red['stage']})" if red.get("stage") is not None else ""
+        ax.text(-0.6, y, f"reduce {red['name']}{where}", ha="right", va="center", fontsize=6)
+        bars(y, red["groups"], lambda g, r=r: f"group-{r}-{g}")
+    if tensor:
+        y = next(y_rows)
+        ax.text(-0.6, y, "tensor groups", ha="right", va="center", fontsize=6)
+        bars(y, tensor, lambda g: f"tensor-{g}")
+    for t, tr, pairs in sends:
+        y = next(y_rows)
+        ax.text(-0.6, y, f"transfer {tr['name']} ({tr['src']['stage']} -> {tr['dst']['stage']})", ha="right",
+                va="center", fontsize=6)
+        colour = stage_cmap(tr["src"]["stage"] % 10)
+        for k, (a, b) in enumerate(pairs):
+            arrow = ax.annotate("", xy=(b, y), xytext=(a, y), zorder=2, arrowprops=dict(
+                arrowstyle="->", color=colour, lw=0.9, connectionstyle=f"arc3,rad={0.25 if a < b else -0.25}"))
+            arrow.arrow_patch.set_gid(f"transfer-{t}-{k}")
     legend = [Patch(fc=stage_cmap(s["index"] % 10), ec="black", label=f"stage {s['index']} ({' x '.join(s['mesh_axes'])})")
               for s in plan["stages"]]
     ax.legend(handles=legend, loc="upper right", fontsize=6, frameon=False)
-    ax.set_xlim(-0.6 - (2.5 if reds else 0), n - 0.4)
-    ax.set_ylim(-0.95 - 0.45 * len(reds), y_of[-1] + 0.5)
+    ax.set_xlim(-0.6 - (2.5 if rows else 0), n - 0.4)
+    ax.set_ylim(-0.95 - 0.45 * rows, y_of[-1] + 0.5)
     fig.tight_layout()
     fig.savefig(path, format=Path(path).suffix.lower()[1:], dpi=120)
     plt.close(fig)

@@ -16,7 +16,9 @@ from __future__ import annotations
 
 from planc import ui
 from planc.pipeline.simulate import NIC_ORDER_GAIN
-from planc.summaries import check_summary, sequence_lines, tied_lines, vocab_line  # noqa: F401 - check's table re-exported
+from planc.summaries import check_summary, idle_devices, idle_warning, sequence_lines  # noqa: F401 - re-exported
+from planc.summaries import nothing_to_reduce, nothing_to_reduce_line, tensor_group_data, tensor_group_lines
+from planc.summaries import tied_lines, vocab_line
 from planc.ui import Col
 
 
@@ -116,6 +118,7 @@ def explain_data(plan: dict) -> dict:
     data["stages"] = [{"index": s["index"], "layers": s.get("layers"), "mesh": s["mesh"], "mesh_axes": list(s["mesh_axes"]),
                        "sequence_parallel": s.get("sequence_parallel"), "sequence_why": s.get("sequence_parallel_why")}
                       for s in plan["stages"]]
+    data["tensor_groups"] = tensor_group_data(plan)
     listing = (plan.get("train") or {}).get("layers")
     if listing:   # a Hugging Face model's layers (plan.json train.layers), each with the stage holding it
         stage_of = {i: s["index"] for s in plan["stages"] if s.get("layers") for i in range(*s["layers"])}
@@ -316,31 +319,6 @@ def _owned_line(r: dict) -> list[str]:
     return out
 
 
-def _flat(mesh) -> list[int]:
-    return [d for m in mesh for d in _flat(m)] if isinstance(mesh, list) else [mesh]
-
-
-def idle_devices(stages: list[dict], devices: int) -> list[int]:
-    """The cluster's devices no stage's mesh holds (empty for a plan without stages)."""
-    if not stages:
-        return []
-    used = {d for s in stages for d in _flat(s["mesh"])}
-    return [d for d in range(devices) if d not in used]
-
-
-def idle_warning(idle: list[int], devices: int) -> str:
-    runs, start = [], None
-    for i, d in enumerate(idle):
-        if start is None:
-            start = d
-        if i + 1 == len(idle) or idle[i + 1] != d + 1:
-            runs.append(str(start) if start == d else f"{start}..{d + 1}")
-            start = None
-    return (f"warning: {len(idle)} of the cluster's {devices} devices are idle (device{'s' if len(idle) > 1 else ''} "
-            f"{', '.join(runs)}): no stage runs on them, yet a launch starts a rank on each; give them to a "
-            "stage (a larger data axis) or use a smaller cluster")
-
-
 def _reduction(r: dict, tty: bool) -> list:
     where = f" (stage {r['stage']})" if r["stage"] is not None else ""
     target = r.get("target", "allreduce")
@@ -352,11 +330,7 @@ def _reduction(r: dict, tty: bool) -> list:
            f"{r['groups']} group(s) of {r['group_size']}"] if not r.get("tied") else tied_lines(r)
     if r["hierarchy"]:
         out.append("  synthesis hierarchy: root > " + " > ".join(f"{h['name']}({h['factor']})" for h in r["hierarchy"]))
-    if not r["program"] and r["group_size"] <= 1:   # each gradient is held by one device
-        out.append(f"  nothing to reduce: {'stage ' + str(r['stage']) if r['stage'] is not None else 'the plan'} "
-                   f"has {' x '.join(r['axes'])} = 1 (one device holds each gradient; no communication)")
-    else:
-        out.append(f"  program: {r['program'] or 'nothing to reduce'}")
+    out.append(f"  program: {r['program'] or 'nothing to reduce'}")
     out.append(f"  predicted {_t(r['predicted'])}; flat {flat_name} {_t(flat)} ({speed}); "
                f"{r['candidates']} valid program(s) found")
     if target != "allreduce":
@@ -433,8 +407,16 @@ def explain_renderables(data: dict, tty: bool = False) -> list:
     idle = idle_devices(data["stages"], c["devices"])
     if idle:
         out.append(idle_warning(idle, c["devices"]))
+    out += [""] + tensor_group_lines(data["tensor_groups"]) if data.get("tensor_groups") else []
+    nothing: dict[tuple, list] = {}   # the reductions with nothing to reduce: one line per name, axes and target
     for r in data["reductions"]:
-        out += [""] + _reduction(r, tty)
+        if nothing_to_reduce(r):
+            nothing.setdefault((r["name"], tuple(r["axes"]), r.get("target", "allreduce")), []).append(r)
+    for r in data["reductions"]:
+        if not nothing_to_reduce(r):
+            out += [""] + _reduction(r, tty)
+        elif nothing.get(key := (r["name"], tuple(r["axes"]), r.get("target", "allreduce"))):
+            out += ["", f"{_VERB[key[2]]} " + nothing_to_reduce_line(nothing.pop(key))]
     if data["transfers"]:
         out += ["", "transfers (times predicted by the cost model; bound = NIC lower bound):",
                 _transfers_overview(data["transfers"], tty)]

@@ -158,6 +158,21 @@ def wants_flops(program: ir.Program) -> bool:
     return program.auto_stages or program.cluster.flops is not None
 
 
+# the probe runs at most this many rows of the micro-batch (more only where one device of a stage takes as many):
+# what it measures is linear in the rows and scaled to the micro-batch (planc.runtime.probe), so its time and
+# memory do not grow with a micro-batch that grows with the data axis, and so with the cluster
+PROBE_ROWS = 64
+
+
+def probe_rows(program: ir.Program) -> int:
+    """The rows of each micro-batch the probe runs the model on: the micro-batch, or the smallest divisor of
+    it of at least ``PROBE_ROWS`` and more than any device's share (``exercise_request``'s rows, the tensor
+    traffic's rows: they are cut from these)."""
+    mb = program.train.micro_batch
+    share = max((mb // ir.axis_size(program.stage_mesh(s.index), ir.MeshAxis.DATA) for s in program.stages), default=mb)
+    return next((d for d in range(max(PROBE_ROWS, share + 1), mb) if mb % d == 0), mb)
+
+
 # per-layer tensor traffic in a chain probe: layers 0..LAYER_TRAFFIC-1 are asked for (the layer count is
 # not known before the model is built); a model with more layers is probed again once cut
 LAYER_TRAFFIC = 512
@@ -198,8 +213,10 @@ def probe_request(program: ir.Program, flops: bool | None = None) -> dict:
     }
     if program.data is not None and program.data.args:   # the data line's own arguments
         req["data_args"] = dict(program.data.args)
-    if hf:
+    if hf:   # on the meta device: no memory to save
         req["hf"] = hfmodel.request_fields(program)
+    elif probe_rows(program) < program.train.micro_batch:
+        req["rows"] = probe_rows(program)
     return req
 
 

@@ -1,7 +1,9 @@
-"""Where the top-level grammar/ and templates/ folders are: a checkout or an installed wheel."""
+"""Where the top-level grammar/ and templates/ folders are: a checkout or an installed wheel; and the modes
+of the files planc exports."""
 
 from __future__ import annotations
 
+import os
 import sys
 import sysconfig
 from functools import cache
@@ -37,3 +39,14 @@ def runtime_dir() -> Path:
 def contract_dir() -> Path:
     """planc/plan/: the contract package, copied into every output as ``OUT/planc/plan/``."""
     return Path(__file__).resolve().parent / "plan"
+
+
+# what planc exports (a compiled output folder, an exported checkpoint) is read by other users and machines
+# (a shared launch folder, a model hub): readable by all whatever the umask (a private umask gives 0600)
+FILE_MODE, FOLDER_MODE, SCRIPT_MODE = 0o644, 0o755, 0o755
+
+
+def publish(*paths) -> None:
+    """Give exported files ``FILE_MODE`` and folders ``FOLDER_MODE``."""
+    for p in paths:
+        os.chmod(p, FOLDER_MODE if os.path.isdir(p) else FILE_MODE)

@@ -264,6 +264,30 @@ def test_export_torch_equals_the_saved_tensors(tmp_path, capsys):
     assert not list(tmp_path.glob("*.partial"))
 
 
+def test_exported_files_are_readable_by_all_whatever_the_umask(tmp_path, capsys, monkeypatch):
+    """--torch and --hf write 0644 files (and a new folder 0755) under a private umask: they are shared."""
+    import os
+    import stat
+    step = write_checkpoint(tmp_path / "run", 1, gptish())
+    old = os.umask(0o077)
+    try:
+        assert main(["checkpoint", "export", str(step), "--torch", str(tmp_path / "w.pt")]) == 0
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE((tmp_path / "w.pt").stat().st_mode) == 0o644
+    pytest.importorskip("transformers")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    params, tied = _hf_params(_llama(True))
+    step = write_checkpoint(tmp_path / "hfrun", 1, params, tied=tied, hf_config=_llama(True).config.to_dict())
+    old = os.umask(0o077)
+    try:
+        assert main(["checkpoint", "export", str(step), "--hf", str(tmp_path / "hf")]) == 0
+    finally:
+        os.umask(old)
+    modes = {f.name: stat.S_IMODE(f.stat().st_mode) for f in [tmp_path / "hf", *(tmp_path / "hf").iterdir()]}
+    assert modes == {"hf": 0o755, "config.json": 0o644, "model.safetensors": 0o644}
+
+
 def test_export_torch_of_a_bf16_run_gives_the_fp32_masters(tmp_path, capsys):
     params = {k: v + 1e-3 for k, v in gptish(5).items()}   # values bf16 cannot hold: the masters are the truth
     step = write_checkpoint(tmp_path / "run", 1, params, precision="bf16")

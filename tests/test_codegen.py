@@ -40,6 +40,23 @@ def test_output_files_and_byte_identical(tmp_path):
     assert json.loads(a["plan.json"]) == plan
 
 
+def test_the_output_is_readable_by_all_whatever_the_umask(tmp_path):
+    """Under a private umask (0077) the output's files are still 0644 (launch.sh 0755) and its folders 0755: a
+    shared launch folder is read by other users and machines."""
+    import os
+    import stat
+    p, plan = _gpt()
+    old = os.umask(0o077)
+    try:
+        out = codegen.write_output(plan, p, tmp_path / "out")
+    finally:
+        os.umask(old)
+    modes = {str(f.relative_to(out)): stat.S_IMODE(f.stat().st_mode) for f in [out, *out.rglob("*")]}
+    assert modes.pop("launch.sh") == 0o755 and modes.pop(".") == 0o755
+    assert {k: m for k, m in modes.items() if m != (0o755 if (out / k).is_dir() else 0o644)} == {}
+    assert "planc_runtime/engine.py" in modes and "planc/plan" in modes
+
+
 def test_ds_config_batch_arithmetic(tmp_path):
     p, plan = _gpt()
     cfg = json.loads((codegen.write_output(plan, p, tmp_path) / "ds_config.json").read_text())

@@ -74,7 +74,7 @@ def test_explain_json_is_the_same_content():
     assert r.returncode == 0, r.stderr
     data = json.loads(r.stdout)
     assert data == json.loads(json.dumps(explain_data(plan)))
-    assert list(data) == ["plan", "cluster", "placement", "stages", "reductions", "transfers", "pipeline", "choices"]
+    assert list(data) == ["plan", "cluster", "placement", "stages", "tensor_groups", "reductions", "transfers", "pipeline", "choices"]
     assert data["placement"]["matrix"] == plan["placement"]["matrix"]
     assert [t["name"] for t in data["transfers"]] == [t["name"] for t in plan["transfers"]]
     for t, src in zip(data["transfers"], plan["transfers"]):
@@ -92,7 +92,9 @@ def test_explain_draw_svg_has_one_node_per_device(tmp_path):
     ids = re.findall(r'id="device-(\d+)"', text)
     assert sorted(map(int, ids)) == list(range(plan["cluster"]["devices"]))
     groups = re.findall(r'id="group-(\d+)-(\d+)"', text)
-    assert len(groups) == sum(len(r["groups"]) for r in plan["reductions"])
+    assert len(groups) == sum(len(r["groups"]) for r in plan["reductions"] if any(len(g) > 1 for g in r["groups"]))
+    sends = {(int(t), int(k)) for t, k in re.findall(r'id="transfer-(\d+)-(\d+)"', text)}
+    assert {t for t, _ in sends} == set(range(len(plan["transfers"])))   # a row of arrows per transfer
     png = tmp_path / "tree.png"
     draw(plan, png)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -192,3 +194,43 @@ def test_explain_without_regions_or_with_odd_ones_does_not_crash():
     one = next(l for l in back.splitlines() if re.match(r"^\s+1\s", l))
     three = next(l for l in back.splitlines() if re.match(r"^\s+3\s", l))
     assert one.index("[") == hdr.index("dst") and three.index("[") == hdr.index("src")
+
+
+TP = ROOT / "tests" / "plans" / "gpt-1-to-data2-tensor2.plan"
+
+
+def test_explain_lists_the_tensor_groups_of_an_explicit_mesh():
+    plan = compile_file(TP, probe=False).plan_json
+    assert explain_data(plan)["tensor_groups"] == [{"stage": 1, "tensor": 2, "groups": [[1, 2], [3, 4]]}]
+    flat = _flat(explain(plan))
+    assert ("tensor groups (each splits its stage's layers; their all-reduces stay inside it): "
+            "stage 1: 2 group(s) of 2: [1, 2], [3, 4]") in flat
+
+
+def test_explain_says_nothing_to_reduce_once_for_the_stages_that_have_nothing(tmp_path):
+    """Every stage of data = 1 under one `reduce` line: one line naming them all, not a block per stage."""
+    text = TP.read_text().replace("../../examples", str(ROOT / "examples")).replace(
+        "level gpu  x 3", "level gpu  x 4").replace(
+        "stage 1 : layers 2..4 on devices 1..5 as (data = 2, tensor = 2)   # block 2, head",
+        "stage 1 : layers 2..3 on devices 1..2 as (data = 1)\n"
+        "  stage 2 : layers 3..4 on devices 2..6 as (data = 2, tensor = 2)\n"
+        "  transfer h2 : f32[8, 8, 16] from stage 1 as R R R to stage 2 as S0 R R").replace(
+        "to stage 1 as S0 R R", "to stage 1 as R R R", 1)
+    (tmp_path / "p.plan").write_text(text)
+    flat = _flat(explain(compile_file(tmp_path / "p.plan", probe=False).plan_json))
+    assert ("reduce gradients over data (stages 0, 1): nothing to reduce: stages 0, 1 each have data = 1 (one "
+            "device holds each gradient; no communication)") in flat
+    assert flat.count("nothing to reduce") == 1
+    assert "reduce gradients over data (stage 2): " in flat and "0 group(s) of 0" not in flat
+
+
+def test_draw_leaves_out_the_rows_with_nothing_and_shows_tensor_groups_and_sends(tmp_path):
+    """Stage 0 (data = 1) has nothing to reduce: no row for it; stage 1's tensor groups and transfer h's
+    sends (device 0 to each device of stage 1) have theirs."""
+    plan = compile_file(TP, probe=False).plan_json
+    assert [r["groups"] for r in plan["reductions"]] == [[], [[1, 3], [2, 4]]]
+    text = (tmp_path / "t.svg").read_text() if draw(plan, tmp_path / "t.svg") else ""
+    assert sorted(re.findall(r'id="group-(\d+)-\d+"', text)) == ["1", "1"]
+    assert "reduce gradients (stage 0)" not in text and "reduce gradients (stage 1)" in text
+    assert sorted(re.findall(r'id="tensor-(\d+)"', text)) == ["0", "1"] and "tensor groups" in text
+    assert len(re.findall(r'id="transfer-0-\d+"', text)) == 4 and "transfer h (0 -&gt; 1)" in text

@@ -12,7 +12,7 @@ import pytest
 from planc import ir
 from planc.compile import compile_program
 from planc.infer import derived_spec, infer_transfers, same_layout
-from planc.lang import load
+from planc.lang import load, load_text
 from planc.lang.errors import PlanError
 from planc.probe import ModelProbe, check_against_model, check_model_reductions, probe_model
 from test_compile import check_plan_json  # tests/ is on sys.path (rootdir-relative test modules)
@@ -323,3 +323,38 @@ def test_model_probe_is_a_frozen_slotted_record():
         probe.tensor_parallel = True
     stage = ir.Stage(0, (0, 2), mesh_shape=(2, 2), mesh_axes=("data", "tensor"), first_device=0)
     assert probe.stage_param_bytes([stage], ir.Precision.BF16) == {0: 6}    # not tensor-parallel: replicas
+
+
+ROWS = """plan rows {
+  cluster { level node x 4 : bandwidth 12.5 GB/s, latency 20 us
+            level gpu x 8 : bandwidth 150 GB/s, latency 2 us }
+  parallel { pipe = 2, data = 8, tensor = 2 }
+  model "EX/gpt.py:build" { layers = 4, hidden = 16, heads = 2, seq = 8, vocab = 64 }
+  loss "EX/gpt.py:loss"
+  data "EX/gpt.py:batches"
+  STAGES
+  reduce gradients over data
+  train { micro_batch = 256, micro_batches = 2, steps = 1, optimizer = sgd(lr = 0.1), seed = 3 }
+}
+"""
+
+
+@pytest.mark.parametrize("stages", ["stage 0 : layers 0..3\n  stage 1 : layers 3..6\n  transfer h from stage 0 to stage 1",
+                                    "stages = auto(2)"], ids=["explicit", "chain"])
+def test_the_probe_runs_a_fixed_number_of_rows_and_answers_as_for_the_whole_micro_batch(stages):
+    """A micro-batch that grows with the data axis (256 rows, data = 8) is probed on 64 of its rows
+    (probe_rows: PROBE_ROWS, above a device's 32): the answer, scaled, is the one the whole micro-batch gives
+    (shapes, bytes, saved bytes, FLOPs, tensor traffic), so the probe's time and memory stay put as the
+    cluster grows."""
+    from planc.probe import PROBE_ROWS, probe_request, probe_rows
+    from planc.runtime.probe import _request
+    program = load_text(ROWS.replace("EX", EX).replace("STAGES", stages), "rows.plan")
+    assert probe_rows(program) == PROBE_ROWS == 64
+    req = probe_request(program)
+    assert req["rows"] == 64 and req["micro_batch"] == 256
+    cut, whole = _request(req), _request({k: v for k, v in req.items() if k != "rows"})
+    assert cut == whole
+    assert any(o and o["shape"][0] == 256 for o in whole["layer_outputs"])
+    small = load_text(ROWS.replace("EX", EX).replace("STAGES", stages).replace("micro_batch = 256", "micro_batch = 64"),
+                 "rows.plan")
+    assert probe_rows(small) == 64 and "rows" not in probe_request(small)   # at most PROBE_ROWS: all of them

@@ -196,3 +196,40 @@ def test_plan_json_records_the_config_after_defaults_and_the_default_loss(tmp_pa
     decoder = h * h + h + 2 * (h * kv + kv) + h * h + 3 * h * i + 2 * h
     assert train["layer_params"] == [v * h, decoder, decoder, h + v * h]
     assert [lay["params"] for lay in train["layers"]] == train["layer_params"]
+
+
+PHI3 = ("hidden_size = 32, intermediate_size = 64, num_hidden_layers = 2, num_attention_heads = 4, "
+        "num_key_value_heads = 2, vocab_size = 256")
+
+
+def test_a_pad_token_outside_the_vocabulary_names_the_key_and_the_fix(tmp_path):
+    """Phi3's default pad_token_id (32000) with a small vocabulary: torch would assert "Padding_idx must be
+    within num_embeddings" while transformers builds the embedding; the compiler names the key instead."""
+    text = plan_text(f'model hf "Phi3ForCausalLM" {{ {PHI3} }}')
+    e = compile_error(tmp_path, text)
+    located(e, text, "pad_token_id = 32000 is outside vocab_size = 256 (token ids 0..255), and transformers builds "
+                     "the embedding with it as the padding index: write pad_token_id = 0 (or another id below "
+                     "256), or vocab_size = 32001 or more", "vocab_size = 256")
+    assert "Padding_idx" not in e.render()
+    written = plan_text(f'model hf "Phi3ForCausalLM" {{ {PHI3}, pad_token_id = 300 }}')
+    located(compile_error(tmp_path, written), written, "pad_token_id = 300 is outside vocab_size = 256",
+            "pad_token_id = 300")
+
+
+def test_an_assertion_transformers_makes_while_building_is_the_configs_error(monkeypatch):
+    """Any other config value transformers or torch asserts on while building the model (hf_probe) is
+    reported as the config's, at the key its message names, not as the model code's failure."""
+    from planc.runtime import hf_probe
+    from planc.runtime.hf import config_from_keys
+    from planc.runtime.usererrors import UserCodeError
+    config = config_from_keys("LlamaForCausalLM", {"hidden_size": 32, "num_hidden_layers": 1,
+                                                    "num_attention_heads": 4, "vocab_size": 256})
+
+    def refuse(*a, **k):
+        raise AssertionError("vocab_size must be even")
+    monkeypatch.setattr(hf_probe, "build_model", refuse)
+    with pytest.raises(UserCodeError) as ei:
+        hf_probe._meta_layers(config, "LlamaForCausalLM", {"vocab_size": 256}, 0, None)
+    assert ei.value.part == "hf-key:vocab_size"
+    assert str(ei.value) == ("transformers cannot build LlamaForCausalLM with this config, it says AssertionError: "
+                             "vocab_size must be even (check vocab_size)")

@@ -254,11 +254,21 @@ def test_planc_simulate_on_a_compiled_plan(tmp_path, unet, capsys):
     for name in SCHEDULES:
         assert name in out
     assert "eager_1f1b (plan)" in out and "1f1b stage 2: busy" in out
+    assert ("runtime overhead excluded: the cluster gives no op_overhead or step_overhead, so these times are the "
+            "layers' FLOPs and the communication only; the runtime's own time per instruction and per step is not "
+            "modelled, and a small model's real step is many times longer (docs/calibrate.md, \"The runtime's own "
+            "time\")") in " ".join(out.split())
     svg = (tmp_path / "t.svg").read_text()
     assert svg.lstrip().startswith("<?xml") and "<svg" in svg
     runs = plan["pipeline"]["predicted"]["schedules"]
     assert _us(runs["gpipe"]["iteration"]) in out   # the table re-simulates to the compiler's figures
     assert main(["simulate", str(tmp_path), "-o", str(tmp_path / "t.pdf")]) == 2
+    capsys.readouterr()
+    plan["cluster"].update(op_overhead=0.002, step_overhead=0.0105)   # a calibrated cluster file's figures
+    (tmp_path / "plan.json").write_text(json.dumps(plan))
+    assert main(["simulate", str(tmp_path)]) == 0
+    assert ("runtime overhead included: 2 ms per instruction, 10.5 ms per step (the cluster's op_overhead, "
+            "step_overhead)") in " ".join(capsys.readouterr().out.split())
     del plan["pipeline"]["predicted"]
     (tmp_path / "plan.json").write_text(json.dumps(plan))
     assert main(["simulate", str(tmp_path / "plan.json")]) == 2

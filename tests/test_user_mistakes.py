@@ -333,7 +333,7 @@ def test_half_precision_is_honoured_and_checks(tmp_path, capsys):
     assert main(["check", str(plan)]) == 0, capsys.readouterr().err
 
 
-def test_explain_warns_of_idle_devices_and_says_nothing_to_reduce(tmp_path, capsys):
+def test_explain_check_and_compile_warn_of_idle_devices_and_explain_says_nothing_to_reduce(tmp_path, capsys):
     plan = project(tmp_path / "proj", plan_edits=[
         ("level gpu  x 2", "level gpu  x 4"), ("on devices 0..1 as (data = 1)", "on devices 0..2 as (data = 2)"),
         ("on devices 1..2 as (data = 1)", "on devices 2..3 as (data = 1)"),
@@ -343,6 +343,12 @@ def test_explain_warns_of_idle_devices_and_says_nothing_to_reduce(tmp_path, caps
     assert "warning: 1 of the cluster's 4 devices are idle (device 3): no stage runs on them" in out
     assert "reduce gradients over data (stage 1)" in out
     assert "nothing to reduce: stage 1 has data = 1 (one device holds each gradient; no communication)" in out
+    warning = (f"{plan}: warning: 1 of the cluster's 4 devices are idle (device 3): no stage runs on them, yet a "
+               "launch starts a rank on each; give them to a stage (a larger data axis) or use a smaller cluster")
+    assert main(["check", "--no-cache", str(plan)]) == 0   # check and compile warn as explain does
+    assert capsys.readouterr().err.splitlines() == [warning]
+    assert main(["compile", str(plan), "-o", str(tmp_path / "out")]) == 0
+    assert capsys.readouterr().err.splitlines() == [warning]
 
 
 def test_rank_0s_gradient_line_covers_every_stage():
@@ -396,3 +402,51 @@ def test_the_start_up_check_names_the_layer_and_the_users_line(tmp_path):
     assert re.search(r"stage 1: its layers fail on the planned inputs \[\(4, 4, 16\)\]: layer 3 \(Head\): "
                      r"conv1d\.py:20 in forward \(`return self\.fc\(x\.mean\(dim=1\)\)`\): RuntimeError: mat1 and "
                      r"mat2 shapes cannot be multiplied", text), text[-3000:]
+
+
+IDS = '''import torch
+
+
+def batches(micro_batch, seed, seq=8):
+    n = 0
+    while True:   # ids inside the vocabulary, but for the second micro-batch of step 1
+        ids = torch.full((micro_batch, seq), 5, dtype=torch.int64)
+        if n == 3:
+            ids[1, 4] = 300
+        n += 1
+        yield ids, ids.clone()
+'''
+
+
+@pytest.mark.slow
+def test_a_token_id_past_the_vocabulary_in_a_later_batch_ends_the_launch_with_one_line(tmp_path):
+    """The probe sees the first batch only; the runtime checks every batch's token ids against a Hugging
+    Face model's vocabulary and names the step, micro-batch, stage and id (not the embedding's traceback)."""
+    pytest.importorskip("transformers")
+    (tmp_path / "ids.py").write_text(IDS)
+    plan = tmp_path / "p.plan"
+    plan.write_text("""plan ids {
+  cluster {
+    level node x 1 : bandwidth 1 GB/s, latency 50 us
+    level cpu x 2 : bandwidth 10 GB/s, latency 2 us
+    host = node
+  }
+  model hf "LlamaForCausalLM" { hidden_size = 32, intermediate_size = 64, num_hidden_layers = 2, num_attention_heads = 4, num_key_value_heads = 2, vocab_size = 256 }
+  data "ids.py:batches" { seq = 8 }
+  stage 0 : layers 0..2 on devices 0..1 as (data = 1)
+  stage 1 : layers 2..4 on devices 1..2 as (data = 1)
+  train { micro_batch = 2, micro_batches = 2, steps = 3, optimizer = sgd(lr = 0.1), seed = 1 }
+}
+""")
+    out = tmp_path / "out"
+    _compile(plan, out)
+    r = launch_sh(out, timeout=240)
+    text = r.stdout + r.stderr
+    assert r.returncode != 0, text[-3000:]
+    assert "Traceback" not in text, text[-4000:]
+    line = ("step 1, micro-batch 1, stage 0: the data's token id 300 is outside the model's vocabulary 0..255 "
+            "(vocab_size = 256)")
+    said = re.findall(r"^planc: rank (\d+): (.*)$", text, re.M)
+    assert ("0", line) in said, text[-3000:]   # the other rank only echoes it (failwatch)
+    assert all(s == line or s.startswith(f"ending: rank 0: {line}") for _, s in said), said
+    assert re.search(r"^step 0 loss", text, re.M) and not re.search(r"^step 1 loss", text, re.M)

@@ -194,3 +194,32 @@ def test_build_stage_puts_placeholders_where_the_rank_holds_nothing():
     built = build_stage(builder, {}, None, Plan, Stage)
     assert [type(m).__name__ for m in built] == ["NotHeld", "Linear", "Linear", "NotHeld"]
     assert not list(built[0].parameters()) and isinstance(built[3], NotHeld)
+
+
+def test_a_token_id_past_the_vocabulary_in_a_later_batch_names_step_micro_batch_stage_and_id():
+    """The probe checks the first batch's ids; the runtime checks every batch's (usererrors.ids_in_vocabulary)
+    and ends the step with one line, not the embedding's traceback."""
+    import torch
+    from planc.plan import HfModel
+    from planc.runtime.usererrors import UserCodeError, ids_in_vocabulary, user_step, vocabulary_of
+
+    def batches():
+        for n in range(10):
+            x = torch.full((2, 4), 7)
+            if n == 5:
+                x[1, 2] = 300
+            yield x, x
+    model = HfModel("LlamaForCausalLM", (("hidden_size", 32), ("vocab_size", 256)), "sdpa")
+    assert vocabulary_of(model) == 256 and vocabulary_of(CodeRef("m.py", "build")) is None
+    data = ids_in_vocabulary(batches(), 256, micro_batches=2)
+    for _ in range(4):   # steps 0 and 1 (two micro-batches each) are fine
+        next(data)
+    with pytest.raises(UserCodeError) as ei:
+        with user_step(2, 0, [], 0, []):
+            next(data)
+            next(data)
+    assert str(ei.value) == ("step 2, micro-batch 1, stage 0: the data's token id 300 is outside the model's "
+                             "vocabulary 0..255 (vocab_size = 256)")
+    negative = ids_in_vocabulary(iter([(torch.tensor([[-1, 3]]), None)]), 256, 1)
+    with pytest.raises(UserCodeError, match=r"the data's token id -1 is outside"):
+        next(negative)

@@ -110,7 +110,21 @@ def _known_keys(config_class) -> list[str]:
     return sorted(k for k in keys if not k.startswith("_"))
 
 
-def _finish(config, arch: str):
+def _pad_inside_vocab(config, keys) -> None:
+    """transformers builds the token embedding with ``pad_token_id`` as its padding index, which torch
+    asserts is inside ``vocab_size``: refused here, at the key, with the fix (Phi3's default is 32000)."""
+    vocab, pad = getattr(config, "vocab_size", None), getattr(config, "pad_token_id", None)
+    if not isinstance(vocab, int) or not isinstance(pad, int) or isinstance(pad, bool) or -vocab <= pad < vocab:
+        return
+    where = next((k for k in ("pad_token_id", "vocab_size") if k in keys), "")
+    raise HfModelError(f"key:{where}", f"pad_token_id = {pad} is outside vocab_size = {vocab} (token ids "
+                                       f"0..{vocab - 1}), and transformers builds the embedding with it as the "
+                                       f"padding index: write pad_token_id = 0 (or another id below {vocab}), "
+                                       f"or vocab_size = {pad + 1} or more")
+
+
+def _finish(config, arch: str, keys=()):
+    _pad_inside_vocab(config, keys)
     _no_dropout(config)
     config.architectures = [arch]
     config.use_cache = False
@@ -136,7 +150,7 @@ def config_from_keys(arch: str, keys: dict):
     for k in keys:
         if k not in known and k in stray:   # consumed keys (legacy rope_theta) are not left as attributes
             raise HfModelError(f"key:{k}", f"'{k}' is not a key of {cls.__name__}{_suggest(k, known)}")
-    return _finish(config, arch)
+    return _finish(config, arch, keys)
 
 
 def config_from_folder(folder: str):

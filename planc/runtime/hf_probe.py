@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import torch
 
@@ -251,6 +252,23 @@ def _check_loss(loss_fn, out, target) -> None:
         raise UserCodeError("loss-use", f"returned {got}: expected one value that depends on the output")
 
 
+def _meta_layers(config, arch: str, keys: dict, seed: int, part):
+    """The pipeline layers on the meta device. An assertion transformers or torch makes on a config value
+    while building (config values ``hf.config_from_keys`` does not know to check) is the config's error, at
+    the plan's key the message names, else at the model line; not a failure of the model's code."""
+    try:
+        model = build_model(config, seed, device="meta")
+    except (AssertionError, ValueError, RuntimeError) as e:
+        text = " ".join(str(e).split()) or "(no message)"
+        named = [k for k in _jsonable(config) if re.search(rf"\b{re.escape(k)}\b", text)]
+        key = next((k for k in named if k in keys), "")
+        hint = f" (check {', '.join(named)})" if named else ""
+        raise UserCodeError(f"hf-key:{key}", f"transformers cannot build {arch} with this config, it says "
+                                             f"{type(e).__name__}: {text}{hint}") from None
+    with part("model"):
+        return pipeline_layers(model)
+
+
 def _jsonable(config) -> dict:
     return json.loads(config.to_json_string(use_diff=False))
 
@@ -262,8 +280,7 @@ def probe_hf(req: dict, run_graph, saved_by_layer, load, part) -> dict:
     spec = req["hf"]
     roots = sorted({os.path.dirname(os.path.abspath(req[k])) for k in ("data_file", "loss_file") if req.get(k)})
     config, arch = _config(spec)
-    with part("model"):
-        layers = pipeline_layers(build_model(config, seed, device="meta"))
+    layers = _meta_layers(config, arch, dict(spec.get("keys") or {}), seed, part)
     with part("data", roots):
         data_fn = load(req["data_file"], req["data_function"])
     loss_fn = causal_lm_loss

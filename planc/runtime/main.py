@@ -42,7 +42,7 @@ from .hf_vocab import loss_for as vocab_loss
 from .share import Peak, build_only, build_stage
 from .usercode import (MissingFunction, accepts_tensor_parallel, build_layers, builtin_function,  # noqa: F401
                        data_arguments, hf_builder, is_hf, load_callable)   # (MissingFunction etc. re-exported)
-from .usererrors import CheckedLoss, UserCodeError, non_finite_loss, user_step
+from .usererrors import CheckedLoss, UserCodeError, ids_in_vocabulary, non_finite_loss, user_step, vocabulary_of
 
 
 def load_function(out_dir: str, ref, what: str = "function"):
@@ -278,7 +278,11 @@ def _main(argv=None, out_dir: str | None = None) -> int:
     counter = nicorder.open_counters(plan, rank) if use_nic else None   # collective
     hold_rate = nicorder.host_bandwidth(plan)     # bytes/s a NIC turn is held for: the compiled host link
     if stage is not None:
-        data = CountingIterator(batches(micro_batch, seed, **data_arguments(t)))   # counted: the position a checkpoint keeps
+        drawn = batches(micro_batch, seed, **data_arguments(t))
+        vocab = vocabulary_of(t.model)
+        if vocab is not None and stage.index == min(s.index for s in plan.stages):   # where the ids enter the model
+            drawn = ids_in_vocabulary(drawn, vocab, t.micro_batches)
+        data = CountingIterator(drawn)   # counted: the position a checkpoint keeps
         engine = PlanEngine.build(plan, groups, layers, loss_fn, data, ds_config, tracer=tracer, initial=initial)
         if args.memory_stats:   # training's resident peak counted from here (share.Peak)
             engine.saved, peak = {}, Peak()

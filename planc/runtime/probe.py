@@ -75,7 +75,7 @@ import sys
 
 import torch
 
-from .probe_measure import count_flops, measure_tensor_traffic
+from .probe_measure import count_flops, first_rows, measure_tensor_traffic
 from .tensor_parallel import TensorParallel
 from .tied import probe_record as tied_record, split_record
 from .usercode import MissingFunction, accepts_tensor_parallel, load_callable
@@ -181,8 +181,32 @@ def run_graph(layers, x, stages, transfers, inputs_of: dict | None = None, on_la
     return outputs, sent, errors
 
 
-def _nbytes(out) -> int:
-    return sum(t.numel() * t.element_size() for t in _tensors(out) if torch.is_tensor(t))
+def _nbytes(out, rows: tuple[int, int] | None = None) -> int:
+    return sum(t.numel() * t.element_size() * _grows(t.shape, rows) for t in _tensors(out) if torch.is_tensor(t))
+
+
+def _grows(shape, rows: tuple[int, int] | None) -> int:
+    """``rows = (n, micro_batch)``: the probe ran ``n`` rows of the micro-batch; a tensor whose dim 0 holds
+    whole multiples of them (the batch-first rows the runtime splits) has ``micro_batch // n`` times as many
+    at the micro-batch; any other is the same size (1)."""
+    if rows is None or rows[0] == rows[1] or not len(shape) or shape[0] % rows[0]:
+        return 1
+    return rows[1] // rows[0]
+
+
+def _as_micro_batch(out: dict, rows: tuple[int, int]) -> dict:
+    """The answer measured on ``n`` rows as the whole micro-batch's (``rows = (n, micro_batch)``, ``n`` divides
+    it): dim 0 of the layers' outputs and the transfers grown by ``micro_batch // n`` (:func:`_grows`), the
+    FLOPs too (every op is linear in the rows); bytes are counted grown where they are measured."""
+    def shape(sh):
+        return [sh[0] * _grows(sh, rows), *sh[1:]] if sh else sh
+    for rec in (*out["layer_outputs"], *out["transfers"]):
+        if rec and rec.get("shape"):
+            rec["shape"] = shape(rec["shape"])
+    if out.get("layer_flops"):
+        k = rows[1] // rows[0]
+        out["layer_flops"] = [[f * k for f in fb] if fb is not None else None for fb in out["layer_flops"]]
+    return out
 
 
 def _storage_key(t) -> int:
@@ -192,12 +216,13 @@ def _storage_key(t) -> int:
     return st._cdata if t.is_meta else st.data_ptr()
 
 
-def saved_by_layer(layers, x, stages, transfers) -> list:
+def saved_by_layer(layers, x, stages, transfers, rows: tuple[int, int] | None = None) -> list:
     """Per layer, the tensors autograd saves for backward when the plan's dataflow runs once with gradients
     on the whole micro-batch: ``[[storage, bytes, is_float], ...]`` (parameters left out: they are held
     anyway), storages numbered in the order first saved, so that a tensor one layer returns and the next
     saves again (tanh's output, the next Linear's input) is one storage; ``planc.pipeline.memory`` counts
-    the distinct storages of a stage's layers. A layer that did not run gets an empty list."""
+    the distinct storages of a stage's layers. A layer that did not run gets an empty list. ``rows``: ``x`` is
+    ``n`` rows of the micro-batch, bytes counted as at the whole (:func:`_grows`)."""
     params = {_storage_key(p) for layer in layers for p in layer.parameters()}
     ids: dict = {}
     per_layer: list[dict] = [{} for _ in layers]
@@ -207,7 +232,8 @@ def saved_by_layer(layers, x, stages, transfers) -> list:
         key = _storage_key(t)
         if key not in params and current[0] is not None:
             sid = ids.setdefault(key, len(ids))
-            per_layer[current[0]][sid] = [sid, t.untyped_storage().nbytes(), bool(t.is_floating_point())]
+            per_layer[current[0]][sid] = [sid, t.untyped_storage().nbytes() * _grows(t.shape, rows),
+                                          bool(t.is_floating_point())]
         return t
 
     def at(i):
@@ -311,16 +337,25 @@ def _request(req: dict) -> dict:
     with _part("model", roots):
         layers = _build(builder, args, seed, None, opts_in, roots)
     ex = req.get("exercise")   # the user's code run as the runtime will (usererrors.exercise)
+    micro_batch = int(req["micro_batch"])
     with _part("data", roots):
-        batches = draw_batches(data_fn, int(req["micro_batch"]), seed, req.get("data_args", args),
+        batches = draw_batches(data_fn, micro_batch, seed, req.get("data_args", args),
                                int(ex["micro_batches"]) if ex else 1, roots)
+    # the model runs the first `rows` rows of each batch (planc.probe.probe_rows): its time and memory do not
+    # grow with a micro-batch that grows with the data axis; the answer is scaled to the micro-batch
+    n = int(req.get("rows") or micro_batch)
+    rows = (n, micro_batch)
+    if n < micro_batch:   # copies, not views: a view's storage is the whole batch's (saved_by_layer counts storages)
+        batches = [tuple(v.clone() if torch.is_tensor(v) else v for v in (first_rows(x, micro_batch, n),
+                                                                          first_rows(y, micro_batch, n)))
+                   for x, y in batches]
     x, y = batches[0]
     transfers = [dict(t) for t in req.get("transfers", [])]
     stages = _resolve(req.get("stages") or [None], len(layers))
     inputs_of: dict[int, tuple] = {}
     outputs, sent, errors = run_graph(layers, x, stages, transfers, inputs_of)
     if ex and loss_fn is not None:
-        exercise(layers, loss_fn, stages, inputs_of, y, int(req["micro_batch"]), ex["rows"], roots)
+        exercise(layers, loss_fn, stages, inputs_of, y, n, ex["rows"], roots)
     flops, flop_errors = (count_flops(layers, inputs_of, stages[0][0] if stages else None)
                           if req.get("flops") else (None, []))
 
@@ -340,7 +375,6 @@ def _request(req: dict) -> dict:
 
     sharded, shard_errors, traffic, tied_split = {}, {}, [], {}
     if opts_in:
-        micro_batch = int(req["micro_batch"])
         for k in sorted({int(k) for k in req.get("tensor_degrees", ()) if int(k) > 1}):
             tp = StandInTensorParallel(k)
             try:
@@ -356,18 +390,19 @@ def _request(req: dict) -> dict:
                 if int(st["degree"]) != k:
                     continue
                 lo, hi = (0, len(shards)) if st.get("layers") is None else (int(st["layers"][0]), int(st["layers"][1]))
-                rec = measure_tensor_traffic(shards, tp, lo, min(hi, len(shards)), inputs_of, micro_batch,
+                rec = measure_tensor_traffic(shards, tp, lo, min(hi, len(shards)), inputs_of, n,
                                              int(st["rows"]), stages[0][0] if stages else None)
                 traffic.append({"stage": int(st["stage"]), "degree": k, "rows": int(st["rows"]), **rec})
-    return {"layer_params": _layer_params(layers), "layer_outputs": layer_outputs,
-            "layer_output_bytes": [_nbytes(outputs[i]) if i in outputs else None for i in range(len(layers))],
-            "layer_saved": saved_by_layer(layers, x, stages, transfers) if not errors else [],
+    return _as_micro_batch({
+            "layer_params": _layer_params(layers), "layer_outputs": layer_outputs,
+            "layer_output_bytes": [_nbytes(outputs[i], rows) if i in outputs else None for i in range(len(layers))],
+            "layer_saved": saved_by_layer(layers, x, stages, transfers, rows) if not errors else [],
             "layer_flops": flops, "flop_errors": flop_errors, "transfers": measured,
             "tensor_parallel": opts_in, "sharded_layer_params": sharded, "shard_errors": shard_errors,
             "tensor_traffic": sorted(traffic, key=lambda t: t["stage"]), "graph_errors": errors,
             "tied": tied_record(layers),   # parameters shared by several layers (tied.py)
             "tied_split": tied_split,      # per tensor degree, the ties whose parameter that split shards
-            **_sequence_fields(builder, x, req)}
+            **_sequence_fields(builder, x, req)}, rows)
 
 
 def _sequence_fields(builder, x, req) -> dict:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["count_flops", "measure_tensor_traffic"]
+__all__ = ["count_flops", "measure_tensor_traffic", "first_rows"]
 
 
 def _tensors(out):
@@ -69,7 +69,7 @@ def count_flops(layers, inputs_of: dict, data_layer: int | None) -> tuple[list, 
     return out, errors
 
 
-def _rows(v, micro_batch: int, rows: int):
+def first_rows(v, micro_batch: int, rows: int):
     """A layer input as one device of a data axis sees it: the first ``rows`` of a batch-first tensor."""
     if torch.is_tensor(v) and v.dim() and v.shape[0] == micro_batch and rows < micro_batch:
         return v[:rows]
@@ -91,7 +91,7 @@ def measure_tensor_traffic(layers, tp, lo: int, hi: int, inputs_of: dict,
         layer = layers[i]
         try:
             with torch.enable_grad():
-                args = tuple(_leaf(_rows(v, micro_batch, rows), i != data_layer) for v in inputs_of[i])
+                args = tuple(_leaf(first_rows(v, micro_batch, rows), i != data_layer) for v in inputs_of[i])
                 tp.log, tp.phase = [], "forward"
                 y = layer(*args)
                 ys = [t for t in _tensors(y) if torch.is_tensor(t) and t.requires_grad]

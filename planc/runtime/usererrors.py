@@ -19,7 +19,7 @@ import traceback
 import torch
 
 __all__ = ["UserCodeError", "describe", "user_frame", "layers_of", "draw_batches", "exercise", "CheckedLoss",
-           "user_step", "shapes", "non_finite_loss"]
+           "user_step", "shapes", "non_finite_loss", "vocabulary_of", "ids_in_vocabulary"]
 
 _DTYPE_NAMES = {torch.float64: "f64", torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16",
                 torch.int64: "i64", torch.int32: "i32", torch.int16: "i16", torch.int8: "i8", torch.uint8: "u8",
@@ -350,7 +350,9 @@ def user_step(step: int, stage, layers, first: int, roots, data_drawn=None):
     try:
         yield
     except UserCodeError as e:
-        raise UserCodeError(e.part, f"step {step}, stage {stage}: {e}") from e
+        mb = getattr(e, "micro_batch", None)
+        where = f"step {step}, " + (f"micro-batch {mb}, " if mb is not None else "") + f"stage {stage}"
+        raise UserCodeError(e.part, f"{where}: {e}") from e
     except (StopIteration, RuntimeError) as e:
         dry = isinstance(e, StopIteration) or isinstance(e.__cause__ or e.__context__, StopIteration)
         if not dry and user_frame(e, roots) is None:
@@ -404,3 +406,27 @@ def layer_failure(e: BaseException, layers, first: int, roots=None) -> str:
     roots = roots if roots is not None else [os.path.dirname(os.path.abspath(sys.argv[0] or "."))]
     layer = _layer_of(e, layers, first)
     return (f"layer {layer[0]} ({layer[1]}): " if layer is not None else "") + describe(e, roots)
+
+
+def vocabulary_of(model_ref) -> int | None:
+    """The vocabulary size of plan.json's model when the runtime knows it (a Hugging Face model's
+    ``vocab_size``), else None."""
+    config = dict(getattr(model_ref, "config", ()) or ()) if hasattr(model_ref, "attn_implementation") else {}
+    vocab = config.get("vocab_size")
+    return vocab if isinstance(vocab, int) and not isinstance(vocab, bool) and vocab > 0 else None
+
+
+def ids_in_vocabulary(batches, vocab: int, micro_batches: int):
+    """The data generator's ``(x, y)`` batches, each input's token ids checked against the vocabulary on the
+    way (a min and a max per batch): the compile-time probe sees only the first batch, and an id past the
+    vocabulary would fail deep in the embedding with a long traceback. A bad id is one ``UserCodeError``
+    naming the micro-batch (the step and stage are added by :func:`user_step`) and the id."""
+    for n, (x, y) in enumerate(batches):
+        if torch.is_tensor(x) and x.numel() and not x.is_floating_point() and x.dtype != torch.bool:
+            lo, hi = int(x.min()), int(x.max())
+            if lo < 0 or hi >= vocab:
+                error = UserCodeError("data-use", f"the data's token id {hi if hi >= vocab else lo} is outside the "
+                                                  f"model's vocabulary 0..{vocab - 1} (vocab_size = {vocab})")
+                error.micro_batch = n % micro_batches
+                raise error
+        yield x, y
