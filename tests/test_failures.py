@@ -3,8 +3,8 @@
 - a rank killed mid-iteration, and a rank that hangs in compute (alive, never returning from its
   layer), end the whole job by themselves, non-zero (bounded by a generous multiple of the collective
   timeout, never a tight wall time), and the surviving ranks say
-  which instruction they were in and which ranks they were waiting for (the real `deepspeed`
-  launcher);
+  which instruction they were in and which ranks they were waiting for (launch.sh: DeepSpeed's
+  launch.py, as the `deepspeed` runner starts it on one host);
 - ranks started with plans of different digests refuse to start naming both digests; a world of
   another size, or ranks per host not matching the plan, is refused with both numbers (each rank
   started by hand as a per-host launcher would; other hostnames through ``unshare --uts``).
