@@ -112,6 +112,7 @@ torch._dynamo.disable = lambda fn, *a, **k: calls.append(fn) or real_disable(fn,
 assert wrapped(1) == 2 and len(calls) == 1
 real = train()
 assert all(torch.equal(a, b) for a, b in zip(lazy, real))
+assert lazydynamo.load() is torch._dynamo
 print("ok")
 '''
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)

@@ -4,6 +4,10 @@
                             other than the two below is asked for; False (nothing done) where torch is
                             not imported yet or ``torch._dynamo`` is imported already
     loaded() -> bool        whether the real ``torch._dynamo`` is imported
+    load() -> module        the real ``torch._dynamo``, imported now: where a rank knows it will need it
+                            (a recomputing stage: ``torch.utils.checkpoint`` reads ``torch._dynamo.config``
+                            at every call), at its build rather than inside its first step, where the
+                            import (a CPU second) would keep its peers waiting
 
 Why: torch.optim touches ``torch._dynamo`` in eager mode too: ``Optimizer.add_param_group`` and the
 functional ``adam``/``adamw``/``sgd`` are wrapped in ``torch._disable_dynamo`` (it imports
@@ -35,7 +39,7 @@ import importlib
 import sys
 import types
 
-__all__ = ["defer", "loaded"]
+__all__ = ["defer", "load", "loaded"]
 
 NAME = "torch._dynamo"
 
@@ -102,6 +106,11 @@ def _real():
             del torch._dynamo
         mod = importlib.import_module(NAME)     # binds torch._dynamo to the real module too
     return mod
+
+
+def load():
+    _real()
+    return importlib.import_module(NAME)
 
 
 def defer() -> bool:
