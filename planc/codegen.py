@@ -125,6 +125,13 @@ def ds_config(plan: dict, program: ir.Program) -> dict:
     return cfg
 
 
+def _world_info(devices: int) -> str:
+    """launch.sh's one-host ``--world_info`` for DeepSpeed's launch.py: what the `deepspeed` runner
+    encodes for ``--num_nodes 1 --num_gpus N`` (runner.encode_world_info: JSON, URL-safe base64)."""
+    import base64
+    return base64.urlsafe_b64encode(json.dumps({"localhost": list(range(devices))}).encode()).decode()
+
+
 def write_output(plan: dict, program: ir.Program, out_dir, text: str | None = None) -> Path:
     """Write OUT/; a folder that cannot be written is a user error naming it. ``text``: plan.json's text
     as the compiler verified it (``CompiledPlan.text``, the same plan as ``plan``); None: written from
@@ -162,6 +169,7 @@ def _write_output(plan: dict, program: ir.Program, out: Path, text: str | None =
         "backend": (plan.get("runtime") or {}).get("backend", "auto"),
         "ds_config_json": json.dumps(ds_config(plan, program), indent=2),
         "compiler_bin": str(Path(sys.executable).parent),   # launch.sh looks for deepspeed here first
+        "world_info": _world_info(int(cluster["devices"])),
     }
     files = {
         "plan.json": text if text is not None else planfile.dumps(planfile.Plan.from_json(plan)),   # one writer

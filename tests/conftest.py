@@ -41,8 +41,9 @@ LONG_FIRST = (
     "test_bench_iteration.py", "test_e2e_nic_order.py", "test_chain_default.py", "test_packaging.py",
     "test_runtime_reduce.py", "test_runtime_reduce_zero.py", "test_runtime_reshard.py", "test_runtime_harness.py",
 )
-# files whose module- or session-scoped fixtures launch ranks: one worker takes all of a file's tests
-# (xdist_group), so the fixture's launches run once, not once per worker
+# files whose module- or session-scoped fixtures launch ranks: one worker takes all of a file's tests,
+# so the fixture's launches run once, not once per worker (``pytest_xdist_make_scheduler``; the
+# xdist_group marks say the same for a reader and for an xdist whose loadgroup reads them)
 ONE_WORKER = ("test_checkpoint_reshard.py", "test_checkpoint.py", "test_testbed_faults.py",
               "test_testbed_failures.py", "test_bench_iteration.py")
 
@@ -61,3 +62,27 @@ def pytest_collection_modifyitems(config, items):
         if item.path.name in ONE_WORKER:
             item.add_marker(pytest.mark.xdist_group(item.path.stem))
     items.sort(key=key)    # stable: a file's tests keep their order
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """``--dist loadgroup`` with a ONE_WORKER file's tests as one unit, in collection order (long first).
+
+    xdist's own loadgroup finds a test's group in a suffix its worker adds to the test's id, and with
+    pytest 9 (ids kept in ``Node._id``) that suffix never reaches the id: every test was its own unit,
+    and a ONE_WORKER file's tests went to both workers, each running the file's fixtures (a chain of
+    launches, a testbed run) once. Here the unit is read from the id's file name instead. The units
+    keep the collection's order (not xdist's default, the biggest unit first): the order of
+    ``pytest_collection_modifyitems`` above."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadGroupScheduling
+
+    class FileGroups(LoadGroupScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            if path.rsplit("/", 1)[-1] in ONE_WORKER:
+                return path
+            return super()._split_scope(nodeid)
+
+    config.option.loadscopereorder = False
+    return FileGroups(config, log)

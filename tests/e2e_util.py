@@ -436,9 +436,9 @@ def start_ranks(out, world: int, *args, env=None, timeout=240):
 def run_direct(out, *args, timeout=300, env=None):
     """``start_ranks`` for a test about what the ranks compute, not about the launcher, shaped as
     ``launch_sh``'s result: a ``subprocess.CompletedProcess`` whose ``stdout`` is rank 0's output and
-    ``stderr`` every rank's; the world is OUT/plan.json's ``cluster.devices``. No ``deepspeed`` runner
-    and launch.py (two more Pythons importing torch and DeepSpeed before the first rank starts, ~4 s of
-    a launch on 2 cores, 10 s on a loaded one: ``python -m benchmarks bench startup``). launch.sh
+    ``stderr`` every rank's; the world is OUT/plan.json's ``cluster.devices``. No DeepSpeed launch.py
+    (launch.sh's one host: one more Python importing torch and DeepSpeed before the first rank starts,
+    ~2 s of a launch on 2 cores: ``python -m benchmarks bench startup``). launch.sh
     stays tested where it is the subject (test_e2e, test_comm_only's logs, test_ui, test_user_mistakes)."""
     import json
     world = json.loads((Path(out) / "plan.json").read_text())["cluster"]["devices"]

@@ -41,7 +41,8 @@ def test_profile_table_gives_median_slowest_and_the_launch_span():
 
 def test_entry_runs_main_with_the_collector_back_on(monkeypatch):
     """OUT/train.py's entry (planc_runtime.entry): main's return code, and the collector enabled again,
-    both while main runs and after."""
+    both while main runs and after; torch._dynamo deferred before main is imported (here recorded, not
+    done: this test process keeps its own torch)."""
     import gc
     import sys
     import types
@@ -53,9 +54,10 @@ def test_entry_runs_main_with_the_collector_back_on(monkeypatch):
     fake.main = lambda out_dir: seen.update(out_dir=out_dir, enabled=gc.isenabled()) or 7
     monkeypatch.setitem(sys.modules, "planc.runtime.main", fake)
     monkeypatch.setattr(sys.modules["planc.runtime"], "main", fake, raising=False)
+    monkeypatch.setattr(entry, "_defer_dynamo", lambda: seen.update(deferred="main" not in seen))
     try:
         assert entry.run("/some/out") == 7
-        assert seen == {"out_dir": "/some/out", "enabled": True} and gc.isenabled()
+        assert seen == {"out_dir": "/some/out", "enabled": True, "deferred": True} and gc.isenabled()
     finally:
         gc.unfreeze()      # this test process's objects go back to the collector
 
@@ -67,3 +69,51 @@ def test_bench_startup_reads_the_table_rank_0_prints():
     rows, start = _phases("step 0 loss 1.0\n" + profile_table(recs) + "\n")
     assert rows == [("imports", 5.0, 5.0), ("process group", 0.5, 0.5), ("first step", 2.5, 2.5)]
     assert start == 10.0
+
+
+def test_torch_dynamo_waits_for_a_use_and_the_optimizers_compute_the_same():
+    """planc_runtime.lazydynamo: the eager optimizers' steps (SGD, Adam, AdamW) and a gloo process group
+    leave the real torch._dynamo unimported and compute bit for bit what they compute with it imported;
+    the first other use (here ``torch._dynamo.config``) imports the real module, and a function wrapped
+    before that goes through the real ``disable`` from then on."""
+    import subprocess
+    import sys
+    code = r'''
+import os, sys, tempfile
+import torch
+from planc.runtime import lazydynamo
+assert lazydynamo.defer() and not lazydynamo.loaded()
+import torch.distributed as dist
+
+def train():
+    torch.manual_seed(0)
+    out = []
+    for opt in (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW):
+        p = torch.nn.Parameter(torch.randn(5, 3))
+        o = opt([p], lr=0.1)
+        for _ in range(3):
+            o.zero_grad()
+            (p.sin() * torch.arange(3.0)).sum().backward()
+            o.step()
+        out.append(p.detach().clone())
+    return out
+
+store = dist.FileStore(tempfile.mktemp(), 1)
+dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+lazy = train()
+assert not lazydynamo.loaded(), "an eager step imported torch._dynamo"
+wrapped = torch._dynamo.disable(lambda x: x + 1)
+assert torch._dynamo.config is not None and lazydynamo.loaded()
+import torch._dynamo
+assert sys.modules["torch._dynamo"] is torch._dynamo and torch._dynamo.__file__.endswith("__init__.py")
+calls = []
+real_disable = torch._dynamo.disable
+torch._dynamo.disable = lambda fn, *a, **k: calls.append(fn) or real_disable(fn, *a, **k)
+assert wrapped(1) == 2 and len(calls) == 1
+real = train()
+assert all(torch.equal(a, b) for a, b in zip(lazy, real))
+assert lazydynamo.load() is torch._dynamo
+print("ok")
+'''
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stdout + proc.stderr

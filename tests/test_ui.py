@@ -16,6 +16,7 @@ import os
 import re
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -201,6 +202,53 @@ def test_launch_sh_follows_rank0_and_reports_failed_ranks(tmp_path, rc):
     assert sorted(p.name.split("_")[1] for p in (out / "logs").glob("*_rank*.log")) == \
         ["rank0.log", "rank1.log", "rank2.log"]
     assert not list((out / "logs").glob(".launch.*"))
+
+
+def test_launch_sh_on_one_host_starts_launch_py_as_the_deepspeed_runner_would(tmp_path, monkeypatch):
+    """On one host launch.sh skips the `deepspeed` runner: it starts DeepSpeed's per-node launcher
+    (``-u -m deepspeed.launcher.launch``) in the runner's Python (the first line of its script) with the
+    arguments the runner gives it for ``--num_nodes 1 --num_gpus N`` (the runner run here in this process,
+    its Popen recorded). With PLANC_MULTI_HOST=1 the runner itself runs, over the hostfile."""
+    from deepspeed.launcher import runner
+
+    from planc.codegen import write_output
+
+    (tmp_path / "tiny.plan").write_text(TINY)
+    c = compile_file(tmp_path / "tiny.plan")
+    out = write_output(c.plan_json, c.program, tmp_path / "out")
+    bin_dir, logs, seen = tmp_path / "bin", tmp_path / "logs", tmp_path / "argv"
+    bin_dir.mkdir()
+    (bin_dir / "python3").write_text('#!/usr/bin/env bash\nprintf "%s\\n" "$@" > "$ARGV_OUT"\n')
+    (bin_dir / "deepspeed").write_text(f"#!{bin_dir / 'python3'}\nfrom deepspeed.launcher.runner import main\n")
+    for f in bin_dir.iterdir():
+        f.chmod(0o755)
+    env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", PYTHON="false",   # no CUDA probe
+               PLANC_MASTER_PORT="1234", PLANC_LOG_DIR=str(logs), ARGV_OUT=str(seen))
+
+    def launched(**more):
+        r = subprocess.run(["bash", str(out / "launch.sh"), "--steps", "1"], env=dict(env, **more),
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, r.stderr
+        return seen.read_text().splitlines()
+
+    cmds, popen = [], subprocess.Popen
+
+    def recorded(cmd, **kw):     # the runner's start of launch.py; anything else it runs, really
+        if "deepspeed.launcher.launch" not in cmd:
+            return popen(cmd, **kw)
+        cmds.append(cmd)
+        return types.SimpleNamespace(returncode=0, wait=lambda: 0)
+
+    monkeypatch.setattr(runner.subprocess, "Popen", recorded)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    runner.main(["--master_port", "1234", "--num_nodes", "1", "--num_gpus", "2", "--enable_each_rank_log", str(logs),
+                 str(out / "train.py"), "--steps", "1"])
+    assert cmds[0][1:4] == ["-u", "-m", "deepspeed.launcher.launch"]
+    assert launched() == cmds[0][1:]
+    multi = launched(PLANC_MULTI_HOST="1")
+    assert multi[0] == str(bin_dir / "deepspeed") and multi[1:] == [
+        "--master_port", "1234", "--hostfile", str(out / "hostfile"), "--enable_each_rank_log", str(logs),
+        str(out / "train.py"), "--steps", "1"]
 
 
 def test_bar_and_status_only_on_a_terminal():

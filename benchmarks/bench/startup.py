@@ -4,7 +4,7 @@ For plans/gpt-2x4.plan (8 gloo ranks on this machine), each round measures, one 
 
 - **bare import**: 8 concurrent ``python -c "import torch, deepspeed"`` (the same Python and
   ``DS_ACCELERATOR=cpu`` as the ranks), from the first start to the last exit;
-- **before** and **after**: ``bash OUT/launch.sh --steps 1`` (the deepspeed launcher, as a user runs it)
+- **before** and **after**: ``bash OUT/launch.sh --steps 1`` (DeepSpeed's launcher, as a user runs it)
   from the start of bash to the moment rank 0 prints ``step 0`` (the step's loss is all-reduced over
   every rank, so every rank has started and finished its first step), and to the launch's exit, with
   the CPU seconds (user + system) of every process of the launch (for the bare imports: of the 8); on a
@@ -188,7 +188,7 @@ def run(rounds: int = 3) -> str:
               "imports: from the rank's process start):", "",
               "| phase | median rank | slowest rank |", "|---|---|---|"]
     if got["launcher"]:
-        lines.append(f"| launcher (bash, `deepspeed` runner, launch.py: to the first rank's start) | "
+        lines.append(f"| launcher (bash, DeepSpeed's launch.py: to the first rank's start) | "
                      f"{med(got['launcher']):.2f} | |")
     for name, values in phases.items():
         lines.append(f"| {name} | {med(v[0] for v in values):.2f} | {med(v[1] for v in values):.2f} |")

@@ -10,6 +10,9 @@ that live as long as the rank; every full collection during the imports walks al
 during the imports and then moves their objects to the permanent generation (``gc.freeze``), and
 freezes again after ``main`` returns: collections skip what is frozen, and nothing a rank computes
 or communicates depends on when they run.
+
+``torch._dynamo``: right after ``import torch`` a stand-in takes its place until something uses more of it
+than torch.optim's eager calls (``lazydynamo``): the import costs each rank about a CPU second.
 """
 from __future__ import annotations
 
@@ -22,6 +25,7 @@ def run(out_dir: str) -> int:
     """``main.main(out_dir=...)`` with the collections of start and exit skipped."""
     gc.disable()
     try:
+        _defer_dynamo()
         from .main import main
     finally:
         gc.freeze()
@@ -29,3 +33,10 @@ def run(out_dir: str) -> int:
     code = main(out_dir=out_dir)
     gc.freeze()      # the interpreter's last collection then skips the rank's objects
     return code
+
+
+def _defer_dynamo() -> None:
+    import torch  # noqa: F401   (the stand-in is put on the torch package)
+
+    from .lazydynamo import defer
+    defer()
