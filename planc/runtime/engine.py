@@ -42,7 +42,6 @@ from .regime import Regime, make_optimizer, param_dtype, zero_sharding
 from .reshard import DTYPES, TransferExecutor
 from .comm import RecvAhead, receive_jobs
 from .dsplan import BeginOp, PlanSchedule, check_ds_config, deepspeed_on_plan
-from . import lazydynamo
 from .grads import GradientBuckets, GroupAllReduce
 from .tied import TiedGradients
 from .sends import SendReaper
@@ -157,8 +156,6 @@ class PlanEngine(PipelineEngine):
         self.regime = self._regime(plan, groups, red, initial)
         self.optimizer = self.regime.optimizer   # DeepSpeed was built with a placeholder (see build)
         self.recompute = plan.train.recomputes(self.stage_id)
-        if self.recompute:   # torch.utils.checkpoint reads torch._dynamo.config: imported here, not in step 0
-            lazydynamo.load()
         self.step_report: dict = {}
         self.sends = SendReaper(tracer=tracer)
         self.nic = None   # the host NIC order (nicorder.py): attach_nic, when the plan has one for this host

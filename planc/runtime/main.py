@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from planc import plan as planfile
 
-from . import checkpoint, nicorder
+from . import checkpoint, lazydynamo, nicorder
 from .commcheck import comm_only, contribution, pattern, plan_micro_batches  # noqa: F401 (re-exported)
 from .checkpoint import CheckpointError, CountingIterator
 from .dist_util import (GroupMissing, StartupError, backend_device, choose_backend, collective_timeout, devices_line,
@@ -283,6 +283,8 @@ def _main(argv=None, out_dir: str | None = None) -> int:
         if vocab is not None and stage.index == min(s.index for s in plan.stages):   # where the ids enter the model
             drawn = ids_in_vocabulary(drawn, vocab, t.micro_batches)
         data = CountingIterator(drawn)   # counted: the position a checkpoint keeps
+        if t.recomputes(stage.index):   # torch.utils.checkpoint reads torch._dynamo.config: imported here, not in step 0
+            lazydynamo.load()
         engine = PlanEngine.build(plan, groups, layers, loss_fn, data, ds_config, tracer=tracer, initial=initial)
         if args.memory_stats:   # training's resident peak counted from here (share.Peak)
             engine.saved, peak = {}, Peak()
