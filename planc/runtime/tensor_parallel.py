@@ -111,73 +111,48 @@ def _own_part(x: torch.Tensor, tp: "TensorParallel") -> torch.Tensor:
     return x.narrow(SEQUENCE_DIM, tp.rank * part, part).contiguous()
 
 
-class _GatherSequence(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, tp):
-        ctx.tp = tp
-        return tp.all_gather_seq(x)
+class _Sequence(torch.autograd.Function):
+    """One sequence collective forward and its adjoint backward, each named by ``_sequence_op``."""
 
     @staticmethod
-    def backward(ctx, grad):
-        return ctx.tp.reduce_scatter_seq(grad), None
-
-
-class _ReduceScatterSequence(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, tp):
-        ctx.tp = tp
-        return tp.reduce_scatter_seq(x)
+    def forward(ctx, x, tp, there, back):
+        ctx.tp, ctx.back = tp, back
+        return _sequence_op(there, x, tp)
 
     @staticmethod
     def backward(ctx, grad):
-        return ctx.tp.all_gather_seq(grad), None
+        return _sequence_op(ctx.back, grad, ctx.tp), None, None, None
 
 
-class _ScatterSequence(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, tp):
-        ctx.tp = tp
-        return _own_part(x, tp)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return ctx.tp.all_gather_seq(grad), None
-
-
-class _GatherSequenceWhole(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, tp):
-        ctx.tp = tp
-        return tp.all_gather_seq(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _own_part(grad, ctx.tp), None
+def _sequence_op(name: str, x: torch.Tensor, tp: "TensorParallel") -> torch.Tensor:
+    """``own_part`` (no message), else the ``TensorParallel`` method of that name (``all_gather_seq``,
+    ``reduce_scatter_seq``), so a subclass's collectives (the probe's meta group) are the ones run."""
+    return _own_part(x, tp) if name == "own_part" else getattr(tp, name)(x)
 
 
 def gather_sequence(x: torch.Tensor, tp: "TensorParallel") -> torch.Tensor:
     """The sequence-split ``x`` gathered along dim 1 on every rank; its gradient reduce-scattered back (the
     ranks' partial input gradients of the column-parallel projections that follow, summed)."""
-    return x if tp is None or tp.size == 1 else _GatherSequence.apply(x, tp)
+    return x if tp is None or tp.size == 1 else _Sequence.apply(x, tp, "all_gather_seq", "reduce_scatter_seq")
 
 
 def reduce_scatter_sequence(x: torch.Tensor, tp: "TensorParallel") -> torch.Tensor:
     """A row-parallel projection's partial outputs summed over the group, each rank keeping its part of the
     sequence; the gradient all-gathered back."""
-    return x if tp is None or tp.size == 1 else _ReduceScatterSequence.apply(x, tp)
+    return x if tp is None or tp.size == 1 else _Sequence.apply(x, tp, "reduce_scatter_seq", "all_gather_seq")
 
 
 def scatter_sequence(x: torch.Tensor, tp: "TensorParallel") -> torch.Tensor:
     """A replicated ``x``'s own part along the sequence (no message); the parts' gradients all-gathered back,
     since the replicated producer needs its whole gradient on every rank."""
-    return x if tp is None or tp.size == 1 else _ScatterSequence.apply(x, tp)
+    return x if tp is None or tp.size == 1 else _Sequence.apply(x, tp, "own_part", "all_gather_seq")
 
 
 def gather_sequence_whole(x: torch.Tensor, tp: "TensorParallel") -> torch.Tensor:
     """The sequence-split ``x`` gathered along dim 1 for a computation every rank then repeats (or that reduces
     its own input gradient over the group, as a column-parallel head does): its gradient arrives whole and
     equal on every rank, and each keeps its part."""
-    return x if tp is None or tp.size == 1 else _GatherSequenceWhole.apply(x, tp)
+    return x if tp is None or tp.size == 1 else _Sequence.apply(x, tp, "all_gather_seq", "own_part")
 
 
 def copy_to_region(x: torch.Tensor, tp: "TensorParallel") -> torch.Tensor:
