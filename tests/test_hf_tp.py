@@ -169,6 +169,23 @@ def _run_layer(layer, base, x, weights):
     return out.detach(), x.grad
 
 
+def _layer_case(name: str, seq: int):
+    """(config, base model, tp plan, its decoder layer 0, input x, output weights w) of one model: every
+    value moved off transformers' init (biases 0, norms 1), x and w of ROWS x seq tokens."""
+    import torch
+    config = make_config(name)
+    torch.manual_seed(0)
+    base = transformers.AutoModel.from_config(config)
+    with torch.no_grad():   # transformers initializes biases to 0 and norms to 1: move every value
+        for p in base.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    base.train()
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(ROWS, seq, config.hidden_size, generator=gen)
+    w = torch.randn(ROWS, seq, config.hidden_size, generator=gen)
+    return config, base, hf_tp.layer_tp_plan(config), base.layers[0], x, w
+
+
 def compare_worker(rank, world, payload):
     import torch
     import torch.distributed as dist
@@ -194,20 +211,8 @@ def compare_worker(rank, world, payload):
     close = dict(rtol=1e-5, atol=1e-9)
     report = {}
     for name in payload["models"]:
-        config = make_config(name)
-        torch.manual_seed(0)
-        base = transformers.AutoModel.from_config(config)
-        with torch.no_grad():   # transformers initializes biases to 0 and norms to 1: move every value
-            for p in base.parameters():
-                p.add_(torch.randn_like(p) * 0.1)
-        base.train()
-        plan = hf_tp.layer_tp_plan(config)
-        full = base.layers[0]
+        config, base, plan, full, x, w = _layer_case(name, SEQ)
         ours, theirs = copy.deepcopy(full), copy.deepcopy(full)
-        gen = torch.Generator().manual_seed(1)
-        x = torch.randn(ROWS, SEQ, config.hidden_size, generator=gen)
-        w = torch.randn(ROWS, SEQ, config.hidden_size, generator=gen)
-
         ref_out, ref_dx = _run_layer(full, base, x, w)
         ref = dict(full.named_parameters())
 
@@ -330,19 +335,8 @@ def sequence_worker(rank, world, payload):
     part = SP_SEQ // world
     own = slice(rank * part, (rank + 1) * part)
     for name in payload["models"]:
-        config = make_config(name)
-        torch.manual_seed(0)
-        base = transformers.AutoModel.from_config(config)
-        with torch.no_grad():
-            for p in base.parameters():
-                p.add_(torch.randn_like(p) * 0.1)
-        base.train()
-        plan = hf_tp.layer_tp_plan(config)
-        full = base.layers[0]
+        config, base, plan, full, x, w = _layer_case(name, SP_SEQ)
         ours = copy.deepcopy(full)
-        gen = torch.Generator().manual_seed(1)
-        x = torch.randn(ROWS, SP_SEQ, config.hidden_size, generator=gen)
-        w = torch.randn(ROWS, SP_SEQ, config.hidden_size, generator=gen)
         ref_out, ref_dx = _run_layer(full, base, x, w)
         ref = dict(full.named_parameters())
 
