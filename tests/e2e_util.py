@@ -406,31 +406,71 @@ def schedule_bound(ops) -> int:
 
 # ---------------------------------------------------------------- launches by hand, plan.json variants
 
-def start_ranks(out, world: int, *args, env=None, timeout=240):
+def start_ranks(out, world: int, *args, env=None, timeout=240, fork=True):
     """``python OUT/train.py ARGS`` once per rank, env:// rendezvous on a free port, as a per-host
     launcher does (CPU/gloo; the program launch.sh starts through the `deepspeed` launcher, without the
-    launcher's start-up time); returns (the worst return code, rank 0's output, every rank's output)."""
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs, extra = [], env
-    for rank in range(world):
-        env = dict(launch_env(), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                   WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
-        env.pop("PLANC_COLLECTIVE_TIMEOUT_S")   # the plan's train { timeout }
-        env.update(extra or {})
-        procs.append(subprocess.Popen([PY, str(Path(out) / "train.py"), *map(str, args)], env=env, cwd=out,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    texts = []
-    try:
-        for p in procs:
-            texts.append(p.communicate(timeout=timeout)[0])
-    finally:
-        for p in procs:
+    launcher's start-up time); returns (the worst return code, rank 0's output, every rank's output).
+
+    ``fork``: the ranks are forks of one interpreter that imported torch, DeepSpeed and the runtime once
+    (``tests/forkstart.py``: the same ``main`` on the same environment, 2-4 CPU seconds a rank fewer);
+    ``fork=False`` starts one ``python`` per rank (the GPU tier)."""
+    return Ranks(out, world, *args, env=env, fork=fork).wait(timeout)
+
+
+class Ranks:
+    """``start_ranks`` begun and not waited for: the launch runs while the test computes its reference.
+    ``wait(timeout)`` -> (the worst return code, rank 0's output, every rank's output); on the timeout
+    every rank is killed and ``subprocess.TimeoutExpired`` raised."""
+
+    def __init__(self, out, world: int, *args, env=None, fork=True):
+        import socket
+        import tempfile
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        base = dict(launch_env(), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        base.pop("PLANC_COLLECTIVE_TIMEOUT_S")   # the plan's train { timeout }
+        base.update(env or {})
+        self.world, self.procs, self.logs = world, [], None
+        if fork:
+            self.logs = tempfile.TemporaryDirectory(prefix="planc-ranks-")
+            self.procs.append(subprocess.Popen(
+                [PY, str(ROOT / "tests" / "forkstart.py"), str(out), str(world), self.logs.name, *map(str, args)],
+                env=base, cwd=out, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                start_new_session=True))
+            return
+        for rank in range(world):
+            renv = dict(base, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+            self.procs.append(subprocess.Popen([PY, str(Path(out) / "train.py"), *map(str, args)], env=renv, cwd=out,
+                                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                               start_new_session=True))
+
+    def wait(self, timeout):
+        import json
+        import time
+        deadline, texts = time.monotonic() + timeout, []
+        try:
+            for p in self.procs:
+                texts.append(p.communicate(timeout=max(1.0, deadline - time.monotonic()))[0])
+        finally:
+            self.kill()
+        if self.logs is None:
+            return max(abs(p.returncode) for p in self.procs), texts[0], "\n".join(texts)
+        with self.logs as logs:
+            ranks = [(Path(logs) / f"rank{r}.log") for r in range(self.world)]
+            ranks = [f.read_text(errors="replace") if f.is_file() else "" for f in ranks]
+            codes = Path(logs) / "rc.json"
+            if not codes.is_file():   # the forking interpreter itself failed (its imports): its own output
+                return abs(self.procs[0].returncode) or 1, texts[0] + ranks[0], texts[0] + "\n".join(ranks)
+            worst = max(abs(c) for c in json.loads(codes.read_text()).values())
+        return worst, ranks[0], "\n".join(ranks)
+
+    def kill(self):
+        import signal
+        for p in self.procs:
             if p.poll() is None:
-                p.kill()
-    return max(abs(p.returncode) for p in procs), texts[0], "\n".join(texts)
+                os.killpg(p.pid, signal.SIGKILL)
+                p.communicate()
 
 
 def run_direct(out, *args, timeout=300, env=None):

@@ -81,7 +81,7 @@ def compiled(tmp_path, text):
 
 def train_on_gpus(tmp_path, text, world):
     out, plan = compiled(tmp_path, text)
-    rc, rank0, every = start_ranks(out, world, "--dump-params", tmp_path / "dump", env={"DS_ACCELERATOR": "cuda"},
+    rc, rank0, every = start_ranks(out, world, "--dump-params", tmp_path / "dump", env={"DS_ACCELERATOR": "cuda"}, fork=False,
                                    timeout=600)
     assert rc == 0, every[-4000:]
     assert "Traceback" not in every, every[-4000:]

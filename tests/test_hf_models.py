@@ -1,8 +1,8 @@
 """Hugging Face models as they are (``model hf "ARCH" { config keys }``), trained by planc and by
 transformers alone.
 
-Each end-to-end test writes a plan, compiles it as ``planc compile`` does, launches the output with its
-own ``launch.sh`` (the deepspeed launcher, CPU/gloo) and compares every step's loss (rtol 1e-4) and every
+Each end-to-end test writes a plan, compiles it as ``planc compile`` does, starts the output's ranks
+(``e2e_util.Ranks``, CPU/gloo; the bundled plan's test through its own ``launch.sh``, the deepspeed launcher) and compares every step's loss (rtol 1e-4) and every
 rank's parameters after training with a reference that knows nothing of planc: the config class of the
 architecture with the plan's keys and every dropout probability 0 (LANGUAGE.md, "Hugging Face models"),
 initialized by LANGUAGE.md's plan-independent rule (``hf_reference.spec_model``, written from the spec's
@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-from e2e_util import ROOT, _load_callable, compare_dumps, launch_env, stage_ranks
+from e2e_util import ROOT, Ranks, _load_callable, compare_dumps, launch_env, run_direct, stage_ranks
 from hf_reference import spec_model
 
 transformers = pytest.importorskip("transformers", reason="transformers (the 'hf' extra) is not installed")
@@ -111,8 +111,9 @@ def write_plan(tmp_path: Path, arch: str, keys: dict, stages: str, devices: int,
 
 def train_and_compare(tmp_path: Path, plan_path: Path, arch: str, keys: dict, seq: int = 8, atol: float = 1e-6,
                       aliases: dict | None = None, save: Path | None = None, resume: tuple | None = None,
-                      steps: int = STEPS):
-    """``aliases``: {planc name: reference name} of parameters a stage holds as a copy of another's
+                      steps: int = STEPS, launcher: bool = False):
+    """``launcher``: through the output's launch.sh (the deepspeed launcher); else each rank started
+    directly (``e2e_util.Ranks``: what the ranks compute is the subject). ``aliases``: {planc name: reference name} of parameters a stage holds as a copy of another's
     (tied across stages: the reference names them once). ``save``: also checkpoint the run into it.
     ``resume``: (checkpoint folder, its step): the run resumes there and trains up to ``steps``, whose
     losses from that step on and final parameters are the uninterrupted reference's."""
@@ -126,19 +127,28 @@ def train_and_compare(tmp_path: Path, plan_path: Path, arch: str, keys: dict, se
     extra = ["--save", str(save)] if save is not None else []
     extra += ["--resume", str(resume[0])] if resume is not None else []
     first = resume[1] if resume is not None else 0
-    proc = subprocess.Popen(["bash", str(out / "launch.sh"), "--steps", str(steps), "--dump-params",
-                             str(tmp_path / "dump"), *extra], env=launch_env(), cwd=out, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    args = ["--steps", str(steps), "--dump-params", str(tmp_path / "dump"), *extra]
+    if launcher:
+        proc = subprocess.Popen(["bash", str(out / "launch.sh"), *args], env=launch_env(), cwd=out, text=True,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    else:
+        ranks = Ranks(out, plan["cluster"]["devices"], *args)
     try:   # the launch runs while this process trains the reference
         ref_losses, ref_state = reference(arch, keys, {"seq": seq}, train, steps)
         for copy, original in (aliases or {}).items():
             ref_state[copy] = ref_state[original]
-        stdout, stderr = proc.communicate(timeout=400)
+        if launcher:
+            stdout, stderr = proc.communicate(timeout=400)
+            rc = proc.returncode
+        else:
+            rc, stdout, stderr = ranks.wait(400)
     finally:
-        if proc.poll() is None:
+        if launcher and proc.poll() is None:
             proc.kill()
             proc.communicate()
-    assert proc.returncode == 0, stdout[-4000:] + stderr[-4000:]
+        elif not launcher:
+            ranks.kill()
+    assert rc == 0, stdout[-4000:] + stderr[-4000:]
     if resume is not None:
         assert "resumed from" in stdout and f"at step {first}" in stdout, stdout[-2000:]
     losses = {int(a): float(b) for a, b in re.findall(r"step (\d+) loss ([-0-9.e+]+)", stdout)}
@@ -306,7 +316,7 @@ def test_the_bundled_llama_plan_tied_across_stages_with_a_tensor_parallel_stage(
     plan, sharded = train_and_compare(tmp_path, ROOT / "plans" / "llama-unequal.plan", "LlamaForCausalLM", keys,
                                       seq=16, atol=1e-4,   # AdamW at lr 1e-2 (see the Mistral test)
                                       aliases={"layers.4.lm_head.weight": "layers.0.embed_tokens.weight"},
-                                      save=ckpt)
+                                      save=ckpt, launcher=True)
     assert plan["tensor_groups"] and sharded   # the projections of layers 1..2 are held as shards
     assert plan["stages"][1]["sequence_parallel"] is True   # and their norms and residuals by the sequence
     tied = [r["tied"] for r in plan["reductions"] if r.get("tied")]
@@ -470,9 +480,7 @@ def test_a_model_folder_fine_tunes_its_own_weights(tmp_path):
     plan = json.loads((out / "plan.json").read_text())
     rec = plan["train"]["model"]["hf"]
     assert rec["folder"] == "tiny" and rec["weights"] and (out / "tiny" / "config.json").is_file()
-    proc = subprocess.run(["bash", str(out / "launch.sh"), "--steps", str(STEPS), "--dump-params",
-                           str(tmp_path / "dump")], env=launch_env(), cwd=out, text=True, capture_output=True,
-                          timeout=400)
+    proc = run_direct(out, "--steps", str(STEPS), "--dump-params", str(tmp_path / "dump"), timeout=400)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
 
     config = transformers.AutoConfig.from_pretrained(tmp_path / "tiny", local_files_only=True)
