@@ -12,6 +12,15 @@ for _k, _v in extensions_env().items():
 import glob  # noqa: E402
 import time  # noqa: E402
 
+import torch  # noqa: E402
+
+# One intra-op thread for what a test computes in its own process (the references, the in-process
+# runtime tests): the suite runs two workers on two cores beside the ranks they launch, and torch's
+# default (a thread per core) makes each worker's OpenMP threads spin against the other's and the
+# ranks': the nic-order reference took 15-33 s so, 5-7 s on one thread. The ranks are unaffected:
+# their threads are the runtime's choice (``launch_env`` passes no OMP_NUM_THREADS).
+torch.set_num_threads(1)
+
 _STARTED = time.time()
 
 
