@@ -42,7 +42,7 @@ def launch_env():
     who launches without setting it."""
     bin_dir = str(Path(PY).parent)
     env = dict(os.environ, DS_ACCELERATOR="cpu",
-               PLANC_COLLECTIVE_TIMEOUT_S="120", PYTHONPATH="", PYTHON=PY,
+               PYTHONPATH="", PYTHON=PY,
                PATH=bin_dir + os.pathsep + os.environ.get("PATH", ""),
                PLANC_MASTER_PORT=str(29500 + os.getpid() % 2000), **extensions_env())
     env.pop("OMP_NUM_THREADS", None)
@@ -418,7 +418,6 @@ def start_ranks(out, world: int, *args, env=None, timeout=240):
     for rank in range(world):
         env = dict(launch_env(), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                    WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
-        env.pop("PLANC_COLLECTIVE_TIMEOUT_S")   # the plan's train { timeout }
         env.update(extra or {})
         procs.append(subprocess.Popen([PY, str(Path(out) / "train.py"), *map(str, args)], env=env, cwd=out,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))

@@ -10,7 +10,8 @@ from .file import FORMAT, Plan, digest, dumps, load
 from .jsonpath import At, Group, PlanFileError, Range, Region
 from .optim import OPTIMIZER_DEFAULTS, LossScale, LrSchedule, Optimizer
 from .records import Cluster, Holder, Level, Reduction, Stage, Step, Tied, TiedSplit
-from .runtime import DEFAULT_GRAD_BUCKET_BYTES, DEFAULT_RECV_AHEAD, DEFAULT_REDUCE_BUCKET_BYTES, Runtime
+from .runtime import (DEFAULT_GRAD_BUCKET_BYTES, DEFAULT_RECV_AHEAD, DEFAULT_REDUCE_BUCKET_BYTES,
+                      DEFAULT_SHM_SLOT_BYTES, Runtime)
 from .training import CodeRef, HfModel, Pipeline, TagLayout, Train, VocabSplit, padded_vocab, vocab_rows
 from .transfers import Route, Task, Transfer
 from .vocab import (DTYPE_NAMES, Backend, Collective, Direction, InHost, MeshAxis, Precision, Recompute,
@@ -19,7 +20,7 @@ from .vocab import (DTYPE_NAMES, Backend, Collective, Direction, InHost, MeshAxi
 __all__ = [
     "FORMAT", "Plan", "digest", "dumps", "load", "At", "Group", "PlanFileError", "Range", "Region", "Cluster",
     "Level", "Reduction", "Stage", "Step", "Tied", "TiedSplit", "Holder", "DEFAULT_GRAD_BUCKET_BYTES", "DEFAULT_RECV_AHEAD",
-    "DEFAULT_REDUCE_BUCKET_BYTES", "Runtime", "CodeRef", "HfModel", "VocabSplit", "padded_vocab", "vocab_rows", "Pipeline", "TagLayout", "Train", "Route", "Task",
+    "DEFAULT_REDUCE_BUCKET_BYTES", "DEFAULT_SHM_SLOT_BYTES", "Runtime", "CodeRef", "HfModel", "VocabSplit", "padded_vocab", "vocab_rows", "Pipeline", "TagLayout", "Train", "Route", "Task",
     "Transfer", "DTYPE_NAMES", "Backend", "Collective", "Direction", "InHost", "MeshAxis", "Precision",
     "ReductionMode", "Schedule", "StageMode", "Strategy", "OPTIMIZER_DEFAULTS", "LossScale", "LrSchedule",
     "Optimizer", "Recompute",
