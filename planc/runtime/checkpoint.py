@@ -30,7 +30,10 @@ import torch
 import torch.distributed as dist
 
 from planc.plan import checkpoint as manifests
-from planc.plan.checkpoint import FORMAT, LATEST, MANIFEST, Manifest, ManifestError  # noqa: F401 (re-exported)
+
+# the contract's (planc/plan/checkpoint.py), named here as the runtime always had them
+FORMAT, MANIFEST, LATEST = manifests.FORMAT, manifests.MANIFEST, manifests.LATEST
+Manifest, ManifestError = manifests.Manifest, manifests.ManifestError
 
 
 class CheckpointError(RuntimeError):

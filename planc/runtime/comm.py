@@ -42,8 +42,7 @@ import queue
 import threading
 from concurrent.futures import Future
 
-from planc.plan import Direction
-from planc.plan.gates import DEFAULT_AHEAD, post_gates
+from planc.plan import DEFAULT_AHEAD, Direction, post_gates   # the contract's rule (planc/plan/gates.py)
 
 __all__ = ["RecvAhead", "receive_jobs", "post_gates", "DEFAULT_AHEAD"]
 
