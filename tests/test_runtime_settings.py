@@ -141,3 +141,6 @@ def test_the_runtime_reads_no_behaviour_from_the_environment(tmp_path):
     documented = (ROOT / "docs" / "runtime.md").read_text()
     for name in DIAGNOSTICS:
         assert name in documented, f"{name} is not documented in docs/runtime.md"
+    for name in GONE:   # the plan's now: read nowhere, and not in the table of what the runtime reads
+        assert not any(name in names for names in read.values()), name
+        assert f"| `{name}" not in documented, f"docs/runtime.md still lists {name}"
