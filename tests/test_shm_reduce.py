@@ -189,3 +189,21 @@ def test_slot_size_is_the_plans_rounded_to_64_bytes():
         with pytest.raises(ValueError, match=re.escape(
                 f"a shared-memory slot must be at least 1 byte (plan.json runtime.shm_slot_bytes), not {bad}")):
             shmcoll.slot_size(bad)
+
+
+def test_the_executor_takes_the_slot_from_the_plan():
+    """``ReductionExecutor.for_plan`` (the engine and --comm-only build it so) passes plan.json's
+    runtime.shm_slot_bytes to every segment it opens, beside in_host and the bucket size."""
+    from types import SimpleNamespace
+
+    from planc.plan import InHost, Runtime
+    from planc.runtime.reduce import ReductionExecutor
+
+    class Built(ReductionExecutor):
+        def __init__(self, *args, **kwargs):
+            self.kwargs = kwargs
+
+    runtime = Runtime(in_host=InHost.BACKEND, reduce_bucket_bytes=1 << 20, shm_slot_bytes=4096)
+    plan = SimpleNamespace(runtime=runtime, cluster=SimpleNamespace(host_of=lambda d: d // 2))
+    kw = Built.for_plan(plan, None, {}, 0).kwargs
+    assert (kw["slot_bytes"], kw["shared_memory"], kw["bucket_bytes"]) == (4096, False, 1 << 20)
