@@ -3,9 +3,10 @@
 A checkpoint is a torch.distributed.checkpoint (DCP) folder ``step<N>/`` whose ``planc.json``, written
 last, names the run (plan, digest, step, regime, sharding) and lists every file with its size and sha256:
 the contract's record ``planc.plan.checkpoint.Manifest``, read and checked by the functions there, the
-same ones the runtime's ``--resume`` uses. :func:`open_checkpoint` is the one gate: it finds the folder (a ``step<N>`` folder or the run folder whose
-``latest`` names one), checks planc.json's keys, every file against its listed size and digest, and that
-the DCP metadata holds each listed parameter at its shape, before anything is shown or a tensor read.
+same ones the runtime's ``--resume`` uses. :func:`open_checkpoint` is the one gate: it finds the folder
+(a ``step<N>`` folder or the run folder whose ``latest`` names one), checks planc.json's keys, every
+file against its listed size and digest, and that the DCP metadata holds each listed parameter at its
+shape, before anything is shown or a tensor read.
 Whatever is wrong is a :class:`CheckpointError`: one line naming the folder, exit 2 at the command line.
 
 ``planc.checkpoint_cmd`` shows it (``info``); ``planc.checkpoint_export`` reads its tensors through DCP's

@@ -31,7 +31,7 @@ class CheckpointManager:
         """The run's checkpoints as ``args`` ask (``--save``, ``--resume``, ``--weights-only``); the one to
         resume from resolved and checked now, before the process group starts (``checkpoint.check``)."""
         resume_from = manifest = None
-        if args.resume or args.weights_only:   # checked before the process group starts: every rank finds the same problem
+        if args.resume or args.weights_only:   # before the process group starts: every rank finds the same problem
             resume_from = checkpoint.resolve(args.resume)
             manifest = checkpoint.check(resume_from, plan, weights_only=args.weights_only)
         return cls(plan, digest, args.save, resume_from, manifest, args.weights_only)

@@ -187,7 +187,8 @@ class Trainer:
     """The steps of a training run on this rank (an idle rank: no engine, it adds nothing to the loss)."""
 
     def __init__(self, plan, model: StageModel, groups: dict, rank: int, out_dir: str, args):
-        self.plan, self.model, self.groups, self.rank, self.out_dir, self.args = plan, model, groups, rank, out_dir, args
+        self.plan, self.model, self.groups, self.rank = plan, model, groups, rank
+        self.out_dir, self.args = out_dir, args
         self.stage = model.stage
         self.engine = self.data = self.device = None
         self.tracer = Tracer(rank, self.stage.index if self.stage is not None else None) if args.trace else None
@@ -207,18 +208,19 @@ class Trainer:
             if vocab is not None and stage.index == min(s.index for s in plan.stages):   # where the ids enter the model
                 drawn = ids_in_vocabulary(drawn, vocab, t.micro_batches)
             self.data = CountingIterator(drawn)   # counted: the position a checkpoint keeps
-            if t.recomputes(stage.index):   # torch.utils.checkpoint reads torch._dynamo.config: imported here, not in step 0
+            if t.recomputes(stage.index):   # torch.utils.checkpoint reads torch._dynamo.config: now, not in step 0
                 lazydynamo.load()
-            self.engine = engine = PlanEngine.build(plan, self.groups, model.layers, model.loss_fn, self.data, ds_config,
-                                                    tracer=tracer, initial=model.initial)
+            self.engine = engine = PlanEngine.build(plan, self.groups, model.layers, model.loss_fn, self.data,
+                                                    ds_config, tracer=tracer, initial=model.initial)
             if self.args.memory_stats:   # training's resident peak counted from here (share.Peak)
                 engine.saved, model.peak = {}, Peak()
             model.initial = None
             host = plan.cluster.host_of(rank)
             order = plan.pipeline.nic_order_of(host)
             if counter is not None and any(k[0] == rank for k in order):
-                engine.attach_nic(nicorder.NicOrder(rank, host, order, counter, collective_timeout(plan).total_seconds(),
-                                                    hold_rate, tracer=tracer, drain=plan.runtime.nic_drain))
+                timeout = collective_timeout(plan).total_seconds()
+                engine.attach_nic(nicorder.NicOrder(rank, host, order, counter, timeout, hold_rate, tracer=tracer,
+                                                    drain=plan.runtime.nic_drain))
         if rank == 0 and counter is not None:
             held = (f"each turn held for its bytes at {hold_rate / 1e6:g} MB/s, the host link the plan was compiled "
                     f"for (on faster links: recompile for them)") if hold_rate else "no hold"
