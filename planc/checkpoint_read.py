@@ -1,10 +1,12 @@
 """Reading a plan-independent checkpoint (format 2, docs/runtime.md) for ``planc checkpoint`` (docs/cli.md).
 
 A checkpoint is a torch.distributed.checkpoint (DCP) folder ``step<N>/`` whose ``planc.json``, written
-last, names the run (plan, digest, step, regime, sharding) and lists every file with its size and sha256.
-:func:`open_checkpoint` is the one gate: it finds the folder (a ``step<N>`` folder or the run folder whose
-``latest`` names one), checks planc.json's keys, every file against its listed size and digest, and that
-the DCP metadata holds each listed parameter at its shape, before anything is shown or a tensor read.
+last, names the run (plan, digest, step, regime, sharding) and lists every file with its size and sha256:
+the contract's record ``planc.plan.checkpoint.Manifest``, read and checked by the functions there, the
+same ones the runtime's ``--resume`` uses. :func:`open_checkpoint` is the one gate: it finds the folder
+(a ``step<N>`` folder or the run folder whose ``latest`` names one), checks planc.json's keys, every
+file against its listed size and digest, and that the DCP metadata holds each listed parameter at its
+shape, before anything is shown or a tensor read.
 Whatever is wrong is a :class:`CheckpointError`: one line naming the folder, exit 2 at the command line.
 
 ``planc.checkpoint_cmd`` shows it (``info``); ``planc.checkpoint_export`` reads its tensors through DCP's
@@ -13,17 +15,14 @@ own loader without a process group.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
-PLANC_JSON = "planc.json"
-LATEST = "latest"
-FORMAT = 2
-DCP_METADATA = ".metadata"
+from planc.plan import checkpoint as manifests
+from planc.plan.checkpoint import DCP_METADATA, FORMAT, LATEST, Manifest, ManifestError  # noqa: F401 (re-exported)
+from planc.plan.checkpoint import MANIFEST as PLANC_JSON
 
 # The DCP key prefixes (global names are plan-independent): an fp32 master, and per-parameter optimizer state.
 MODEL, OPTIM = "model.", "optim."
@@ -52,7 +51,8 @@ class Parameter:
 @dataclass(frozen=True, slots=True)
 class Checkpoint:
     folder: Path              # the step<N> folder
-    meta: dict                # planc.json as read
+    meta: dict                # planc.json as read (its keys and kinds checked: ``manifest``)
+    manifest: Manifest        # the same, as the contract's record
     parameters: tuple[Parameter, ...]
     dcp: object               # torch.distributed.checkpoint.Metadata
 
@@ -70,126 +70,28 @@ def _fail(folder, what: str):
 
 def resolve(path: str | os.PathLike) -> Path:
     """The ``step<N>`` folder ``path`` means: itself when it holds planc.json, else the one its
-    ``latest`` names. A folder that is neither says what is missing."""
-    p = Path(path)
-    if not p.exists():
-        _fail(p, "no such folder")
-    if not p.is_dir():
-        _fail(p, "not a folder (a checkpoint is a folder step<N>/, or the run folder whose 'latest' names one)")
-    if (p / PLANC_JSON).exists():
-        return p
-    latest = p / LATEST
-    if latest.is_file():
-        try:
-            name = latest.read_text().strip()
-        except (OSError, UnicodeDecodeError) as e:
-            _fail(p, f"cannot read {LATEST}: {getattr(e, 'strerror', None) or e}")
-        chosen = p / name
-        if not name or Path(name).name != name or not (chosen / PLANC_JSON).is_file():
-            _fail(p, f"{LATEST} names {name!r}, which is not a complete checkpoint (no {chosen / PLANC_JSON})")
-        return chosen
-    if (p / "manifest.json").exists():
-        _fail(p, "a checkpoint of the earlier per-rank format (manifest.json, no planc.json): "
-                 f"planc checkpoint reads format {FORMAT} only")
-    partial = sorted(e.name for e in p.iterdir() if e.name.endswith(".partial"))
-    if partial:
-        _fail(p, f"only an incomplete checkpoint is here ({', '.join(partial)}: a save that did not finish) "
-                 f"and no {LATEST} file")
-    _fail(p, f"not a complete checkpoint: no {PLANC_JSON} (it is written last; a folder without it is never "
-             f"loaded) and no {LATEST} file naming one")
-
-
-# ---------------------------------------------------------------- planc.json
-
-def _need(meta: dict, key: str, kind, folder, what: str):
-    """``meta[key]`` of the JSON type ``kind``; otherwise a one-line error with the key path."""
-    if key not in meta:
-        _fail(folder, f"{PLANC_JSON}: key {key!r} is missing")
-    v = meta[key]
-    if not isinstance(v, kind) or (isinstance(v, bool) and kind is int):
-        _fail(folder, f"{PLANC_JSON}: {key}: expected {what}, got {json.dumps(v)[:60]}")
-    return v
-
-
-def _read_meta(folder: Path) -> dict:
+    ``latest`` names (``planc.plan.checkpoint.resolve``). A folder that is neither says what is missing."""
     try:
-        text = (folder / PLANC_JSON).read_text()
-    except (OSError, UnicodeDecodeError) as e:
-        _fail(folder, f"cannot read {PLANC_JSON}: {getattr(e, 'strerror', None) or e}")
+        return Path(manifests.resolve(path))
+    except ManifestError as e:
+        _fail(Path(path), str(e))
+
+
+def _read_meta(folder: Path) -> tuple[dict, Manifest]:
+    """planc.json as read, and its record (``planc.plan.checkpoint.read``: keys, kinds, format)."""
     try:
-        meta = json.loads(text)
-    except ValueError as e:
-        _fail(folder, f"{PLANC_JSON} is not JSON ({e})")
-    if not isinstance(meta, dict):
-        _fail(folder, f"{PLANC_JSON}: expected an object, got {type(meta).__name__}")
-    fmt = meta.get("format")
-    if fmt != FORMAT:
-        _fail(folder, f"{PLANC_JSON}: format {json.dumps(fmt)}; planc checkpoint reads format {FORMAT}")
-    _need(meta, "step", int, folder, "an integer")
-    _need(meta, "plan", str, folder, "a string")
-    _need(meta, "digest", str, folder, "a string")
-    for key in ("world_size", "global_batch", "micro_batch", "micro_batches", "zero"):
-        _need(meta, key, int, folder, "an integer")
-    _need(meta, "precision", str, folder, "a string")
-    _need(meta, "optimizer", dict, folder, "an object")
-    if meta.get("hf_config") is not None and not isinstance(meta["hf_config"], dict):
-        _fail(folder, f"{PLANC_JSON}: hf_config: expected an object or null")
-    files = _need(meta, "files", dict, folder, "an object {file name: {size, sha256}}")
-    for name, rec in files.items():
-        if not name or Path(name).name != name or name in (".", ".."):
-            _fail(folder, f"{PLANC_JSON}: files: {name!r} is not a file name inside the folder")
-        if (not isinstance(rec, dict) or not isinstance(rec.get("size"), int) or isinstance(rec.get("size"), bool)
-                or not isinstance(rec.get("sha256"), str)):
-            _fail(folder, f"{PLANC_JSON}: files[{json.dumps(name)}]: expected {{\"size\": bytes, \"sha256\": hex}}")
-    params = _need(meta, "parameters", list, folder, "a list")
-    for i, p in enumerate(params):
-        at = f"{PLANC_JSON}: parameters[{i}]"
-        if not isinstance(p, dict) or not isinstance(p.get("name"), str):
-            _fail(folder, f"{at}: expected an object with a string 'name'")
-        shape = p.get("shape")
-        if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
-                                                  for d in shape):
-            _fail(folder, f"{at}.shape: expected a list of non-negative integers, got {json.dumps(shape)}")
-        if not isinstance(p.get("dtype"), str):
-            _fail(folder, f"{at}.dtype: expected a string")
-        tied = p.get("tied", [])
-        if not isinstance(tied, list) or not all(isinstance(t, str) for t in tied):
-            _fail(folder, f"{at}.tied: expected a list of names")
-    names = [p["name"] for p in params]
-    if len(set(names)) != len(names):
-        dup = next(n for n in names if names.count(n) > 1)
-        _fail(folder, f"{PLANC_JSON}: parameters: {dup!r} is listed twice")
-    return meta
+        meta = manifests.read_json(folder)
+        return meta, Manifest.from_json(meta)
+    except ManifestError as e:
+        _fail(folder, str(e))
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
-def verify_files(folder: Path, files: dict) -> None:
-    """Every listed file has its listed size and sha256; the DCP metadata and every ``.distcp`` file in the
-    folder are listed (DCP would read them). Sizes first: a cut file is named without hashing anything."""
-    if DCP_METADATA not in files:
-        _fail(folder, f"{PLANC_JSON}: files does not list the DCP metadata file {DCP_METADATA}")
-    for name in sorted(e.name for e in folder.iterdir()):
-        if (name == DCP_METADATA or name.endswith(".distcp")) and name not in files:
-            _fail(folder, f"{name} is not listed in {PLANC_JSON}'s files (not part of this checkpoint)")
-    for name in sorted(files):
-        path = folder / name
-        if not path.is_file():
-            _fail(folder, f"{name} is missing ({PLANC_JSON} lists it with {files[name]['size']} bytes)")
-        size = path.stat().st_size
-        if size != files[name]["size"]:
-            _fail(folder, f"{name} has {size} bytes, {PLANC_JSON} lists {files[name]['size']} (cut or changed)")
-    for name in sorted(files):
-        got = _sha256(folder / name)
-        if got != files[name]["sha256"].lower():
-            _fail(folder, f"{name}'s sha256 is {got[:16]}..., {PLANC_JSON} lists {files[name]['sha256'][:16]}... "
-                          "(the file was changed or damaged)")
+def verify_files(folder: Path, manifest: Manifest) -> None:
+    """Every listed file has its listed size and sha256, nothing unlisted (``planc.plan.checkpoint``)."""
+    try:
+        manifests.verify_files(folder, manifest.files)
+    except ManifestError as e:
+        _fail(folder, str(e))
 
 
 # ---------------------------------------------------------------- the DCP metadata
@@ -245,7 +147,7 @@ def open_checkpoint(path: str | os.PathLike) -> Checkpoint:
     """The complete checkpoint ``path`` means, checked (files, planc.json, DCP metadata) before any
     tensor is read; :class:`CheckpointError` otherwise."""
     folder = resolve(path)
-    meta = _read_meta(folder)
-    verify_files(folder, meta["files"])
+    meta, manifest = _read_meta(folder)
+    verify_files(folder, manifest)
     dcp = _read_dcp(folder)
-    return Checkpoint(folder, meta, _parameters(folder, meta, dcp), dcp)
+    return Checkpoint(folder, meta, manifest, _parameters(folder, meta, dcp), dcp)

@@ -42,7 +42,7 @@ def launch_env():
     who launches without setting it."""
     bin_dir = str(Path(PY).parent)
     env = dict(os.environ, DS_ACCELERATOR="cpu",
-               PLANC_COLLECTIVE_TIMEOUT_S="120", PYTHONPATH="", PYTHON=PY,
+               PYTHONPATH="", PYTHON=PY,
                PATH=bin_dir + os.pathsep + os.environ.get("PATH", ""),
                PLANC_MASTER_PORT=str(29500 + os.getpid() % 2000), **extensions_env())
     env.pop("OMP_NUM_THREADS", None)
@@ -429,7 +429,6 @@ class Ranks:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         base = dict(launch_env(), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        base.pop("PLANC_COLLECTIVE_TIMEOUT_S")   # the plan's train { timeout }
         base.update(env or {})
         self.world, self.procs, self.logs = world, [], None
         if fork:

@@ -238,12 +238,14 @@ def test_missing_incomplete_or_damaged_checkpoints_are_refused(two, tmp_path, ca
     shutil.copytree(ck / "step2", damaged)
     data = (damaged / "__1_0.distcp").read_bytes()
     (damaged / "__1_0.distcp").write_bytes(data[: len(data) // 2])
-    refused(damaged, f"{damaged / '__1_0.distcp'} is not the file planc.json lists")
+    refused(damaged, f"--resume {damaged}: __1_0.distcp has {len(data) // 2} bytes, planc.json lists {len(data)} "
+                     "(cut or changed)")
     (damaged / "__1_0.distcp").unlink()
-    refused(damaged, f"{damaged / '__1_0.distcp'} is missing")
+    refused(damaged, f"--resume {damaged}: __1_0.distcp is missing (planc.json lists it with {len(data)} bytes)")
     shutil.copy(ck / "step2" / "__1_0.distcp", damaged / "__7_0.distcp")   # a file planc.json does not list
     shutil.copy(ck / "step2" / "__1_0.distcp", damaged / "__1_0.distcp")
-    refused(damaged, "__7_0.distcp is not listed in planc.json")
+    refused(damaged, f"--resume {damaged}: __7_0.distcp is not listed in planc.json's files (not part of this "
+                     "checkpoint)")
     # --weights-only alone
     assert main_in_process(out, "--weights-only") == 2
     assert "--weights-only goes with --resume DIR" in capsys.readouterr().err
@@ -315,7 +317,7 @@ def test_resume_checks_on_a_hand_made_checkpoint(tmp_path):
         files[name] = {"size": len(blob), "sha256": hashlib.sha256(blob).hexdigest()}
     manifest = {"format": 2, "plan": "p", "digest": "a" * 64, "step": 3, "world_size": 2, "files": files,
                 "global_batch": 16, "micro_batch": 8, "micro_batches": 2, "optimizer": {"name": "sgd"},
-                "an extra key": "tolerated"}
+                "precision": "fp32", "zero": 0, "parameters": [], "an extra key": "tolerated"}
     (step / "planc.json").write_text(json.dumps(manifest))
     (tmp_path / "ck" / "latest").write_text("step3\n")
 
@@ -324,15 +326,15 @@ def test_resume_checks_on_a_hand_made_checkpoint(tmp_path):
                                                      optimizer=SimpleNamespace(name=optimizer)))
 
     assert C.resolve(str(tmp_path / "ck")) == str(step)
-    assert C.check(str(step), plan())["step"] == 3
-    assert C.check(str(step), plan(micro_batch=4, micro_batches=4))["step"] == 3   # the same global batch
+    assert C.check(str(step), plan()).step == 3
+    assert C.check(str(step), plan(micro_batch=4, micro_batches=4)).step == 3   # the same global batch
     with pytest.raises(C.CheckpointError, match=r"global batch of 16 samples \(8 x 2\), this plan's is 8 \(4 x 2\)"):
         C.check(str(step), plan(micro_batch=4))
-    assert C.check(str(step), plan(micro_batch=4), weights_only=True)["step"] == 3
+    assert C.check(str(step), plan(micro_batch=4), weights_only=True).step == 3
     with pytest.raises(C.CheckpointError, match="the checkpoint's optimizer is 'sgd', this plan's is 'adamw'"):
         C.check(str(step), plan(optimizer="adamw"))
     (step / "__1_0.distcp").write_bytes(b"bytes of __9_0.distcp"[:len(b"bytes of __1_0.distcp")])   # same size
-    with pytest.raises(C.CheckpointError, match="__1_0.distcp is not the file planc.json lists"):
+    with pytest.raises(C.CheckpointError, match=re.escape(f"--resume {step}: __1_0.distcp's sha256 is ")):
         C.check(str(step), plan())
     (step / "planc.json").write_text(json.dumps(dict(manifest, format=1)))
     with pytest.raises(C.CheckpointError, match="is not a planc checkpoint of format 2 \\(format 1\\)"):

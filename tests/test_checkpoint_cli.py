@@ -389,7 +389,7 @@ def test_bad_folders_are_one_line_errors(tmp_path, capsys):
     params = gptish()
     good = write_checkpoint(tmp_path / "run", 5, params)
     _one_line_error(capsys, ["checkpoint", "info", str(tmp_path / "nowhere")], str(tmp_path / "nowhere"),
-                    "no such folder")
+                    "no such checkpoint folder")
     empty = tmp_path / "empty"
     empty.mkdir()
     _one_line_error(capsys, ["checkpoint", "info", str(empty)], str(empty), "no planc.json")

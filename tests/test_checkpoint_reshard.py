@@ -216,11 +216,12 @@ def test_a_partial_or_corrupted_checkpoint_is_never_loaded(chain, tmp_path, caps
     shutil.copytree(src, damaged)
     data = (damaged / "__1_0.distcp").read_bytes()
     (damaged / "__1_0.distcp").write_bytes(data[: len(data) // 2])
-    refused(damaged, f"{damaged / '__1_0.distcp'} is not the file planc.json lists")
+    refused(damaged, f"--resume {damaged}: __1_0.distcp has {len(data) // 2} bytes, planc.json lists {len(data)} "
+                     "(cut or changed)")
     (damaged / "__1_0.distcp").write_bytes(data[:-1] + bytes([data[-1] ^ 1]))   # same size, one bit flipped
-    refused(damaged, f"{damaged / '__1_0.distcp'} is not the file planc.json lists")
+    refused(damaged, f"--resume {damaged}: __1_0.distcp's sha256 is ", "(the file was changed or damaged)")
     (damaged / "__1_0.distcp").unlink()
-    refused(damaged, f"{damaged / '__1_0.distcp'} is missing")
+    refused(damaged, f"--resume {damaged}: __1_0.distcp is missing (planc.json lists it with {len(data)} bytes)")
 
 
 @pytest.mark.slow

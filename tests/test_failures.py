@@ -27,7 +27,7 @@ import pytest
 from planc.codegen import write_output
 from planc.compile import compile_file
 
-from e2e_util import ROOT, launch_env, spelled
+from e2e_util import ROOT, edit_plan, launch_env, spelled
 
 TIMEOUT_S = 30
 
@@ -51,7 +51,8 @@ def test_a_killed_rank_ends_every_rank_within_the_timeout(tmp_path):
     c = compile_file(spelled("unet-skip.plan"), probe=False)   # not about the probe: its types written out
     out = tmp_path / "out"
     write_output(c.plan_json, c.program, out)
-    env = dict(launch_env(), PLANC_COLLECTIVE_TIMEOUT_S=str(TIMEOUT_S))
+    edit_plan(out, timeout=float(TIMEOUT_S))    # the plan's train { timeout = 30 s }: plan.json decides it
+    env = launch_env()
     p = subprocess.Popen(["bash", str(out / "launch.sh"), "--steps", "100000"], env=env, cwd=out,
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     lines = []
@@ -160,8 +161,7 @@ def _four(tmp_path, name="four", edits=()):
 @pytest.mark.slow
 def test_a_rank_hanging_in_compute_ends_every_rank_within_the_timeout(tmp_path):
     out = _four(tmp_path)
-    env = dict(launch_env(), HANG_TEST_RANK="3")
-    env.pop("PLANC_COLLECTIVE_TIMEOUT_S")   # the plan's train { timeout = 10 s }
+    env = dict(launch_env(), HANG_TEST_RANK="3")   # the plan's train { timeout = 10 s } bounds the wait
     p = subprocess.Popen(["bash", str(out / "launch.sh"), "--steps", "1000"], env=env, cwd=out,
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
@@ -189,13 +189,13 @@ def _free_port() -> int:
 
 def _start_ranks(outs, hosts=None, timeout=180):
     """One ``python OUT/train.py`` per rank (as a per-host launcher would start them): rank r runs
-    outs[r]; with ``hosts``, rank r runs under hostname hosts[r] (its own UTS namespace) with
+    outs[r] (its collective timeout: the plan's train { timeout }); with ``hosts``, rank r runs under hostname hosts[r] (its own UTS namespace) with
     LOCAL_WORLD_SIZE = how many ranks share that name. Returns [(returncode, output)] by rank."""
     port, world = _free_port(), len(outs)
     procs = []
     for rank, out in enumerate(outs):
         env = dict(launch_env(), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                   WORLD_SIZE=str(world), LOCAL_RANK="0", GLOO_SOCKET_IFNAME="lo", PLANC_COLLECTIVE_TIMEOUT_S="60")
+                   WORLD_SIZE=str(world), LOCAL_RANK="0", GLOO_SOCKET_IFNAME="lo")
         cmd = [sys.executable, str(out / "train.py"), "--steps", "1"]
         if hosts is not None:
             env["LOCAL_WORLD_SIZE"] = str(hosts.count(hosts[rank]))

@@ -1,4 +1,4 @@
-"""When the receive thread posts a stage's receives (``planc.runtime.comm.post_gates``), the one rule
+"""When the receive thread posts a stage's receives (``planc.plan.gates.post_gates``), the one rule
 the runtime, the simulator and the deadlock check share: never later than ``ahead`` operations
 before the consumer, a backward's gradients from its micro-batch's forward on, queue order kept,
 and the receives posted ahead bounded by the schedule plus the window."""
@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from planc.pipeline.schedules import op_text, stage_ops
-from planc.runtime.comm import post_gates
+from planc.plan.gates import post_gates
 
 
 @settings(max_examples=300, deadline=None)

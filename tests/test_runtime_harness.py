@@ -8,6 +8,7 @@ tracebacks, so a test never hangs.
 """
 from __future__ import annotations
 
+import datetime
 import multiprocessing as mp
 import os
 import socket
@@ -18,7 +19,7 @@ import traceback
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 JOB_TIMEOUT_S = float(os.environ.get("PLANC_TEST_JOB_TIMEOUT_S", "240"))
-COLLECTIVE_TIMEOUT_S = "60"
+COLLECTIVE_TIMEOUT_S = 60
 
 
 def free_port() -> int:
@@ -34,15 +35,17 @@ def _entry(rank, world, port, target_mod, target_name, payload, outdir):
             if p not in sys.path:
                 sys.path.insert(0, p)
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                          WORLD_SIZE=str(world), PLANC_COLLECTIVE_TIMEOUT_S=COLLECTIVE_TIMEOUT_S,
+                          WORLD_SIZE=str(world),
                           OMP_NUM_THREADS="1")
         import importlib
 
         import torch
         import torch.distributed as dist
         torch.set_num_threads(1)
-        from planc.runtime.dist_util import collective_timeout
-        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=collective_timeout())
+        # the harness's own world (no plan here): a bounded wait; the groups a worker creates from a plan
+        # (topology.create_groups) get that plan's train { timeout }, else the runtime's 300 s
+        dist.init_process_group("gloo", rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
         fn = getattr(importlib.import_module(target_mod), target_name)
         result = fn(rank, world, payload)
         dist.barrier()

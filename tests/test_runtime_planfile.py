@@ -521,17 +521,16 @@ def test_host_and_digest_checks():
         dist_util.check_world(plan, 4)
 
 
-def test_timeout_env(monkeypatch):
-    monkeypatch.setenv(dist_util.TIMEOUT_ENV, "12.5")
-    assert dist_util.collective_timeout().total_seconds() == 12.5
-    monkeypatch.setenv(dist_util.TIMEOUT_ENV, "soon")
-    with pytest.raises(dist_util.StartupError, match="not a number"):
-        dist_util.collective_timeout()
-    monkeypatch.setenv(dist_util.TIMEOUT_ENV, "0")
-    with pytest.raises(dist_util.StartupError, match="must be positive"):
-        dist_util.collective_timeout()
-    monkeypatch.delenv(dist_util.TIMEOUT_ENV)
-    assert dist_util.collective_timeout().total_seconds() == dist_util.DEFAULT_TIMEOUT_S
+def test_the_timeout_is_the_plans(monkeypatch):
+    """plan.json train.timeout, else 300 s; the environment variable that once overrode it is gone."""
+    from types import SimpleNamespace
+    timed = SimpleNamespace(train=SimpleNamespace(timeout=12.5))
+    monkeypatch.setenv("PLANC_COLLECTIVE_TIMEOUT_S", "1")     # read by nothing any more
+    assert dist_util.collective_timeout(timed).total_seconds() == 12.5
+    assert dist_util.collective_timeout(SimpleNamespace(train=SimpleNamespace(timeout=None))).total_seconds() == 300
+    assert dist_util.collective_timeout(SimpleNamespace(train=None)).total_seconds() == 300   # --comm-only plans
+    assert dist_util.collective_timeout().total_seconds() == dist_util.DEFAULT_TIMEOUT_S == 300
+    assert not hasattr(dist_util, "TIMEOUT_ENV")
 
 
 # ----------------------------------------------------------------- topology

@@ -14,7 +14,7 @@ from planc.lang import load_text
 from planc.lang.errors import PlanError
 from planc import plan as planfile
 from planc.plan import (DEFAULT_GRAD_BUCKET_BYTES, DEFAULT_RECV_AHEAD, DEFAULT_REDUCE_BUCKET_BYTES,
-                                       Backend, InHost, Runtime)
+                        DEFAULT_SHM_SLOT_BYTES, Backend, InHost, Runtime)
 
 sys.path.insert(0, str(Path(__file__).parent))
 from e2e_util import ROOT, spelled  # noqa: E402
@@ -22,8 +22,9 @@ from e2e_util import ROOT, spelled  # noqa: E402
 RUNTIME = ROOT / "planc" / "runtime"
 # environment variables the runtime may read: diagnostics and launch plumbing only (docs/runtime.md,
 # "Environment"); none changes what a rank computes or the order in which it communicates
-DIAGNOSTICS = {"PLANC_DEBUG", "PLANC_DUMP_STACKS_AFTER_S", "PLANC_COLLECTIVE_TIMEOUT_S", "PLANC_SHM_DIR",
-               "PLANC_SHM_SLOT_BYTES"}
+DIAGNOSTICS = {"PLANC_DEBUG", "PLANC_DUMP_STACKS_AFTER_S", "PLANC_SHM_DIR"}
+# once read, now the plan's: train { timeout } (plan.json train.timeout), train { shm_slot } (runtime.shm_slot_bytes)
+GONE = {"PLANC_COLLECTIVE_TIMEOUT_S", "PLANC_SHM_SLOT_BYTES"}
 
 
 def _with_train(text: str, extra: str) -> Path:
@@ -42,16 +43,17 @@ def test_defaults_are_written_into_plan_json(tmp_path):
     assert plan["runtime"] == {"backend": "auto", "recv_ahead": DEFAULT_RECV_AHEAD,
                                "grad_bucket_bytes": DEFAULT_GRAD_BUCKET_BYTES,
                                "reduce_bucket_bytes": DEFAULT_REDUCE_BUCKET_BYTES, "in_host": "shared_memory",
-                               "nic_drain": True, "signal_transfers": False}
+                               "shm_slot_bytes": DEFAULT_SHM_SLOT_BYTES, "nic_drain": True,
+                               "signal_transfers": False}
     assert list(plan)[-1] == "runtime"
 
 
 def test_train_block_settings_reach_the_plan_and_its_digest(tmp_path):
     base = _compiled(tmp_path)
     c = _compiled(tmp_path, "    backend = gloo\n    recv_ahead = 2\n    grad_bucket = 1 MiB\n"
-                            "    reduce_bucket = 4 MB\n    in_host = backend\n")
+                            "    reduce_bucket = 4 MB\n    in_host = backend\n    shm_slot = 64 KiB\n")
     rt = planfile.Plan.from_json(c.plan_json).runtime
-    assert rt == Runtime(Backend.GLOO, 2, 1 << 20, 4_000_000, InHost.BACKEND)
+    assert rt == Runtime(Backend.GLOO, 2, 1 << 20, 4_000_000, InHost.BACKEND, shm_slot_bytes=64 << 10)
     digest = planfile.digest(planfile.Plan.from_json(c.plan_json))
     assert digest != planfile.digest(planfile.Plan.from_json(base.plan_json))
 
@@ -62,6 +64,9 @@ def test_train_block_settings_reach_the_plan_and_its_digest(tmp_path):
     ("reduce_bucket = 0.5 B", "reduce_bucket must be a whole number of bytes, at least 1, got 0.5 B"),
     ("in_host = shm", "in_host must be one of shared_memory, backend"),
     ("backend = NCCL2", "backend must be one of auto, gloo, nccl"),
+    ("shm_slot = 0 MiB", "shm_slot must be a whole number of bytes, at least 1, got 0 MiB"),
+    ("shm_slot = -8 KiB", "shm_slot must be a whole number of bytes, at least 1, got -8 KiB"),
+    ("shm_slot = 4096", "shm_slot is a size with its unit, e.g. 'shm_slot = 8 MiB'"),
 ])
 def test_bad_runtime_settings_are_located(setting, message):
     src = _with_train(spelled("gpt-2x4.plan").read_text(), f"    {setting}\n")
@@ -77,7 +82,8 @@ def test_plan_json_runtime_is_validated_by_the_reader(tmp_path):
     doc = _compiled(tmp_path).plan_json
     for key, value, why in (("recv_ahead", 0, "runtime.recv_ahead: 0 is below 1"),
                             ("in_host", "tcp", "runtime.in_host: 'tcp' is not one of"),
-                            ("nic_drain", "yes", "runtime.nic_drain: expected true or false")):
+                            ("nic_drain", "yes", "runtime.nic_drain: expected true or false"),
+                            ("shm_slot_bytes", 0, "runtime.shm_slot_bytes: 0 is below 1")):
         bad = dict(doc, runtime=dict(doc["runtime"], **{key: value}))
         with pytest.raises(planfile.PlanFileError, match=re.escape(why)):
             planfile.Plan.from_json(bad)
@@ -127,7 +133,7 @@ def test_the_runtime_reads_no_behaviour_from_the_environment(tmp_path):
             for p in sorted(RUNTIME.glob("*.py")) + sorted((ROOT / "planc" / "plan").glob("*.py"))}
     undocumented = {name: sorted(names - DIAGNOSTICS) for name, names in read.items() if names - DIAGNOSTICS}
     assert not undocumented, f"PLANC_* variables read outside the documented diagnostics: {undocumented}"
-    assert set().union(*read.values()) >= {"PLANC_DEBUG", "PLANC_COLLECTIVE_TIMEOUT_S"}, "the scan finds nothing"
+    assert set().union(*read.values()) >= {"PLANC_DEBUG", "PLANC_SHM_DIR"}, "the scan finds nothing"
     probe = tmp_path / "reads.py"     # the scan sees each way of reading the environment
     probe.write_text("import os\nfrom os import getenv\nos.environ.get('PLANC_A')\nos.getenv('PLANC_B')\n"
                      "getenv('PLANC_C')\nos.environ['PLANC_D']\n")
@@ -135,3 +141,6 @@ def test_the_runtime_reads_no_behaviour_from_the_environment(tmp_path):
     documented = (ROOT / "docs" / "runtime.md").read_text()
     for name in DIAGNOSTICS:
         assert name in documented, f"{name} is not documented in docs/runtime.md"
+    for name in GONE:   # the plan's now: read nowhere, and not in the table of what the runtime reads
+        assert not any(name in names for names in read.values()), name
+        assert f"| `{name}" not in documented, f"docs/runtime.md still lists {name}"

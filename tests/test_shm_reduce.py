@@ -9,6 +9,7 @@ members share no memory.
 from __future__ import annotations
 
 import os
+import re
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -102,13 +103,13 @@ def executor_worker(rank, world, payload):
     for run in payload["runs"]:            # each run: its own directories and switches per rank
         dirs, off = run["dirs"], run.get("off", ())
         os.environ["PLANC_SHM_DIR"] = dirs[rank % len(dirs)]
-        os.environ["PLANC_SHM_SLOT_BYTES"] = str(payload["slot"])
         for red, groups_list, n in payload["cases"]:
             groups = {}
             for g in groups_list:
                 pg = dist.new_group(ranks=list(g))
                 groups[tuple(g)] = pg if rank in g else None
-            ex = ReductionExecutor(Reduction.read(At(red, "reduction")), groups, rank, host_of=lambda d: d // per, shared_memory=rank not in off)
+            ex = ReductionExecutor(Reduction.read(At(red, "reduction")), groups, rank, host_of=lambda d: d // per, shared_memory=rank not in off,
+                                   slot_bytes=payload["slot"])
             flat = _contrib(rank, n, torch.float32)
             grp = next(g for g in red["groups"] if rank in g)
             want = sum(_contrib(d, n, torch.float64) for d in grp).float()
@@ -175,13 +176,34 @@ def test_executor_falls_back_to_gloo_and_every_member_agrees(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["file"] + [f"r{i}" for i in range(4)]
 
 
-def test_slot_size_from_the_environment(monkeypatch):
+def test_slot_size_is_the_plans_rounded_to_64_bytes():
+    """plan.json runtime.shm_slot_bytes (train { shm_slot = SIZE }), not the environment: the executor
+    passes it to every segment, which rounds it up to a multiple of 64 bytes."""
     import pytest
 
+    from planc.plan import DEFAULT_SHM_SLOT_BYTES
     from planc.runtime import shmcoll
-    monkeypatch.setenv("PLANC_SHM_SLOT_BYTES", "100")
-    assert shmcoll._slot_bytes() == 128
-    for bad in ("lots", "0", "-64"):
-        monkeypatch.setenv("PLANC_SHM_SLOT_BYTES", bad)
-        with pytest.raises(ValueError, match="PLANC_SHM_SLOT_BYTES must be a positive whole number"):
-            shmcoll._slot_bytes()
+    assert shmcoll.slot_size(100) == 128 and shmcoll.slot_size(64) == 64 and shmcoll.slot_size(1) == 64
+    assert shmcoll.slot_size() == shmcoll.slot_size(None) == DEFAULT_SHM_SLOT_BYTES == 8 << 20
+    for bad in (0, -64):
+        with pytest.raises(ValueError, match=re.escape(
+                f"a shared-memory slot must be at least 1 byte (plan.json runtime.shm_slot_bytes), not {bad}")):
+            shmcoll.slot_size(bad)
+
+
+def test_the_executor_takes_the_slot_from_the_plan():
+    """``ReductionExecutor.for_plan`` (the engine and --comm-only build it so) passes plan.json's
+    runtime.shm_slot_bytes to every segment it opens, beside in_host and the bucket size."""
+    from types import SimpleNamespace
+
+    from planc.plan import InHost, Runtime
+    from planc.runtime.reduce import ReductionExecutor
+
+    class Built(ReductionExecutor):
+        def __init__(self, *args, **kwargs):
+            self.kwargs = kwargs
+
+    runtime = Runtime(in_host=InHost.BACKEND, reduce_bucket_bytes=1 << 20, shm_slot_bytes=4096)
+    plan = SimpleNamespace(runtime=runtime, cluster=SimpleNamespace(host_of=lambda d: d // 2))
+    kw = Built.for_plan(plan, None, {}, 0).kwargs
+    assert (kw["slot_bytes"], kw["shared_memory"], kw["bucket_bytes"]) == (4096, False, 1 << 20)

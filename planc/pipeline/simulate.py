@@ -22,7 +22,7 @@ from planc import ir
 from planc.cost import events
 from planc.cost.collectives import held_after, ring_flows, step_coefficients
 from planc.cost.network import Network
-from planc.runtime.comm import post_gates
+from planc.plan.gates import post_gates
 from planc.pipeline.schedules import DeadlockError, Timeline, simulate
 from planc.pipeline.siminput import (
     BUCKET_BYTES, DEFAULT_FLOPS, RECV_AHEAD, SimInput, SimReduction, SimTask, SimTransfer, StageCompute,
@@ -178,7 +178,7 @@ def _simulate(sim: SimInput, per_stage, free: bool, keep: bool, nic_order: tuple
                     prev = g.add([b], duration=sum(c.backward) + op_cost, tag=("B", s, d, m), pool=pool)
                     comp_nodes.append((prev, s, d, "B", m))
                 comp_end[d, i] = prev
-    # the receive thread of every device: its receives in list order, posted at planc.runtime.comm.post_gates
+    # the receive thread of every device: its receives in list order, posted at planc.plan.gates.post_gates
     posted, recv_job, recv_sources, begin_jobs = {}, {}, {}, {}
     before = {}     # the receive finished before this one on the same device (relays and gathers wait for it)
     for s, devs in enumerate(sim.stage_devices):

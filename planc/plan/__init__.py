@@ -6,11 +6,14 @@ package into every output as ``OUT/planc/plan/``). The closed vocabularies are d
 (``vocab``); ``planc.ir`` imports them. ../shared/PLAN_FORMAT.md is the contract in words;
 docs/plan-format.md lists what planc adds.
 """
+from . import checkpoint   # planc.json of a checkpoint (its own FORMAT): planc.plan.checkpoint.Manifest
 from .file import FORMAT, Plan, digest, dumps, load
+from .gates import DEFAULT_AHEAD, post_gates
 from .jsonpath import At, Group, PlanFileError, Range, Region
 from .optim import OPTIMIZER_DEFAULTS, LossScale, LrSchedule, Optimizer
 from .records import Cluster, Holder, Level, Reduction, Stage, Step, Tied, TiedSplit
-from .runtime import DEFAULT_GRAD_BUCKET_BYTES, DEFAULT_RECV_AHEAD, DEFAULT_REDUCE_BUCKET_BYTES, Runtime
+from .runtime import (DEFAULT_GRAD_BUCKET_BYTES, DEFAULT_RECV_AHEAD, DEFAULT_REDUCE_BUCKET_BYTES,
+                      DEFAULT_SHM_SLOT_BYTES, Runtime)
 from .training import CodeRef, HfModel, Pipeline, TagLayout, Train, VocabSplit, padded_vocab, vocab_rows
 from .transfers import Route, Task, Transfer
 from .vocab import (DTYPE_NAMES, Backend, Collective, Direction, InHost, MeshAxis, Precision, Recompute,
@@ -19,8 +22,8 @@ from .vocab import (DTYPE_NAMES, Backend, Collective, Direction, InHost, MeshAxi
 __all__ = [
     "FORMAT", "Plan", "digest", "dumps", "load", "At", "Group", "PlanFileError", "Range", "Region", "Cluster",
     "Level", "Reduction", "Stage", "Step", "Tied", "TiedSplit", "Holder", "DEFAULT_GRAD_BUCKET_BYTES", "DEFAULT_RECV_AHEAD",
-    "DEFAULT_REDUCE_BUCKET_BYTES", "Runtime", "CodeRef", "HfModel", "VocabSplit", "padded_vocab", "vocab_rows", "Pipeline", "TagLayout", "Train", "Route", "Task",
+    "DEFAULT_REDUCE_BUCKET_BYTES", "DEFAULT_SHM_SLOT_BYTES", "Runtime", "CodeRef", "HfModel", "VocabSplit", "padded_vocab", "vocab_rows", "Pipeline", "TagLayout", "Train", "Route", "Task",
     "Transfer", "DTYPE_NAMES", "Backend", "Collective", "Direction", "InHost", "MeshAxis", "Precision",
     "ReductionMode", "Schedule", "StageMode", "Strategy", "OPTIMIZER_DEFAULTS", "LossScale", "LrSchedule",
-    "Optimizer", "Recompute",
+    "Optimizer", "Recompute", "DEFAULT_AHEAD", "post_gates", "checkpoint",
 ]

@@ -13,11 +13,12 @@ from .jsonpath import At, extra, with_extra
 from .vocab import Backend, InHost
 
 __all__ = ["Runtime", "DEFAULT_RECV_AHEAD", "DEFAULT_GRAD_BUCKET_BYTES",
-           "DEFAULT_REDUCE_BUCKET_BYTES"]
+           "DEFAULT_REDUCE_BUCKET_BYTES", "DEFAULT_SHM_SLOT_BYTES"]
 
 DEFAULT_RECV_AHEAD = 4                    # receives posted ahead per transfer direction
 DEFAULT_GRAD_BUCKET_BYTES = 8 << 20       # a gradient bucket is reduced once its last gradient is ready
 DEFAULT_REDUCE_BUCKET_BYTES = 32 << 20    # a reduction program runs on buffers of at most this size
+DEFAULT_SHM_SLOT_BYTES = 8 << 20          # per member of an in-host shared-memory segment (in_host)
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,10 +33,13 @@ class Runtime:
     # AlpaComm's "signal send/recv" measurement: every task moves one element (same schedule, same
     # order, same dependencies), receivers get zeros; the step without the cost of moving the data
     signal_transfers: bool = False
+    # each member's slot of an in-host shared-memory segment (in_host = shared_memory): a region larger
+    # goes in windows of it; the runtime rounds it up to a multiple of 64 bytes (slots stay aligned)
+    shm_slot_bytes: int = DEFAULT_SHM_SLOT_BYTES
     extra: tuple = ()
 
-    KEYS = ("backend", "recv_ahead", "grad_bucket_bytes", "reduce_bucket_bytes", "in_host", "nic_drain",
-            "signal_transfers")
+    KEYS = ("backend", "recv_ahead", "grad_bucket_bytes", "reduce_bucket_bytes", "in_host", "shm_slot_bytes",
+            "nic_drain", "signal_transfers")
 
     @staticmethod
     def read(at: At) -> "Runtime":
@@ -49,11 +53,12 @@ class Runtime:
                        at.key("in_host", str(d.in_host)).enum(InHost),
                        at.key("nic_drain", d.nic_drain).bool(),
                        at.key("signal_transfers", d.signal_transfers).bool(),
+                       at.key("shm_slot_bytes", d.shm_slot_bytes).int(1),
                        extra(at, Runtime.KEYS))
 
     def to_json(self) -> dict:
         return with_extra({"backend": str(self.backend), "recv_ahead": self.recv_ahead,
                            "grad_bucket_bytes": self.grad_bucket_bytes,
                            "reduce_bucket_bytes": self.reduce_bucket_bytes, "in_host": str(self.in_host),
-                           "nic_drain": self.nic_drain, "signal_transfers": self.signal_transfers},
+                           "shm_slot_bytes": self.shm_slot_bytes, "nic_drain": self.nic_drain, "signal_transfers": self.signal_transfers},
                           self.extra)

@@ -13,14 +13,14 @@ Layout (format 2, docs/runtime.md "Checkpoints")::
 
 A save is collective over the world (idle ranks take part, with nothing to write). The folder is written
 as ``DIR/.step<N>.partial/`` and renamed when complete; a folder without ``planc.json``, or whose files do
-not match it, is never loaded (checked before any process group starts).
+not match it, is never loaded (checked before any process group starts). planc.json is the contract's
+record ``planc.plan.checkpoint.Manifest``, written and read (and its files checked) by the functions there,
+the same ones ``planc checkpoint`` reads it with.
 """
 from __future__ import annotations
 
 import base64
-import hashlib
 import io
-import json
 import os
 import random
 import shutil
@@ -29,9 +29,11 @@ import time
 import torch
 import torch.distributed as dist
 
-FORMAT = 2
-MANIFEST = "planc.json"
-LATEST = "latest"
+from planc.plan import checkpoint as manifests
+
+# the contract's (planc/plan/checkpoint.py), named here as the runtime always had them
+FORMAT, MANIFEST, LATEST = manifests.FORMAT, manifests.MANIFEST, manifests.LATEST
+Manifest, ManifestError = manifests.Manifest, manifests.ManifestError
 
 
 class CheckpointError(RuntimeError):
@@ -88,36 +90,6 @@ def set_rng_state(text: str) -> None:
 
 # ---------------------------------------------------------------- files
 
-def _sha256(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
-def _write_atomic(path: str, data: bytes) -> None:
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def _fsync_dir(path: str) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
 def _gather(value):
     out = [None] * dist.get_world_size()
     dist.all_gather_object(out, value)
@@ -131,7 +103,7 @@ def _own_files(folder: str, rank: int) -> dict:
     for name in sorted(os.listdir(folder)):
         if name.startswith(f"__{rank}_") or (rank == 0 and name == ".metadata"):
             path = os.path.join(folder, name)
-            out[name] = {"size": os.path.getsize(path), "sha256": _sha256(path)}
+            out[name] = manifests.file_entry(path)
     return out
 
 
@@ -221,24 +193,22 @@ def save(directory: str, step: int, plan, digest: str, engine, data: CountingIte
     if rank == 0 and not problems:
         states = [m for m, _ in gathered]
         train = plan.train
-        manifest = {
-            "format": FORMAT, "plan": plan.name, "digest": digest, "step": step, "world_size": len(states),
-            "global_batch": train.micro_batch * train.micro_batches, "micro_batch": train.micro_batch,
-            "micro_batches": train.micro_batches, "precision": str(train.precision), "zero": train.zero,
-            "optimizer": train.optimizer.to_json(), "lr_schedule": train.lr_schedule.to_json(),
-            "model": train.model.to_json(True),
-            "hf_config": next((m["hf_config"] for m in states if m["hf_config"] is not None), None),
-            "parameters": model_parameters([m["params"] for m in states]),
-            "regime": next((m["regime"] for m in states if m["regime"] is not None), None),
-            "data": {"drawn": max(m["drawn"] for m in states)},
-            "rng": {str(r): m["rng"] for r, m in enumerate(states)},
-            "sharding": _sharding(plan),
-            "files": {k: v for f, _ in written for k, v in f.items()}}
-        manifest["bytes"] = sum(v["size"] for v in manifest["files"].values())
+        manifest = Manifest(
+            plan=plan.name, digest=digest, step=step, world_size=len(states),
+            global_batch=train.micro_batch * train.micro_batches, micro_batch=train.micro_batch,
+            micro_batches=train.micro_batches, precision=str(train.precision), zero=train.zero,
+            optimizer=train.optimizer.to_json(), lr_schedule=train.lr_schedule.to_json(),
+            model=train.model.to_json(True),
+            hf_config=next((m["hf_config"] for m in states if m["hf_config"] is not None), None),
+            parameters=tuple(model_parameters([m["params"] for m in states])),
+            regime=next((m["regime"] for m in states if m["regime"] is not None), None),
+            data={"drawn": max(m["drawn"] for m in states)},
+            rng={str(r): m["rng"] for r, m in enumerate(states)},
+            sharding=_sharding(plan),
+            files={k: v for f, _ in written for k, v in f.items()})
         try:
-            _fsync_dir(partial)
-            _write_atomic(os.path.join(partial, MANIFEST),
-                          (json.dumps(manifest, indent=1, sort_keys=True) + "\n").encode())
+            manifests.fsync_dir(partial)
+            manifests.write(partial, manifest)
             if os.path.exists(final):   # saved before (a resumed run passing the same step): replace it
                 old = os.path.join(directory, f".{name}.old")
                 shutil.rmtree(old, ignore_errors=True)
@@ -247,8 +217,8 @@ def save(directory: str, step: int, plan, digest: str, engine, data: CountingIte
                 shutil.rmtree(old, ignore_errors=True)
             else:
                 os.rename(partial, final)
-            _fsync_dir(directory)
-            _write_atomic(os.path.join(directory, LATEST), (name + "\n").encode())
+            manifests.fsync_dir(directory)
+            manifests.write_latest(directory, name)
         except OSError as e:
             problem = f"rank 0 cannot complete {final}: {e}"
     problems += [p for p in _gather(problem if rank == 0 else None) if p]
@@ -261,72 +231,36 @@ def save(directory: str, step: int, plan, digest: str, engine, data: CountingIte
 
 def resolve(path: str) -> str:
     """The complete checkpoint folder ``--resume PATH`` means: PATH itself if it holds planc.json, else the
-    one PATH/latest names. Raises CheckpointError saying what is missing."""
+    one PATH/latest names (``planc.plan.checkpoint.resolve``). Raises CheckpointError saying what is missing."""
     if path is None:
         raise CheckpointError("--weights-only goes with --resume DIR")
-    if not os.path.isdir(path):
-        raise CheckpointError(f"--resume {path}: no such checkpoint folder")
-    if os.path.exists(os.path.join(path, MANIFEST)):
-        return path
-    latest = os.path.join(path, LATEST)
-    if os.path.exists(latest):
-        with open(latest) as f:
-            name = f.read().strip()
-        chosen = os.path.join(path, name)
-        if not os.path.exists(os.path.join(chosen, MANIFEST)):
-            raise CheckpointError(f"--resume {path}: {latest} names {name!r}, which is not a complete checkpoint "
-                                  f"(no {os.path.join(chosen, MANIFEST)})")
-        return chosen
-    partial = sorted(e for e in os.listdir(path) if e.endswith(".partial"))
-    if partial:
-        raise CheckpointError(f"--resume {path}: only an incomplete checkpoint is there ({', '.join(partial)}: "
-                              f"a save that did not finish, never loaded); no {LATEST} file")
-    raise CheckpointError(f"--resume {path}: not a checkpoint (neither {MANIFEST} nor {LATEST} in it): "
-                          f"an incomplete checkpoint is never loaded")
-
-
-def check(path: str, plan, weights_only: bool = False) -> dict:
-    """planc.json of the checkpoint folder ``path`` (see ``resolve``), checked against every file it lists
-    (present, same size and sha256; no other ``.distcp`` file) and against this run's global batch (unless
-    ``weights_only``). Pure: every rank finds the same answer, before the process group starts."""
     try:
-        with open(os.path.join(path, MANIFEST)) as f:
-            manifest = json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"--resume {path}: unreadable {MANIFEST} ({e}); an incomplete checkpoint "
-                              f"is never loaded") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        found = manifest.get("format") if isinstance(manifest, dict) else None
-        raise CheckpointError(f"--resume {path}: {MANIFEST} is not a planc checkpoint of format {FORMAT}"
-                              f"{f' (format {found})' if found is not None else ''}")
-    files = manifest.get("files") if isinstance(manifest.get("files"), dict) else {}
-    if ".metadata" not in files:
-        raise CheckpointError(f"--resume {path}: {MANIFEST} lists no .metadata file")
-    present = set(os.listdir(path))
-    stray = sorted(n for n in present if n.endswith(".distcp") and n not in files)
-    if stray:
-        raise CheckpointError(f"--resume {path}: {stray[0]} is not listed in {MANIFEST}")
-    for name, entry in sorted(files.items()):
-        file = os.path.join(path, name)
-        if not isinstance(entry, dict) or not {"size", "sha256"} <= set(entry):
-            raise CheckpointError(f"--resume {path}: {MANIFEST} lists {name} without its size and sha256")
-        if name not in present:
-            raise CheckpointError(f"--resume {path}: {file} is missing")
-        size = os.path.getsize(file)
-        if size != entry["size"] or _sha256(file) != entry["sha256"]:
-            raise CheckpointError(f"--resume {path}: {file} is not the file {MANIFEST} lists "
-                                  f"({size} bytes, {MANIFEST} says {entry['size']}; or its sha256 differs)")
+        return manifests.resolve(path)
+    except ManifestError as e:
+        raise CheckpointError(f"--resume {path}: {e}") from None
+
+
+def check(path: str, plan, weights_only: bool = False) -> Manifest:
+    """planc.json of the checkpoint folder ``path`` (see ``resolve``), read and checked against every file it
+    lists (present, same size and sha256; no other ``.distcp`` file; ``planc.plan.checkpoint``) and against
+    this run's global batch and optimizer (unless ``weights_only``). Pure: every rank finds the same answer,
+    before the process group starts."""
+    try:
+        manifest = manifests.read(path)
+        manifests.verify_files(path, manifest.files)
+    except ManifestError as e:
+        raise CheckpointError(f"--resume {path}: {e}") from None
     train = plan.train
     batch = train.micro_batch * train.micro_batches
-    if not weights_only and manifest.get("global_batch") != batch:
+    if not weights_only and manifest.global_batch != batch:
         raise CheckpointError(f"--resume {path}: the checkpoint was trained with a global batch of "
-                              f"{manifest.get('global_batch')} samples ({manifest.get('micro_batch')} x "
-                              f"{manifest.get('micro_batches')}), this plan's is {batch} ({train.micro_batch} x "
+                              f"{manifest.global_batch} samples ({manifest.micro_batch} x "
+                              f"{manifest.micro_batches}), this plan's is {batch} ({train.micro_batch} x "
                               f"{train.micro_batches}): its data position does not carry over (--weights-only "
                               f"takes the weights alone)")
-    if not weights_only and (manifest.get("optimizer") or {}).get("name") != train.optimizer.name:
+    if not weights_only and manifest.optimizer.get("name") != train.optimizer.name:
         raise CheckpointError(f"--resume {path}: the checkpoint's optimizer is "
-                              f"{(manifest.get('optimizer') or {}).get('name')!r}, this plan's is "
+                              f"{manifest.optimizer.get('name')!r}, this plan's is "
                               f"{train.optimizer.name!r}: its state does not carry over (--weights-only takes "
                               f"the weights alone)")
     return manifest
@@ -354,7 +288,7 @@ def compare_models(mine: list[dict], theirs: list[dict]) -> str | None:
             else "") + "; ".join(diffs)
 
 
-def restore(path: str, manifest: dict, plan, engine, data: CountingIterator | None, weights_only: bool) -> int:
+def restore(path: str, manifest: Manifest, plan, engine, data: CountingIterator | None, weights_only: bool) -> int:
     """Collective over the world: the checked checkpoint ``path`` into this run, under this run's plan.
     Each stage rank reads the rectangles of its masters and optimizer state its plan gives it (DCP
     resharding); the schedule's t, loss scale and step counters, the data position (global: the samples
@@ -367,11 +301,11 @@ def restore(path: str, manifest: dict, plan, engine, data: CountingIterator | No
     rank = dist.get_rank()
     mine = model_parameters(_gather(describe_rank(engine)))
     t0 = time.perf_counter()   # every rank is here: the time the restore takes, not the ranks' skew before it
-    diff = compare_models(mine, manifest.get("parameters") or [])
+    diff = compare_models(mine, list(manifest.parameters))
     if diff:
         raise CheckpointError(f"--resume {path}: the checkpoint holds another model: {diff}")
-    step = 0 if weights_only else int(manifest["step"])
-    regime = manifest.get("regime") or {}
+    step = 0 if weights_only else manifest.step
+    regime = manifest.regime or {}
     t = 0 if weights_only else int(regime.get("t", step - int(regime.get("skipped_steps", 0))))
     try:
         reader = dcp.FileSystemReader(path)
@@ -386,23 +320,23 @@ def restore(path: str, manifest: dict, plan, engine, data: CountingIterator | No
     if engine is not None and not weights_only:
         r = engine.regime
         r.t = t
-        if r.fp16 and manifest.get("precision") == "fp16":   # another precision's scale (1) means nothing here
+        if r.fp16 and manifest.precision == "fp16":   # another precision's scale (1) means nothing here
             r.scale, r.clean = float(regime["loss_scale"]), int(regime["good_steps"])
         engine.global_steps = step
-        engine.global_samples = step * int(manifest["global_batch"])
+        engine.global_samples = step * manifest.global_batch
         engine.skipped_steps = int(regime.get("skipped_steps", 0))
     if weights_only:
         return 0, time.perf_counter() - t0
     if data is not None and engine is not None and engine.data_iterator is not None:
-        samples = int(manifest["data"]["drawn"]) * int(manifest["micro_batch"])
+        samples = manifest.drawn * manifest.micro_batch
         data.skip(samples // plan.train.micro_batch)
-    states = manifest.get("rng") or {}
+    states = manifest.rng
     if states:
         set_rng_state(states.get(str(rank), states.get("0")))
     return step, time.perf_counter() - t0
 
 
-def resumed_line(path: str, manifest: dict, digest: str, weights_only: bool, seconds: float) -> str:
-    same = "the same plan" if manifest.get("digest") == digest else f"plan {manifest.get('plan')!r}"
-    return (f"resumed from {path} {'(weights only) of' if weights_only else 'at'} step {manifest['step']} "
-            f"(written by {same} on {manifest.get('world_size')} ranks) in {seconds:.3f} s")
+def resumed_line(path: str, manifest: Manifest, digest: str, weights_only: bool, seconds: float) -> str:
+    same = "the same plan" if manifest.digest == digest else f"plan {manifest.plan!r}"
+    return (f"resumed from {path} {'(weights only) of' if weights_only else 'at'} step {manifest.step} "
+            f"(written by {same} on {manifest.world_size} ranks) in {seconds:.3f} s")

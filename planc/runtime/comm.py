@@ -13,7 +13,8 @@ data. Posting ahead matters on gloo: a sender transmits only once the
 receiver's notice that it has posted has reached it, and on a busy link that
 notice queues behind the other direction's traffic (the testbed's tbf queue
 holds up to 50 ms); one receive posted at a time costs that trip per message.
-When a receive is posted is :func:`post_gates`: an operation's receives are
+When a receive is posted is ``planc.plan.gates.post_gates`` (the contract's, shared with the
+simulator and the hang check): an operation's receives are
 queued once the compute thread begins the operation ``ahead`` before it, and a
 backward's output gradients already once the stage has begun that micro-batch's
 forward (the gradient can only come after it, and the schedule bounds how many
@@ -41,11 +42,10 @@ import queue
 import threading
 from concurrent.futures import Future
 
-from planc.plan import DEFAULT_RECV_AHEAD, Direction
+from planc.plan import DEFAULT_AHEAD, Direction, post_gates   # the contract's rule (planc/plan/gates.py)
 
 __all__ = ["RecvAhead", "receive_jobs", "post_gates", "DEFAULT_AHEAD"]
 
-DEFAULT_AHEAD = DEFAULT_RECV_AHEAD    # the contract's default (plan.json runtime.recv_ahead)
 _NOTHING = object()
 
 
@@ -59,34 +59,6 @@ def receive_jobs(ops, incoming, outgoing) -> list[list[tuple[str, Direction, int
         else:
             out.append([(t, Direction.BACKWARD, m) for t in outgoing])
     return out
-
-
-def post_gates(ops, ahead: int, receives=None) -> list[int]:
-    """Per operation ``j`` of a stage's list (``"F3"``, ``"B0"`` or ``("F", 3)``), the operation whose
-    beginning lets the receive thread post ``j``'s receives.
-
-    - ``F m``: the operation ``ahead`` before it (0 for the first ``ahead`` operations);
-    - ``B m``: that, or the stage's ``F m`` when earlier: the output gradients of micro-batch ``m``
-      cannot arrive before its forward ran here, and are posted from then on;
-    - receives are queued (and finished) in list order, so each gate is at least the gate of
-      every earlier operation that receives anything (``receives[j]``: whether op ``j`` does;
-      default every op), and an operation with nothing to receive gets the gate before it: the
-      result never decreases, and every gate is at most its own operation.
-
-    The runtime (``RecvAhead``), the simulator and the deadlock check all use this one rule.
-    """
-    ops = [(op[0], int(op[1:])) if isinstance(op, str) else (op[0], int(op[1])) for op in ops]
-    receives = [True] * len(ops) if receives is None else list(receives)
-    forward_at = {m: j for j, (kind, m) in enumerate(ops) if kind == "F"}
-    gates, floor = [], 0
-    for j, (kind, m) in enumerate(ops):
-        g = max(0, j - max(0, int(ahead)))
-        if kind == "B" and forward_at.get(m, j) < g:
-            g = forward_at[m]
-        if receives[j]:
-            floor = max(floor, g)
-        gates.append(floor)      # an operation with nothing to receive never holds back the next ones
-    return gates
 
 
 class RecvAhead:

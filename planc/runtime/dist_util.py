@@ -2,9 +2,10 @@
 
 Public API (stable):
 
-    collective_timeout() -> datetime.timedelta
-        PLANC_COLLECTIVE_TIMEOUT_S (seconds, default 300); every group the runtime
-        creates uses it, so a missing peer is an error after that long, never a hang.
+    collective_timeout(plan=None) -> datetime.timedelta
+        the plan's ``train { timeout = ... }`` (plan.json train.timeout), else 300 s; every
+        group the runtime creates uses it, so a missing peer is an error after that long, never
+        a hang. No environment variable changes it: plan.json is the whole decision.
     choose_backend(plan) -> str             plan.json runtime.backend (auto: "nccl" if CUDA is available else "gloo")
     init_distributed(backend=None, timeout=None) -> str
         init the default group from the launcher's env (RANK, WORLD_SIZE,
@@ -41,7 +42,6 @@ __all__ = ["collective_timeout", "choose_backend", "init_distributed", "check_wo
            "lookup_group", "GroupMissing", "direction_groups", "BACKWARD", "cpu_threads", "limit_cpu_threads"]
 
 DEFAULT_TIMEOUT_S = 300.0
-TIMEOUT_ENV = "PLANC_COLLECTIVE_TIMEOUT_S"
 
 
 class StartupError(RuntimeError):
@@ -51,18 +51,10 @@ class StartupError(RuntimeError):
 
 
 def collective_timeout(plan=None) -> datetime.timedelta:
-    """``PLANC_COLLECTIVE_TIMEOUT_S`` if set, else the plan's ``train { timeout = ... }``, else 300 s."""
-    raw = os.environ.get(TIMEOUT_ENV)
-    if raw is None:
-        planned = plan.train.timeout if plan is not None and plan.train is not None else None
-        return datetime.timedelta(seconds=planned if planned is not None else DEFAULT_TIMEOUT_S)
-    try:
-        s = float(raw)
-    except ValueError:
-        raise StartupError(f"{TIMEOUT_ENV}={raw!r} is not a number of seconds") from None
-    if s <= 0:
-        raise StartupError(f"{TIMEOUT_ENV}={raw!r} must be positive")
-    return datetime.timedelta(seconds=s)
+    """The plan's ``train { timeout = ... }`` (plan.json ``train.timeout``), else 300 s (also for a plan
+    without ``train``, and without a plan)."""
+    planned = plan.train.timeout if plan is not None and plan.train is not None else None
+    return datetime.timedelta(seconds=planned if planned is not None else DEFAULT_TIMEOUT_S)
 
 
 def choose_backend(plan=None) -> str:

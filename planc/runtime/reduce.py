@@ -10,9 +10,9 @@ nothing: it holds no copy of the semantics.
 Public API (stable; used by engine.py and main.py, and by the training regime for ZeRO-1):
 
     ReductionExecutor.for_plan(plan, reduction, groups, rank) -> ReductionExecutor
-        the executor as plan.json says to run it (its runtime's bucket size and in-host path)
+        the executor as plan.json says to run it (its runtime's bucket size, in-host path and slot size)
     ReductionExecutor(reduction, groups, rank, bucket_bytes=None, impl=None, backend=None, host_of=None,
-                      shared_memory=True)
+                      shared_memory=True, slot_bytes=None)
         .run(flat: Tensor) -> Tensor
             executes the program on `flat` (in place when possible; the returned tensor is the
             result); what it leaves depends on the reduction's target (plan.json `target`):
@@ -73,7 +73,8 @@ class ReductionError(ValueError):
 
 class ReductionExecutor:
     def __init__(self, reduction: Reduction, groups: dict, rank: int, bucket_bytes: int | None = None,
-                 impl: dict | None = None, backend: str | None = None, host_of=None, shared_memory: bool = True):
+                 impl: dict | None = None, backend: str | None = None, host_of=None, shared_memory: bool = True,
+                 slot_bytes: int | None = None):
         self.name = reduction.name
         self.rank = int(rank)
         self.target = reduction.target
@@ -95,7 +96,8 @@ class ReductionExecutor:
             pg = lookup_group(groups, grp)
             # set up in step order on every member, so the collective set-ups cannot cross
             if use_shm and grp not in self.segments and len({host_of(d) for d in grp}) == 1:
-                self.segments[grp], why = shmcoll.HostSegment.open(pg, grp, self.rank, want=shared_memory)
+                self.segments[grp], why = shmcoll.HostSegment.open(pg, grp, self.rank, slot_bytes=slot_bytes,
+                                                                    want=shared_memory)
                 if why:
                     self.shm_fallback[grp] = why
             before, after = step.slices(j, grp.index(self.rank))
@@ -110,7 +112,7 @@ class ReductionExecutor:
         """The executor of ``reduction`` as ``plan`` says to run it: its runtime's bucket size and in-host
         path, on its cluster's hosts (the engine and --comm-only both build it so)."""
         return cls(reduction, groups, rank, bucket_bytes=plan.runtime.reduce_bucket_bytes, host_of=plan.cluster.host_of,
-                   shared_memory=plan.runtime.in_host is InHost.SHARED_MEMORY)
+                   shared_memory=plan.runtime.in_host is InHost.SHARED_MEMORY, slot_bytes=plan.runtime.shm_slot_bytes)
 
     @property
     def shm_groups(self) -> list:

@@ -10,6 +10,8 @@ over the group's gloo communicator (a barrier per phase), so a dead sibling is s
 the collective timeout, never a hang.
 
     HostSegment.open(pg, members, rank, slot_bytes=None, want=True) -> (HostSegment | None, why)
+                                            # slot_bytes: plan.json runtime.shm_slot_bytes (default 8 MiB),
+                                            # rounded up to a multiple of 64
                                             # collective on pg: every member of the group calls it
         .allreduce(buf, x, y)               SUM of buf[x:y] over the members, on every member
         .reduce_scatter(buf, x, y, p, q)    SUM of buf[x:y]; this member keeps its piece buf[p:q]
@@ -38,9 +40,11 @@ import struct
 import torch
 import torch.distributed as dist
 
-__all__ = ["HostSegment", "DEFAULT_SLOT_BYTES"]
+from planc.plan import DEFAULT_SHM_SLOT_BYTES
 
-DEFAULT_SLOT_BYTES = 8 << 20     # per member; a region larger than this goes in windows
+__all__ = ["HostSegment", "DEFAULT_SLOT_BYTES", "slot_size"]
+
+DEFAULT_SLOT_BYTES = DEFAULT_SHM_SLOT_BYTES   # per member (plan.json runtime.shm_slot_bytes); larger regions go in windows
 HEADER = 64                      # bytes before the slots: the nonce, then padding (keeps slots aligned)
 
 
@@ -48,16 +52,12 @@ def _shm_dir() -> str:
     return os.environ.get("PLANC_SHM_DIR", "/dev/shm")
 
 
-def _slot_bytes() -> int:
-    raw = os.environ.get("PLANC_SHM_SLOT_BYTES")
-    if not raw:
-        return DEFAULT_SLOT_BYTES
-    try:
-        n = int(raw)
-    except ValueError:
-        n = 0
+def slot_size(slot_bytes: int | None = None) -> int:
+    """The slot a segment gives each member: ``slot_bytes`` (plan.json ``runtime.shm_slot_bytes``, which its
+    reader keeps at least 1; None: the default) rounded up to a multiple of 64 bytes, so slots stay aligned."""
+    n = DEFAULT_SLOT_BYTES if slot_bytes is None else int(slot_bytes)
     if n <= 0:
-        raise ValueError(f"PLANC_SHM_SLOT_BYTES must be a positive whole number of bytes, not {raw!r}")
+        raise ValueError(f"a shared-memory slot must be at least 1 byte (plan.json runtime.shm_slot_bytes), not {n}")
     return -(-n // 64) * 64
 
 
@@ -80,7 +80,7 @@ class HostSegment:
         ``want`` it (its ``enabled()``), the first member cannot create and reserve the file, or a
         member cannot map it or read the nonce back. Every member returns the same answer."""
         members = tuple(members)
-        slot_bytes = slot_bytes or _slot_bytes()
+        slot_bytes = slot_size(slot_bytes)
         size = HEADER + len(members) * slot_bytes
         leader = members[0]
         # first a vote, which is also a barrier: the file exists only while every member is here

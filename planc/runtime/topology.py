@@ -37,7 +37,7 @@ GRID, P2P, TRANSFER, REDUCE = "grid", "p2p", "transfer", "reduce"
 
 def create_groups(plan: Plan, timeout=None) -> dict:
     """Create every communicator the plan uses, in the plan's order, on every rank."""
-    timeout = timeout or collective_timeout()
+    timeout = timeout or collective_timeout(plan)
     me = dist.get_rank()
     out: dict = {}
     world = tuple(range(dist.get_world_size()))

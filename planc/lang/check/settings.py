@@ -237,7 +237,7 @@ def check_train(errs: Diagnostics, block: ast.SettingsBlock | None, parallel: ir
     return train
 
 
-RUNTIME_KEYS = ("backend", "recv_ahead", "grad_bucket", "reduce_bucket", "in_host")
+RUNTIME_KEYS = ("backend", "recv_ahead", "grad_bucket", "reduce_bucket", "in_host", "shm_slot")
 
 
 def _runtime(errs: Diagnostics, s: dict[str, ast.KeyValue]) -> Runtime:
@@ -249,7 +249,8 @@ def _runtime(errs: Diagnostics, s: dict[str, ast.KeyValue]) -> Runtime:
         recv_ahead=_int_setting(errs, s.get("recv_ahead"), d.recv_ahead),
         grad_bucket_bytes=_size(errs, s.get("grad_bucket"), d.grad_bucket_bytes),
         reduce_bucket_bytes=_size(errs, s.get("reduce_bucket"), d.reduce_bucket_bytes),
-        in_host=_enum_value(errs, s.get("in_host"), InHost, d.in_host))
+        in_host=_enum_value(errs, s.get("in_host"), InHost, d.in_host),
+        shm_slot_bytes=_size(errs, s.get("shm_slot"), d.shm_slot_bytes))
 
 
 def _size(errs: Diagnostics, kv: ast.KeyValue | None, default: int) -> int:

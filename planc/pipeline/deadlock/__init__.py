@@ -20,7 +20,7 @@ The model, per rank:
 - the **receive thread** (``comm.RecvAhead``) runs, one after the other, the
   receive jobs of the list (per op, the transfers it consumes, in declaration
   order), job ``j`` only once the compute thread has begun the op
-  ``comm.post_gates`` names (``j - ahead``, or for ``B m`` this stage's ``F m``
+  ``planc.plan.gates.post_gates`` names (``j - ahead``, or for ``B m`` this stage's ``F m``
   when earlier; ``advance``), each job being ``TransferExecutor.recv``: per task of the
   route in schedule order, the receive, broadcast or all_gather it posts and
   the waits in the order the code has them;
@@ -59,7 +59,7 @@ from planc.pipeline.deadlock.classes import check_mode as _check_by_classes
 from planc.pipeline.deadlock.events import Sim
 from planc.pipeline.deadlock.report import Hang, Wait, find_hangs
 from planc import plan as planfile
-from planc.runtime.comm import DEFAULT_AHEAD
+from planc.plan.gates import DEFAULT_AHEAD
 
 __all__ = ["check_rendezvous", "Hang", "Wait", "BACKENDS", "MODES", "METHODS"]
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 from planc.pipeline.deadlock.events import (COLL, ISSUE, RECV, SEND, SIGNAL, WAIT, Event, Group, Op, Pair, Tagged,
                                             Thread, Turn)
 from planc import plan as planfile
-from planc.runtime.comm import post_gates
+from planc.plan.gates import post_gates
 from planc.plan import Direction, Strategy
 
 _ALLGATHER = (Strategy.LOCAL_ALLGATHER, Strategy.GLOBAL_ALLGATHER)
