@@ -10,7 +10,7 @@ from pathlib import Path
 
 from planc import ir
 from planc.compile import CompiledPlan, compile_file
-from planc.lang.errors import PlanError
+from planc.diagnostics import PlanError
 
 __all__ = ["check_compiles"]
 

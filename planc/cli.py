@@ -15,7 +15,7 @@ import traceback
 from pathlib import Path
 
 from planc import __version__
-from planc.lang.errors import PlanError
+from planc.diagnostics import PlanError
 
 EXIT_USER = 2
 EXIT_BUG = 3

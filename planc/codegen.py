@@ -27,7 +27,7 @@ import yaml
 
 from planc import ir, resources
 from planc.outputfiles import output_code_files
-from planc.lang.errors import Diagnostic, PlanError, Span
+from planc.diagnostics import Diagnostic, PlanError, Span
 from planc import plan as planfile
 
 __all__ = ["write_output", "templates_dir", "ds_config", "CodegenError"]
