@@ -8,6 +8,7 @@ docs/plan-format.md lists what planc adds.
 """
 from .file import FORMAT, Plan, digest, dumps, load
 from .jsonpath import At, Group, PlanFileError, Range, Region
+from .notes import LayerNotes, Notes, PipelineNotes, PlacementNotes, ReductionNotes, TransferNotes
 from .optim import OPTIMIZER_DEFAULTS, LossScale, LrSchedule, Optimizer
 from .records import Cluster, Holder, Level, Reduction, Stage, Step, Tied, TiedSplit
 from .runtime import DEFAULT_GRAD_BUCKET_BYTES, DEFAULT_RECV_AHEAD, DEFAULT_REDUCE_BUCKET_BYTES, Runtime
@@ -22,5 +23,6 @@ __all__ = [
     "DEFAULT_REDUCE_BUCKET_BYTES", "Runtime", "CodeRef", "HfModel", "VocabSplit", "padded_vocab", "vocab_rows", "Pipeline", "TagLayout", "Train", "Route", "Task",
     "Transfer", "DTYPE_NAMES", "Backend", "Collective", "Direction", "InHost", "MeshAxis", "Precision",
     "ReductionMode", "Schedule", "StageMode", "Strategy", "OPTIMIZER_DEFAULTS", "LossScale", "LrSchedule",
-    "Optimizer", "Recompute",
+    "Optimizer", "Recompute", "Notes", "PlacementNotes", "ReductionNotes", "TransferNotes", "PipelineNotes",
+    "LayerNotes",
 ]
