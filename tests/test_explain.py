@@ -25,8 +25,10 @@ def _flat(text: str) -> str:
 
 
 def test_explain_p2_plan_shows_matrix_reasons_and_programs():
-    plan = compile_file(ROOT / "plans" / "p2-running-example.plan", probe=False).plan_json
-    text = explain(plan)
+    compiled = compile_file(ROOT / "plans" / "p2-running-example.plan", probe=False)
+    plan = compiled.plan_json
+    text = explain(compiled.plan)              # the typed plan, as the CLI gives it
+    assert explain(plan) == text               # plan.json, read once with the plan file's reader
     flat = _flat(text)
     pl = plan["placement"]
     assert f"placement: {pl['candidates']} parallelism matrices fit" in text
