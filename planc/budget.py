@@ -2,7 +2,7 @@
 
 Every pass whose work grows with a plan construct (devices, levels, unit tasks,
 micro-batches, program sizes) checks that construct against a bound *before* doing
-the work, and stops with a located :class:`~planc.lang.errors.PlanError` that names
+the work, and stops with a located :class:`~planc.diagnostics.PlanError` that names
 the bound and how to raise it::
 
     plan.plan:1:1: error: the cluster has 1048576 devices, over the budget of 65536 (bound 'devices')

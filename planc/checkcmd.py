@@ -10,7 +10,7 @@ from pathlib import Path
 
 from planc import ir
 from planc.compile import CompiledPlan, compile_file
-from planc.lang.errors import PlanError
+from planc.diagnostics import PlanError
 
 __all__ = ["check_compiles"]
 
@@ -28,7 +28,7 @@ def check_compiles(path: str | Path, probe: bool = True, cache: bool = True) -> 
     try:
         output_code_files(program)            # what the writer would copy (raises where it could not)
         if program.train is not None:
-            ds_config(compiled.plan_json, program)
+            ds_config(compiled.plan, program)
     except PlanError as e:
         raise e.with_source(program.source_path, Path(path).read_text()) from None
     return compiled

@@ -15,7 +15,7 @@ import traceback
 from pathlib import Path
 
 from planc import __version__
-from planc.lang.errors import PlanError
+from planc.diagnostics import PlanError
 
 EXIT_USER = 2
 EXIT_BUG = 3
@@ -41,7 +41,7 @@ def _cmd_check(args) -> int:
                 if compiled.untrainable:
                     errors.append(PlanError(list(compiled.untrainable), {str(f): Path(f).read_text()}))
                     continue
-                warnings += [f"{f}: {w}" for w in plan_idle_warning(compiled.plan_json)]
+                warnings += [f"{f}: {w}" for w in plan_idle_warning(compiled.plan)]
         except PlanError as e:
             errors.append(e)
             continue
@@ -76,13 +76,13 @@ def _cmd_compile(args) -> int:
                                 progress=progress, cache=not args.no_cache, profile=profile)
     out = Path(args.output) if args.output else Path("build") / compiled.program.name
     with profile.section("write output") if profile else contextlib.nullcontext():
-        write_output(compiled.plan_json, compiled.program, out, text=compiled.text)
+        write_output(compiled.plan, compiled.program, out, text=compiled.text)
     from planc.explain import compile_summary
 
     print(f"wrote {out}/ ({compiled.describe()})", flush=True)
-    ui.emit(compile_summary(compiled.plan_json, tty=ui.is_tty()))
+    ui.emit(compile_summary(compiled.plan, tty=ui.is_tty()))
     from planc.summaries import plan_idle_warning
-    for w in plan_idle_warning(compiled.plan_json):
+    for w in plan_idle_warning(compiled.plan):
         print(f"{src}: {w}", file=sys.stderr)
     if profile is not None:
         ui.emit(["", profile.table()])
@@ -112,7 +112,7 @@ def _cmd_explain(args) -> int:
     with ui.status(f"planc explain {Path(args.plan).name}") as progress:   # a spinner on a terminal only
         compiled = compile_file(Path(args.plan), probe=not args.no_probe, progress=progress,
                                 cache=not args.no_cache)
-    plan = compiled.plan_json
+    plan = compiled.plan   # the typed plan file (planc.plan.Plan) the compiler wrote
     if args.as_:
         from planc.explain_as import ExplainAsError, explain_as_data, explain_as_renderables
         try:

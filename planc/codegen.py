@@ -1,6 +1,6 @@
 """Render a compiled plan into a launchable output directory.
 
-``write_output(plan_json, program, out_dir)`` writes::
+``write_output(plan, program, out_dir)`` writes (``plan``: the typed ``planc.plan.Plan``)::
 
     OUT/plan.json  ds_config.json  train.py  launch.sh  hostfile  README.md
     OUT/planc_runtime/   (a copy of planc/runtime/)
@@ -27,7 +27,7 @@ import yaml
 
 from planc import ir, resources
 from planc.outputfiles import output_code_files
-from planc.lang.errors import Diagnostic, PlanError, Span
+from planc.diagnostics import Diagnostic, PlanError, Span
 from planc import plan as planfile
 
 __all__ = ["write_output", "templates_dir", "ds_config", "CodegenError"]
@@ -60,14 +60,13 @@ def _version() -> str:
         return "0.1.0"
 
 
-def _rows_per_device(plan: dict, micro_batch: int) -> int:
+def _rows_per_device(plan: planfile.Plan, micro_batch: int) -> int:
     """Rows of a micro-batch one device of stage 0 computes. Stages may differ: every rank's engine sets
     ``train_micro_batch_size_per_gpu`` to its own stage's rows (plan.json ``stages[].rows``) at start."""
-    stages = plan.get("stages") or ()
-    rows = (stages[0].get("rows") if stages else None) or {}
+    rows = plan.stages[0].rows if plan.stages else ()
     if not rows:
         return micro_batch
-    a, b = next(iter(rows.values()))
+    _, (a, b) = rows[0]
     return b - a
 
 
@@ -78,9 +77,11 @@ def _merge(base: dict, extra: dict) -> dict:
     return out
 
 
-def ds_config(plan: dict, program: ir.Program) -> dict:
+def ds_config(plan: planfile.Plan | dict, program: ir.Program) -> dict:
+    """ds_config.json of the plan (the typed plan, or a plan.json document read once) and its program."""
+    plan = planfile.Plan.of(plan)
     train = program.train
-    trainable = program.model is not None and (plan.get("train") or {}).get("trainable", True)
+    trainable = program.model is not None and (plan.train.trainable if plan.train is not None else True)
     per_device = _rows_per_device(plan, train.micro_batch) if trainable else train.micro_batch
     opt_params = {"lr": train.optimizer.lr, **dict(train.optimizer.params)}
     if "beta1" in opt_params or "beta2" in opt_params:   # the plan's beta1/beta2 are torch's (and DeepSpeed's) betas
@@ -132,10 +133,12 @@ def _world_info(devices: int) -> str:
     return base64.urlsafe_b64encode(json.dumps({"localhost": list(range(devices))}).encode()).decode()
 
 
-def write_output(plan: dict, program: ir.Program, out_dir, text: str | None = None) -> Path:
-    """Write OUT/; a folder that cannot be written is a user error naming it. ``text``: plan.json's text
-    as the compiler verified it (``CompiledPlan.text``, the same plan as ``plan``); None: written from
+def write_output(plan: planfile.Plan | dict, program: ir.Program, out_dir, text: str | None = None) -> Path:
+    """Write OUT/; a folder that cannot be written is a user error naming it. ``plan``: the typed plan
+    (``CompiledPlan.plan``; a plan.json document is read once with ``Plan.from_json``). ``text``: plan.json's
+    text as the compiler verified it (``CompiledPlan.text``, the same plan as ``plan``); None: written from
     ``plan`` by the plan file's one writer."""
+    plan = planfile.Plan.of(plan)
     try:
         return _write_output(plan, program, Path(out_dir), text)
     except OSError as e:
@@ -143,36 +146,34 @@ def write_output(plan: dict, program: ir.Program, out_dir, text: str | None = No
                            + (f" ({e.filename})" if e.filename else "")) from None
 
 
-def _write_output(plan: dict, program: ir.Program, out: Path, text: str | None = None) -> Path:
+def _write_output(plan: planfile.Plan, program: ir.Program, out: Path, text: str | None = None) -> Path:
     # everything is read and rendered before the folder is made: a compile that fails leaves no output
-    plan = {k: v for k, v in plan.items() if not k.startswith("_")}
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(templates_dir())),
                              undefined=jinja2.StrictUndefined, keep_trailing_newline=True,
                              autoescape=False)
     code = output_code_files(program)   # the named files and the modules they import beside them
-    cluster = plan["cluster"]
-    hosts = cluster["hosts"]
-    host_level = cluster.get("host_level", "host")
+    cluster, source, pipe = plan.cluster, dict(plan.head).get("source") or {}, plan.pipeline
+    hosts, host_level = cluster.hosts, cluster.host_level
     ctx = {
-        "name": plan.get("name", program.name),
+        "name": plan.name,
         "version": _version(),
-        "source_path": plan.get("source", {}).get("path", program.source_path),
-        "source_sha256": plan.get("source", {}).get("sha256", program.source_sha256),
-        "devices": int(cluster["devices"]),
+        "source_path": source.get("path", program.source_path),
+        "source_sha256": source.get("sha256", program.source_sha256),
+        "devices": cluster.devices,
         "hosts": [{"name": "localhost" if len(hosts) == 1 else f"{host_level}{i}", "slots": len(h)}
                   for i, h in enumerate(hosts)],
         "host_level": host_level,
-        "stage_count": len(plan.get("stages", ())),
-        "schedule": (plan.get("pipeline") or {}).get("schedule", ""),
-        "micro_batches": (plan.get("pipeline") or {}).get("micro_batches", 0),
+        "stage_count": len(plan.stages),
+        "schedule": str(pipe.schedule) if pipe is not None else "",
+        "micro_batches": pipe.micro_batches if pipe is not None else 0,
         "model_files": sorted(code),
-        "backend": (plan.get("runtime") or {}).get("backend", "auto"),
+        "backend": str(plan.runtime.backend),
         "ds_config_json": json.dumps(ds_config(plan, program), indent=2),
         "compiler_bin": str(Path(sys.executable).parent),   # launch.sh looks for deepspeed here first
-        "world_info": _world_info(int(cluster["devices"])),
+        "world_info": _world_info(cluster.devices),
     }
     files = {
-        "plan.json": text if text is not None else planfile.dumps(planfile.Plan.from_json(plan)),   # one writer
+        "plan.json": text if text is not None else planfile.dumps(plan),   # one writer
         "train.py": env.get_template("train.py.j2").render(ctx),
         "ds_config.json": env.get_template("ds_config.json.j2").render(ctx),
         "hostfile": env.get_template("hostfile.j2").render(ctx),

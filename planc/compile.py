@@ -26,7 +26,7 @@ from pathlib import Path
 from planc import budget, hfmodel, ir
 from planc.assemble import assemble
 from planc.lang import load
-from planc.lang.errors import Diagnostic, PlanError
+from planc.diagnostics import Diagnostic, PlanError
 from planc.pipeline.choose import (check_pinned, choose_by_prediction, choose_schedule, predicted_record,
                                    simulate_schedules)
 from planc.pipeline.cut import apply_auto_stages, more_stages_fit

@@ -6,8 +6,8 @@ that cannot be read) is a :class:`PlanError` holding one or more
 source line, and a caret run under the span, and exits 2.
 
 It lives at the top of the package, beside ``span``, so that any pass and ``planc.budget`` (which the
-front end imports) can raise it without importing the front end; ``planc.lang.errors`` names the same
-objects for the front end and its many users.
+front end imports) can raise it without importing the front end (which loads the parser, lark);
+``planc.lang.errors`` names the same objects for the front end.
 """
 
 from __future__ import annotations

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from planc import plan as planfile
+
 SUFFIXES = (".png", ".svg")
 
 
@@ -36,38 +38,31 @@ def check_drawable(path) -> None:
         raise DrawError("matplotlib is not installed; install it with: pip install 'planc[plot]'") from None
 
 
-def _mesh_positions(mesh, prefix=()) -> dict[int, tuple[int, ...]]:
-    if not isinstance(mesh, list):
-        return {int(mesh): prefix}
-    out = {}
-    for k, sub in enumerate(mesh):
-        out.update(_mesh_positions(sub, prefix + (k,)))
-    return out
-
-
-def draw(plan: dict, path) -> int:
-    """Write the drawing of ``plan`` (a plan.json dict) to ``path``; returns the number of devices drawn."""
+def draw(plan: planfile.Plan | dict, path) -> int:
+    """Write the drawing of ``plan`` (the typed plan, or a plan.json document) to ``path``; returns the number
+    of devices drawn."""
     check_drawable(path)
+    plan = planfile.Plan.of(plan)
     import matplotlib   # optional (planc[plot]) and slow to import: only when drawing
     matplotlib.use("Agg")
     from matplotlib import pyplot as plt
     from matplotlib.patches import Patch, Rectangle
 
-    c = plan["cluster"]
-    levels = c["levels"]
-    fanouts = [l["fanout"] for l in levels]
-    n = c["devices"]
+    c = plan.cluster
+    levels = c.levels
+    fanouts = [lv.fanout for lv in levels]
+    n = c.devices
     depth = len(levels)
     stage_of, pos_of = {}, {}
-    for s in plan["stages"]:
-        for d, x in _mesh_positions(s["mesh"]).items():
-            stage_of[d], pos_of[d] = s["index"], x
+    for s in plan.stages:
+        for d in s.mesh_devices:
+            stage_of[d], pos_of[d] = s.index, s.position(d)
     stage_cmap = plt.get_cmap("tab10")
     group_cmap = plt.get_cmap("Set2")
-    reds = [(r, red) for r, red in enumerate(plan["reductions"]) if any(len(g) > 1 for g in red["groups"])]
-    tensor = [list(g) for g in plan.get("tensor_groups") or ()]
-    sends = [(t, tr, sorted({(task["sender"], d) for task in tr["tasks"] for d in task["receivers"]
-                             if d != task["sender"]})) for t, tr in enumerate(plan.get("transfers") or ())]
+    reds = [(r, red) for r, red in enumerate(plan.reductions) if any(len(g) > 1 for g in red.groups)]
+    tensor = [list(g) for g in plan.tensor_groups]
+    sends = [(t, tr, sorted({(task.sender, d) for task in tr.forward.tasks for d in task.receivers
+                             if d != task.sender})) for t, tr in enumerate(plan.transfers)]
     sends = [x for x in sends if x[2]]
     rows = len(reds) + bool(tensor) + len(sends)
 
@@ -78,12 +73,12 @@ def draw(plan: dict, path) -> int:
 
     # the tree: unit u of level j spans devices [u * block_j, (u + 1) * block_j)
     y_of = {j: depth - 1 - j for j in range(-1, depth)}       # -1 = the cluster root; devices at 0
-    host_level = next((j for j, l in enumerate(levels) if l["name"] == c["host_level"]), None)
+    host_level = next((j for j, lv in enumerate(levels) if lv.name == c.host_level), None)
     block = [1] * depth
     for j in range(depth - 2, -1, -1):
         block[j] = block[j + 1] * fanouts[j + 1]
     root_x = (n - 1) / 2
-    ax.text(root_x, y_of[-1] + 0.05, f"{plan['name']}", ha="center", va="bottom", fontsize=10, weight="bold")
+    ax.text(root_x, y_of[-1] + 0.05, plan.name, ha="center", va="bottom", fontsize=10, weight="bold")
     for j in range(depth):
         units = n // block[j]
         parent_block = block[j - 1] if j > 0 else n
@@ -95,7 +90,7 @@ def draw(plan: dict, path) -> int:
             top = 0.3 if j == depth - 1 else y_of[j] + 0.25        # the leaves are the device boxes at y = 0
             ax.plot([px, x], [y_of[j - 1], top], color="0.6", lw=0.8, zorder=1)
             if j < depth - 1:
-                ax.text(x, y_of[j] + 0.25, f"{levels[j]['name']} {u}", ha="center", va="bottom", fontsize=7)
+                ax.text(x, y_of[j] + 0.25, f"{levels[j].name} {u}", ha="center", va="bottom", fontsize=7)
             if j == host_level:
                 ax.add_patch(Rectangle((lo - 0.45, -0.45), hi - lo + 0.9, y_of[j] + 0.15 + 0.45, fill=False,
                                        ls="--", lw=0.8, ec="0.4", zorder=0))
@@ -123,24 +118,24 @@ def draw(plan: dict, path) -> int:
     y_rows = (-0.95 - 0.45 * i for i in range(rows))
     for r, red in reds:
         y = next(y_rows)
-        where = f" (stage {red['stage']})" if red.get("stage") is not None else ""
-        ax.text(-0.6, y, f"reduce {red['name']}{where}", ha="right", va="center", fontsize=6)
-        bars(y, red["groups"], lambda g, r=r: f"group-{r}-{g}")
+        where = f" (stage {red.stage})" if red.stage is not None else ""
+        ax.text(-0.6, y, f"reduce {red.name}{where}", ha="right", va="center", fontsize=6)
+        bars(y, red.groups, lambda g, r=r: f"group-{r}-{g}")
     if tensor:
         y = next(y_rows)
         ax.text(-0.6, y, "tensor groups", ha="right", va="center", fontsize=6)
         bars(y, tensor, lambda g: f"tensor-{g}")
     for t, tr, pairs in sends:
         y = next(y_rows)
-        ax.text(-0.6, y, f"transfer {tr['name']} ({tr['src']['stage']} -> {tr['dst']['stage']})", ha="right",
+        ax.text(-0.6, y, f"transfer {tr.name} ({tr.src_stage} -> {tr.dst_stage})", ha="right",
                 va="center", fontsize=6)
-        colour = stage_cmap(tr["src"]["stage"] % 10)
+        colour = stage_cmap(tr.src_stage % 10)
         for k, (a, b) in enumerate(pairs):
             arrow = ax.annotate("", xy=(b, y), xytext=(a, y), zorder=2, arrowprops=dict(
                 arrowstyle="->", color=colour, lw=0.9, connectionstyle=f"arc3,rad={0.25 if a < b else -0.25}"))
             arrow.arrow_patch.set_gid(f"transfer-{t}-{k}")
-    legend = [Patch(fc=stage_cmap(s["index"] % 10), ec="black", label=f"stage {s['index']} ({' x '.join(s['mesh_axes'])})")
-              for s in plan["stages"]]
+    legend = [Patch(fc=stage_cmap(s.index % 10), ec="black", label=f"stage {s.index} ({' x '.join(s.mesh_axes)})")
+              for s in plan.stages]
     ax.legend(handles=legend, loc="upper right", fontsize=6, frameon=False)
     ax.set_xlim(-0.6 - (2.5 if rows else 0), n - 0.4)
     ax.set_ylim(-0.95 - 0.45 * rows, y_of[-1] + 0.5)

@@ -7,13 +7,17 @@ matrices, each stage's mesh, per reduction (per stage for explicit-stage gradien
 against the flat collective of its target (allreduce; with zero = 1 the gradients' reduce_scatter and
 the parameters' all_gather, who owns which piece, and the pair against the flat pair) with its steps
 and alternatives, per transfer its strategy, unit tasks
-and schedule and, when plan.json has ``regions``, each device's host and its region (half-open
-``a:b`` per dim) on the source and destination meshes, then the pipeline's instruction lists.
-Older plan.json files without ``regions`` are rendered without that table.
+and schedule, each device's host and its region (half-open ``a:b`` per dim) on the source and
+destination meshes, then the pipeline's instruction lists.
+
+It reads the typed plan (``planc.plan.Plan``; a plan.json document is read once, validated, with
+``Plan.from_json``): the records the runtime runs, and the compiler's predictions and reasons as
+``planc.plan.Notes``.
 """
 
 from __future__ import annotations
 
+from planc import plan as planfile
 from planc import ui
 from planc.pipeline.simulate import NIC_ORDER_GAIN
 from planc.summaries import check_summary, idle_devices, idle_warning, sequence_lines  # noqa: F401 - re-exported
@@ -37,155 +41,147 @@ _bytes = ui.human_bytes
 
 def _ranges(region) -> str:
     """A region, one half-open global range ``a:b`` per tensor dimension: ``[0:4, 0:64]``."""
-    try:
-        return "[" + ", ".join(f"{a}:{b}" for a, b in region) + "]"
-    except (TypeError, ValueError):
-        return str(region)
-
-
-def _device_key(d):
-    s = str(d)
-    return (0, int(s), s) if s.isdigit() else (1, 0, s)
+    return "[" + ", ".join(f"{a}:{b}" for a, b in region) + "]"
 
 
 # ---------------------------------------------------------------------------------------------
 # the content, as data
 
 
-def _region_rows(regions: dict, host_of: dict[int, int]) -> list[dict] | None:
-    """One row per device: its host, then its region on the source and/or destination mesh
-    (``None`` where the device is not on that mesh). ``None`` when the regions are unreadable."""
-    src = regions.get("src") or {}
-    dst = regions.get("dst") or {}
-    if not isinstance(src, dict) or not isinstance(dst, dict):
-        return None
-    rows = []
-    for d in sorted(set(src) | set(dst), key=_device_key):
-        host = host_of.get(int(d)) if str(d).isdigit() else None
-        rows.append({"device": int(d) if str(d).isdigit() else str(d), "host": host,
-                     "src": src.get(d), "dst": dst.get(d)})
-    return rows
+def _region_rows(src, dst, host_of: dict[int, int]) -> list[dict]:
+    """One row per device: its host, then its region on the source and/or destination mesh (``None``
+    where the device is not on that mesh); ``src`` and ``dst`` a route's (device, region) pairs."""
+    src, dst = dict(src), dict(dst)
+    return [{"device": d, "host": host_of.get(d), "src": _lists(src.get(d)), "dst": _lists(dst.get(d))}
+            for d in sorted(set(src) | set(dst))]
 
 
-def _transfer_data(t: dict, host_of: dict[int, int], peers: list[str]) -> dict:
-    lb = t["lower_bound"]
+def _lists(region):
+    return None if region is None else [list(r) for r in region]
+
+
+def _transfer_data(t: planfile.Transfer, notes: planfile.TransferNotes, host_of: dict[int, int],
+                   peers: list[str]) -> dict:
+    fwd, lb = t.forward, notes.lower_bound
     out = {
-        "name": t["name"], "dtype": t["dtype"], "shape": list(t["shape"]),
-        "src": {"stage": t["src"]["stage"], "spec": t["src"]["spec"]},
-        "dst": {"stage": t["dst"]["stage"], "spec": t["dst"]["spec"]},
-        "tasks": len(t["tasks"]), "strategy": t["strategy"],
-        "chunks": t["chunks"] if t["strategy"] == "broadcast" else None,
-        "scheduler": t["scheduler"], "makespan": t["makespan"], "lower_bound": lb,
-        "ratio": t["makespan"] / lb if lb else None, "naive_makespan": t["naive_makespan"],
-        "shares_nic_with": peers, "regions": None, "backward": None,
+        "name": t.name, "dtype": t.dtype, "shape": list(t.shape),
+        "src": {"stage": t.src_stage, "spec": t.src_spec}, "dst": {"stage": t.dst_stage, "spec": t.dst_spec},
+        "tasks": len(fwd.tasks), "strategy": str(fwd.strategy),
+        "chunks": fwd.chunks if fwd.strategy is planfile.Strategy.BROADCAST else None,
+        "scheduler": fwd.scheduler, "makespan": notes.makespan, "lower_bound": lb,
+        "ratio": notes.makespan / lb if lb else None, "naive_makespan": notes.naive_makespan,
+        "shares_nic_with": peers, "regions": _region_rows(fwd.src_regions, fwd.dst_regions, host_of), "backward": None,
     }
-    regions = t.get("regions")
-    if isinstance(regions, dict):          # plan.json from before per-device regions: nothing to show
-        out["regions"] = _region_rows(regions, host_of)
-        back = (t.get("backward") or {}).get("regions")
-        if isinstance(back, dict):
-            same = back.get("src") == regions.get("dst") and back.get("dst") == regions.get("src")
-            out["backward"] = {"same_regions_reversed": same,
-                               "regions": None if same else _region_rows(back, host_of)}
+    back = t.backward
+    if back is not None:
+        same = back.src_regions == fwd.dst_regions and back.dst_regions == fwd.src_regions
+        out["backward"] = {"same_regions_reversed": same,
+                           "regions": None if same else _region_rows(back.src_regions, back.dst_regions, host_of)}
     return out
 
 
-def explain_data(plan: dict) -> dict:
-    """Everything `planc explain` shows, as JSON-able data (seconds, bytes; keys in a fixed order)."""
-    c = plan["cluster"]
+def explain_data(plan: planfile.Plan | dict) -> dict:
+    """Everything `planc explain` shows, as JSON-able data (seconds, bytes; keys in a fixed order), from the
+    typed plan (a plan.json document is read once with ``Plan.from_json``)."""
+    plan = planfile.Plan.of(plan)
+    notes = planfile.Notes.read(plan)
+    c = plan.cluster
     data: dict = {
-        "plan": plan["name"],
-        "cluster": {"devices": c["devices"], "levels": [{"name": l["name"], "fanout": l["fanout"]} for l in c["levels"]],
-                    "hosts": len(c["hosts"]), "host_level": c["host_level"]},
+        "plan": plan.name,
+        "cluster": {"devices": c.devices, "levels": [{"name": lv.name, "fanout": lv.fanout} for lv in c.levels],
+                    "hosts": len(c.hosts), "host_level": c.host_level},
         "placement": None,
     }
-    pl = plan.get("placement")
+    pl = notes.placement
     if pl:
-        ranked = pl["ranked"]
+        ranked = pl.ranked
         if len(ranked) > 1:
-            why = (f"predicted communication per iteration {_t(ranked[0]['predicted'])}, vs "
-                   f"{_t(ranked[1]['predicted'])} for the runner-up {ranked[1]['matrix']}")
+            why = (f"predicted communication per iteration {_t(ranked[0].predicted)}, vs "
+                   f"{_t(ranked[1].predicted)} for the runner-up {_lists(ranked[1].matrix)}")
         else:
-            why = f"pinned by the plan; predicted communication per iteration {_t(ranked[0]['predicted'])}"
+            why = f"pinned by the plan; predicted communication per iteration {_t(ranked[0].predicted)}"
         data["placement"] = {
-            "candidates": pl["candidates"], "axes": [a["name"] for a in pl["axes"]],
-            "sizes": [a["size"] for a in pl["axes"]], "levels": [l["name"] for l in c["levels"]],
-            "matrix": [list(r) for r in pl["matrix"]], "why": why,
-            "search": pl.get("search"), "evaluated": pl.get("evaluated"),
-            "ranked": [{"matrix": r["matrix"], "predicted": r["predicted"], "breakdown": dict(r.get("breakdown") or {})}
+            "candidates": pl.candidates, "axes": [n for n, _ in pl.axes],
+            "sizes": [size for _, size in pl.axes], "levels": [lv.name for lv in c.levels],
+            "matrix": _lists(pl.matrix), "why": why, "search": pl.search, "evaluated": pl.evaluated,
+            "ranked": [{"matrix": _lists(r.matrix), "predicted": r.predicted, "breakdown": dict(r.breakdown)}
                        for r in ranked],
         }
-    data["stages"] = [{"index": s["index"], "layers": s.get("layers"), "mesh": s["mesh"], "mesh_axes": list(s["mesh_axes"]),
-                       "sequence_parallel": s.get("sequence_parallel"), "sequence_why": s.get("sequence_parallel_why")}
-                      for s in plan["stages"]]
+    data["stages"] = [{"index": s.index, "layers": list(s.layers) if s.layers else None, "mesh": s.mesh,
+                       "mesh_axes": list(s.mesh_axes),
+                       "sequence_parallel": s.sequence_parallel if s.axis_size("tensor") > 1 else None,
+                       "sequence_why": why} for s, why in zip(plan.stages, notes.sequence_why)]
     data["tensor_groups"] = tensor_group_data(plan)
-    listing = (plan.get("train") or {}).get("layers")
-    if listing:   # a Hugging Face model's layers (plan.json train.layers), each with the stage holding it
-        stage_of = {i: s["index"] for s in plan["stages"] if s.get("layers") for i in range(*s["layers"])}
-        data["layers"] = [{"index": i, "name": lay["name"], "stage": stage_of.get(i), "params": lay["params"],
-                           "flops": lay.get("flops")} for i, lay in enumerate(listing)]
-    vocab = (((plan.get("train") or {}).get("model") or {}).get("hf") or {}).get("vocab")
+    if notes.layers:   # a Hugging Face model's layers (plan.json train.layers), each with the stage holding it
+        stage_of = {i: s.index for s in plan.stages if s.layers for i in range(*s.layers)}
+        data["layers"] = [{"index": i, "name": lay.name, "stage": stage_of.get(i), "params": lay.params,
+                           "flops": None if lay.flops is None else list(lay.flops)}
+                          for i, lay in enumerate(notes.layers)]
+    vocab = getattr(plan.train.model, "vocab", None) if plan.train is not None else None
     if vocab:   # the vocabulary split of the embedding table and lm_head (docs/models.md), padded where it is
-        data["vocab"] = dict(vocab)
-    host_of = {d: h for h, devs in enumerate(c.get("hosts") or ()) for d in devs}
+        data["vocab"] = vocab.to_json()
+    host_of = {d: h for h, devs in enumerate(c.hosts) for d in devs}
 
     def in_host(groups) -> bool:
         return bool(host_of) and all(len({host_of.get(d) for d in g}) == 1 for g in groups)
 
-    data["reductions"] = []
-    for r in plan["reductions"]:
-        target = r.get("target", "allreduce")
-        prog, flat = r["program"]["predicted"], r["allreduce_predicted" if target == "allreduce" else "flat_predicted"]
-        entry = {
-            "name": r["name"], "axes": list(r["axes"]), "stage": r.get("stage"), "bytes": r["bytes"],
-            "groups": len(r["groups"]), "group_size": len(r["groups"][0]) if r["groups"] else 0,
-            "hierarchy": [{"name": h["name"], "factor": h["factor"]} for h in r.get("hierarchy") or ()],
-            "program": r["program"]["text"], "predicted": prog, "allreduce_predicted": flat,
-            "speedup": flat / prog if prog else None, "candidates": r["candidates"],
-            "steps": [{"collective": s["collective"], "groups": len(s["groups"]), "example": s["groups"][0],
-                       "in_host": in_host(s["groups"])} for s in r["program"]["steps"]],
-            "alternatives": [{"predicted": a["predicted"], "text": a["text"]} for a in r["alternatives"]],
-            "in_host_through": (plan.get("runtime") or {}).get("in_host", "shared_memory"),
-        }
-        if target != "allreduce":   # ZeRO-1: who owns which piece, the flat collective of the target
-            entry = {k: v for k, v in entry.items() if k != "allreduce_predicted"}
-            entry.update(target=target, flat_predicted=flat, unit=r["program"].get("unit", 1),
-                         owned=[[{"device": d, "piece": list(p)} for d, p in zip(g, row)]
-                                for g, row in zip(r["groups"], r.get("owned") or ())])
-        if r.get("tied"):   # a parameter tied across stages: who holds it, who contributes
-            t = r["tied"]
-            entry["tied"] = {"parameter": t["parameter"], "holders": [dict(h) for h in t["holders"]],
-                             "devices": sorted(d for g in r["groups"] for d in g),
-                             "contributors": list(t["contributors"]), "norm_device": t["norm_device"]}
-            if t.get("split"):   # a table split by vocabulary: each group sums its piece of rows
-                entry["tied"]["pieces"] = [{"rows": list(ab), "group": list(g)}
-                                           for ab, g in zip(t["split"]["rows"], r["groups"])]
-        data["reductions"].append(entry)
+    data["reductions"] = [_reduction_data(r, n, in_host, str(plan.runtime.in_host))
+                          for r, n in zip(plan.reductions, notes.reductions)]
     _zero_pairs(data["reductions"])
     by_src: dict[int, list[str]] = {}
-    for t in plan["transfers"]:
-        by_src.setdefault(t["src"]["stage"], []).append(t["name"])
-    data["transfers"] = [_transfer_data(t, host_of, [n for n in by_src[t["src"]["stage"]] if n != t["name"]])
-                         for t in plan["transfers"]]
-    pipe = plan.get("pipeline")
-    data["pipeline"] = None if not pipe else {
-        "schedule": pipe["schedule"], "micro_batches": pipe["micro_batches"],
-        "predicted_iteration": pipe.get("predicted_iteration"), "per_stage": [list(ops) for ops in pipe["per_stage"]],
-        "nic_order": _nic_data(pipe), "memory": _memory_data(plan)}
-    data["choices"] = dict(plan.get("choices") or {})       # what `auto` became, and why
+    for t in plan.transfers:
+        by_src.setdefault(t.src_stage, []).append(t.name)
+    data["transfers"] = [_transfer_data(t, n, host_of, [x for x in by_src[t.src_stage] if x != t.name])
+                         for t, n in zip(plan.transfers, notes.transfers)]
+    pipe = plan.pipeline
+    data["pipeline"] = None if pipe is None else {
+        "schedule": str(pipe.schedule), "micro_batches": pipe.micro_batches,
+        "predicted_iteration": notes.pipeline.predicted_iteration, "per_stage": [list(ops) for ops in pipe.per_stage],
+        "nic_order": _nic_data(pipe, notes.pipeline), "memory": _memory_data(plan, notes)}
+    data["choices"] = dict(notes.choices)       # what `auto` became, and why
     return data
 
 
-def _memory_data(plan: dict) -> dict | None:
+def _reduction_data(r: planfile.Reduction, notes: planfile.ReductionNotes, in_host, through: str) -> dict:
+    target = str(r.target)
+    prog, flat = r.predicted, notes.flat_predicted
+    entry = {
+        "name": r.name, "axes": list(r.axes), "stage": r.stage, "bytes": r.nbytes,
+        "groups": len(r.groups), "group_size": len(r.groups[0]) if r.groups else 0,
+        "hierarchy": [{"name": n, "factor": f} for n, f in notes.hierarchy],
+        "program": r.text, "predicted": prog, "allreduce_predicted": flat,
+        "speedup": flat / prog if prog else None, "candidates": notes.candidates,
+        "steps": [{"collective": str(s.collective), "groups": len(s.groups), "example": list(s.groups[0]),
+                   "in_host": in_host(s.groups)} for s in r.steps],
+        "alternatives": [{"predicted": p, "text": text} for p, text in notes.alternatives],
+        "in_host_through": through,
+    }
+    if target != "allreduce":   # ZeRO-1: who owns which piece, the flat collective of the target
+        entry = {k: v for k, v in entry.items() if k != "allreduce_predicted"}
+        entry.update(target=target, flat_predicted=flat, unit=r.unit,
+                     owned=[[{"device": d, "piece": list(p)} for d, p in zip(g, row)]
+                            for g, row in zip(r.groups, r.owned)])
+    if r.tied is not None:   # a parameter tied across stages: who holds it, who contributes
+        t = r.tied
+        entry["tied"] = {"parameter": t.parameter, "holders": [h.to_json() for h in t.holders],
+                         "devices": sorted(d for g in r.groups for d in g),
+                         "contributors": list(t.contributors), "norm_device": t.norm_device}
+        if t.split is not None:   # a table split by vocabulary: each group sums its piece of rows
+            entry["tied"]["pieces"] = [{"rows": list(ab), "group": list(g)} for ab, g in zip(t.split.rows, r.groups)]
+    return entry
+
+
+def _memory_data(plan: planfile.Plan, notes: planfile.Notes) -> dict | None:
     """Each stage's bytes per device by part (docs/memory.md), what zero and recompute saved, the limit."""
-    stages = (plan.get("pipeline") or {}).get("stages") or ()
-    if not any(st.get("memory") for st in stages):
+    stages = notes.pipeline.stages if notes.pipeline is not None else ()
+    if not any(st.memory for st in stages):
         return None
-    train = plan.get("train") or {}
-    rc = train.get("recompute") or []
-    return {"limit": plan["cluster"].get("memory"), "zero": train.get("zero", 0), "precision": train.get("precision"),
-            "stages": [{"stage": st["stage"], **dict(st["memory"] or {}), "saved": dict(st.get("memory_saved") or {}),
-                        "recompute": bool(rc[st["stage"]]) if st["stage"] < len(rc) else False} for st in stages]}
+    train = plan.train
+    rc = train.recompute if train is not None else ()
+    return {"limit": notes.memory_limit, "zero": train.zero if train is not None else 0,
+            "precision": str(train.precision) if train is not None else None,
+            "stages": [{"stage": st.stage, **dict(st.memory or ()), "saved": dict(st.saved),
+                        "recompute": bool(rc[st.stage]) if st.stage < len(rc) else False} for st in stages]}
 
 
 def _memory_lines(mem: dict, tty: bool) -> list:
@@ -227,14 +223,14 @@ def _zero_pairs(reductions: list[dict]) -> None:
                          "flat_predicted": rs["flat_predicted"] + r["flat_predicted"]}
 
 
-def _nic_data(pipe: dict) -> dict | None:
+def _nic_data(pipe: planfile.Pipeline, notes: planfile.PipelineNotes) -> dict | None:
     """The host NIC order's decision for the plan's schedule: kept or not, the two predictions, sends per host."""
-    sched = ((pipe.get("predicted") or {}).get("schedules") or {}).get(pipe["schedule"]) or {}
-    if sched.get("unordered_iteration") is None:
+    sched = notes.schedule(str(pipe.schedule))
+    if sched is None or sched.unordered_iteration is None:
         return None       # no simulation: nothing was decided
-    return {"kept": bool(pipe.get("nic_order")), "unordered": sched["unordered_iteration"],
-            "ordered": sched["iteration"] if sched.get("nic_ordered") else None,
-            "sends": {int(e["host"]): len(e["sends"]) for e in pipe.get("nic_order") or ()}}
+    return {"kept": bool(pipe.nic_order), "unordered": sched.unordered_iteration,
+            "ordered": sched.iteration if sched.nic_ordered else None,
+            "sends": {h: len(sends) for h, sends in pipe.nic_order}}
 
 
 def _nic_line(nic: dict) -> str:
@@ -251,9 +247,7 @@ def _nic_line(nic: dict) -> str:
 # the content, laid out
 
 
-def _region_table(rows: list[dict] | None, tty: bool):
-    if rows is None:
-        return "    (regions not readable)"
+def _region_table(rows: list[dict], tty: bool):
     return ui.table([Col("device", "right"), Col("host", "right"), Col("src region", wrap=True),
                      Col("dst region", wrap=True)],
                     [[r["device"], "?" if r["host"] is None else r["host"],
@@ -379,9 +373,8 @@ def _transfer(t: dict, tty: bool) -> list:
     if t["shares_nic_with"]:
         out.append(f"  scheduled on one NIC timeline with {', '.join(t['shares_nic_with'])} (same source stage): "
                    "times are where this transfer ends on it")
-    if t["regions"] is not None or t["backward"] is not None:
-        out.append(f"  regions (global ranges a:b per dim; src = stage {i}'s mesh, dst = stage {j}'s):")
-        out.append(_region_table(t["regions"], tty))
+    out.append(f"  regions (global ranges a:b per dim; src = stage {i}'s mesh, dst = stage {j}'s):")
+    out.append(_region_table(t["regions"], tty))
     back = t["backward"]
     if back is not None:
         if back["same_regions_reversed"]:
@@ -437,12 +430,12 @@ def explain_renderables(data: dict, tty: bool = False) -> list:
     return out
 
 
-def explain(plan: dict) -> str:
-    """The plain (piped) text of `planc explain` for a plan.json."""
+def explain(plan: planfile.Plan | dict) -> str:
+    """The plain (piped) text of `planc explain` for a plan (or a plan.json document)."""
     return ui.render(*explain_renderables(explain_data(plan), tty=False)).rstrip("\n")
 
 
-def compile_summary(plan: dict, tty: bool = False) -> list:
+def compile_summary(plan: planfile.Plan | dict, tty: bool = False) -> list:
     """`planc compile`'s table of what was decided: one row per decision, with its prediction."""
     d = explain_data(plan)
     rows = []

@@ -19,6 +19,8 @@ from __future__ import annotations
 import itertools
 import math
 
+from planc import plan as planfile
+
 TARGETS = ("megatron", "deepspeed", "torch")
 MEGATRON_NAMES = {"tensor": "tp", "tp": "tp", "context": "cp", "cp": "cp", "data": "dp", "dp": "dp",
                   "pipe": "pp", "pp": "pp"}
@@ -66,26 +68,26 @@ def split_reason(axes: list[str], matrix: list[list[int]], levels: list[str]) ->
     return None
 
 
-def _grid_views(plan: dict) -> list[dict]:
+def _grid_views(plan: planfile.Plan) -> list[dict]:
     """The rank grids to explain: the world (placement coordinates), or each stage's own mesh."""
-    pl = plan.get("placement")
-    if plan.get("stage_mode", "pipe_axis") != "explicit" and pl and pl.get("coords"):
-        axes = [a["name"] for a in pl["axes"]]
-        sizes = [a["size"] for a in pl["axes"]]
-        coords = {d: tuple(x) for d, x in enumerate(pl["coords"])}
-        levels = [l["name"] for l in plan["cluster"]["levels"]]
-        return [{"scope": "world", "first_rank": 0, "world": plan["cluster"]["devices"], "axes": axes, "sizes": sizes, "coords": coords,
-                 "why_not": split_reason(axes, pl["matrix"], levels)}]
+    pl = planfile.Notes.read(plan).placement
+    if plan.stage_mode is not planfile.StageMode.EXPLICIT and pl and pl.coords:
+        axes = [n for n, _ in pl.axes]
+        sizes = [size for _, size in pl.axes]
+        coords = {d: tuple(x) for d, x in enumerate(pl.coords)}
+        levels = [lv.name for lv in plan.cluster.levels]
+        return [{"scope": "world", "first_rank": 0, "world": plan.cluster.devices, "axes": axes, "sizes": sizes,
+                 "coords": coords, "why_not": split_reason(axes, [list(r) for r in pl.matrix], levels)}]
     views = []
-    for s in plan["stages"]:
-        mesh, names = s["mesh"], list(s["mesh_axes"])
+    for s in plan.stages:
+        mesh, names = s.mesh, list(s.mesh_axes)
         shape, coords = _shape_and_coords(mesh)
         if len(shape) != len(names):
             names = [f"dim{k}" for k in range(len(shape))]
         first = min(coords) if coords else 0
-        views.append({"scope": f"stage {s['index']}", "first_rank": first, "world": plan["cluster"]["devices"], "axes": names, "sizes": shape,
-                      "coords": coords,
-                      "why_not": f"stage {s['index']}'s mesh {mesh} is not the ranks {first}..{first + len(coords)} "
+        views.append({"scope": f"stage {s.index}", "first_rank": first, "world": plan.cluster.devices, "axes": names,
+                      "sizes": shape, "coords": coords,
+                      "why_not": f"stage {s.index}'s mesh {mesh} is not the ranks {first}..{first + len(coords)} "
                                  "in row-major order of any ordering of its axes"})
     return views
 
@@ -206,12 +208,14 @@ def _torch(view: dict, order: list[int] | None) -> dict:
             "device_mesh": generic}
 
 
-def explain_as_data(plan: dict, target: str) -> dict:
+def explain_as_data(plan: planfile.Plan | dict, target: str) -> dict:
+    """The plan's rank grids in ``target``'s vocabulary (the typed plan, or a plan.json document read once)."""
     if target not in TARGETS:
         raise ExplainAsError(f"--as {target!r}: choose one of {', '.join(TARGETS)}")
+    plan = planfile.Plan.of(plan)
     views = _grid_views(plan)
     if not views:
-        raise ExplainAsError(f"plan {plan['name']} has neither a placement nor stage meshes to explain")
+        raise ExplainAsError(f"plan {plan.name} has neither a placement nor stage meshes to explain")
     out = []
     for v in views:
         order = find_order(v["sizes"], v["coords"], v["first_rank"])
@@ -220,7 +224,7 @@ def explain_as_data(plan: dict, target: str) -> dict:
                     "axes": v["axes"], "sizes": v["sizes"],
                     "slowest_first": None if order is None else [v["axes"][i] for i in order],
                     target: info, "groups": _groups(v)})
-    return {"plan": plan["name"], "as": target, "views": out}
+    return {"plan": plan.name, "as": target, "views": out}
 
 
 def explain_as_renderables(data: dict, tty: bool = False) -> list:

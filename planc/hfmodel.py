@@ -13,7 +13,7 @@ from pathlib import Path
 
 from planc import ir
 from planc import plan as planfile
-from planc.lang.errors import Diagnostic, PlanError
+from planc.diagnostics import Diagnostic, PlanError
 
 __all__ = ["is_hf", "model_folder", "request_fields", "failure", "check_tensor_degrees", "output_folder",
            "folder_files", "model_record", "loss_record", "layer_listing", "COPY_LIMIT_BYTES"]

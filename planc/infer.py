@@ -22,9 +22,9 @@ from __future__ import annotations
 import dataclasses
 
 from planc import ir
-from planc.lang.check import spec_divide_error, spec_length_error
-from planc.lang.errors import Diagnostic, PlanError, Span
+from planc.diagnostics import Diagnostic, PlanError, Span
 from planc.probe import ModelProbe, activation_dtype
+from planc.spec_fit import spec_divide_error, spec_length_error
 
 DATA_AXIS = ir.MeshAxis.DATA
 TENSOR_AXIS = ir.MeshAxis.TENSOR

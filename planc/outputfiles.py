@@ -23,7 +23,7 @@ import ast
 from pathlib import Path
 
 from planc import hfmodel, ir
-from planc.lang.errors import Diagnostic, PlanError
+from planc.diagnostics import Diagnostic, PlanError
 from planc.probe import code_file
 
 __all__ = ["output_code_files", "local_imports"]

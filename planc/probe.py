@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from planc import hfmodel, ir
-from planc.lang.errors import Diagnostic, PlanError
+from planc.diagnostics import Diagnostic, PlanError
 from planc.tensor_traffic import TensorTraffic, sequence_ops as _sequence_ops, stage_traffic, tensor_traffic_by_stage  # noqa: F401
 from planc.usercheck import exercise_request, probe_failure
 

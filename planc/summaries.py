@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 
+from planc import plan as planfile
 from planc import ui
 from planc.ui import Col
 
@@ -92,19 +93,22 @@ def idle_warning(idle: list[int], devices: int) -> str:
             "stage (a larger data axis) or use a smaller cluster")
 
 
-def plan_idle_warning(plan: dict) -> list[str]:
-    """The idle-devices warning of a compiled plan (plan.json), as ``planc check`` and ``planc compile`` print
-    it (``planc explain`` prints it under its stages table); empty when every device runs a stage."""
-    idle = idle_devices(plan.get("stages") or [], plan["cluster"]["devices"])
-    return [idle_warning(idle, plan["cluster"]["devices"])] if idle else []
+def plan_idle_warning(plan: planfile.Plan | dict) -> list[str]:
+    """The idle-devices warning of a compiled plan (or its plan.json), as ``planc check`` and ``planc compile``
+    print it (``planc explain`` prints it under its stages table); empty when every device runs a stage."""
+    plan = planfile.Plan.of(plan)
+    n = plan.cluster.devices
+    used = {d for s in plan.stages for d in s.devices}
+    idle = [d for d in range(n) if d not in used] if plan.stages else []
+    return [idle_warning(idle, n)] if idle else []
 
 
-def tensor_group_data(plan: dict) -> list[dict]:
-    """plan.json's tensor groups by stage: ``[{"stage", "tensor", "groups"}]`` (each group the devices that
+def tensor_group_data(plan: planfile.Plan) -> list[dict]:
+    """The plan's tensor groups by stage: ``[{"stage", "tensor", "groups"}]`` (each group the devices that
     split the stage's layers and all-reduce their activations among themselves)."""
-    stage_of = {d: s["index"] for s in plan.get("stages") or () for d in _flat(s["mesh"])}
+    stage_of = {d: s.index for s in plan.stages for d in s.devices}
     out: dict[int, list] = {}
-    for g in plan.get("tensor_groups") or ():
+    for g in plan.tensor_groups:
         out.setdefault(stage_of.get(g[0]), []).append(list(g))
     return [{"stage": s, "tensor": len(gs[0]), "groups": gs} for s, gs in sorted(out.items(), key=lambda kv: (kv[0] is None, kv[0] or 0))]
 

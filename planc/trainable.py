@@ -7,7 +7,7 @@
 from __future__ import annotations
 
 from planc import ir
-from planc.lang.errors import Diagnostic
+from planc.diagnostics import Diagnostic
 
 DATA_AXIS = ir.MeshAxis.DATA
 

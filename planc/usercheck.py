@@ -14,7 +14,7 @@ from __future__ import annotations
 import re
 
 from planc import ir
-from planc.lang.errors import Diagnostic
+from planc.diagnostics import Diagnostic
 
 __all__ = ["exercise_request", "probe_failure"]
 

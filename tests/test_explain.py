@@ -25,8 +25,10 @@ def _flat(text: str) -> str:
 
 
 def test_explain_p2_plan_shows_matrix_reasons_and_programs():
-    plan = compile_file(ROOT / "plans" / "p2-running-example.plan", probe=False).plan_json
-    text = explain(plan)
+    compiled = compile_file(ROOT / "plans" / "p2-running-example.plan", probe=False)
+    plan = compiled.plan_json
+    text = explain(compiled.plan)              # the typed plan, as the CLI gives it
+    assert explain(plan) == text               # plan.json, read once with the plan file's reader
     flat = _flat(text)
     pl = plan["placement"]
     assert f"placement: {pl['candidates']} parallelism matrices fit" in text
@@ -115,37 +117,50 @@ def test_explain_draw_bad_suffix_or_no_matplotlib_exit_2(tmp_path):
 
 
 def _small_plan() -> dict:
-    """A hand-written plan.json: 2 hosts x 2 devices, stage 0 on host 0, stage 1 on host 1."""
-    def transfer(name, **extra):
-        t = {"name": name, "dtype": "f32", "shape": [4, 8],
-             "src": {"stage": 0, "spec": "S0 R"}, "dst": {"stage": 1, "spec": "R S0"},
-             "strategy": "send_recv", "chunks": 1, "scheduler": "naive",
-             "tasks": [{"slice": [[0, 2], [0, 4]]}, {"slice": [[0, 2], [4, 8]]},
-                       {"slice": [[2, 4], [0, 4]]}, {"slice": [[2, 4], [4, 8]]}],
-             "makespan": 0.002, "lower_bound": 0.001, "naive_makespan": 0.002}
-        t.update(extra)
-        return t
+    """A hand-written plan.json: 2 hosts x 2 devices, stage 0 on host 0, stage 1 on host 1. ``hidden`` and
+    ``again`` go S0 R -> R S0, their gradients back the same way reversed; ``odd`` goes S0 R -> R R and its
+    gradients come back replicated (R R -> R R), regions that are not the forward ones reversed."""
+    def task(piece, sender, receivers):
+        return {"slice": piece, "holders": [sender], "receivers": receivers, "sender": sender}
+
+    def route(regions, tasks, **extra):
+        return {"strategy": "send_recv", "chunks": 1, "scheduler": "naive", "tasks": tasks, **extra,
+                "regions": regions}
+
+    def transfer(name, regions, tasks, backward):
+        return {"name": name, "dtype": "f32", "shape": [4, 8],
+                "src": {"stage": 0, "spec": "S0 R"}, "dst": {"stage": 1, "spec": "R S0" if name != "odd" else "R R"},
+                **route(regions, tasks, makespan=0.002, lower_bound=0.001, naive_makespan=0.002),
+                "backward": backward}
     fwd = {"src": {"0": [[0, 2], [0, 8]], "1": [[2, 4], [0, 8]]},
            "dst": {"2": [[0, 4], [0, 4]], "3": [[0, 4], [4, 8]]}}
-    back = {"src": fwd["dst"], "dst": fwd["src"]}
+    pieces = [([[a, a + 2], [b, b + 4]], a // 2, 2 + b // 4) for a in (0, 2) for b in (0, 4)]
+    tasks = [task(p, s, [r]) for p, s, r in pieces]
+    back = route({"src": fwd["dst"], "dst": fwd["src"]}, [task(p, r, [s]) for p, s, r in pieces], makespan=0.002)
+    whole = [[0, 4], [0, 8]]
+    odd = {"src": fwd["src"], "dst": {"2": whole, "3": whole}}
+    odd_tasks = [task([[0, 2], [0, 8]], 0, [2, 3]), task([[2, 4], [0, 8]], 1, [2, 3])]
+    odd_back = route({"src": {"2": whole, "3": whole}, "dst": {"0": whole, "1": whole}},
+                     [task(whole, 2, [0]), task(whole, 3, [1])])
     return {
-        "name": "tiny",
-        "cluster": {"levels": [{"name": "node", "fanout": 2}, {"name": "gpu", "fanout": 2}],
+        "format": "planc/1", "name": "tiny",
+        "cluster": {"levels": [{"name": "node", "fanout": 2, "bandwidth": None, "latency": 0.0},
+                               {"name": "gpu", "fanout": 2, "bandwidth": None, "latency": 0.0}],
                     "host_level": "node", "devices": 4, "hosts": [[0, 1], [2, 3]]},
-        "stages": [{"index": 0, "layers": None, "mesh": [0, 1], "mesh_axes": ["data"]},
-                   {"index": 1, "layers": None, "mesh": [2, 3], "mesh_axes": ["data"]}],
+        "groups": [[0, 1]], "stage_mode": "pipe_axis",
+        "stages": [{"index": 0, "layers": None, "devices": [0, 1], "mesh": [0, 1], "mesh_axes": ["data"],
+                    "mesh_shape": [2], "mesh_devices": [0, 1]},
+                   {"index": 1, "layers": None, "devices": [2, 3], "mesh": [2, 3], "mesh_axes": ["data"],
+                    "mesh_shape": [2], "mesh_devices": [2, 3]}],
         "reductions": [
             {"name": "gradients", "stage": 0, "axes": ["data"], "bytes": 1024, "groups": [[0, 1]],
-             "program": {"text": "allreduce(slice=root, form=inside)",
-                         "steps": [{"collective": "allreduce", "groups": [[0, 1]]}], "predicted": 1e-5},
+             "program": {"text": "allreduce(slice=root, form=inside)", "unit": 1,
+                         "steps": [{"collective": "allreduce", "groups": [[0, 1]], "regions": [[0, 1]]}],
+                         "predicted": 1e-5},
              "allreduce_predicted": 1e-5, "candidates": 3, "alternatives": []},
         ],
-        "transfers": [
-            transfer("hidden", regions=fwd, backward={"makespan": 0.002, "regions": back}),
-            transfer("old"),                                      # plan.json from before regions
-            transfer("odd", regions={"src": {"0": [[0, 4], [0, 8]]}, "dst": {"2": [[0, 4], [0, 8]], "x": "?"}},
-                     backward={"regions": {"src": {"3": [[0, 4], [0, 8]]}, "dst": {"1": [[0, 4], [0, 8]]}}}),
-        ],
+        "transfers": [transfer("hidden", fwd, tasks, back), transfer("again", fwd, tasks, back),
+                      transfer("odd", odd, odd_tasks, odd_back)],
     }
 
 
@@ -156,13 +171,13 @@ def _rows(block: str) -> list[list[str]]:
 
 def test_explain_prints_each_devices_region_on_both_meshes():
     text = explain(_small_plan())
-    block = text[text.index("transfer hidden:"):text.index("\n\ntransfer old:")]
+    block = text[text.index("transfer hidden:"):text.index("\n\ntransfer again:")]
     assert block.startswith("""\
 transfer hidden: f32[4, 8] stage 0 (S0 R) -> stage 1 (R S0)
   4 unit task(s), strategy send_recv, scheduled by naive
   makespan 2.000 ms; lower bound 1.000 ms (2.00x; the bound counts NIC bytes,
       not latency); naive schedule 2.000 ms
-  scheduled on one NIC timeline with old, odd (same source stage): times are
+  scheduled on one NIC timeline with again, odd (same source stage): times are
       where this transfer ends on it
   regions (global ranges a:b per dim; src = stage 0's mesh, dst = stage 1's):
 """)
@@ -180,20 +195,32 @@ transfer hidden: f32[4, 8] stage 0 (S0 R) -> stage 1 (R S0)
     assert "reduce gradients over data (stage 0): 1.0 KiB per group, 1 group(s) of 2" in text
 
 
-def test_explain_without_regions_or_with_odd_ones_does_not_crash():
+def test_explain_shows_backward_regions_that_are_not_the_forward_ones_reversed():
     text = explain(_small_plan())
-    old = text[text.index("transfer old:"):text.index("\n\ntransfer odd:")]
-    assert "regions" not in old
     odd = text[text.index("transfer odd:"):]
-    assert re.search(r"^\s+x\s+\?\s+\?$", odd, re.M)                  # device x, host ?, dst region ?
     assert "  backward regions (src = stage 1's mesh, sending gradients; dst = stage 0's):" in odd
     back = odd[odd.index("backward regions"):]
-    assert re.search(r"^\s+1\s+0\s+\[0:4, 0:8\]$", back, re.M)         # dev 1 on host 0: dst only
+    assert re.search(r"^\s+0\s+0\s+\[0:4, 0:8\]$", back, re.M)          # dev 0 on host 0: dst only
     assert re.search(r"^\s+3\s+1\s+\[0:4, 0:8\]\s*$", back, re.M)      # dev 3 on host 1: src only
     hdr = next(l for l in back.splitlines() if l.startswith("device"))
-    one = next(l for l in back.splitlines() if re.match(r"^\s+1\s", l))
+    zero = next(l for l in back.splitlines() if re.match(r"^\s+0\s", l))
     three = next(l for l in back.splitlines() if re.match(r"^\s+3\s", l))
-    assert one.index("[") == hdr.index("dst") and three.index("[") == hdr.index("src")
+    assert zero.index("[") == hdr.index("dst") and three.index("[") == hdr.index("src")
+
+
+def test_explain_reads_plan_json_with_the_plan_files_reader():
+    """explain takes the typed plan; a plan.json document is read once, validated: a transfer without its
+    regions, or a malformed note of the compiler's, is named by its key."""
+    import pytest
+    from planc.plan import PlanFileError
+    doc = _small_plan()
+    del doc["transfers"][1]["regions"]
+    with pytest.raises(PlanFileError, match=r"^plan.json: transfers\[1\].regions: missing$"):
+        explain(doc)
+    doc = _small_plan()
+    doc["reductions"][0]["candidates"] = "3"
+    with pytest.raises(PlanFileError, match=r"^plan.json: reductions\[0\].candidates: expected an integer"):
+        explain(doc)
 
 
 TP = ROOT / "tests" / "plans" / "gpt-1-to-data2-tensor2.plan"

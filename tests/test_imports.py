@@ -223,3 +223,29 @@ def test_the_contract_imports_only_the_standard_library_and_itself():
                 continue
             assert all(t in sys.stdlib_module_names or t == "__future__" for t in tops), (m, tops)
     assert CONTRACT in graph["planc.ir"]
+
+
+# the modules of planc/ that may import the front end: the driver that loads a .plan, and the CLI
+FRONT_END_USERS = ("planc.compile", "planc.cli")
+
+
+def test_only_the_driver_imports_the_front_end():
+    """Passes and the readers of plan.json report errors through planc.diagnostics, not
+    planc.lang.errors: importing any planc.lang module runs planc/lang/__init__.py, the parser."""
+    graph, _ = import_graph()
+    users = sorted(m for m, edges in graph.items()
+                   if m.split(".")[0] == "planc" and not (m == "planc.lang" or m.startswith("planc.lang."))
+                   and any(t == "planc.lang" or t.startswith("planc.lang.") for t in edges))
+    assert users == sorted(FRONT_END_USERS), users
+
+
+def test_importing_the_passes_leaves_the_parser_out():
+    """A fresh interpreter that imports the passes, the plan readers and codegen has not loaded lark."""
+    import subprocess
+    import sys
+    passes = ("planc.reduction", "planc.placement", "planc.resharding", "planc.pipeline", "planc.cost",
+              "planc.infer", "planc.verify", "planc.codegen", "planc.explain")
+    code = (f"import sys\nimport {', '.join(passes)}\n"
+            "print(sorted(m for m in sys.modules if m == 'lark' or m.startswith(('lark.', 'planc.lang'))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr

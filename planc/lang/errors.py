@@ -1,7 +1,8 @@
 """The front end's name for planc's diagnostics (:mod:`planc.diagnostics`, where they live).
 
 ``Diagnostic`` and ``PlanError`` are a leaf any pass may import; they sit outside ``planc.lang`` so that
-``planc.budget``, which the checker imports, does not import the front end back.
+``planc.budget``, which the checker imports, does not import the front end back, and so that a pass
+does not load the parser: passes import :mod:`planc.diagnostics`, only the front end imports this.
 """
 
 from __future__ import annotations

@@ -31,7 +31,7 @@ from fractions import Fraction
 from typing import Iterable, Sequence
 
 from planc import ir
-from planc.lang.errors import Diagnostic, PlanError
+from planc.diagnostics import Diagnostic, PlanError
 from planc.pipeline.memory import StageMemory, layer_bytes, optimizer_states, recomputes
 from planc.pipeline.schedules import peak_in_flight
 

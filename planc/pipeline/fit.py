@@ -16,7 +16,7 @@ import math
 from dataclasses import dataclass
 
 from planc import ir
-from planc.lang.errors import Diagnostic, PlanError
+from planc.diagnostics import Diagnostic, PlanError
 from planc.pipeline.memory import StageMemory
 from planc.pipeline.schedules import peak_in_flight
 

@@ -15,7 +15,7 @@ from typing import Any
 
 from planc import ir
 from planc.cost import Network, step_coefficients
-from planc.lang.errors import Diagnostic, PlanError
+from planc.diagnostics import Diagnostic, PlanError
 from planc.placement import closed
 from planc.placement.mapping import (
     Coords, coords_for, device_of, level_coords, program_costs, reduction_factors, reduction_lower_bound,

@@ -10,6 +10,7 @@ from . import checkpoint   # planc.json of a checkpoint (its own FORMAT): planc.
 from .file import FORMAT, Plan, digest, dumps, load
 from .gates import DEFAULT_AHEAD, post_gates
 from .jsonpath import At, Group, PlanFileError, Range, Region
+from .notes import LayerNotes, Notes, PipelineNotes, PlacementNotes, ReductionNotes, TransferNotes
 from .optim import OPTIMIZER_DEFAULTS, LossScale, LrSchedule, Optimizer
 from .records import Cluster, Holder, Level, Reduction, Stage, Step, Tied, TiedSplit
 from .runtime import (DEFAULT_GRAD_BUCKET_BYTES, DEFAULT_RECV_AHEAD, DEFAULT_REDUCE_BUCKET_BYTES,
@@ -25,5 +26,6 @@ __all__ = [
     "DEFAULT_REDUCE_BUCKET_BYTES", "DEFAULT_SHM_SLOT_BYTES", "Runtime", "CodeRef", "HfModel", "VocabSplit", "padded_vocab", "vocab_rows", "Pipeline", "TagLayout", "Train", "Route", "Task",
     "Transfer", "DTYPE_NAMES", "Backend", "Collective", "Direction", "InHost", "MeshAxis", "Precision",
     "ReductionMode", "Schedule", "StageMode", "Strategy", "OPTIMIZER_DEFAULTS", "LossScale", "LrSchedule",
-    "Optimizer", "Recompute", "DEFAULT_AHEAD", "post_gates", "checkpoint",
+    "Optimizer", "Recompute", "DEFAULT_AHEAD", "post_gates", "checkpoint", "Notes", "PlacementNotes",
+    "ReductionNotes", "TransferNotes", "PipelineNotes", "LayerNotes",
 ]

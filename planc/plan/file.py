@@ -84,6 +84,12 @@ class Plan:
         plan._check_references()
         return plan
 
+    @staticmethod
+    def of(plan: "Plan | dict") -> "Plan":
+        """``plan`` itself, or a plan.json document read (and validated) once with :meth:`from_json`: what
+        the readers of a compiled plan (explain, codegen, the drawing) take."""
+        return plan if isinstance(plan, Plan) else Plan.from_json(plan)
+
     def check(self) -> "Plan":
         """The plan's cross-record checks (the records themselves are checked where they are read):
         stage indices and disjoint devices, every group a step or task uses listed, every route's regions

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from planc import ir
-from planc.lang.errors import Diagnostic, PlanError, did_you_mean
+from planc.diagnostics import Diagnostic, PlanError, did_you_mean
 from planc.reduction import semantics
 from planc.reduction.hierarchy import Hierarchy
 from planc.reduction.lower import LoweringError, lower_program, resolve

@@ -28,7 +28,7 @@ from typing import Callable, Sequence
 
 from planc import ir
 from planc import plan as planfile
-from planc.lang.errors import Diagnostic, PlanError
+from planc.diagnostics import Diagnostic, PlanError
 from planc.reduction.check import check_tied, check_tied_pieces
 
 __all__ = ["plan_tied", "tied_groups", "contribution_keys", "vocab_pieces"]

@@ -29,7 +29,7 @@ from typing import Mapping, Sequence
 
 from planc import ir
 from planc.cost import Network, collective_time
-from planc.lang.errors import Diagnostic, PlanError
+from planc.diagnostics import Diagnostic, PlanError
 from planc.reduction import check, semantics
 from planc.reduction.costs import hierarchy_coefficients, lowered, rank_programs
 from planc.reduction.hierarchy import Hierarchy, layout_for

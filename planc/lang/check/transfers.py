@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-import math
 import re
 
 from planc import ir
 from planc.lang import ast
 from planc.lang.check.values import Diagnostics, did_you_mean, int_of, source_text, tensor_type
+from planc.spec_fit import spec_divide_error, spec_length_error
 from planc.span import Span
 
-__all__ = ["check_transfers", "spec_length_error", "spec_divide_error"]
+__all__ = ["check_transfers", "spec_length_error", "spec_divide_error"]  # the last two: planc.spec_fit
 
 _SPEC_TOKEN = re.compile(r"R|S01|S0|S1")
 
@@ -132,19 +132,3 @@ def _spec(errs: Diagnostics, sp: ast.Spec, shape: tuple[int, ...] | None, stage:
                 return None
     return ir.ShardingSpec(tuple(a for a, _ in entries))
 
-
-def spec_length_error(entries: int, shape) -> str | None:
-    """The message for a spec whose entry count is not the tensor's rank (None: it is)."""
-    if entries == len(shape):
-        return None
-    return (f"the spec has {entries} entries but the tensor has {len(shape)} dimensions "
-            f"{list(shape)}; write one entry per dimension")
-
-
-def spec_divide_error(tdim: int, size: int, axes: tuple[int, ...], mesh_shape, stage: int) -> str | None:
-    """The message for tensor dimension ``tdim`` of ``size`` not dividing over mesh ``axes`` (None: it does)."""
-    n = math.prod(mesh_shape[a] for a in axes)
-    if size % n == 0:
-        return None
-    return (f"tensor dimension {tdim} of size {size} does not divide evenly over mesh size {n} "
-            f"(stage {stage}, {'S' + ''.join(map(str, axes))})")
