@@ -164,7 +164,7 @@ def run_engine(tb, tmp: Path, hosts: int, per_host: int, rate: float, timeout: f
 
         def work(on_phase, dest=dest, b=b):
             return tb.launch(dest, steps=ENGINE_STEPS, timeout=timeout, comm_only=False, memory=False,
-                             on_step=lambda i, _s: on_phase(f"engine, {b} micro-batches, step {i + 1}"))
+                             launcher="direct", on_step=lambda i, _s: on_phase(f"engine, {b} micro-batches, step {i + 1}"))
 
         r = with_progress(work, ENGINE_STEPS, f"calibrate the runtime's own time ({b} micro-batches)")
         steps = r.step_times[ENGINE_WARMUP:]

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from planc import plan as planfile
 
-__all__ = ["variant"]
+__all__ = ["variant", "with_timeout"]
 
 
 def variant(out: Path | str, name: str, *, drop_nic_order: bool = False, **runtime) -> Path:
@@ -30,5 +30,26 @@ def variant(out: Path | str, name: str, *, drop_nic_order: bool = False, **runti
     plan = dataclasses.replace(plan, runtime=dataclasses.replace(plan.runtime, **runtime))
     if drop_nic_order and plan.pipeline is not None:
         plan = dataclasses.replace(plan, pipeline=dataclasses.replace(plan.pipeline, nic_order=()))
+    (dest / "plan.json").write_text(planfile.dumps(plan))
+    return dest
+
+
+def with_timeout(out: Path | str, seconds: float) -> Path:
+    """``OUT-timeout<S>/``: a copy of ``out`` whose ranks end within ``seconds`` of a collective that does not
+    complete (plan.json ``train.timeout``, or ``runtime.timeout`` for a plan without a model): the
+    collective timeout is the plan's, read from nowhere else. ``out`` itself where it holds that already."""
+    out = Path(out)
+    plan = planfile.load(out / "plan.json")
+    planned = plan.train.timeout if plan.train is not None else plan.runtime.timeout
+    if planned == float(seconds):
+        return out
+    dest = out.parent / f"{out.name}-timeout{float(seconds):g}"
+    if dest.exists():
+        shutil.rmtree(dest)
+    shutil.copytree(out, dest, ignore=shutil.ignore_patterns("logs", "__pycache__"))
+    if plan.train is not None:
+        plan = dataclasses.replace(plan, train=dataclasses.replace(plan.train, timeout=float(seconds)))
+    else:
+        plan = dataclasses.replace(plan, runtime=dataclasses.replace(plan.runtime, timeout=float(seconds)))
     (dest / "plan.json").write_text(planfile.dumps(plan))
     return dest

@@ -13,6 +13,8 @@ path) run on the compiled plan in ``planc.verify``'s ``assemble`` verifier, whic
 
 from __future__ import annotations
 
+import dataclasses
+
 from pathlib import Path
 
 from planc import __version__, hfmodel, ir
@@ -46,11 +48,20 @@ def assemble(decisions, ctx) -> planfile.Plan:
                            next((p for p in program.stages if p.index == s.index), None)) for s in stages), reds,
         transfer_records(program, stages, transfers, backward),
         pipeline.record() if pipeline is not None else None,
-        train, program.train.runtime, _head(program, ctx))
+        train, _runtime(program, train), _head(program, ctx))
     try:
         return plan.check()
     except planfile.PlanFileError as e:   # a compiler bug, never the user's: say so
         raise AssertionError(f"the compiler assembled an invalid plan file: {e}") from None
+
+
+def _runtime(program: ir.Program, train) -> planfile.Runtime:
+    """plan.json ``runtime``: the train block's runtime settings; and its ``timeout`` where no train record
+    holds it (a plan without a model: its communication-only run ends within it too)."""
+    runtime = program.train.runtime
+    if train is None and program.train.timeout is not None:
+        runtime = dataclasses.replace(runtime, timeout=program.train.timeout)
+    return runtime
 
 
 def _head(program: ir.Program, ctx) -> tuple:

@@ -243,7 +243,7 @@ def test_stock_deepspeed_and_compute_only_run_per_host_in_the_testbed(tmp_path):
                           script=ROOT / "benchmarks/bench/stock_deepspeed.py",
                           extra_args=["--out", str(out), "--partition", iteration.stock_partition(c.plan_json)]).check()
         compute = tb.launch(out, steps=2, timeout=240, comm_only=False, env=env, script=Path(iteration.__file__),
-                            extra_args=["--compute-only", "--out", str(out)]).check()
+                            launcher="direct", extra_args=["--compute-only", "--out", str(out)]).check()
     assert "parts=[0, 2, 4], topology pipe 2 x data 2" in stock.stdout
     assert len(ref_losses) == len(stock.losses) == 2
     assert stock.losses == pytest.approx(ref_losses, rel=1e-4)

@@ -128,7 +128,7 @@ def started(outs):
             hang["error"] = f"{type(e).__name__}: {e}"
 
     bench = {"shm_before": set(glob.glob("/dev/shm/deepspeed_allreduce_buffer_*"))}
-    env = dict(os.environ, PLANC_BENCH_LINK_DOWN="0@1", PLANC_COLLECTIVE_TIMEOUT_S=str(TIMEOUT_S), **extensions_env())
+    env = dict(os.environ, PLANC_BENCH_LINK_DOWN="0@1", PLANC_BENCH_COLLECTIVE_TIMEOUT_S=str(TIMEOUT_S), **extensions_env())
     bench["p"] = subprocess.Popen([sys.executable, "-m", "benchmarks", "bench", "testbed"], stdout=subprocess.PIPE,
                                   stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
     th = threading.Thread(target=run_hang, daemon=True)

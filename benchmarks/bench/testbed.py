@@ -16,7 +16,7 @@ A fault can be injected for real (benchmarks/testbed/faults.py; docs/testbed.md
 "Faults"): ``PLANC_BENCH_LINK_DOWN=SECONDS[@HOST]`` takes HOST's link (default
 the last host) down that long after rank 0's first step of the first case; the
 bench then stops with the launch's account on stderr and exits 1.
-``PLANC_COLLECTIVE_TIMEOUT_S`` is passed on to the ranks (default 120 s).
+``PLANC_BENCH_COLLECTIVE_TIMEOUT_S`` is the collective timeout its launches' plans get (default 120 s).
 """
 
 from __future__ import annotations
@@ -257,13 +257,13 @@ def run() -> str:
 
     try:
         link_down = parse_link_down(os.environ.get(LINK_DOWN_ENV))
-        text = os.environ.get("PLANC_COLLECTIVE_TIMEOUT_S") or "120"
+        text = os.environ.get("PLANC_BENCH_COLLECTIVE_TIMEOUT_S") or "120"
         try:
             limit = float(text)
         except ValueError:
             limit = float("nan")
         if not limit > 0:
-            raise ValueError(f"PLANC_COLLECTIVE_TIMEOUT_S must be positive seconds, not {text!r}")
+            raise ValueError(f"PLANC_BENCH_COLLECTIVE_TIMEOUT_S must be positive seconds, not {text!r}")
     except ValueError as e:
         print(f"benchmarks bench testbed: {e}", file=sys.stderr)
         raise SystemExit(2) from None

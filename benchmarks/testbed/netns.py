@@ -25,10 +25,13 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from planc.plan.runtime import DEFAULT_TIMEOUT_S
+
 from benchmarks.testbed.faults import FaultsMixin, check_loss
 from benchmarks.testbed.namespaces import (BRIDGE, IFNAME, NAME_RE, available, cleanup_stale,  # noqa: F401
                                            delete_netns, netns_list, pick_subnet, run)
 from benchmarks.testbed.result import LaunchResult, TestbedError
+from benchmarks.variant import with_timeout
 from benchmarks.testbed.watch import (_RANK_FAILED_RE, STEP_RE, TRAIN_STEP_RE, RankTracker, StepBar,  # noqa: F401
                                  _rank_failed, _StepWatch, deepspeed_command, describe_failure, remove_shm,
                                  sample_hwm, shm_buffers, uts_wrapper)
@@ -226,7 +229,7 @@ class Testbed(FaultsMixin):
         SCRIPT is OUT/train.py unless ``script`` is given; ARGS are ``--comm-only``
         (``comm_only=True``) or ``args`` when given, then ``--steps N`` and
         ``extra_args``. Every process gets GLOO_SOCKET_IFNAME, DS_ACCELERATOR=cpu, CUDA_VISIBLE_DEVICES=""
-        (no GPU on an emulated host: ``backend = auto`` is gloo), OMP_NUM_THREADS=1, PLANC_COLLECTIVE_TIMEOUT_S; ``env``
+        (no GPU on an emulated host: ``backend = auto`` is gloo), OMP_NUM_THREADS=1; ``env``
         adds to them. After ``timeout`` seconds (or ``grace`` seconds after a
         launcher or rank failed) every process group is killed. With ``memory``,
         each rank's VmHWM (/proc/PID/status) is sampled while it runs.
@@ -235,8 +238,9 @@ class Testbed(FaultsMixin):
         with ``set_link_mbit`` while the program runs (or to apply a fault: ``link_down``,
         ``set_loss``, ``kill_rank``).
 
-        ``collective_timeout`` (seconds) becomes PLANC_COLLECTIVE_TIMEOUT_S; by default the
-        plan's ``train { timeout = ... }`` when it has one, else max(30, ``timeout``). When the
+        ``collective_timeout`` (seconds): the ranks run a copy of the output whose plan.json holds it
+        (``benchmarks.variant.with_timeout``; the ranks read it from nowhere else); by default the
+        plan's own ``timeout``, else the runtime's default (300 s). When the
         launch fails, ``LaunchResult.failure`` says which rank failed first and how, what every
         rank said, and the faults applied during the run.
 
@@ -266,10 +270,13 @@ class Testbed(FaultsMixin):
             world = sum(counts)
         if any(not (isinstance(h, int) and 0 <= h < len(hosts)) for h in (host_outs or {})):
             raise ValueError(f"host_outs: hosts must be among the plan's 0..{len(hosts) - 1}, not {sorted(host_outs)}")
-        if collective_timeout is None:
-            collective_timeout = (plan.get("train") or {}).get("timeout") or max(30, int(timeout))
+        planned = (plan.get("train") or {}).get("timeout") or (plan.get("runtime") or {}).get("timeout")
+        asked, collective_timeout = collective_timeout, collective_timeout or planned or DEFAULT_TIMEOUT_S
         if collective_timeout <= 0:
             raise ValueError(f"collective_timeout must be positive, not {collective_timeout}")
+        if asked is not None and collective_timeout != planned:   # the ranks read it from their plan.json only: a copy that holds it
+            out = with_timeout(out, collective_timeout)
+            host_outs = {h: with_timeout(o, collective_timeout) for h, o in (host_outs or {}).items()}
         script = Path(script).resolve() if script is not None else out / "train.py"
         outs = {h: Path((host_outs or {}).get(h, out)).resolve() for h in range(len(hosts))}
         scripts = {h: outs[h] / "train.py" if h in (host_outs or {}) else script for h in range(len(hosts))}
@@ -284,7 +291,6 @@ class Testbed(FaultsMixin):
         # CUDA_VISIBLE_DEVICES empty: the emulated hosts have no GPU, so a plan's `backend = auto`
         # resolves to gloo on any machine (a plan that insists on nccl is refused at start)
         base.update(DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONPATH=str(LAB_ROOT), CUDA_VISIBLE_DEVICES="",
-                    PLANC_COLLECTIVE_TIMEOUT_S=f"{float(collective_timeout):g}",
                     PATH=str(Path(python).parent) + os.pathsep + os.environ.get("PATH", ""),
                     GLOO_SOCKET_IFNAME=IFNAME)
         port = str(next(self._ports))

@@ -28,7 +28,7 @@ class LaunchResult:
     killed: bool = False                  # the testbed killed what was left (timeout, or grace after a failure)
     events: list[tuple[float, str]] = field(default_factory=list)     # faults: (seconds after the start, what)
     dropped_packets: dict[int, int] = field(default_factory=dict)     # host -> packets the loss fault dropped
-    collective_timeout_s: float = 0.0     # PLANC_COLLECTIVE_TIMEOUT_S the ranks ran with
+    collective_timeout_s: float = 0.0     # the collective timeout of the plan the ranks ran
     host_exits: dict[int, int | None] = field(default_factory=dict)   # host -> its DeepSpeed launcher's returncode
     shm_removed: list[str] = field(default_factory=list)  # DeepSpeed /dev/shm buffers its ranks left, removed
 

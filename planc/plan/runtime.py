@@ -13,12 +13,14 @@ from .jsonpath import At, extra, with_extra
 from .vocab import Backend, InHost
 
 __all__ = ["Runtime", "DEFAULT_RECV_AHEAD", "DEFAULT_GRAD_BUCKET_BYTES",
-           "DEFAULT_REDUCE_BUCKET_BYTES", "DEFAULT_SHM_SLOT_BYTES"]
+           "DEFAULT_REDUCE_BUCKET_BYTES", "DEFAULT_SHM_SLOT_BYTES",
+           "DEFAULT_TIMEOUT_S"]
 
 DEFAULT_RECV_AHEAD = 4                    # receives posted ahead per transfer direction
 DEFAULT_GRAD_BUCKET_BYTES = 8 << 20       # a gradient bucket is reduced once its last gradient is ready
 DEFAULT_REDUCE_BUCKET_BYTES = 32 << 20    # a reduction program runs on buffers of at most this size
 DEFAULT_SHM_SLOT_BYTES = 8 << 20          # per member of an in-host shared-memory segment (in_host)
+DEFAULT_TIMEOUT_S = 300.0                 # the collective timeout of a plan that sets none
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,10 +38,13 @@ class Runtime:
     # each member's slot of an in-host shared-memory segment (in_host = shared_memory): a region larger
     # goes in windows of it; the runtime rounds it up to a multiple of 64 bytes (slots stay aligned)
     shm_slot_bytes: int = DEFAULT_SHM_SLOT_BYTES
+    # the collective timeout (s) of a plan without a model (train { timeout = ... } with no train record
+    # to hold it: a communication-only plan); a plan with a model keeps it in train.timeout
+    timeout: float | None = None
     extra: tuple = ()
 
     KEYS = ("backend", "recv_ahead", "grad_bucket_bytes", "reduce_bucket_bytes", "in_host", "shm_slot_bytes",
-            "nic_drain", "signal_transfers")
+            "nic_drain", "signal_transfers", "timeout")
 
     @staticmethod
     def read(at: At) -> "Runtime":
@@ -54,11 +59,22 @@ class Runtime:
                        at.key("nic_drain", d.nic_drain).bool(),
                        at.key("signal_transfers", d.signal_transfers).bool(),
                        at.key("shm_slot_bytes", d.shm_slot_bytes).int(1),
+                       _seconds(at.key("timeout", None)),
                        extra(at, Runtime.KEYS))
 
     def to_json(self) -> dict:
         return with_extra({"backend": str(self.backend), "recv_ahead": self.recv_ahead,
                            "grad_bucket_bytes": self.grad_bucket_bytes,
                            "reduce_bucket_bytes": self.reduce_bucket_bytes, "in_host": str(self.in_host),
-                           "shm_slot_bytes": self.shm_slot_bytes, "nic_drain": self.nic_drain, "signal_transfers": self.signal_transfers},
+                           "shm_slot_bytes": self.shm_slot_bytes, "nic_drain": self.nic_drain, "signal_transfers": self.signal_transfers,
+                           **({"timeout": self.timeout} if self.timeout is not None else {})},
                           self.extra)
+
+
+def _seconds(at: At) -> float | None:
+    if at.value is None:
+        return None
+    v = at.num()
+    if v <= 0:
+        at.fail(f"expected a positive number of seconds, got {v}")
+    return v

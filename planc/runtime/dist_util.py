@@ -36,12 +36,12 @@ import torch.distributed as dist
 
 from planc.plan import Plan
 from planc.plan import digest as plan_digest
+from planc.plan.runtime import DEFAULT_TIMEOUT_S   # the contract's default, re-exported
 
 __all__ = ["collective_timeout", "choose_backend", "init_distributed", "check_world",
            "check_hosts", "check_digests", "startup_checks", "StartupError", "DEFAULT_TIMEOUT_S",
            "lookup_group", "GroupMissing", "direction_groups", "BACKWARD", "cpu_threads", "limit_cpu_threads"]
 
-DEFAULT_TIMEOUT_S = 300.0
 
 
 class StartupError(RuntimeError):
@@ -51,9 +51,9 @@ class StartupError(RuntimeError):
 
 
 def collective_timeout(plan=None) -> datetime.timedelta:
-    """The plan's ``train { timeout = ... }`` (plan.json ``train.timeout``), else 300 s (also for a plan
-    without ``train``, and without a plan)."""
-    planned = plan.train.timeout if plan is not None and plan.train is not None else None
+    """The plan's ``train { timeout = ... }`` (plan.json ``train.timeout``; ``runtime.timeout`` for a plan
+    without a model), else 300 s (also without a plan)."""
+    planned = None if plan is None else plan.train.timeout if plan.train is not None else plan.runtime.timeout
     return datetime.timedelta(seconds=planned if planned is not None else DEFAULT_TIMEOUT_S)
 
 
