@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import copy
+import dataclasses
 import hashlib
 import json
 import math
@@ -528,9 +529,34 @@ def test_the_timeout_is_the_plans(monkeypatch):
     monkeypatch.setenv("PLANC_COLLECTIVE_TIMEOUT_S", "1")     # read by nothing any more
     assert dist_util.collective_timeout(timed).total_seconds() == 12.5
     assert dist_util.collective_timeout(SimpleNamespace(train=SimpleNamespace(timeout=None))).total_seconds() == 300
-    assert dist_util.collective_timeout(SimpleNamespace(train=None)).total_seconds() == 300   # --comm-only plans
+    assert dist_util.collective_timeout(SimpleNamespace(train=None, runtime=SimpleNamespace(timeout=None))
+                                        ).total_seconds() == 300
     assert dist_util.collective_timeout().total_seconds() == dist_util.DEFAULT_TIMEOUT_S == 300
     assert not hasattr(dist_util, "TIMEOUT_ENV")
+
+
+def test_a_plan_without_a_model_keeps_its_timeout_in_runtime(tmp_path):
+    """A communication-only plan has no train record: its ``train { timeout }`` goes to plan.json
+    ``runtime.timeout``, which its ranks use; a plan with a model keeps it in ``train.timeout`` only. The
+    testbed's copy for another timeout (benchmarks.variant.with_timeout) changes exactly that field."""
+    from benchmarks.variant import with_timeout
+    from planc import plan as planfile
+    from planc.codegen import write_output
+    from planc.compile import compile_file
+    src = tmp_path / "comm.plan"
+    src.write_text("plan comm {\n  cluster {\n    level gpu x 2 : bandwidth 10 GB/s, latency 5 us\n  }\n  stage 0 on devices 0..2 as (data = 2)\n"
+                   "  reduce grads over data using allreduce : f32[8]\n  train { timeout = 7 s }\n}\n")
+    c = compile_file(src, probe=False)
+    assert c.plan_json["runtime"]["timeout"] == 7 and "train" not in c.plan_json
+    plan = planfile.Plan.from_json(c.plan_json)
+    assert dist_util.collective_timeout(plan).total_seconds() == 7
+    out = write_output(c.plan_json, c.program, tmp_path / "out")
+    assert with_timeout(out, 7) == out                     # it holds that one already: no copy
+    copy = with_timeout(out, 45)
+    assert copy.name == "out-timeout45"
+    moved = planfile.load(copy / "plan.json")
+    assert moved.runtime.timeout == 45 and dist_util.collective_timeout(moved).total_seconds() == 45
+    assert dataclasses.replace(moved, runtime=plan.runtime) == plan    # nothing else differs
 
 
 # ----------------------------------------------------------------- topology
