@@ -108,7 +108,7 @@ def check_rendezvous(plan: planfile.Plan, ahead: int = DEFAULT_AHEAD, backend: s
         if found is not None:
             out += found
             continue
-        b = Builder(plan, backend, ahead, tensor_parallel)
+        b = Builder(plan, backend, ahead, tensor_parallel, shared)
         threads = []
         for rank in range(plan.cluster.devices):
             threads += b.train_threads(rank) if m == "train" else b.comm_only_threads(rank)
