@@ -53,5 +53,6 @@ def test_write_replaces_only_its_own_section(tmp_path, monkeypatch):
     run_bench("iteration", write=str(doc), section="iteration-bf16", plans=["plans/gpt-bench-2x2.plan"])
     text = doc.read_text()
     assert "old fp32" in text and "old bf16" not in text and "_Skipped: no testbed in this test" in text
-    replace_section(doc, "scale", "a table\n")
-    assert text in doc.read_text() and doc.read_text().endswith("<!-- bench:scale -->\na table\n<!-- /bench:scale -->\n")
+    replace_section(doc, "scale", "a table\n")   # a bench not on the page yet: appended
+    after = doc.read_text()
+    assert text in after and after.endswith("<!-- bench:scale -->\na table\n<!-- /bench:scale -->\n")
