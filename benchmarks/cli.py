@@ -127,7 +127,7 @@ def _cmd_bench(args) -> int:
         if args.what == "iteration":
             options["chart"] = options.get("chart") or args.plot   # step time against link rate
     try:
-        text = bench.run_bench(args.what, write=args.write, **options)
+        text = bench.run_bench(args.what, write=args.write, section=args.section, **options)
     except (AccuracyError, NicBenchError, ReportError) as e:
         print(e, file=sys.stderr)
         return EXIT_USER
@@ -300,6 +300,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--measured", type=int, default=None, metavar="N",
                    help="iteration: measured steps per rate and launch, after one discarded (default 5)")
     c.add_argument("--write", metavar="FILE", help="also write the table into FILE (e.g. docs/benchmarks.md)")
+    c.add_argument("--section", metavar="NAME", help="--write between the markers of NAME, not the bench's own "
+                                                     "(a second run of one bench, e.g. iteration-bf16)")
     c.add_argument("--plot", metavar="FILE", help="draw the table (.png or .svg): ratios against the bound or the "
                                                   "baseline as bars; iteration: step time against link rate")
     c.set_defaults(func=_cmd_bench)

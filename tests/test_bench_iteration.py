@@ -184,9 +184,9 @@ def test_report_ratios_and_not_applicable_rows():
     assert "`python -m benchmarks bench iteration plans/x.plan --rates 10,100`" in text
     text = iteration.markdown(_fake_result(stock=False), "10,100")
     assert "| 10 | stock DeepSpeed | n/a: skips to non-adjacent stages |" in text
-    assert "| planc 1f1b | 2, 4 | 1.5000, 1.2500 | 3.0 |" in text
+    assert "planc 1f1b 2/4 MB (losses 1.5000, 1.2500; 3.0 s)" in text
     assert "the fastest counts): gpipe 1.500 s, 1f1b 1.000 s, eager_1f1b — s." in text
-    assert "| compute-only (before) | — | — | — |" in text and "| planc 1f1b, signal transfers | — | — | — |" in text
+    assert "compute-only (before) — MB (— s)" in text and "planc 1f1b, signal transfers — MB (— s)" in text
 
 
 def test_run_bench_passes_options_and_skips_without_a_testbed(monkeypatch, tmp_path):

@@ -2,7 +2,8 @@
 
 Each benchmark module has ``run() -> str`` (a markdown section). With
 ``--write FILE`` the section replaces the text between its markers in FILE:
-``<!-- bench:NAME -->`` ... ``<!-- /bench:NAME -->`` (appended if absent).
+``<!-- bench:NAME -->`` ... ``<!-- /bench:NAME -->`` (appended if absent; ``section``: another NAME, for a
+second run of one bench, e.g. ``iteration-bf16``).
 ``run_bench(name, write, **options)`` passes ``options`` to ``run`` (``iteration``:
 ``plans``, ``rates``, ``json_path``, ``chart``; ``accuracy``: ``measured``, ``cluster``,
 ``json_path``; ``nic``: ``plans``, ``cluster``, ``rates``, ``json_path``).
@@ -17,13 +18,13 @@ BENCHES = ("synthesis", "resharding", "testbed", "iteration", "fuzz", "accuracy"
            "checkpoint", "build", "startup")
 
 
-def run_bench(name: str, write: str | None = None, **options) -> str:
+def run_bench(name: str, write: str | None = None, section: str | None = None, **options) -> str:
     if name not in BENCHES:
         raise ValueError(f"unknown benchmark {name!r}")
     options = {k: v for k, v in options.items() if v is not None}
     text = importlib.import_module(f"benchmarks.bench.{name}").run(**options).rstrip() + "\n"
     if write:
-        replace_section(Path(write), name, text)
+        replace_section(Path(write), section or name, text)
     return text
 
 

@@ -183,5 +183,5 @@ def report(data: dict) -> str:
 
 
 def run(**_) -> str:
-    return "## Building a rank's share, and what it holds (`bench build`)\n\n" + __doc__.split("\n\n", 1)[1] + \
-        "\n" + report(measure())
+    """The tables only: what they measure (this module's docstring) is said above the markers."""
+    return report(measure())

@@ -111,6 +111,14 @@ def _bound_line(table: list[dict], seconds: str, ratio: str, head: str) -> list[
             + ", ".join(f"{rate:g} Mbit/s {r[ratio]:.2f} ({r['program'][6:]})" for rate, r in best.items()) + "."]
 
 
+def _program_text(name: str, run: dict) -> str:
+    """``NAME RSS/RSS/... MB (losses L, L, L; S s)``: one program's resident peaks, first losses and launch time."""
+    mem = "/".join(f"{kb / 1024:.0f}" for _, kb in sorted(run.get("peak_rss_kb", {}).items())) or "—"
+    losses = ", ".join(f"{x:.4f}" for x in run.get("losses", [])[:3]) \
+        if "compute" not in name and "signal" not in name else ""
+    return f"{name} {mem} MB ({f'losses {losses}; ' if losses else ''}{run.get('launch_s', '—')} s)"
+
+
 def markdown(result: dict, rates_arg: str) -> str:
     lk = result["link"]
     parts = compute_parts(result.get("compute_only") or {})
@@ -120,8 +128,7 @@ def markdown(result: dict, rates_arg: str) -> str:
     lines = [f"### `{result['plan']}` ({result['name']}: {len(result['hosts'])} hosts of {hosts} ranks, "
              f"stages of {result['stages']} devices, {result['micro_batches']} micro-batches of "
              f"{result['micro_batch']} rows)", "",
-             f"Reproduce: `python -m benchmarks bench iteration {result['plan']} --rates {rates_arg}` "
-             f"(today: `python -m benchmarks.bench.iteration {result['plan']} --rates {rates_arg}`)", "",
+             f"Reproduce: `python -m benchmarks bench iteration {result['plan']} --rates {rates_arg}`", "",
              f"Link bound: {lk['busiest_bytes'] / 1e6:.2f} MB per iteration through host "
              f"{lk['busiest_host']}'s link ({lk['busiest_direction']}), ÷ the rate. Compute-only bound "
              f"(signal send/recv: each planc program with every transfer cut to one element, "
@@ -147,14 +154,10 @@ def markdown(result: dict, rates_arg: str) -> str:
                          "Fill and drain (`pipeline_link_bound`: a device's first inputs and another's last "
                          "gradients cross a host link with nothing coming the other way, the rest at most "
                          "both ways): the link needs at least ")
-    lines += ["", "| program | peak RSS per rank, MB (VmHWM) | loss, first steps | run s |", "|---|---|---|---|"]
-    for name, run in list(result["programs"].items()) + [
-            (f"planc {s}, signal transfers", r) for s, r in (result.get("signal") or {}).items()] + [
-            (f"compute-only ({r.get('when', '?')})", r) for r in result.get("compute_only_runs") or ()]:
-        mem = ", ".join(f"{kb / 1024:.0f}" for _, kb in sorted(run.get("peak_rss_kb", {}).items())) or "—"
-        losses = ", ".join(f"{x:.4f}" for x in run.get("losses", [])[:3]) \
-            if "compute" not in name and "signal" not in name else "—"
-        lines.append(f"| {name} | {mem} | {losses or '—'} | {run.get('launch_s', '—')} |")
+    lines += ["", "Per program, each rank's peak RSS in MB (VmHWM), the first losses and the launch's seconds: "
+              + "; ".join(_program_text(name, run) for name, run in list(result["programs"].items()) + [
+                  (f"planc {s}, signal transfers", r) for s, r in (result.get("signal") or {}).items()] + [
+                  (f"compute-only ({r.get('when', '?')})", r) for r in result.get("compute_only_runs") or ()]) + "."]
     per_round = round_ratios(result)
     if per_round:
         lines += ["", f"Per round ({result['rounds']} interleaved rounds; each ratio from that round's medians):"]

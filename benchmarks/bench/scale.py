@@ -122,17 +122,19 @@ def run(sizes=SIZES, verify: bool = True, tries: int = 3) -> str:
 
 def pass_table(rows: list[dict]) -> list[str]:
     """Seconds per pass (``--profile``) at every size, and the growth of the last step (the devices
-    grow 4x a step: a linear pass grows about 4x, more is super-linear, noise aside)."""
+    grow 4x a step: a linear pass grows about 4x, more is super-linear, noise aside): one paragraph
+    (docs/benchmarks.md holds one table per benchmark)."""
     done = [r for r in rows if "passes" in r]
     if not done:
         return []
     names = [n for n in done[0]["passes"] if any(r["passes"].get(n, 0.0) >= 0.1 for r in done)]
-    sizes = [f"{r['devices']:,}" for r in done]
-    last = f"growth, last step ({done[-1]['devices'] // done[-2]['devices']}x devices)" if len(done) > 1 else "growth"
-    out = ["Seconds per pass (`--profile`; passes under 0.1 s at every size left out):", "",
-           f"| pass | {' | '.join(sizes)} | {last} |", "|---" * (len(sizes) + 2) + "|"]
+    sizes = " / ".join(f"{r['devices']:,}" for r in done)
+    last = f"; in parentheses the growth of the last step ({done[-1]['devices'] // done[-2]['devices']}x devices)" \
+        if len(done) > 1 else ""
+    parts = []
     for n in names:
         t = [r["passes"].get(n, 0.0) for r in done]
-        growth = f"{t[-1] / t[-2]:.1f}" if len(t) > 1 and t[-2] > 0 else "—"
-        out.append(f"| {n} | {' | '.join(f'{x:.2f}' for x in t)} | {growth} |")
-    return out
+        growth = f" ({t[-1] / t[-2]:.1f})" if len(t) > 1 and t[-2] > 0 else ""
+        parts.append(f"{n} {' / '.join(f'{x:.2f}' for x in t)}{growth}")
+    return [f"Seconds per pass at {sizes} devices (`--profile`; passes under 0.1 s at every size left out{last}): "
+            + "; ".join(parts) + "."]

@@ -183,13 +183,11 @@ def run(rounds: int = 3) -> str:
         else:
             medians += ["-", "-", "-"]
     lines.append("| " + " | ".join(medians) + " |")
+    phase_text = ([f"launcher (bash, DeepSpeed's launch.py: to the first rank's start) {med(got['launcher']):.2f}"]
+                  if got["launcher"] else [])
+    phase_text += [f"{name} {med(v[0] for v in values):.2f} / {med(v[1] for v in values):.2f}"
+                   for name, values in phases.items()]
     lines += ["", f"*before*: the runtime and train.py of {BASELINE}; *after*: this checkout's. Phases of the *after* "
-              "launches (s; `train.py --profile-startup`, median over rounds of each phase's median and slowest rank; "
-              "imports: from the rank's process start):", "",
-              "| phase | median rank | slowest rank |", "|---|---|---|"]
-    if got["launcher"]:
-        lines.append(f"| launcher (bash, DeepSpeed's launch.py: to the first rank's start) | "
-                     f"{med(got['launcher']):.2f} | |")
-    for name, values in phases.items():
-        lines.append(f"| {name} | {med(v[0] for v in values):.2f} | {med(v[1] for v in values):.2f} |")
+              "launches, s, median rank / slowest rank (`train.py --profile-startup`, median over rounds; imports: "
+              "from the rank's process start): " + "; ".join(phase_text) + "."]
     return "\n".join(lines) + "\n"

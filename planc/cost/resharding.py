@@ -58,10 +58,22 @@ def task_time(strategy: Strategy, nbytes: int, sender_host: int, receiver_hosts:
 
     ``receiver_hosts`` lists the host of every receiver device (with repeats).
     """
+    return shape_time(strategy, nbytes, task_shape(sender_host, receiver_hosts), cluster, chunks)
+
+
+def task_shape(sender_host: int, receiver_hosts: Iterable[int]) -> tuple[int, int, int]:
+    """What a task's time depends on besides its bytes: ``(local, A, B)``, the receivers on the sender's
+    host, the receiver hosts other than the sender's, and the most receivers on one of them."""
     per_host = Counter(receiver_hosts)
     local = per_host.pop(sender_host, 0)
-    a = len(per_host)
-    b = max(per_host.values(), default=0)
+    return local, len(per_host), max(per_host.values(), default=0)
+
+
+def shape_time(strategy: Strategy, nbytes: int, shape: tuple[int, int, int], cluster: Cluster,
+               chunks: int) -> float:
+    """:func:`task_time` of a task of this :func:`task_shape` (tasks of one shape and size cost the same:
+    a caller with many of them computes it once)."""
+    local, a, b = shape
     lbw, llat = local_link(cluster)
     t_loc = llat + nbytes / lbw
     if a == 0:

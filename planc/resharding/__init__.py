@@ -77,15 +77,17 @@ class TransferPlan:
                 "naive_makespan": self.naive_makespan}
 
     def route(self, src: StageLayout, src_spec: ir.ShardingSpec, dst: StageLayout, dst_spec: ir.ShardingSpec,
-              cluster: Cluster) -> planfile.Route:
+              cluster: Cluster, regions: dict | None = None) -> planfile.Route:
         """This direction as the plan file's ``Route``: its tasks (with the receiver sets that gather
         among themselves, allgather strategies) and every device's region on both meshes; the makespans
-        in ``extra``."""
+        in ``extra``. ``regions``: the caller's cache of those regions (a mesh is both ends of a transfer's
+        two directions, and often of the next transfer's too)."""
         strategy = planfile.Strategy(str(self.strategy))
         tasks = tuple(planfile.Task(t.slice, t.holders, t.receivers, t.sender, t.group, t.start, t.duration,
                                     _parts(strategy, t.receivers, cluster)) for t in self.tasks)
         return planfile.Route(strategy, self.chunks, str(self.scheduler), tasks,
-                              _regions(self.shape, src, src_spec), _regions(self.shape, dst, dst_spec),
+                              _regions(self.shape, src, src_spec, regions),
+                              _regions(self.shape, dst, dst_spec, regions),
                               (("makespan", self.makespan), ("lower_bound", self.lower_bound),
                                ("naive_makespan", self.naive_makespan)))
 
@@ -103,9 +105,16 @@ def _parts(strategy: planfile.Strategy, receivers: tuple[int, ...], cluster: Clu
     return tuple(tuple(sorted(v)) for _, v in sorted(by_host.items()))
 
 
-def _regions(shape, layout: StageLayout, spec: ir.ShardingSpec) -> tuple:
-    """Every device's region of the tensor on one mesh (half-open global ranges), devices in order."""
-    return tuple(device_regions(tuple(shape), layout, spec))
+def _regions(shape, layout: StageLayout, spec: ir.ShardingSpec, cache: dict | None = None) -> tuple:
+    """Every device's region of the tensor on one mesh (half-open global ranges), devices in order;
+    kept in ``cache`` (if given) by shape, mesh and spec."""
+    key = (tuple(shape), layout, spec)
+    if cache is not None and key in cache:
+        return cache[key]
+    found = tuple(device_regions(tuple(shape), layout, spec))
+    if cache is not None:
+        cache[key] = found
+    return found
 
 
 def transfer_records(program: ir.Program, stages: Sequence[StageLayout], forward: Sequence[TransferPlan],
@@ -114,14 +123,15 @@ def transfer_records(program: ir.Program, stages: Sequence[StageLayout], forward
     route and, in training plans, its gradient's way back (the destination mesh and spec to the source's);
     ``src.layer`` is the layer whose output it sends (the source stage's last, unless the plan names one)."""
     out = []
+    regions: dict = {}   # (shape, mesh, spec) -> every device's region: computed once per mesh and spec
     for i, (t, fwd) in enumerate(zip(program.transfers, forward)):
         src, dst = _stage(stages, t.src_stage), _stage(stages, t.dst_stage)
         src_layers = program.stage(t.src_stage).layers
         layer = t.src_layer if t.src_layer is not None else (src_layers[1] - 1 if src_layers is not None else None)
-        back = backward[i].route(dst, t.dst_spec, src, t.src_spec, program.cluster) if backward else None
+        back = backward[i].route(dst, t.dst_spec, src, t.src_spec, program.cluster, regions) if backward else None
         out.append(planfile.Transfer(fwd.name, fwd.dtype, tuple(fwd.shape), fwd.src_stage, layer, fwd.src_spec,
                                      fwd.dst_stage, fwd.dst_spec,
-                                     fwd.route(src, t.src_spec, dst, t.dst_spec, program.cluster), back))
+                                     fwd.route(src, t.src_spec, dst, t.dst_spec, program.cluster, regions), back))
     return tuple(out)
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from planc import ir
-from planc.cost.resharding import CONCRETE, task_time
+from planc.cost.resharding import CONCRETE, shape_time, task_shape
 from planc.ir import Cluster, SchedulerKind, Strategy
 from planc.resharding import schedulers
 from planc.resharding.schedulers import Job, Option, Schedule
@@ -18,20 +18,37 @@ from planc.resharding.tiles import UnitTask
 
 
 def build_jobs(tasks: Sequence[UnitTask], itemsize: int, strategy: Strategy,
-               cluster: Cluster, chunks: int, hosts=None) -> tuple[Job, ...]:
+               cluster: Cluster, chunks: int, layout=None) -> tuple[Job, ...]:
     """One job per unit task: an option per host that holds its slice (sent by that host's lowest
-    holder), each with the NICs it occupies and its time under ``strategy``. ``hosts``: the tasks'
-    :func:`task_hosts`, when the caller has them (they do not depend on the strategy)."""
+    holder), each with the NICs it occupies and its time under ``strategy``. ``layout``: the tasks'
+    :func:`task_options`, when the caller has them (they do not depend on the strategy)."""
+    times: dict[tuple, float] = {}   # (bytes, task shape) -> seconds: most tasks of a transfer share both
     jobs = []
-    for t, (recv_hosts, senders) in zip(tasks, hosts if hosts is not None else task_hosts(tasks, cluster)):
+    for t, opts in zip(tasks, layout if layout is not None else task_options(tasks, cluster)):
         nbytes = t.elements * itemsize
         options = []
+        for host, sender, nics, shape in opts:
+            key = (nbytes, shape)
+            seconds = times.get(key)
+            if seconds is None:
+                seconds = times[key] = shape_time(strategy, nbytes, shape, cluster, chunks)
+            options.append(Option(host, sender, nics, seconds))
+        jobs.append(Job(tuple(options)))
+    return tuple(jobs)
+
+
+def task_options(tasks: Sequence[UnitTask], cluster: Cluster) -> list[list[tuple]]:
+    """Per task, per host holding its slice: ``(host, sender, NICs occupied, task_shape)``, from the tasks'
+    :func:`task_hosts`; none of it depends on the strategy."""
+    out = []
+    for recv_hosts, senders in task_hosts(tasks, cluster):
+        opts = []
         for host, sender in senders:
             remote = set(recv_hosts) - {host}
             nics = tuple(sorted(remote | {host})) if remote else ()
-            options.append(Option(host, sender, nics, task_time(strategy, nbytes, host, recv_hosts, cluster, chunks)))
-        jobs.append(Job(tuple(options)))
-    return tuple(jobs)
+            opts.append((host, sender, nics, task_shape(host, recv_hosts)))
+        out.append(opts)
+    return out
 
 
 def task_hosts(tasks: Sequence[UnitTask], cluster: Cluster) -> list[tuple[list[int], list[tuple[int, int]]]]:
@@ -55,9 +72,9 @@ def choose_strategy_jobs(tasks: Sequence[UnitTask], itemsize: int, cluster: Clus
                          ) -> tuple[Strategy, tuple[Job, ...]]:
     """:func:`choose_strategy` and the chosen strategy's jobs (built once, not again by the caller)."""
     best = None
-    hosts = task_hosts(tasks, cluster)
+    layout = task_options(tasks, cluster)
     for s in CONCRETE:
-        jobs = build_jobs(tasks, itemsize, s, cluster, chunks, hosts)
+        jobs = build_jobs(tasks, itemsize, s, cluster, chunks, layout)
         ms = schedulers.makespan(jobs, schedulers.load_balance(jobs))
         if best is None or ms < best[0]:
             best = (ms, s, jobs)

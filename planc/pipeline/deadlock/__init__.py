@@ -84,7 +84,8 @@ def check_rendezvous(plan: planfile.Plan, ahead: int = DEFAULT_AHEAD, backend: s
     pipeline replicas, then the collectives-only tail of every rank; ``planc.pipeline.deadlock.classes``,
     the same verdict) or ``"full"`` (every rank simulated at once; also where classes cannot be formed).
     ``shared``: a dict the caller passes to the checks of one plan under each backend: the tails' verdict
-    (collectives only, the same under both backends) is found once and kept there.
+    (collectives only, the same under both backends) is found once and kept there, and so are the per-rank
+    lookups every ``Builder`` of the plan reads.
     """
     if method not in METHODS:
         raise ValueError(f"method must be one of {list(METHODS)}, got {method!r}")
@@ -108,7 +109,7 @@ def check_rendezvous(plan: planfile.Plan, ahead: int = DEFAULT_AHEAD, backend: s
         if found is not None:
             out += found
             continue
-        b = Builder(plan, backend, ahead, tensor_parallel)
+        b = Builder(plan, backend, ahead, tensor_parallel, shared)
         threads = []
         for rank in range(plan.cluster.devices):
             threads += b.train_threads(rank) if m == "train" else b.comm_only_threads(rank)

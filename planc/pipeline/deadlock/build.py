@@ -13,10 +13,49 @@ from planc.plan import Direction, Strategy
 _ALLGATHER = (Strategy.LOCAL_ALLGATHER, Strategy.GLOBAL_ALLGATHER)
 
 
+def _lookups(plan: planfile.Plan) -> tuple:
+    """What every Builder of ``plan`` looks up per rank, each a map built once (a scan per rank would be
+    quadratic in the devices): transfer indices; per (transfer, direction) its ordered tasks and each
+    rank's tasks as sender and as receiver, in schedule order; each rank's stage, host, tensor group and
+    gradients reduction (with its group there); each transfer's destination ranks."""
+    index_of = {t.name: i for i, t in enumerate(plan.transfers)}
+    ordered, sending, receiving = {}, {}, {}
+    for i, t in enumerate(plan.transfers):
+        for d in Direction:
+            route = t.forward if d is Direction.FORWARD else t.backward
+            if route is not None:
+                ordered[(i, d)] = tasks = route.ordered_tasks()
+                by_sender, by_receiver = {}, {}
+                for k, task in tasks:
+                    by_sender.setdefault(task.sender, []).append((k, task))
+                    for r in dict.fromkeys(task.receivers):
+                        by_receiver.setdefault(r, []).append((k, task))
+                sending[(i, d)], receiving[(i, d)] = by_sender, by_receiver
+    stage_by_rank = {}
+    for st in plan.stages:
+        for dev in st.devices:
+            stage_by_rank.setdefault(dev, st)
+    host_by_rank = {dev: h for h, devs in enumerate(plan.cluster.hosts) for dev in devs}
+    tp_by_rank: dict = {}
+    for g in plan.tensor_groups:
+        for dev in g:
+            tp_by_rank.setdefault(dev, g)
+    gradients_of: dict = {}
+    for red in plan.reductions:
+        if red.name == "gradients":
+            for g in red.groups:
+                for dev in g:
+                    gradients_of.setdefault(dev, (red, g))
+    destinations = [frozenset(dev for dev, _ in t.forward.dst_regions) for t in plan.transfers]
+    return (index_of, ordered, sending, receiving, stage_by_rank, host_by_rank, tp_by_rank, gradients_of,
+            destinations)
+
+
 class Builder:
     """Every rank's thread programs for one mode and backend: lists of (code, event or op, where)."""
 
-    def __init__(self, plan: planfile.Plan, backend: str, ahead: int, tensor_parallel: bool):
+    def __init__(self, plan: planfile.Plan, backend: str, ahead: int, tensor_parallel: bool,
+                 shared: dict | None = None):
         self.plan, self.backend, self.ahead, self.tp = plan, backend, ahead, tensor_parallel
         self.nccl = backend == "nccl"
         self.comms: dict = {}
@@ -24,43 +63,19 @@ class Builder:
         self._holding: dict = {}
         self._keep: list = []
         self._by_id: dict = {}
-        self.ordered = {}
         # the host NIC order (plan.json pipeline.nic_order), as the runtime runs it: on gloo only
         self.nic = {h: keys for h, keys in (plan.pipeline.nic_order if plan.pipeline is not None else ())} \
             if backend == "gloo" else {}
         self.turns: dict = {}
-        self.index_of = {t.name: i for i, t in enumerate(plan.transfers)}
-        # per (transfer, direction): each rank's tasks as sender and as receiver, in schedule order;
-        # and every per-rank lookup as a map built once (a scan per rank would be quadratic in the devices)
-        self.sending: dict = {}
-        self.receiving: dict = {}
-        for i, t in enumerate(plan.transfers):
-            for d in Direction:
-                route = t.forward if d is Direction.FORWARD else t.backward
-                if route is not None:
-                    self.ordered[(i, d)] = ordered = route.ordered_tasks()
-                    by_sender, by_receiver = {}, {}
-                    for k, task in ordered:
-                        by_sender.setdefault(task.sender, []).append((k, task))
-                        for r in dict.fromkeys(task.receivers):
-                            by_receiver.setdefault(r, []).append((k, task))
-                    self.sending[(i, d)], self.receiving[(i, d)] = by_sender, by_receiver
-        self.stage_by_rank = {}
-        for st in plan.stages:
-            for dev in st.devices:
-                self.stage_by_rank.setdefault(dev, st)
-        self.host_by_rank = {dev: h for h, devs in enumerate(plan.cluster.hosts) for dev in devs}
-        self.tp_by_rank: dict = {}
-        for g in plan.tensor_groups:
-            for dev in g:
-                self.tp_by_rank.setdefault(dev, g)
-        self.gradients_of: dict = {}    # rank -> (the gradients reduction holding it, its group there)
-        for red in plan.reductions:
-            if red.name == "gradients":
-                for g in red.groups:
-                    for dev in g:
-                        self.gradients_of.setdefault(dev, (red, g))
-        self.destinations = [frozenset(dev for dev, _ in t.forward.dst_regions) for t in plan.transfers]
+        # the per-rank lookups read the plan alone (no backend, no mode, never written after): one set per
+        # plan, kept in ``shared`` (planc.pipeline.deadlock.check_rendezvous's) for the next Builder
+        hit = shared.get("builder lookups") if shared is not None else None
+        if hit is None or hit[0] is not plan:
+            hit = (plan, _lookups(plan))
+            if shared is not None:
+                shared["builder lookups"] = hit
+        (self.index_of, self.ordered, self.sending, self.receiving, self.stage_by_rank, self.host_by_rank,
+         self.tp_by_rank, self.gradients_of, self.destinations) = hit[1]
 
     # ---- communicators
     def _p2p(self, d: Direction, a: int, b: int):

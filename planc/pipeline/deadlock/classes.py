@@ -163,7 +163,7 @@ def check_mode(plan: planfile.Plan, mode: str, backend: str, ahead: int, tensor_
                limit: int, shared: dict | None = None) -> list[Hang] | None:
     """The hangs of one mode found by classes (the same verdict as simulating every rank), or None when
     the two parts share a communicator and the classes cannot be formed."""
-    b = Builder(plan, backend, ahead, tensor_parallel)
+    b = Builder(plan, backend, ahead, tensor_parallel, shared)
     if not separable(b, mode):
         return None
     found = classes(b, mode)
@@ -175,7 +175,7 @@ def check_mode(plan: planfile.Plan, mode: str, backend: str, ahead: int, tensor_
     if stuck:
         # a class whose representative cannot finish: every component of it hangs alike; simulate them
         # all, so that the hangs name every rank that would (as the whole simulation does)
-        b = Builder(plan, backend, ahead, tensor_parallel)
+        b = Builder(plan, backend, ahead, tensor_parallel, shared)
         threads = _pipeline_parts(b, mode, [c for cls in found if any(r in stuck for r in cls[0]) for c in cls])
         Sim(threads).run()
         return find_hangs(threads, backend, mode, limit, b.turns)
@@ -187,7 +187,7 @@ def check_mode(plan: planfile.Plan, mode: str, backend: str, ahead: int, tensor_
         if shared is not None:
             shared[("tails finish", mode)] = True
         return []
-    b = Builder(plan, backend, ahead, tensor_parallel)   # not shown: every rank's tail, from empty queues
+    b = Builder(plan, backend, ahead, tensor_parallel, shared)   # not shown: every rank's tail, from empty queues
     tails: list[Thread] = []
     for rank in range(plan.cluster.devices):
         prog = []
