@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from planc.plan.runtime import DEFAULT_TIMEOUT_S
+from planc.plan import DEFAULT_TIMEOUT_S
 
 from benchmarks.testbed.faults import FaultsMixin, check_loss
 from benchmarks.testbed.namespaces import (BRIDGE, IFNAME, NAME_RE, available, cleanup_stale,  # noqa: F401

@@ -14,7 +14,7 @@ from .notes import LayerNotes, Notes, PipelineNotes, PlacementNotes, ReductionNo
 from .optim import OPTIMIZER_DEFAULTS, LossScale, LrSchedule, Optimizer
 from .records import Cluster, Holder, Level, Reduction, Stage, Step, Tied, TiedSplit
 from .runtime import (DEFAULT_GRAD_BUCKET_BYTES, DEFAULT_RECV_AHEAD, DEFAULT_REDUCE_BUCKET_BYTES,
-                      DEFAULT_SHM_SLOT_BYTES, Runtime)
+                      DEFAULT_SHM_SLOT_BYTES, DEFAULT_TIMEOUT_S, Runtime)
 from .training import CodeRef, HfModel, Pipeline, TagLayout, Train, VocabSplit, padded_vocab, vocab_rows
 from .transfers import Route, Task, Transfer
 from .vocab import (DTYPE_NAMES, Backend, Collective, Direction, InHost, MeshAxis, Precision, Recompute,
@@ -23,7 +23,7 @@ from .vocab import (DTYPE_NAMES, Backend, Collective, Direction, InHost, MeshAxi
 __all__ = [
     "FORMAT", "Plan", "digest", "dumps", "load", "At", "Group", "PlanFileError", "Range", "Region", "Cluster",
     "Level", "Reduction", "Stage", "Step", "Tied", "TiedSplit", "Holder", "DEFAULT_GRAD_BUCKET_BYTES", "DEFAULT_RECV_AHEAD",
-    "DEFAULT_REDUCE_BUCKET_BYTES", "DEFAULT_SHM_SLOT_BYTES", "Runtime", "CodeRef", "HfModel", "VocabSplit", "padded_vocab", "vocab_rows", "Pipeline", "TagLayout", "Train", "Route", "Task",
+    "DEFAULT_REDUCE_BUCKET_BYTES", "DEFAULT_SHM_SLOT_BYTES", "DEFAULT_TIMEOUT_S", "Runtime", "CodeRef", "HfModel", "VocabSplit", "padded_vocab", "vocab_rows", "Pipeline", "TagLayout", "Train", "Route", "Task",
     "Transfer", "DTYPE_NAMES", "Backend", "Collective", "Direction", "InHost", "MeshAxis", "Precision",
     "ReductionMode", "Schedule", "StageMode", "Strategy", "OPTIMIZER_DEFAULTS", "LossScale", "LrSchedule",
     "Optimizer", "Recompute", "DEFAULT_AHEAD", "post_gates", "checkpoint", "Notes", "PlacementNotes",

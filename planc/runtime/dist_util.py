@@ -35,8 +35,8 @@ import torch
 import torch.distributed as dist
 
 from planc.plan import Plan
+from planc.plan import DEFAULT_TIMEOUT_S   # the contract's default, re-exported
 from planc.plan import digest as plan_digest
-from planc.plan.runtime import DEFAULT_TIMEOUT_S   # the contract's default, re-exported
 
 __all__ = ["collective_timeout", "choose_backend", "init_distributed", "check_world",
            "check_hosts", "check_digests", "startup_checks", "StartupError", "DEFAULT_TIMEOUT_S",
