@@ -117,3 +117,39 @@ print("ok")
 '''
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stdout + proc.stderr
+
+
+def test_the_model_probe_counts_flops_without_importing_torch_dynamo(tmp_path):
+    """The compiler's probe subprocess (``python -m planc.runtime.probe REQUEST``) measures a model with
+    FLOPs counted and leaves the real torch._dynamo unimported (lazydynamo: about a CPU second of every
+    cold compile); its answer is the one the probe gives with torch._dynamo imported first."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from planc.compile import chain_transfers, load
+    from planc.probe import probe_request
+    root = Path(__file__).resolve().parents[1]
+    req = json.dumps(probe_request(chain_transfers(load(root / "plans" / "gpt-2x4.plan")), flops=True))
+    code = r'''
+import io, json, sys, contextlib
+mode = sys.argv[2]
+if mode == "eager":
+    import torch._dynamo
+from planc.runtime import lazydynamo, probe
+buf = io.StringIO()
+with contextlib.redirect_stdout(buf):
+    assert probe.main([sys.argv[1]]) == 0
+answer = json.loads(buf.getvalue())
+assert answer["layer_flops"] and all(f > 0 for f in answer["layer_flops"]) and not answer["flop_errors"], answer
+print(json.dumps({"loaded": lazydynamo.loaded(), "answer": answer}, sort_keys=True))
+'''
+    runs = {}
+    for mode in ("lazy", "eager"):
+        proc = subprocess.run([sys.executable, "-c", code, req, mode], capture_output=True, text=True, timeout=300,
+                              cwd=root)
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+        runs[mode] = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert runs["lazy"]["loaded"] is False and runs["eager"]["loaded"] is True
+    assert runs["lazy"]["answer"] == runs["eager"]["answer"]

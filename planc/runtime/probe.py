@@ -75,6 +75,7 @@ import sys
 
 import torch
 
+from . import lazydynamo
 from .probe_measure import count_flops, first_rows, measure_tensor_traffic
 from .tensor_parallel import TensorParallel
 from .tied import probe_record as tied_record, split_record
@@ -419,6 +420,9 @@ def _sequence_fields(builder, x, req) -> dict:
 
 
 def main(argv=None) -> int:
+    # torch._dynamo only if something uses it (lazydynamo: exact; the FLOP counter's and torch.optim's
+    # eager calls need only its stand-in): about a CPU second of every cold compile's probe
+    lazydynamo.defer()
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) == 1 and argv[0].lstrip().startswith("{"):
         try:
