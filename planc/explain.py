@@ -22,7 +22,7 @@ from planc import ui
 from planc.pipeline.simulate import NIC_ORDER_GAIN
 from planc.summaries import check_summary, idle_devices, idle_warning, sequence_lines  # noqa: F401 - re-exported
 from planc.summaries import nothing_to_reduce, nothing_to_reduce_line, tensor_group_data, tensor_group_lines
-from planc.summaries import tied_lines, vocab_line
+from planc.summaries import mesh_text, tied_lines, vocab_line
 from planc.ui import Col
 
 
@@ -444,7 +444,7 @@ def compile_summary(plan: planfile.Plan | dict, tty: bool = False) -> list:
         rows.append(["placement", f"matrix {pl['matrix']} (axes {', '.join(pl['axes'])})", _t(pl["ranked"][0]["predicted"])])
     for s in d["stages"]:
         layers = f"layers {s['layers'][0]}..{s['layers'][1]}" if s["layers"] else "no layers"
-        rows.append([f"stage {s['index']}", f"{layers}, mesh {s['mesh']}", ""])
+        rows.append([f"stage {s['index']}", f"{layers}, mesh {mesh_text(s['mesh'])}", ""])
     for r in d["reductions"]:
         where = f" (stage {r['stage']})" if r["stage"] is not None else ""
         what = f" {r['tied']['parameter']}" if r.get("tied") else ""

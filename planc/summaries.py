@@ -68,6 +68,29 @@ def vocab_line(v: dict) -> str:
             + " (padding rows zero, never trained nor written to checkpoints)")
 
 
+def mesh_text(mesh, most: int = 64) -> str:
+    """A stage's mesh as a nested list; one of more than ``most`` devices with each level cut to its first
+    two and last entries (``[[0, 8, …, 56], [64, 72, …, 120], …, [4032, 4040, …, 4088]]``) and its shape
+    and size said: a 16,384-device plan's summary stays a screen (``planc explain --json`` lists all)."""
+    flat = _flat(mesh)
+    if len(flat) <= most:
+        return str(mesh)
+
+    def cut(m):
+        if not isinstance(m, list):
+            return str(m)
+        items = [cut(x) for x in (m if len(m) <= 3 else [m[0], m[1], m[-1]])]
+        if len(m) > 3:
+            items.insert(2, "…")
+        return "[" + ", ".join(items) + "]"
+
+    shape, m = [], mesh
+    while isinstance(m, list):
+        shape.append(len(m))
+        m = m[0] if m else None
+    return f"{' x '.join(map(str, shape))} of {len(flat)} devices {cut(mesh)}"
+
+
 def _flat(mesh) -> list[int]:
     return [d for m in mesh for d in _flat(m)] if isinstance(mesh, list) else [mesh]
 

@@ -261,3 +261,15 @@ def test_draw_leaves_out_the_rows_with_nothing_and_shows_tensor_groups_and_sends
     assert "reduce gradients (stage 0)" not in text and "reduce gradients (stage 1)" in text
     assert sorted(re.findall(r'id="tensor-(\d+)"', text)) == ["0", "1"] and "tensor groups" in text
     assert len(re.findall(r'id="transfer-0-\d+"', text)) == 4 and "transfer h (0 -&gt; 1)" in text
+
+
+def test_a_large_mesh_is_cut_to_its_corners_in_the_compile_summary():
+    """``planc compile``'s table names a stage's mesh whole up to 64 devices; a larger one by its shape,
+    size and each level's first two and last entries (a 16,384-device plan printed 2,257 lines)."""
+    from planc.summaries import mesh_text
+    small = [[r * 8 + c for c in range(8)] for r in range(8)]
+    assert mesh_text(small) == str(small)
+    big = [[r * 64 + c * 8 for c in range(8)] for r in range(256)]
+    assert mesh_text(big) == ("256 x 8 of 2048 devices [[0, 8, …, 56], [64, 72, …, 120], …, "
+                              "[16320, 16328, …, 16376]]")
+    assert mesh_text(list(range(100))) == "100 of 100 devices [0, 1, …, 99]"
