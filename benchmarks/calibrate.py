@@ -26,8 +26,8 @@ from benchmarks.variant import variant
 from planc.calibrate import (DEFAULT_TIMEOUT, MATMUL, MICROBENCH, CalibrateError, check_output, cluster_doc, fit,
                              samples_record, write_yaml)
 from planc.calibrate.ranks import microbench_spec, phase_list, read_result, with_progress
-from planc.codegen import write_output
-from planc.compile import compile_file
+from planc.output.codegen import write_output
+from planc.driver.compile import compile_file
 from planc.lang.errors import PlanError
 from planc.pipeline.gantt import cluster_of, plan_input
 from planc.pipeline.schedules import build

@@ -30,10 +30,11 @@ from benchmarks.bench.nic import NicBenchError
 from benchmarks.calibrate import DEFAULT_RATE, calibrate_testbed
 from benchmarks.testbed import Testbed, available, cleanup_stale, scaled_link_mbit
 from benchmarks.testbed.linkcheck import gloo_rates, tcp_rates
-from planc import __version__, ui
+from planc import __version__
+from planc.commands import ui
 from planc.calibrate import CalibrateError, summary
-from planc.cli import EXIT_USER, run_command
-from planc.compile import compile_file
+from planc.commands.cli import EXIT_USER, run_command
+from planc.driver.compile import compile_file
 
 
 def _cmd_bench(args) -> int:

@@ -1,3 +1,3 @@
-from planc.cli import main
+from planc.commands.cli import main
 
 raise SystemExit(main())

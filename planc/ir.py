@@ -316,7 +316,7 @@ class Stage:
     span: Span = field(default=_NOSPAN, compare=False, repr=False)
     auto_layers: bool = False
     recompute: bool | None = None           # `stage I : ... recompute`; None: the train block's setting
-    # filled by planc.infer.decide_sequence for a stage with `tensor` > 1: its activations split along the
+    # filled by planc.model.infer.decide_sequence for a stage with `tensor` > 1: its activations split along the
     # sequence over `tensor` (LANGUAGE.md "Hugging Face models"), else why not
     sequence_parallel: bool = False
     sequence_why: str | None = None
@@ -331,7 +331,7 @@ class Stage:
 @dataclass(frozen=True, slots=True)
 class Transfer:
     """A tensor sent between stages. In a plan with a model, ``dtype``/``shape`` and either spec may be
-    None as written (measured and derived by ``planc.infer.infer_transfers``); after that pass, and
+    None as written (measured and derived by ``planc.model.infer.infer_transfers``); after that pass, and
     always in a plan without a model, every field is set."""
 
     name: str
@@ -355,7 +355,7 @@ class Transfer:
     @property
     def nbytes(self) -> int:
         if self.shape is None or self.dtype is None:
-            raise ValueError(f"transfer '{self.name}' has no type yet; planc.infer.infer_transfers "
+            raise ValueError(f"transfer '{self.name}' has no type yet; planc.model.infer.infer_transfers "
                              "measures it before it is sized")
         return math.prod(self.shape) * DTYPE_BYTES[self.dtype]
 

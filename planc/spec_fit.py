@@ -1,4 +1,4 @@
-"""Whether a sharding spec fits a tensor: the messages the front end and ``planc.infer`` share.
+"""Whether a sharding spec fits a tensor: the messages the front end and ``planc.model.infer`` share.
 
 A written spec is checked by the front end against a declared type; a spec derived or a type
 measured on the model is checked by ``infer``. Both say the same thing, so the words live here,

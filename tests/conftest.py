@@ -1,6 +1,18 @@
-"""Suite-wide settings: every launch keeps DeepSpeed's JIT-built op in this venv (``e2e_util.extensions_env``)."""
+"""Suite-wide settings: every launch keeps DeepSpeed's JIT-built op in this venv (``e2e_util.extensions_env``);
+every folder of tests is importable from any other (README.md, "Folders")."""
 
 import os
+import sys
+from pathlib import Path
+
+# tests/ (the shared helpers: e2e_util, forkstart, hf_reference, plan_contract) is on the path as this file's
+# folder; the folders of tests are too, so a test's helpers in another folder import by name
+# (``import test_runtime_harness as H``, ``from test_deadlock import ...``) whichever file runs alone, and
+# the processes a test spawns inherit the same path
+_TESTS = Path(__file__).resolve().parent
+for _folder in sorted({p.parent for p in _TESTS.glob("*/test_*.py")}):
+    if str(_folder) not in sys.path:
+        sys.path.append(str(_folder))
 
 # every launch of the suite (testbed, calibrate, failure tests too, not only e2e_util's) keeps
 # DeepSpeed's JIT-built CPU op in this venv, where no other environment on the machine rebuilds it

@@ -172,8 +172,8 @@ def _plan_path(p: str) -> Path:
 def compiled_at_rates(program, cal: Calibrated, rates):
     """``(rate, plan.json)`` of ``program`` compiled under ``cal`` at each link rate, the model probed
     once (under the first rate's cluster: the probe does not depend on the links)."""
-    from planc.compile import compile_program
-    from planc.probe import probe_model
+    from planc.driver.compile import compile_program
+    from planc.model.probe import probe_model
 
     probe = probe_model(dataclasses.replace(program, cluster=substitute(program.cluster, cal, rates[0])))
     for rate in rates:
@@ -223,7 +223,7 @@ def _testbed_cluster_text(cal: Calibrated, rate: float, hosts: int, per_host: in
 def testbed_cases(cases: list, cal: Calibrated, source: str, rate: float | None = None) -> list[dict]:
     """One row per case of ``benchmarks.bench.testbed.measure()``'s list, predicted under the calibrated cluster."""
     from benchmarks.bench import testbed as tb
-    from planc.compile import compile_file
+    from planc.driver.compile import compile_file
 
     rate = float(rate or tb.LINK_MBIT)
     text = _testbed_cluster_text(cal, rate, tb.HOSTS, tb.PER_HOST)

@@ -70,8 +70,8 @@ def plan_text(name: str) -> str:
 
 
 def _compile(name: str, out: Path) -> dict:
-    from planc.codegen import write_output
-    from planc.compile import compile_file
+    from planc.output.codegen import write_output
+    from planc.driver.compile import compile_file
     src = out.parent / f"{out.name}.plan"
     src.write_text(plan_text(name))
     compiled = compile_file(src, probe=True)

@@ -64,8 +64,8 @@ def _bodies(args: dict) -> dict:
 
 
 def _compile(name: str, text: str, folder: Path) -> Path:
-    from planc.codegen import write_output
-    from planc.compile import compile_file
+    from planc.output.codegen import write_output
+    from planc.driver.compile import compile_file
     src = folder / f"{name}.plan"
     src.write_text(text)
     compiled = compile_file(src)

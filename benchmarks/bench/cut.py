@@ -27,7 +27,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from planc.ui import progress
+from planc.commands.ui import progress
 
 ROOT = Path(__file__).resolve().parents[2]
 LAYERS, INPUTS, HIDDEN, OUTPUTS = 6, 4096, 512, 8
@@ -82,8 +82,8 @@ def measure(out: Path, timeout: float = 600) -> tuple[list[float], str | None]:
 
 
 def compile_variant(cut: int | None, tmp: Path) -> tuple[dict, Path]:
-    from planc.codegen import write_output
-    from planc.compile import compile_file
+    from planc.output.codegen import write_output
+    from planc.driver.compile import compile_file
     name = "auto" if cut is None else f"cut{cut}"
     path = tmp / f"{name}.plan"
     path.write_text(plan_text(cut))

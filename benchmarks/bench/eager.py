@@ -39,9 +39,9 @@ def _model_args(text: str) -> dict:
 
 def rows(plan_path: str, cal_path: str, rates, models=(None,), own_cores: bool = False) -> list[dict]:
     from benchmarks.bench.accuracy import read_calibrated, substitute
-    from planc.compile import compile_program
+    from planc.driver.compile import compile_program
     from planc.lang import load
-    from planc.probe import probe_model
+    from planc.model.probe import probe_model
 
     base = load(plan_path)
     if base.model is None or base.train is None:

@@ -38,8 +38,9 @@ from pathlib import Path
 from benchmarks.bench.fuzzgen import (PLAN_NAME, ROOT, SEED_DIRS, YAML_NAME, YAML_PLAN, YAML_SEEDS,  # noqa: F401
                                       Draw, generate, mutate_bytes, repo_seeds)
 import planc.lang
-from planc import budget, ui
-from planc.compile import compile_program
+from planc import budget
+from planc.commands import ui
+from planc.driver.compile import compile_program
 from planc.lang.errors import PlanError
 
 N_INPUTS = 20_000

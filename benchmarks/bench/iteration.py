@@ -79,12 +79,13 @@ from benchmarks.bench.iteration_runs import (COMPUTE_MEASURED, MEASURED, SCHEDUL
 from benchmarks.variant import variant
 from benchmarks.bench.linkbound import (DTYPE_BYTES, _both, _carry_time, _window_carry,  # noqa: F401
                                         calibrated_rates, link_bytes, link_seconds, pipeline_link_bound)
-from planc import ir, ui
-from planc.codegen import write_output
-from planc.compile import compile_program
+from planc import ir
+from planc.commands import ui
+from planc.output.codegen import write_output
+from planc.driver.compile import compile_program
 from planc.lang import load
 from planc.lang.errors import PlanError
-from planc.probe import probe_model
+from planc.model.probe import probe_model
 
 ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_PLANS = ("plans/gpt-bench-2x2.plan", "plans/unet-skip.plan")

@@ -18,7 +18,7 @@ def launch_steps(rates, measured: int) -> int:
 def _over_rates(tb, out: Path, rates, *, measured: int, timeout: float, script=None, extra_args=(),
                 env: dict | None = None, bar=None, what: str = "") -> dict:
     """One launch across every rate: returns {"per_rate": [{rate, steps, median}], "peak_rss_kb", ...}.
-    ``bar`` (a ``planc.ui.Bar``): advanced by one per step, showing ``what`` and the rate."""
+    ``bar`` (a ``planc.commands.ui.Bar``): advanced by one per step, showing ``what`` and the rate."""
     seg = WARMUP + measured
     total = launch_steps(rates, measured)
 

@@ -38,8 +38,8 @@ VARIANTS = {       # label -> train settings added to the plan's
 
 
 def _compile(text: str, out: Path) -> dict:
-    from planc.codegen import write_output
-    from planc.compile import compile_file
+    from planc.output.codegen import write_output
+    from planc.driver.compile import compile_file
 
     src = PLAN.parent / f".bench-regime-{out.name}.plan"   # beside the bundled plan: its model path is relative
     try:

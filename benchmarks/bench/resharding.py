@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from planc import ui
+from planc.commands import ui
 from planc.ir import Cluster, Level, Resharding, SchedulerKind, ShardingSpec, StageLayout, Strategy, Transfer
 from planc.resharding import plan_group
 from planc.resharding.check import check_plan

@@ -21,7 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from planc.ui import progress
+from planc.commands.ui import progress
 
 ROOT = Path(__file__).resolve().parents[2]
 SIZES = (1024, 4096, 16384, 65536)

@@ -135,8 +135,8 @@ def _phases(text: str) -> tuple[list[tuple[str, float, float]], float | None]:
 
 
 def run(rounds: int = 3) -> str:
-    from planc.codegen import write_output
-    from planc.compile import compile_file
+    from planc.output.codegen import write_output
+    from planc.driver.compile import compile_file
     with tempfile.TemporaryDirectory(prefix="planc-bench-startup-") as tmp:
         folder = Path(tmp)
         compiled = compile_file(PLAN)

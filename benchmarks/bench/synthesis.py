@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from planc import ir
 from planc.placement import place
 from planc.reduction import plan_reductions
-from planc.ui import progress
+from planc.commands.ui import progress
 
 GB = 1e9
 

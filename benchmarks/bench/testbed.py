@@ -107,8 +107,8 @@ def _why_skipped() -> str | None:
 
 
 def _compile(text: str, out: Path) -> dict:
-    from planc.codegen import write_output
-    from planc.compile import compile_file
+    from planc.output.codegen import write_output
+    from planc.driver.compile import compile_file
 
     out.mkdir(parents=True, exist_ok=True)
     src = out.with_suffix(".plan")
@@ -175,8 +175,8 @@ def measure(steps: int = STEPS, timeout: float = 120, *, link_down: tuple[float,
     first case (a real fault, ``Testbed.link_down``); when that launch fails the bench stops with
     ``BenchFailed`` (the launch's account). ``collective_timeout``: the ranks' (default 120 s); each
     case is killed after ``timeout`` + ``collective_timeout`` seconds.
-    ``progress``: one bar over the cases (``planc.ui.progress``, stderr)."""
-    from planc import ui
+    ``progress``: one bar over the cases (``planc.commands.ui.progress``, stderr)."""
+    from planc.commands import ui
     from benchmarks.testbed import Testbed
 
     collective_timeout = collective_timeout or max(30.0, float(timeout))

@@ -1,6 +1,6 @@
 """``python -m benchmarks bench verify``: what verification costs a compile, per bundled plan.
 
-Every compile verifies each pass's output with an independent checker (``planc.verify``; ``planc
+Every compile verifies each pass's output with an independent checker (``planc.driver.verify``; ``planc
 compile --no-verify`` skips it). This bench compiles every plan of ``plans/`` once, with the model
 probe, and times the verifiers' share of the whole compile (the checkers are timed where the driver
 calls them; nothing else changes). The issue's bar: under a fifth of the compile.
@@ -11,8 +11,8 @@ import platform
 import time
 from pathlib import Path
 
-import planc.compile as driver
-from planc.compile import compile_file
+import planc.driver.compile as driver
+from planc.driver.compile import compile_file
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -38,8 +38,8 @@ CASES = {"flat reduce_scatter + all_gather": " using allreduce", "synthesized (p
 
 
 def _cases(tmp: Path) -> list[dict]:
-    from planc.codegen import write_output
-    from planc.compile import compile_file
+    from planc.output.codegen import write_output
+    from planc.driver.compile import compile_file
 
     cases = []
     for label, using in CASES.items():

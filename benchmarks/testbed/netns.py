@@ -248,7 +248,7 @@ class Testbed(FaultsMixin):
         each host (numbered host by host) instead of the plan's, ``host_outs`` {h: OUT2} runs
         OUT2/train.py on host h (another plan's digest). Every host's ranks run under the hostname
         ``node<h>`` (``unshare --uts``, when it works), as on separate machines. ``progress``: a bar
-        of rank 0's steps on stderr (``planc.ui.progress``); None: when stderr is a terminal. What
+        of rank 0's steps on stderr (``planc.commands.ui.progress``); None: when stderr is a terminal. What
         DeepSpeed's ranks leave in /dev/shm for this launch is removed afterwards (``shm_removed``).
         """
         if not self.up:

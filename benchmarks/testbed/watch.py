@@ -55,11 +55,11 @@ def uts_wrapper(hostname: str) -> list[str]:
 
 
 class StepBar:
-    """Rank 0's steps as a ``planc.ui.progress`` bar on stderr; ``enabled`` None: when stderr is a
+    """Rank 0's steps as a ``planc.commands.ui.progress`` bar on stderr; ``enabled`` None: when stderr is a
     terminal (piped output stays as it was). ``step(n)``: rank 0 printed step n."""
 
     def __init__(self, steps: int, label: str, enabled: bool | None = None):
-        from planc import ui
+        from planc.commands import ui
 
         self.it, self.done = None, 0
         if enabled is None:

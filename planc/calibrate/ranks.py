@@ -16,7 +16,7 @@ import threading
 from pathlib import Path
 
 from planc.calibrate.fit import DEFAULT_TIMEOUT, INNER_SIZES, MATMUL, CalibrateError, outer_sizes
-from planc.ui import progress
+from planc.commands.ui import progress
 
 MICROBENCH = Path(__file__).resolve().parent / "microbench.py"
 MARK = "PLANC_MICROBENCH "
@@ -36,7 +36,7 @@ def read_result(stdout: str) -> dict:
 
 
 def with_progress(work, total: int, label: str):
-    """Run ``work(on_phase)`` in a thread while a progress bar (planc.ui.progress) follows its phases."""
+    """Run ``work(on_phase)`` in a thread while a progress bar (planc.commands.ui.progress) follows its phases."""
     q: queue.Queue = queue.Queue()
     box: dict = {}
 

@@ -3,7 +3,7 @@
 :func:`cut_layers` is the exact optimiser: contiguous, non-empty stages that
 minimise the slowest stage's cost (its layers' cost divided by the stage's
 speed), ties broken towards the earliest cut. :func:`apply_auto_stages` gives
-it the model's real costs, measured by the model probe (``planc.probe``):
+it the model's real costs, measured by the model probe (``planc.model.probe``):
 
 * a layer's cost is its forward + backward FLOPs for one whole micro-batch,
   counted with ``torch.utils.flop_counter.FlopCounterMode`` on the real CPU
@@ -295,7 +295,7 @@ def more_stages_fit(program: ir.Program, probe):
 def apply_auto_stages(program: ir.Program, probe) -> tuple[ir.Program, str]:
     """The program with every ``auto`` stage's layer range cut (``ir.Stage.auto_layers`` stays set),
     and the reason, for ``planc explain``. A program without auto stages comes back unchanged with
-    reason ``""``. ``probe``: the chain probe of the uncut program (``planc.probe.probe_model``; it
+    reason ``""``. ``probe``: the chain probe of the uncut program (``planc.model.probe.probe_model``; it
     counts FLOPs for such a program). User errors are located ``PlanError``s: no probe, layers that
     do not run as a chain, fewer layers than stages, pinned layers no cut can honour."""
     if not program.auto_stages:
@@ -314,7 +314,7 @@ def apply_auto_stages(program: ir.Program, probe) -> tuple[ir.Program, str]:
             f"previous layer's output), but {why}; a layer that needs skip inputs must start the stage its "
             "transfers arrive at, so write each stage's layers ('stage I : layers A..B')", at))
     if not probe.layer_flops:
-        raise PlanError(Diagnostic("the model probe did not count the layers' FLOPs (planc.probe.probe_model("
+        raise PlanError(Diagnostic("the model probe did not count the layers' FLOPs (planc.model.probe.probe_model("
                                    "program, flops=True)), so the stages cannot be cut", at))
     L = len(probe.layer_params)
     if n > L:

@@ -62,10 +62,10 @@ def table_rows(rows: list[tuple[str, object]], chosen: str | None = None) -> lis
 
 
 def table(rows: list[tuple[str, object]], chosen: str | None = None):
-    """The schedules side by side: a rich table (``planc.ui``), or plain text without it."""
+    """The schedules side by side: a rich table (``planc.commands.ui``), or plain text without it."""
     body = table_rows(rows, chosen)
     try:
-        from planc import ui   # rich: only when a table is shown, and optional (plain text without)
+        from planc.commands import ui   # rich: only when a table is shown, and optional (plain text without)
     except ImportError:
         ui = None
     if ui is not None:

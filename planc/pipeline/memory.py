@@ -71,7 +71,7 @@ def optimizer_states(opt: ir.Optimizer) -> int:
 
 def recomputes(program: ir.Program, index: int) -> bool:
     """Whether stage ``index`` recomputes: its own ``recompute`` if written, else the train block's
-    (as ``planc.assemble.train_record`` writes plan.json's ``train.recompute``)."""
+    (as ``planc.driver.assemble.train_record`` writes plan.json's ``train.recompute``)."""
     try:
         own = program.stage(index).recompute
     except KeyError:

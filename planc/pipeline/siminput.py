@@ -67,7 +67,7 @@ def stage_compute(program: ir.Program, stages, probe) -> tuple[tuple[StageComput
     precision = program.train.precision
     rate = float(program.cluster.flops_for(precision) or DEFAULT_FLOPS)
     net = Network(program.cluster)
-    from planc.tensor_traffic import tensor_traffic_by_stage   # sequence-parallel stages as all-reduce equivalents
+    from planc.model.tensor_traffic import tensor_traffic_by_stage   # sequence-parallel stages as all-reduce equivalents
     traffic = {st: fb for st, fb in tensor_traffic_by_stage(probe, program).items() if fb[0] or fb[1]}
     memory = {m.stage: m for m in stage_memory(program, stages, probe)}
     n = len(probe.layer_params)

@@ -290,7 +290,7 @@ def warm(program: ir.Program, stop=lambda: False) -> int:
     exactly what it depends on: cluster, reduction factors, synthesis settings; no bytes, no stage cut)
     for the matrices' reduction factors in the order branch and bound visits them at nominal bytes,
     until ``stop()`` is true; how many it synthesized. The compiler runs it while the model probe's
-    subprocess runs (``planc.compile.compile_file``). It changes no result: a cached answer is the
+    subprocess runs (``planc.driver.compile.compile_file``). It changes no result: a cached answer is the
     answer a fresh call gives, and ranking itself decides what to cost, with the probe's bytes."""
     par = program.parallel
     if par is None or program.stage_mode is ir.StageMode.EXPLICIT or par.matrix is not None:

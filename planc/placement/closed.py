@@ -9,7 +9,7 @@ alone (DESIGN.md's rank mapping): a device is a tuple of digits ``d[i][j] < M[i]
 (``pipe`` digits fixed) and a tensor group (every digit fixed but ``tensor``'s) are boxes of digits,
 and every link of the tree carries a count of equal flows that the digits give. The functions here
 count them and add the equal loads in the order the device walk adds them (:func:`repeated_sum`), so
-their floats are the device walk's, bit for bit (tests/test_placement_closed.py compares them on
+their floats are the device walk's, bit for bit (tests/passes/test_placement_closed.py compares them on
 every matrix of small clusters). Cost: per matrix, levels x axes, whatever the number of devices.
 """
 

@@ -21,7 +21,7 @@ assignment (``synthesize_all_gather``: the allreduce goal from that start).
 Search is depth-first with the suffixes of each ``(state, steps left)``
 memoized, so equal states reached by different prefixes are expanded once.
 The independent ``check.py`` re-verifies every chosen program on its real groups in the verify
-pass (``planc/verify.py``); :func:`disagreement` replays every program found against the checker
+pass (``planc/driver/verify.py``); :func:`disagreement` replays every program found against the checker
 (the tests run it on random hierarchies). Results are cached per
 ``(hierarchy, max_size, collectives, target, start)``: synthesis depends only on the
 hierarchy, not on the matrix that produced it.

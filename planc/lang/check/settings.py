@@ -228,7 +228,7 @@ def check_train(errs: Diagnostics, block: ast.SettingsBlock | None, parallel: ir
             break
         if "micro_batch" not in s and has_model and train.micro_batch < n:
             # the default leaves a rank of the data axis without a row (an uneven split only makes the
-            # plan untrainable: planc.compile.check_trainable)
+            # plan untrainable: planc.driver.compile.check_trainable)
             errs.add(f"the default micro_batch = {train.micro_batch} has fewer rows than stage {st.index}'s data "
                      f"axis of size {n} has ranks; set 'train {{ micro_batch = {n} }}' (or a multiple)",
                      block.span if block is not None else st.span if st.span.line or parallel is None

@@ -4,7 +4,7 @@ settings, read as the others in :mod:`planc.lang.check.settings`).
 
 Each wrong value is reported where it is written and replaced by its default so that checking goes
 on. The optimizer keeps the arguments as written (``ir.Optimizer.params``); plan.json fills in the
-defaults of ``planc.plan.OPTIMIZER_DEFAULTS`` (``planc.assemble.train_record``), the one place.
+defaults of ``planc.plan.OPTIMIZER_DEFAULTS`` (``planc.driver.assemble.train_record``), the one place.
 """
 
 from __future__ import annotations

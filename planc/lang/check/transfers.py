@@ -18,7 +18,7 @@ _SPEC_TOKEN = re.compile(r"R|S01|S0|S1")
 def check_transfers(errs: Diagnostics, decls: list[ast.TransferDecl], stages: tuple[ir.Stage, ...],
                     parallel: ir.Parallel | None, has_model: bool, text: str) -> tuple[ir.Transfer, ...]:
     """Without a model every transfer is complete; with one, an omitted type or spec stays None
-    for ``planc.infer`` (which also checks a written spec's entry count and divisibility
+    for ``planc.model.infer`` (which also checks a written spec's entry count and divisibility
     once the shape is measured). ``parallel`` gives derived stages their mesh shapes; ``text``
     is the plan's source, quoted in hints."""
     out, names = [], {}

@@ -1,0 +1,3 @@
+"""The command line: argument parsing and the commands (``cli``, ``checkcmd``), and what
+they print (``ui``'s tables, ``explain``, ``explain_as``, ``draw``, ``summaries``,
+``profile``)."""
