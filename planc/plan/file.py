@@ -224,6 +224,11 @@ class Plan:
                 return s
         return None
 
+    def zero_of(self, stage: int) -> int:
+        """Stage ``stage``'s ZeRO degree: its own (``stages[i].zero``) or the train block's."""
+        own = next(s for s in self.stages if s.index == stage).zero
+        return own if own is not None else (self.train.zero if self.train is not None else 0)
+
     def gradient_reduction(self, device: int) -> Reduction | None:
         """The ``gradients`` entry whose groups hold ``device`` (one per stage when stages differ)."""
         for r in self.reductions:

@@ -8,7 +8,8 @@ which DeepSpeed runs here (codegen's ds_config enables none of them):
   fragment per parameter piece, so weight decay and Adam's elementwise state are exact) and the
   parameters are copied from them (zero = 1: written into a flat parameter buffer with the bucket's
   layout, which the plan's ``parameters`` all-gather program fills);
-- gradients are the fp32 buckets of ``grads.GradientBuckets`` (reduced, or reduce-scattered);
+- gradients are the fp32 buckets of ``grads.GradientBuckets`` (reduced, or reduce-scattered), or with
+  zero = 2 the owned shards of ``grads_zero2.ShardedGradientBuckets`` (read through ``buckets.grad``);
 - clip = X: every gradient multiplied by min(1, X / (N + 1e-6)), N the L2 norm of the whole model's
   gradient, each element counted by exactly one rank (``counted`` below) and the squares summed over
   ``train.norm_group``;
@@ -175,11 +176,11 @@ class Regime:
             for x, y, p in spans:
                 if tensor_index != 0 and shard_info(p) is None:
                     continue
-                if views and views[-1][0] is buf and views[-1][2] == x:   # merge neighbours
-                    views[-1] = (buf, views[-1][1], y)
+                if views and views[-1][0] == b and views[-1][2] == x:   # merge neighbours
+                    views[-1] = (b, views[-1][1], y)
                 else:
-                    views.append((buf, x, y))
-        return [buf[x:y] for buf, x, y in views]
+                    views.append((b, x, y))
+        return [self.buckets.grad(b, x, y) for b, x, y in views]
 
     # ---- the step
     @property
@@ -237,8 +238,7 @@ class Regime:
         return {"lr": lr, "norm": norm, "skipped": False, "scale": used, "next_scale": self.scale}
 
     def _grad_view(self, f: Fragment) -> torch.Tensor:
-        buf = f.source.buckets[f.bucket][0]
-        view = buf[f.offset + f.lo:f.offset + f.hi]
+        view = f.source.grad(f.bucket, f.offset + f.lo, f.offset + f.hi)
         return view.view(f.master.shape)
 
     @torch.no_grad()
@@ -300,13 +300,14 @@ class Regime:
         self.t, self.scale, self.clean = int(state["t"]), float(state["scale"]), int(state["clean"])
 
 
-def zero_sharding(plan, red, executor, buckets) -> list | None:
-    """Per gradient bucket, the element ranges this rank owns under zero = 1 (its reduce-scatter
+def zero_sharding(plan, stage: int, red, executor, buckets) -> list | None:
+    """Per gradient bucket, the element ranges this rank owns under zero = 1 or 2 (its reduce-scatter
     executor's ``owned_slices``); None where nothing is sharded (zero = 0, or no data-parallel peers)."""
-    if plan.train.zero != 1 or red is None or executor is None:
+    zero = plan.zero_of(stage)
+    if zero == 0 or red is None or executor is None:
         return None
     if red.target is not Collective.REDUCE_SCATTER:
-        raise ValueError(f"zero = 1 needs the plan's gradients reduction to be a reduce_scatter program, "
+        raise ValueError(f"zero = {zero} needs the plan's gradients reduction to be a reduce_scatter program, "
                          f"got target {red.target} ({red.text})")
     return [list(executor.owned_slices(buf.numel())) for buf, _ in buckets.buckets]
 

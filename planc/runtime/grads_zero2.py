@@ -1,0 +1,190 @@
+"""ZeRO-2's gradients: every micro-batch's gradient reduce-scattered, only the owned shard accumulated.
+
+``ShardedGradientBuckets`` has ``grads.GradientBuckets``'s bucket layout (backward order, one dtype a
+bucket, padded to the program's granule, a flag slot per parameter) but keeps no whole bucket across
+micro-batches. What it keeps is one fp32 accumulator per bucket holding only the element ranges this rank
+owns after the plan's reduce-scatter program (``executor.owned_slices``: the same ranges ZeRO-1's masters
+and the ``parameters`` all-gather use, so the optimizer side is ZeRO-1's unchanged).
+
+Per micro-batch (``arm`` starts it; the engine calls it before every backward):
+
+- a parameter's post-accumulate hook adds its gradient (autograd's own tensor, any dtype) into a
+  *staging* buffer of its bucket, allocated at the bucket's first gradient of the micro-batch, and drops
+  ``.grad``;
+- when every parameter of a bucket has had its gradient the bucket is released: the reduce thread runs
+  the reduce-scatter program on the staging buffer, adds the owned ranges into the accumulator and drops
+  the staging buffer. At most ``WINDOW`` released buckets wait or run at once (a release past it waits
+  for the oldest), so a rank holds at most ``WINDOW`` + the buckets being filled (one, in backward order)
+  whole: the memory model counts ``WINDOW + 1`` buckets of staging (docs/memory.md, "ZeRO-2");
+- at the end of the backward (an autograd callback queued by the micro-batch's first hook) every bucket
+  not released yet is released, in bucket order, an untouched one as zeros: every member of the data
+  group runs the same reduce-scatters in each micro-batch. A micro-batch whose backward produced no
+  gradient on this rank is flushed by the next ``arm`` or by ``finish``.
+
+Nothing is ever all-reduced. Which parameters got no gradient in the step is voted with one all-reduce of
+flags over the data group in ``finish`` (as ZeRO-1 does). ``grad(b, x, y)`` is the summed gradient of
+bucket ``b``'s elements [x, y), which must be owned: what ``regime.Regime`` reads for its fragments and the
+global norm.
+"""
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from .grads import GradientBuckets, grad_dtype
+
+__all__ = ["ShardedGradientBuckets", "WINDOW", "make_buckets"]
+
+WINDOW = 2     # released buckets waiting for, or in, their reduce-scatter at once
+
+
+class ShardedGradientBuckets(GradientBuckets):
+    def __init__(self, params, executor, device, bucket_bytes: int | None = None, tracer=None):
+        if executor is None:
+            raise ValueError("zero = 2 needs the stage's gradients reduce-scatter program (a data group of 2 or more)")
+        self._window = threading.Semaphore(WINDOW)
+        self._staging: list[torch.Tensor | None] = []
+        super().__init__(params, executor, device, bucket_bytes, tracer)
+        self.ranges: list[list[tuple[int, int, int]]] = []   # per bucket: (x, y, offset in its accumulator)
+        self.accumulators: list[torch.Tensor] = []
+        for buf, _ in self.buckets:
+            merged: list[list[int]] = []
+            for x, y in executor.owned_slices(buf.numel()):
+                if merged and merged[-1][1] == x:
+                    merged[-1][1] = y
+                else:
+                    merged.append([x, y])
+            at, ranges = 0, []
+            for x, y in merged:
+                ranges.append((x, y, at))
+                at += y - x
+            self.ranges.append(ranges)
+            self.accumulators.append(torch.zeros(at, dtype=buf.dtype, device=device))
+        self._staging = [None] * len(self.buckets)
+        self._open = False        # a micro-batch armed and not flushed yet
+        self._callback = False    # its end-of-backward flush queued
+
+    def _add(self, members, granule, device):
+        """The bucket's layout only: a meta tensor stands for the whole buffer no one keeps."""
+        n = sum(p.numel() for p in members)
+        padded = -(-(n + len(members)) // granule) * granule
+        placed, off = [], 0
+        for p in members:
+            placed.append((p, off))
+            off += p.numel()
+        self.buckets.append((torch.empty(padded, dtype=grad_dtype(members[0].dtype), device="meta"), placed))
+        self.flags_at.append(n)
+
+    # ---- what the regime reads
+    def grad(self, b: int, x: int, y: int) -> torch.Tensor:
+        for lo, hi, at in self.ranges[b]:
+            if lo <= x and y <= hi:
+                return self.accumulators[b][at + x - lo:at + y - lo]
+        raise ValueError(f"elements [{x}, {y}) of gradient bucket {b} are not owned by this rank "
+                         f"(it owns {[(lo, hi) for lo, hi, _ in self.ranges[b]]})")
+
+    def held_bytes(self) -> int:
+        return sum(a.numel() * a.element_size() for a in self.accumulators)
+
+    def view(self, p) -> torch.Tensor:
+        raise ValueError("zero = 2 keeps no whole gradient of a parameter (grad(bucket, x, y): an owned range)")
+
+    # ---- a step
+    def attach(self) -> None:
+        self._used.clear()
+        self.no_gradient = set()
+        for a in self.accumulators:
+            a.zero_()
+        for p in self.params:
+            p.grad = None
+        self._open = False
+
+    def arm(self, last: bool = True) -> None:
+        """A micro-batch's backward begins (every one of them, ``last`` or not)."""
+        if self._open:
+            self._flush()
+        self._left = [len(placed) for _, placed in self.buckets]
+        self._released = [False] * len(self.buckets)
+        self._open, self._callback, self._armed = True, False, True
+
+    def _hook(self, p) -> None:
+        if not self._open:
+            self.arm()
+        if not self._callback:
+            self._callback = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._flush)
+        self._used.add(id(p))
+        b, off = self.slot[id(p)]
+        if p.grad is not None:
+            self._stage(b)[off:off + p.numel()].add_(p.grad.reshape(-1))
+            p.grad = None
+        self._left[b] -= 1
+        if self._left[b] == 0:
+            self._release(b)
+
+    def _stage(self, b: int) -> torch.Tensor:
+        if self._staging[b] is None:
+            buf = self.buckets[b][0]
+            self._staging[b] = torch.zeros(buf.numel(), dtype=buf.dtype, device=self.device)
+        return self._staging[b]
+
+    def _release(self, b: int) -> None:
+        if self._released[b]:
+            return
+        self._released[b] = True
+        staged = self._stage(b)
+        self._staging[b] = None
+        self._window.acquire()    # released by the reduce thread once this bucket is in its accumulator
+        self._queue.put((b, staged))
+
+    def _flush(self) -> None:
+        """The end of a micro-batch's backward: every bucket not released yet, in bucket order."""
+        if not self._open:
+            return
+        for b in range(len(self.buckets)):
+            self._release(b)
+        self._open = False
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            try:
+                if item is None:
+                    return
+                b, staged = item
+                if self._error is None:
+                    t0 = self.tracer.now() if self.tracer is not None else 0.0
+                    self.executor.run(staged)
+                    acc = self.accumulators[b]
+                    for x, y, at in self.ranges[b]:
+                        acc[at:at + y - x].add_(staged[x:y])
+                    if self.tracer is not None:
+                        self.tracer.complete(f"reduce-scatter bucket {b}", t0, self.tracer.now(), "reduce",
+                                             bytes=staged.numel() * staged.element_size())
+            except BaseException as e:  # noqa: BLE001 - raised in the compute thread by finish()
+                self._error = e
+            finally:
+                if item is not None:
+                    self._window.release()
+                self._queue.task_done()
+
+    def finish(self, flags_group=None) -> None:
+        """Flush what no backward end did, wait for every reduce-scatter, vote the parameters no member
+        of ``flags_group`` (the stage's data group) got a gradient for."""
+        self._flush()
+        self._armed = False
+        self._queue.join()
+        if self._error is not None:
+            e, self._error = self._error, None
+            raise RuntimeError(f"gradient reduce-scatter failed: {e}") from e
+        if flags_group is None:
+            raise ValueError("zero = 2: finish needs the stage's data group to vote unused gradients")
+        self._vote_unused(flags_group)
+
+
+def make_buckets(plan, stage: int, params, executor, device, tracer=None) -> GradientBuckets:
+    """The stage's gradient buckets: ZeRO-2's sharded ones where its degree is 2 and it has data-parallel
+    peers (a reduce-scatter executor), else whole ones (zero 0 and 1)."""
+    cls = ShardedGradientBuckets if plan.zero_of(stage) == 2 and executor is not None else GradientBuckets
+    return cls(params, executor, device, bucket_bytes=plan.runtime.grad_bucket_bytes, tracer=tracer)
