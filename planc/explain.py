@@ -181,7 +181,8 @@ def _memory_data(plan: planfile.Plan, notes: planfile.Notes) -> dict | None:
     return {"limit": notes.memory_limit, "zero": train.zero if train is not None else 0,
             "precision": str(train.precision) if train is not None else None,
             "stages": [{"stage": st.stage, **dict(st.memory or ()), "saved": dict(st.saved),
-                        "recompute": bool(rc[st.stage]) if st.stage < len(rc) else False} for st in stages]}
+                        "recompute": bool(rc[st.stage]) if st.stage < len(rc) else False,
+                        "zero": plan.zero_of(st.stage)} for st in stages]}
 
 
 def _memory_lines(mem: dict, tty: bool) -> list:
@@ -197,7 +198,9 @@ def _memory_lines(mem: dict, tty: bool) -> list:
         transient.append([st["stage"], *(_bytes(st[k]) if k in st else "-" for k in ("step", "build"))])
         saved = st["saved"]
         if saved:
-            what = [f"zero = 1 saved {_bytes(saved['zero'])} of optimizer state"] if "zero" in saved else []
+            what = [f"zero = {st.get('zero', mem['zero'])} saved {_bytes(saved['zero'])} of optimizer state"
+                    + (f" and {_bytes(saved['zero_gradients'])} of gradients (reduce-scattered every micro-batch)"
+                       if "zero_gradients" in saved else "")] if "zero" in saved else []
             what += [f"recompute saved {_bytes(saved['recompute'])} of activations"] if "recompute" in saved else []
             notes.append(f"  stage {st['stage']}: " + "; ".join(what))
     out.append(ui.table([Col("stage", "right"), Col("parameters", "right"), Col("gradients", "right"),
