@@ -1,0 +1,168 @@
+"""``zero = 2`` outside the runtime's numbers (those: tests/test_e2e_zero2.py): the language (train block
+and stage lines, 3 refused as not built), plan.json's ``stages[i].zero``, the memory model (gradients
+divided by d, staged buckets, tied parameters whole), the simulator (a reduce-scatter after every
+backward) and explain; and ``ShardedGradientBuckets`` on one rank's buckets (two in-process ranks)."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import textwrap
+
+import pytest
+
+from planc import ir
+from planc.lang import load_text
+from planc.lang.errors import PlanError
+from planc.lang.format import to_text
+from planc.pipeline.memory import GRADIENT_BYTES, ZERO2_WINDOW, StageMemory, saved, whole_tied
+from planc.pipeline.schedules import build
+from planc.pipeline.siminput import StageCompute, sim_input
+from planc.pipeline.simulate import predict
+from planc.runtime.grads_zero2 import WINDOW
+
+from e2e_util import ROOT
+
+EX = str(ROOT / "examples")
+PLAN = """\
+plan z {
+  cluster {
+    level node x 2 : bandwidth 12.5 GB/s, latency 20 us
+    level gpu x 4 : bandwidth 150 GB/s, latency 2 us
+  }
+  model "EX/mlp.py:build" { layers = 4, hidden = 16, inputs = 8, outputs = 4 }
+  loss "EX/mlp.py:loss"
+  data "EX/mlp.py:batches"
+  stage 0 : layers 0..2 on devices 0..4 as (data = 4) STAGE0
+  stage 1 : layers 2..4 on devices 4..8 as (data = 4)
+  transfer h : f32[8, 16] from stage 0 as S0 R to stage 1 as S0 R
+  reduce gradients over data
+  train { micro_batch = 8, micro_batches = 2, schedule = 1f1b, optimizer = sgd(lr = 0.1), TRAIN }
+}
+"""
+
+
+def text(stage0="", train="precision = fp32"):
+    return PLAN.replace("EX", EX).replace("STAGE0", stage0).replace("TRAIN", train)
+
+
+def errors(src: str) -> list[str]:
+    with pytest.raises(PlanError) as ei:
+        load_text(src, "z.plan")
+    return [f"{d.span.line}:{d.span.col}: {d.message}" for d in ei.value.diagnostics]
+
+
+# ---------------------------------------------------------------- language
+
+def test_zero2_in_the_train_block_and_on_stage_lines_in_either_order():
+    p = load_text(text(train="zero = 2"), "z.plan")
+    assert p.train.zero == 2 and [s.zero for s in p.stages] == [None, None]
+    for line in ("zero 2", "recompute zero 1", "zero 0 recompute"):
+        p = load_text(text(stage0=line), "z.plan")
+        assert p.stages[0].zero == int(line.split("zero ")[1][0]) and p.stages[1].zero is None
+        assert p.stages[0].recompute == (True if "recompute" in line else None)
+        again = load_text(to_text(p), "z.plan")     # the formatter writes the stage's zero back
+        assert again.stages == p.stages
+
+
+def at(src: str, culprit: str, skip: int = 0) -> str:
+    """``line:col`` of the last occurrence of ``culprit`` in ``src``, ``skip`` characters into it."""
+    line_no, line = [(i, ln) for i, ln in enumerate(src.splitlines(), 1) if culprit in ln][-1]
+    return f"{line_no}:{line.rindex(culprit) + 1 + skip}"
+
+
+def test_zero3_and_other_degrees_are_located_errors():
+    src = text(train="zero = 3")
+    assert errors(src) == [
+        f"{at(src, '3 }')}: zero 3 (ZeRO-3: parameters sharded over the data group) is not built yet; use 0, 1 or 2"]
+    src = text(stage0="zero 3")
+    assert errors(src) == [f"{at(src, 'zero 3', 5)}: stage 0: zero 3 (ZeRO-3: parameters sharded over the data group) is "
+                           "not built yet; use 0, 1 or 2"]
+    src = text(stage0="recompute zero 5")
+    assert errors(src) == [
+        f"{at(src, 'zero 5', 5)}: stage 0: zero must be 0, 1 or 2 (1: fp32 master weights and optimizer state sharded "
+        "over each stage's data group, ZeRO stage 1; 2: the gradients too, ZeRO stage 2), got 5"]
+
+
+def test_plan_json_writes_a_stage_zero_where_the_line_sets_one(tmp_path):
+    from planc.compile import compile_file
+    from planc import plan as P
+    src = tmp_path / "z.plan"
+    src.write_text(text(stage0="zero 2", train="zero = 1"))
+    c = compile_file(src)
+    doc = c.plan_json
+    assert doc["train"]["zero"] == 1
+    assert [st.get("zero") for st in sorted(doc["stages"], key=lambda s: s["index"])] == [2, None]
+    plan = P.Plan.from_json(doc)
+    assert [plan.zero_of(i) for i in (0, 1)] == [2, 1]
+    mem = {st["index"] if "index" in st else i: st for i, st in enumerate(doc["pipeline"]["stages"])}
+    saved0 = dict(mem[0]["memory_saved"])
+    assert "zero_gradients" in saved0 and "zero_gradients" not in dict(mem[1].get("memory_saved") or {})
+
+
+def test_the_plan_loader_refuses_zero_3():
+    from planc.plan import PlanFileError
+    from planc.plan.jsonpath import At
+    from planc.plan.records import Stage
+    with pytest.raises(PlanFileError, match=r"^plan.json: stages\[0\].zero: expected 0, 1 or 2, got 3$"):
+        Stage.read(At({"index": 0, "layers": [0, 1], "devices": [0], "mesh": [0], "mesh_axes": ["data"],
+                       "mesh_shape": [1], "mesh_devices": [0], "zero": 3}, "stages[0]"))
+
+
+# ---------------------------------------------------------------- memory model
+
+def mem(zero, tied=0, bucket=10, data=4, params=1000):
+    return StageMemory(0, params, data, 8, 0, 0, ir.Precision.FP32, 1, zero, tied=tied, bucket=bucket)
+
+
+def test_zero2_divides_the_gradients_by_d_and_counts_the_staged_buckets():
+    assert WINDOW == ZERO2_WINDOW == 2      # the model's window is the runtime's
+    assert mem(0).gradients == mem(1).gradients == 1000 * GRADIENT_BYTES
+    assert mem(2).gradients == (250 + 3 * 10) * GRADIENT_BYTES
+    assert mem(2, bucket=10_000).gradients == (250 + 1000) * GRADIENT_BYTES   # staging: at most the stage's own
+    assert mem(2, data=1).gradients == 1000 * GRADIENT_BYTES                  # no peers: nothing sharded
+    # tied parameters stay whole (their own buckets and masters)
+    assert mem(2, tied=100).gradients == (900 // 4 + 100 + 30) * GRADIENT_BYTES
+    assert mem(1, tied=100).optimizer == (4 + 4) * (225 + 100)
+    s = saved(mem(2), 1)
+    assert s["zero_gradients"] == (1000 - 280) * GRADIENT_BYTES and s["zero"] == mem(0).optimizer - mem(2).optimizer
+    assert "zero_gradients" not in saved(mem(1), 1)
+
+
+def test_whole_tied_counts_ties_that_cross_the_stage():
+    ties = ((((0, "w"), (3, "w")), 64), (((1, "a"), (2, "a")), 8))
+    probe = type("P", (), {"tied": ties})()
+    assert whole_tied(probe, 0, 2) == 64 + 8
+    assert whole_tied(probe, 0, 3) == 64
+    assert whole_tied(probe, 0, 4) == 0
+
+
+# ---------------------------------------------------------------- simulator
+
+def zero_sim(zero, micro_batches=2, G=8e6, bw=1e9):
+    cluster = ir.Cluster((ir.Level("node", 2, bw, 0.0),), "node", flops=1e12)
+    comp = StageCompute((1e-3,), (2e-3,), (G,), param_bytes=(G,))
+    reds = [{"name": "gradients", "target": "reduce_scatter", "groups": [[0, 1]], "mode": "synthesize",
+             "program": {"unit": 2, "steps": [{"collective": "reduce_scatter", "groups": [[0, 1]],
+                                               "regions": [[0, 2]]}]}},
+            {"name": "parameters", "target": "all_gather", "groups": [[0, 1]], "mode": "synthesize",
+             "program": {"unit": 2, "steps": [{"collective": "all_gather", "groups": [[0, 1]],
+                                               "regions": [[0, 2]]}]}}]
+    sim = sim_input(cluster, [{"index": 0, "devices": [0, 1]}], [], reds, [comp], {"grad_bucket_bytes": 1e12},
+                    zero=zero)
+    return sim, predict(sim, build("1f1b", 1, micro_batches).per_stage, timeline=True)
+
+
+def test_the_simulator_prices_a_reduce_scatter_after_every_backward():
+    sim1, one = zero_sim(1, micro_batches=3)
+    sim2, two = zero_sim(2, micro_batches=3)
+    assert [r.every_micro_batch for r in sim2.reductions] == [True, False]
+    assert [r.every_micro_batch for r in sim1.reductions] == [False, False]
+    count = {z: len({tag for *_, tag in p.traffic if tag[0] == "reduce"}) for z, p in ((1, one), (2, two))}
+    assert count == {1: 1, 2: 3}
+    # 1f1b on one stage: F 1 ms, B 2 ms, 3 micro-batches (compute ends at 9 ms); a reduce-scatter or the
+    # all-gather moves G/2 at 1 GB/s: 4 ms. ZeRO-1: one reduce-scatter at 9 ms, the gather after: 17 ms.
+    # ZeRO-2: reduce-scatters from 3 ms (after B0), queued back to back: 3 + 3 x 4, then the gather: 19 ms
+    assert one.iteration == pytest.approx(17e-3) and two.iteration == pytest.approx(19e-3)
+    # a stage's own zero overrides the train block's
+    _, own = zero_sim(0, micro_batches=3)
+    assert len({tag for *_, tag in own.traffic if tag[0] == "reduce"}) == 1
