@@ -166,3 +166,70 @@ def test_the_simulator_prices_a_reduce_scatter_after_every_backward():
     # a stage's own zero overrides the train block's
     _, own = zero_sim(0, micro_batches=3)
     assert len({tag for *_, tag in own.traffic if tag[0] == "reduce"}) == 1
+
+
+# ---------------------------------------------------------------- the runtime's sharded buckets, one rank
+
+class HalfOfTwo:
+    """A reduce-scatter over 2 members seen from member 0, whose peer contributed the same gradient: the sum
+    is twice this rank's, and member 0 owns the first half of every bucket."""
+
+    granule = 2
+
+    def __init__(self):
+        self.runs = []
+
+    def owned_slices(self, n):
+        return [(0, n // 2)]
+
+    def run(self, flat):
+        self.runs.append(flat.numel())
+        flat.mul_(2)
+        return flat
+
+
+def test_sharded_buckets_reduce_every_micro_batch_and_keep_only_the_owned_half():
+    import torch
+    from planc.runtime.grads_zero2 import ShardedGradientBuckets
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(6, 6) for _ in range(3)]
+    params = [p for layer in layers for p in layer.parameters()]
+    ex = HalfOfTwo()
+    buckets = ShardedGradientBuckets(params, ex, torch.device("cpu"), bucket_bytes=4 * 50)
+    n = len(buckets.buckets)
+    assert n >= 3
+    buckets.attach()
+    xs = [torch.randn(4, 6) for _ in range(3)]
+    whole = [torch.zeros_like(p) for p in params]
+    for m, x in enumerate(xs):
+        buckets.arm(last=m == 2)
+        skip = m == 1          # layer 1 unused in micro-batch 1: its buckets still reduce, as zeros
+        _forward(layers, x, skip).sum().backward()
+        # the same micro-batch's gradient by autograd alone (no .grad, no hooks)
+        grads = torch.autograd.grad(_forward(layers, x, skip).sum(), params, allow_unused=True)
+        for w, g in zip(whole, grads):
+            if g is not None:
+                w += g
+        assert all(p.grad is None for p in params)   # no whole gradient kept between micro-batches
+    buckets._queue.join()
+    assert len(ex.runs) == 3 * n        # one reduce-scatter per bucket per micro-batch
+    assert all(s is None for s in buckets._staging)
+    # the owned half of each bucket holds twice the accumulated gradient; nothing else is held
+    for b, (meta, placed) in enumerate(buckets.buckets):
+        half = meta.numel() // 2
+        flat = torch.zeros(meta.numel())
+        for p, off in placed:
+            flat[off:off + p.numel()] = whole[[id(q) for q in params].index(id(p))].reshape(-1)
+        torch.testing.assert_close(buckets.grad(b, 0, half), 2 * flat[:half])
+        with pytest.raises(ValueError, match="not owned by this rank"):
+            buckets.grad(b, half, half + 1)
+    assert buckets.held_bytes() == 4 * sum(meta.numel() // 2 for meta, _ in buckets.buckets)
+
+
+def _forward(layers, x, skip):
+    import torch
+    h = x
+    for i, layer in enumerate(layers):
+        if not (skip and i == 1):
+            h = torch.tanh(layer(h))
+    return h
