@@ -233,3 +233,29 @@ def _forward(layers, x, skip):
         if not (skip and i == 1):
             h = torch.tanh(layer(h))
     return h
+
+
+def test_explain_shows_zero2_programs_and_what_it_saves(tmp_path):
+    """A stage of 4 data devices with zero 2 on its line and 1 KiB buckets: its programs say zero = 2, its
+    gradients are (P/4 + 3 buckets) x 4 bytes and the note says what that saved against zero 1."""
+    from planc.compile import compile_file
+    from planc.explain import explain, explain_data
+    src = tmp_path / "z.plan"
+    src.write_text(text(stage0="zero 2", train="grad_bucket = 1 KiB").replace("hidden = 16", "hidden = 64")
+                   .replace("f32[8, 16]", "f32[8, 64]"))
+    plan = compile_file(src).plan_json
+    data = explain_data(plan)
+    zeros = {(r["name"], r["stage"]): r.get("zero") for r in data["reductions"]}
+    assert zeros == {("gradients", 0): 2, ("parameters", 0): 2, ("gradients", 1): None}
+    st0 = data["pipeline"]["memory"]["stages"][0]
+    P = 8 * 64 + 64 + 64 * 64 + 64                         # mlp layers 0 and 1
+    assert st0["zero"] == 2 and st0["gradients"] == (-(-P // 4) + 3 * 256) * 4
+    saved_gradients = P * 4 - st0["gradients"]
+    assert st0["saved"]["zero_gradients"] == saved_gradients > 0
+    words = " ".join(explain(plan).split())
+    assert "reduce-scatter gradients over data (stage 0) (zero = 2)" in words
+    # fp32 SGD without momentum: zero adds the fp32 master shard (ceil(P / 4) x 4 bytes), no state to shard
+    assert st0["saved"]["zero"] == -(-(-P // 4) * 4)
+    assert (f"stage 0: zero = 2 added {-(-P // 4) * 4 / 1024:.1f} KiB of optimizer state and saved "
+            f"{saved_gradients / 1024:.1f} KiB of gradients (reduce-scattered every micro-batch; a few buckets "
+            "staged whole)") in words
