@@ -259,3 +259,32 @@ def test_explain_shows_zero2_programs_and_what_it_saves(tmp_path):
     assert (f"stage 0: zero = 2 added {-(-P // 4) * 4 / 1024:.1f} KiB of optimizer state and saved "
             f"{saved_gradients / 1024:.1f} KiB of gradients (reduce-scattered every micro-batch; a few buckets "
             "staged whole)") in words
+
+
+def test_a_plan_that_only_zero2_fits_is_told_so(tmp_path):
+    """A memory limit between the zero 1 and the zero 2 totals: the no-fit error suggests zero = 2 (and
+    not zero = 1), and the plan with it compiles within the limit."""
+    from planc.compile import compile_file
+    from planc.pipeline.fit import NoFit
+
+    def compiled(train, memory=None):
+        src = tmp_path / "z.plan"
+        body = text(train=train + ", grad_bucket = 1 KiB, optimizer = adam(lr = 1e-3)").replace(
+            "optimizer = sgd(lr = 0.1), ", "").replace("hidden = 16", "hidden = 64").replace("f32[8, 16]", "f32[8, 64]")
+        if memory:
+            body = body.replace("latency 2 us\n", f"latency 2 us\n    memory = {memory}\n")
+        src.write_text(body)
+        return compile_file(src)
+
+    def worst(c):
+        return max(st["memory"]["total"] for st in c.plan_json["pipeline"]["stages"])
+
+    one, two = worst(compiled("zero = 1")), worst(compiled("zero = 2"))
+    assert two < one
+    limit = (one + two) // 2
+    with pytest.raises(NoFit) as ei:
+        compiled("zero = 0", f"{limit} B")
+    changes = [s.change for s in ei.value.suggestions]
+    assert (("zero", 2),) in changes and (("zero", 1),) not in changes
+    assert "zero = 2 (gradients sharded too: reduce-scattered every micro-batch)" in ei.value.diagnostics[0].message
+    assert worst(compiled("zero = 2", f"{limit} B")) <= limit
