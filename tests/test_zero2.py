@@ -45,6 +45,12 @@ def text(stage0="", train="precision = fp32"):
     return PLAN.replace("EX", EX).replace("STAGE0", stage0).replace("TRAIN", train)
 
 
+def deep(src: str) -> str:
+    """The plan with 16 layers of width 64 (8 a stage): stages many times wider than their widest layer."""
+    return (src.replace("layers = 4, hidden = 16", "layers = 16, hidden = 64").replace("f32[8, 16]", "f32[8, 64]")
+            .replace("layers 0..2", "layers 0..8").replace("layers 2..4", "layers 8..16"))
+
+
 def errors(src: str) -> list[str]:
     with pytest.raises(PlanError) as ei:
         load_text(src, "z.plan")
@@ -117,14 +123,14 @@ def mem(zero, tied=0, bucket=10, data=4, params=1000):
 def test_zero2_divides_the_gradients_by_d_and_counts_the_staged_buckets():
     assert WINDOW == ZERO2_WINDOW == 2      # the model's window is the runtime's
     assert mem(0).gradients == mem(1).gradients == 1000 * GRADIENT_BYTES
-    assert mem(2).gradients == (250 + 3 * 10) * GRADIENT_BYTES
+    assert mem(2).gradients == (250 + 4 * 10) * GRADIENT_BYTES
     assert mem(2, bucket=10_000).gradients == (250 + 1000) * GRADIENT_BYTES   # staging: at most the stage's own
     assert mem(2, data=1).gradients == 1000 * GRADIENT_BYTES                  # no peers: nothing sharded
     # tied parameters stay whole (their own buckets and masters)
-    assert mem(2, tied=100).gradients == (900 // 4 + 100 + 30) * GRADIENT_BYTES
+    assert mem(2, tied=100).gradients == (900 // 4 + 100 + 40) * GRADIENT_BYTES
     assert mem(1, tied=100).optimizer == (4 + 4) * (225 + 100)
     s = saved(mem(2), 1)
-    assert s["zero_gradients"] == (1000 - 280) * GRADIENT_BYTES and s["zero"] == mem(0).optimizer - mem(2).optimizer
+    assert s["zero_gradients"] == (1000 - 290) * GRADIENT_BYTES and s["zero"] == mem(0).optimizer - mem(2).optimizer
     assert "zero_gradients" not in saved(mem(1), 1)
 
 
@@ -195,7 +201,7 @@ def test_sharded_buckets_reduce_every_micro_batch_and_keep_only_the_owned_half()
     layers = [torch.nn.Linear(6, 6) for _ in range(3)]
     params = [p for layer in layers for p in layer.parameters()]
     ex = HalfOfTwo()
-    buckets = ShardedGradientBuckets(params, ex, torch.device("cpu"), bucket_bytes=4 * 50)
+    buckets = ShardedGradientBuckets(params, ex, torch.device("cpu"), bucket_bytes=4 * 42)   # a layer a bucket
     n = len(buckets.buckets)
     assert n >= 3
     buckets.attach()
@@ -223,7 +229,11 @@ def test_sharded_buckets_reduce_every_micro_batch_and_keep_only_the_owned_half()
         torch.testing.assert_close(buckets.grad(b, 0, half), 2 * flat[:half])
         with pytest.raises(ValueError, match="not owned by this rank"):
             buckets.grad(b, half, half + 1)
-    assert buckets.held_bytes() == 4 * sum(meta.numel() // 2 for meta, _ in buckets.buckets)
+    # held: the owned halves, plus the most staging alive at once: the bucket filling (one layer's) and WINDOW in
+    # flight, whenever the reduce thread runs
+    widest = max(meta.numel() for meta, _ in buckets.buckets) * 4
+    assert 0 < buckets.peak_staged_bytes <= (WINDOW + 1) * widest and buckets.staged_bytes == 0
+    assert buckets.held_bytes() == 4 * sum(meta.numel() // 2 for meta, _ in buckets.buckets) + buckets.peak_staged_bytes
 
 
 def _forward(layers, x, skip):
@@ -237,19 +247,19 @@ def _forward(layers, x, skip):
 
 def test_explain_shows_zero2_programs_and_what_it_saves(tmp_path):
     """A stage of 4 data devices with zero 2 on its line and 1 KiB buckets: its programs say zero = 2, its
-    gradients are (P/4 + 3 buckets) x 4 bytes and the note says what that saved against zero 1."""
+    gradients are (P/4 + 4 buckets) x 4 bytes and the note says what that saved against zero 1."""
     from planc.compile import compile_file
     from planc.explain import explain, explain_data
     src = tmp_path / "z.plan"
-    src.write_text(text(stage0="zero 2", train="grad_bucket = 1 KiB").replace("hidden = 16", "hidden = 64")
-                   .replace("f32[8, 16]", "f32[8, 64]"))
+    src.write_text(deep(text(stage0="zero 2", train="grad_bucket = 1 KiB")))
     plan = compile_file(src).plan_json
     data = explain_data(plan)
     zeros = {(r["name"], r["stage"]): r.get("zero") for r in data["reductions"]}
     assert zeros == {("gradients", 0): 2, ("parameters", 0): 2, ("gradients", 1): None}
     st0 = data["pipeline"]["memory"]["stages"][0]
-    P = 8 * 64 + 64 + 64 * 64 + 64                         # mlp layers 0 and 1
-    assert st0["zero"] == 2 and st0["gradients"] == (-(-P // 4) + 3 * 256) * 4
+    L = 64 * 64 + 64                                       # the widest layer: larger than a bucket (256)
+    P = 8 * 64 + 64 + 7 * L                                # mlp layers 0..8
+    assert st0["zero"] == 2 and st0["gradients"] == (-(-P // 4) + 4 * L) * 4
     saved_gradients = P * 4 - st0["gradients"]
     assert st0["saved"]["zero_gradients"] == saved_gradients > 0
     words = " ".join(explain(plan).split())
@@ -269,8 +279,8 @@ def test_a_plan_that_only_zero2_fits_is_told_so(tmp_path):
 
     def compiled(train, memory=None):
         src = tmp_path / "z.plan"
-        body = text(train=train + ", grad_bucket = 1 KiB, optimizer = adam(lr = 1e-3)").replace(
-            "optimizer = sgd(lr = 0.1), ", "").replace("hidden = 16", "hidden = 64").replace("f32[8, 16]", "f32[8, 64]")
+        body = deep(text(train=train + ", grad_bucket = 1 KiB, optimizer = adam(lr = 1e-3)").replace(
+            "optimizer = sgd(lr = 0.1), ", ""))
         if memory:
             body = body.replace("latency 2 us\n", f"latency 2 us\n    memory = {memory}\n")
         src.write_text(body)

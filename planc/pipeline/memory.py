@@ -13,8 +13,10 @@ data degree ``d``, ``p`` bytes per element of the precision (fp32 4, bf16/fp16 2
 * parameters ``P x p``;
 * gradients ``P x 4``: the runtime accumulates over the micro-batches and reduces in fp32; with
   ``zero = 2`` (and ``d`` > 1) ``(P' + S) x 4``: the owned shard accumulated, plus ``S`` = min(P - T,
-  3 x the bucket's elements) of one micro-batch's gradient staged whole until its reduce-scatter
-  (``runtime/grads_zero2.py``: the bucket being filled and 2 in flight);
+  4 x max(the bucket's elements, the largest layer's parameters)) of one micro-batch's gradient staged
+  whole until its reduce-scatter (``runtime/grads_zero2.py``: the bucket being filled, two where a layer
+  straddles a bucket boundary, and 2 in flight; a
+  parameter larger than the bucket is a bucket of its own, and the largest layer bounds it);
 * optimizer ``(4 s + m) x P'``: ``s`` fp32 states per parameter (sgd with momentum 1, without 0; adam and
   adamw 2), ``m`` = 4 for the fp32 master copy of bf16/fp16 plans and of ``zero`` >= 1 plans (0 in fp32
   without ZeRO: the parameters are their own masters); ``P' = ceil((P - T) / d) + T`` with ``zero`` >= 1
@@ -188,6 +190,8 @@ class StageMemory:
     step_states: bool = False   # the optimizer's step allocates a temporary as large as its fp32 tensors
     tied: int = 0           # of ``params``, elements tied to another stage's layers: never sharded by ZeRO
     bucket: int = 0         # elements of one gradient bucket (plan.json runtime.grad_bucket_bytes / 4)
+    largest: int = 0        # the stage's largest layer's parameters on a device: a bound on its largest
+                            # parameter, which gets a bucket of its own when it is larger than ``bucket``
 
     def with_(self, **changes) -> "StageMemory":
         """The same stage under other settings (``zero``, ``recompute``, ``micro_batch``: the activation
@@ -223,9 +227,10 @@ class StageMemory:
     @property
     def staging(self) -> int:
         """ZeRO-2's whole gradient buckets of one micro-batch, held until their reduce-scatter (elements):
-        the one being filled and ``ZERO2_WINDOW`` waiting (runtime/grads_zero2.py), at most the stage's own."""
+        two being filled (a layer straddling a bucket boundary) and ``ZERO2_WINDOW`` waiting
+        (runtime/grads_zero2.py), at most the stage's own."""
         whole = self.params - self.tied
-        return min(whole, (ZERO2_WINDOW + 1) * self.bucket) if self.bucket else whole
+        return min(whole, (ZERO2_WINDOW + 2) * max(self.bucket, self.largest)) if self.bucket else whole
 
     @property
     def gradients(self) -> int:
@@ -324,5 +329,5 @@ def stage_memory(program: ir.Program, stages, probe) -> tuple[StageMemory, ...]:
         out.append(StageMemory(st.index, params, degree(program, st, ir.MeshAxis.DATA), train.micro_batch,
                                outputs, inputs, precision, optimizer_states(train.optimizer),
                                zero_of(program, st.index), recomputes(program, st.index), widest, last, adam,
-                               whole_tied(probe, a, b), grad_bucket(program)))
+                               whole_tied(probe, a, b), grad_bucket(program), max(per_device, default=0)))
     return tuple(out)

@@ -14,8 +14,10 @@ Per micro-batch (``arm`` starts it; the engine calls it before every backward):
 - when every parameter of a bucket has had its gradient the bucket is released: the reduce thread runs
   the reduce-scatter program on the staging buffer, adds the owned ranges into the accumulator and drops
   the staging buffer. At most ``WINDOW`` released buckets wait or run at once (a release past it waits
-  for the oldest), so a rank holds at most ``WINDOW`` + the buckets being filled (one, in backward order)
-  whole: the memory model counts ``WINDOW + 1`` buckets of staging (docs/memory.md, "ZeRO-2");
+  for the oldest), so a rank holds ``WINDOW`` + the buckets being filled whole (one in backward order, two
+  where a layer's parameters straddle a bucket boundary): the memory model counts ``WINDOW + 2`` buckets
+  of staging (docs/memory.md). A parameter whose gradient comes out of backward order (used by several
+  layers) keeps its bucket filling until it comes: more staging than the model counts;
 - at the end of the backward (an autograd callback queued by the micro-batch's first hook) every bucket
   not released yet is released, in bucket order, an untouched one as zeros: every member of the data
   group runs the same reduce-scatters in each micro-batch. A micro-batch whose backward produced no
@@ -45,6 +47,9 @@ class ShardedGradientBuckets(GradientBuckets):
             raise ValueError("zero = 2 needs the stage's gradients reduce-scatter program (a data group of 2 or more)")
         self._window = threading.Semaphore(WINDOW)
         self._staging: list[torch.Tensor | None] = []
+        self._lock = threading.Lock()
+        self.staged_bytes = 0        # staging buffers alive now (filling, queued or being reduced)
+        self.peak_staged_bytes = 0   # their most at once since the buckets were built
         super().__init__(params, executor, device, bucket_bytes, tracer)
         self.ranges: list[list[tuple[int, int, int]]] = []   # per bucket: (x, y, offset in its accumulator)
         self.accumulators: list[torch.Tensor] = []
@@ -85,7 +90,8 @@ class ShardedGradientBuckets(GradientBuckets):
                          f"(it owns {[(lo, hi) for lo, hi, _ in self.ranges[b]]})")
 
     def held_bytes(self) -> int:
-        return sum(a.numel() * a.element_size() for a in self.accumulators)
+        """The accumulators (kept across the step) plus the most staging bytes alive at once so far."""
+        return sum(a.numel() * a.element_size() for a in self.accumulators) + self.peak_staged_bytes
 
     def view(self, p) -> torch.Tensor:
         raise ValueError("zero = 2 keeps no whole gradient of a parameter (grad(bucket, x, y): an owned range)")
@@ -127,15 +133,21 @@ class ShardedGradientBuckets(GradientBuckets):
         if self._staging[b] is None:
             buf = self.buckets[b][0]
             self._staging[b] = torch.zeros(buf.numel(), dtype=buf.dtype, device=self.device)
+            self._count(buf.numel() * buf.element_size())
         return self._staging[b]
+
+    def _count(self, nbytes: int) -> None:
+        with self._lock:
+            self.staged_bytes += nbytes
+            self.peak_staged_bytes = max(self.peak_staged_bytes, self.staged_bytes)
 
     def _release(self, b: int) -> None:
         if self._released[b]:
             return
         self._released[b] = True
-        staged = self._stage(b)
-        self._staging[b] = None
         self._window.acquire()    # released by the reduce thread once this bucket is in its accumulator
+        staged = self._stage(b)   # (an untouched bucket's zeros are allocated only now)
+        self._staging[b] = None
         self._queue.put((b, staged))
 
     def _flush(self) -> None:
@@ -166,6 +178,8 @@ class ShardedGradientBuckets(GradientBuckets):
                 self._error = e
             finally:
                 if item is not None:
+                    self._count(-item[1].numel() * item[1].element_size())
+                    item = staged = None    # the staging buffer freed before the next one is taken
                     self._window.release()
                 self._queue.task_done()
 
