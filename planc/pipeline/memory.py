@@ -12,8 +12,8 @@ data degree ``d``, ``p`` bytes per element of the precision (fp32 4, bf16/fp16 2
 
 * parameters ``P x p``;
 * gradients ``P x 4``: the runtime accumulates over the micro-batches and reduces in fp32; with
-  ``zero = 2`` (and ``d`` > 1) ``(P' + S) x 4``: the owned shard accumulated, plus ``S`` = min(P - T,
-  4 x max(the bucket's elements, the largest layer's parameters)) of one micro-batch's gradient staged
+  ``zero = 2`` (and ``d`` > 1) ``(P' + S) x 4``: the owned shard accumulated, plus ``S`` = 4 x min(P - T,
+  max(the bucket's elements, the largest layer's parameters)) of one micro-batch's gradient staged
   whole until its reduce-scatter (``runtime/grads_zero2.py``: the bucket being filled, two where a layer
   straddles a bucket boundary, and 2 in flight; a
   parameter larger than the bucket is a bucket of its own, and the largest layer bounds it);
@@ -228,9 +228,11 @@ class StageMemory:
     def staging(self) -> int:
         """ZeRO-2's whole gradient buckets of one micro-batch, held until their reduce-scatter (elements):
         two being filled (a layer straddling a bucket boundary) and ``ZERO2_WINDOW`` waiting
-        (runtime/grads_zero2.py), at most the stage's own."""
+        (runtime/grads_zero2.py); a bucket is at most the stage's gradient, whose copies of two micro-batches
+        can be alive at once (one still reducing while the next fills)."""
         whole = self.params - self.tied
-        return min(whole, (ZERO2_WINDOW + 2) * max(self.bucket, self.largest)) if self.bucket else whole
+        bucket = min(max(self.bucket, self.largest), whole) if self.bucket else whole
+        return (ZERO2_WINDOW + 2) * bucket
 
     @property
     def gradients(self) -> int:
