@@ -299,3 +299,42 @@ def test_a_plan_that_only_zero2_fits_is_told_so(tmp_path):
     assert (("zero", 2),) in changes and (("zero", 1),) not in changes
     assert "zero = 2 (gradients sharded too: reduce-scattered every micro-batch)" in ei.value.diagnostics[0].message
     assert worst(compiled("zero = 2", f"{limit} B")) <= limit
+
+
+PIPE = """\
+plan pipe {
+  cluster {
+    level node x 2 : bandwidth 12.5 GB/s, latency 20 us
+    level gpu x 4 : bandwidth 150 GB/s, latency 2 us
+  }
+  parallel { pipe = 2, data = 4 }
+  model "EX/mlp.py:build" { layers = 16, hidden = 256, inputs = 8, outputs = 4 }
+  loss "EX/mlp.py:loss"
+  data "EX/mlp.py:batches"
+  stage 0 : layers 0..8
+  stage 1 : layers 8..16
+  transfer h from stage 0 to stage 1
+  reduce gradients over data
+  train { micro_batch = 8, micro_batches = 2, schedule = 1f1b, optimizer = sgd(lr = 0.1), zero = ZERO }
+}
+"""
+
+
+def test_the_placement_ranking_prices_zero2_gradients_per_micro_batch(tmp_path):
+    """Pipe-axis stages: the matrix ranking's ``reduce gradients`` part under zero 2 is the same program's
+    time on micro_batches times the bytes (ZeRO-2 reduce-scatters every micro-batch's gradient)."""
+    from planc.compile import compile_file
+    from planc.explain import explain_data
+    parts = {}
+    for zero in (1, 2):
+        src = tmp_path / f"p{zero}.plan"
+        src.write_text(PIPE.replace("EX", EX).replace("ZERO", str(zero)))
+        data = explain_data(compile_file(src).plan_json)
+        parts[zero] = {tuple(map(tuple, r["matrix"])): r["breakdown"]["reduce gradients"]
+                       for r in data["placement"]["ranked"]}
+    assert parts[1].keys() == parts[2].keys() and len(parts[1]) >= 2
+    for matrix in parts[1]:
+        assert parts[2][matrix] > 1.2 * parts[1][matrix], matrix
+    # where the data axis crosses the slow host links the bytes dominate: twice the time for 2 micro-batches
+    crossing = ((1, 2), (2, 2))
+    assert parts[2][crossing] == pytest.approx(2 * parts[1][crossing], rel=0.1)
