@@ -321,6 +321,8 @@ def test_flops_per_precision_inline():
 
 @pytest.mark.parametrize("yaml, message, where", [
     ("zero_optimization:\n  stage: 1\n", "write 'zero = 1' in the train block", (2, 10)),
+    ("zero_optimization:\n  stage: 2\n", "ZeRO stage 2 is set in the plan, not in the DeepSpeed overrides: write "
+     "'zero = 2' in the train block (and leave zero_optimization out)", (2, 10)),
     ("gradient_clipping: 0.5\n", "write 'clip = 0.5' in the train block", (1, 20)),
     ("bf16:\n  enabled: true\n", "write 'precision = bf16' in the train block", (2, 12)),
     ("fp16: {enabled: true, loss_scale: 0}\n", "write 'precision = fp16' in the train block", (1, 17)),
