@@ -338,3 +338,12 @@ def test_the_placement_ranking_prices_zero2_gradients_per_micro_batch(tmp_path):
     # where the data axis crosses the slow host links the bytes dominate: twice the time for 2 micro-batches
     crossing = ((1, 2), (2, 2))
     assert parts[2][crossing] == pytest.approx(2 * parts[1][crossing], rel=0.1)
+
+
+def test_a_stage_line_with_zero_or_recompute_twice_is_located():
+    src = text(stage0="zero 2 recompute zero 1")
+    assert errors(src) == [f"{at(src, 'zero 1')}: 'zero' is written twice on this stage line"]
+    src = text(stage0="recompute zero 2 recompute")
+    assert errors(src) == [f"{at(src, 'recompute')}: 'recompute' is written twice on this stage line"]
+    src = text(stage0="zero two")
+    assert errors(src) == [f"{at(src, 'two')}: unexpected 'two'; expected a number"]

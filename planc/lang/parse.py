@@ -322,7 +322,7 @@ class _ToAst(Transformer):
         devices, mesh = placement if placement else (None, ())
         auto = layers if isinstance(layers, Span) else None   # `layers auto`
         return ast.StageDecl(self._num(index), None if auto else layers, devices, mesh, self._span(meta), auto,
-                             recompute.span if recompute else None, _stage_zero(rest))
+                             recompute.span if recompute else None, self._stage_zero(rest))
 
     def layers_auto(self, meta):
         return self._span(meta)
@@ -333,6 +333,15 @@ class _ToAst(Transformer):
     def stage_zero(self, meta, degree):
         return _StageZero(self._num(degree), self._span(meta))
 
+    def _stage_zero(self, rest) -> ast.Num | None:
+        """The degree of a stage line's ``zero N`` (the first stands), None without one; ``recompute`` or
+        ``zero`` written twice on the line is a mistake the tree is built past."""
+        for kind, word in ((_Recompute, "recompute"), (_StageZero, "zero")):
+            found = [r for r in rest if isinstance(r, kind)]
+            for again in found[1:]:
+                self.found.append(Diagnostic(f"'{word}' is written twice on this stage line", again.span))
+        return next((r.degree for r in rest if isinstance(r, _StageZero)), None)
+
     def stages(self, meta, count=None):
         return ast.StagesAuto(self._num(count) if count is not None else None, self._span(meta))
 
@@ -340,7 +349,7 @@ class _ToAst(Transformer):
         devices, mesh = placement
         recompute = next((r for r in rest if isinstance(r, _Recompute)), None)
         return ast.StageDecl(self._num(index), None, devices, mesh, self._span(meta),
-                             recompute=recompute.span if recompute else None, zero=_stage_zero(rest))
+                             recompute=recompute.span if recompute else None, zero=self._stage_zero(rest))
 
     def placement(self, meta, devices, *dims):
         return (devices, tuple(dims))
@@ -466,12 +475,6 @@ class _StageZero:
 
     degree: ast.Num
     span: Span
-
-
-def _stage_zero(rest) -> ast.Num | None:
-    """The degree of a stage line's ``zero N`` (the last one written), None without one."""
-    found = [r.degree for r in rest if isinstance(r, _StageZero)]
-    return found[-1] if found else None
 
 
 def parse_collecting(text: str, file: str = "<plan>") -> tuple[ast.PlanFile, tuple[Diagnostic, ...]]:
