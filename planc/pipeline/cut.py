@@ -33,7 +33,7 @@ from typing import Iterable, Sequence
 from planc import ir
 from planc.diagnostics import Diagnostic, PlanError
 from planc.pipeline.memory import (StageMemory, grad_bucket, layer_bytes, optimizer_states, recomputes,
-                                   zero_of)
+                                   whole_tied, zero_of)
 from planc.pipeline.schedules import peak_in_flight
 
 __all__ = ["cut_layers", "layer_costs", "stage_speeds", "apply_auto_stages", "memory_allowed", "cut_memory",
@@ -223,7 +223,8 @@ def cut_memory(program: ir.Program, probe, cut, meshes=None) -> list[StageMemory
                                layer_bytes(probe, a - 1, t.precision) if a > 0 else 0, t.precision,
                                optimizer_states(t.optimizer), zero_of(program, index) if i < len(stages) else t.zero,
                                recomputes(program, index) if i < len(stages) else t.recompute is ir.Recompute.FULL,
-                               bucket=grad_bucket(program)))
+                               tied=whole_tied(probe, a, b), bucket=grad_bucket(program),
+                               largest=max(counts[a:b], default=0)))
     return out
 
 
