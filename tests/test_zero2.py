@@ -347,3 +347,18 @@ def test_a_stage_line_with_zero_or_recompute_twice_is_located():
     assert errors(src) == [f"{at(src, 'recompute')}: 'recompute' is written twice on this stage line"]
     src = text(stage0="zero two")
     assert errors(src) == [f"{at(src, 'two')}: unexpected 'two'; expected a number"]
+
+
+def test_a_plan_json_with_zero_but_no_reduce_scatter_is_refused_at_load(tmp_path):
+    """plan.json edited to zero = 2 (its gradients still all-reduced): the loader names the stage."""
+    from planc.compile import compile_file
+    from planc import plan as P
+    src = tmp_path / "z.plan"
+    src.write_text(text())
+    doc = compile_file(src).plan_json
+    assert P.Plan.from_json(doc).zero_of(0) == 0
+    doc["train"]["zero"] = 2
+    with pytest.raises(P.PlanFileError) as ei:
+        P.Plan.from_json(doc)
+    assert str(ei.value) == ("plan.json: stages[0]: zero = 2 but its gradients reduction has target allreduce: "
+                             "ZeRO reduce-scatters the gradients (recompile the plan)")
