@@ -5,9 +5,10 @@ controls (gradients x2, a data rank's rows missing) failing the same comparison.
 - an unequal plan (stage 0 data 2 on host 0, stage 1 data 4 across hosts 1 and 2, hierarchical
   reduce-scatter), SGD and AdamW + clip: every micro-batch's gradient reduce-scattered, only the owned
   shard kept (``--memory-stats``: each rank's gradient bytes are its shard's, about 1/d of ZeRO-1's);
-- ``zero 2`` on one stage line only (the train block says 1 or 0);
+- ``zero 2`` on one stage line only (the train block says 1 or 0; explicit meshes and pipe-axis stages);
 - a (data 2, tensor 2) stage with zero 2, AdamW + clip;
-- checkpoints across degrees: 0 -> 2 and 2 -> 1 continue one reference run.
+- checkpoints across degrees: 0 -> 2 and 2 -> 1 continue one reference run;
+- per-rank gradient and optimizer bytes measured (``--memory-stats``) beside the memory model, zero 0/1/2.
 
 Slow: launches of 6-9 ranks (forked from one interpreter, ~10-20 s each).
 """
@@ -102,6 +103,76 @@ def test_zero2_on_unequal_meshes_matches_the_reference(tmp_path, optimizer):
         assert 4 * (whole[st] // d + whole[st]) <= held <= model[st], (rank, held, model[st])
 
 
+
+@pytest.mark.slow
+def test_zero2_on_one_stage_line_only(tmp_path):
+    """``stage 1 ... recompute zero 2`` with the train block's zero = 1: stage 0 runs ZeRO-1, stage 1 ZeRO-2."""
+    edits = train_settings(1, ADAMW_CLIP) + [(r"(stage 1 : layers 2\.\.4 on devices 4\.\.8 as \(data = 4\))",
+                                              r"\1 recompute zero 2")]
+    src, out, plan = variant(tmp_path, "mlp-data2-to-data4.plan", edits)
+    assert plan["train"]["zero"] == 1 and plan["train"]["recompute"] == [False, True]
+    assert [st.get("zero") for st in sorted(plan["stages"], key=lambda s: s["index"])] == [None, 2]
+    r, _ = run_and_compare(tmp_path, src, out, plan, 3)
+    assert "ZeRO-1" in r.stderr and "ZeRO-2" in r.stderr, r.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_zero2_stage_line_over_a_train_block_without_zero(tmp_path):
+    """``zero 2`` on stage 0's line, no zero in the train block: stage 0 reduce-scatters, stage 1 all-reduces."""
+    edits = train_settings(None, None) + [(r"(stage 0 : layers 0\.\.2 on devices 0\.\.2 as \(data = 2\))",
+                                           r"\1 zero 2")]
+    src, out, plan = variant(tmp_path, "mlp-data2-to-data4.plan", edits)
+    assert targets(plan) == {("gradients", 0): "reduce_scatter", ("parameters", 0): "all_gather",
+                             ("gradients", 1): "allreduce"}
+    r, _ = run_and_compare(tmp_path, src, out, plan, 3)
+    assert "ZeRO-2" in r.stderr and "ZeRO-1" not in r.stderr, r.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_zero2_with_tensor_parallelism_on_the_same_stage(tmp_path):
+    """Stage 1 on (data 2, tensor 2), GPT's block 2 really sharded over tensor; AdamW + clip."""
+    edits = [(r"optimizer = sgd\(lr = 0\.5\)", ADAMW_CLIP), (r"(micro_batch = \d+)", r"zero = 2, \1")]
+    src, out, plan = variant(tmp_path, "gpt-1-to-data2-tensor2.plan", edits)
+    assert targets(plan)[("gradients", 1)] == "reduce_scatter"
+    r, record = run_and_compare(tmp_path, src, out, plan, 3)
+    assert "ZeRO-2" in r.stderr, r.stderr[-3000:]
+    assert max(record["grad_norm"]) > 0.05
+    info = json.loads((tmp_path / "dump" / "rank2.shards.json").read_text())
+    assert {int(k.split(".")[1]) for k in info} >= {2}   # block 2 really is sharded over tensor
+
+
+@pytest.mark.slow
+def test_checkpoints_cross_zero_degrees_0_to_2_to_1(tmp_path):
+    """One run in three launches: zero 0 saves step 1, zero 2 resumes it and saves step 2, zero 1 resumes
+    that: losses, norms and the last launch's parameters are one uninterrupted reference run's."""
+    from e2e_util import start_ranks
+    launches = []
+    for i, zero in enumerate((0, 2, 1)):
+        src, out, plan = variant(tmp_path, "mlp-data2-to-data4.plan", train_settings(zero, ADAMW_CLIP), f"z{zero}")
+        assert plan["train"]["zero"] == zero
+        args = ["--steps", i + 1, "--save", tmp_path / f"ck{i}"]
+        if i:
+            args += ["--resume", tmp_path / f"ck{i - 1}"]
+        if i == 2:
+            args += ["--dump-params", tmp_path / "dump"]
+        rc, text, every = start_ranks(out, plan["cluster"]["devices"], *args)
+        assert rc == 0 and "Traceback" not in every, every[-4000:]
+        if i:
+            assert f"resumed from {tmp_path / f'ck{i - 1}' / f'step{i}'} at step {i}" in text, text[-2000:]
+        assert sorted(step_lines(text)) == [i], text[-2000:]
+        launches.append(step_lines(text))
+
+    def compare(ref_losses, ref_state, record):
+        for i, lines in enumerate(launches):
+            assert lines[i]["loss"] == pytest.approx(ref_losses[i], rel=1e-4, abs=1e-6), i
+            assert lines[i]["grad_norm"] == pytest.approx(record["grad_norm"][i], rel=1e-4), i
+        compare_dumps(tmp_path / "dump", stage_ranks(plan), ref_state, rtol=1e-4, atol=1e-6)
+
+    record: dict = {}
+    compare(*independent_reference(plan, out, 3, record=record, source=src), record)
+    assert_controls_fail(compare, plan, out, 3, source=src, data_parts=data_degree(plan))
+
+
 DEEP = """
 plan deep {
   cluster {
@@ -156,3 +227,42 @@ def test_measured_memory_beside_the_model_for_zero_0_1_2(tmp_path):
     for rank in (0, 5):
         g = {z: figures[f"zero {z} rank {rank}"]["gradients"][0] for z in (0, 1, 2)}
         assert g[2] < 0.75 * g[1] and abs(g[1] - g[0]) <= 4 * 256
+
+
+PIPE_AXIS = """
+plan pipe_axis {
+  cluster {
+    level node x 2 : bandwidth 1 GB/s, latency 20 us
+    level gpu  x 4 : bandwidth 10 GB/s, latency 2 us
+    host = node
+  }
+  parallel { pipe = 2, data = 4 }
+  model "EXAMPLES/mlp.py:build" { layers = 4, hidden = 16, inputs = 8, outputs = 4 }
+  loss  "EXAMPLES/mlp.py:loss"
+  data  "EXAMPLES/mlp.py:batches"
+  stage 0 : layers 0..2 zero 2
+  stage 1 : layers 2..4
+  transfer h from stage 0 to stage 1
+  reduce gradients over data
+  train {
+    micro_batch = 8, micro_batches = 4, steps = 3, schedule = 1f1b, seed = 7
+    OPTIMIZER, precision = fp32
+  }
+}
+"""
+
+
+@pytest.mark.slow
+def test_zero2_on_one_pipe_axis_stage(tmp_path):
+    """Pipe-axis stages, ``zero 2`` on stage 0's line only: the stages get a gradients plan each (stage 0 a
+    reduce-scatter and an all-gather, stage 1 an all-reduce); AdamW + clip against the reference."""
+    src = tmp_path / "pipe.plan"
+    src.write_text(PIPE_AXIS.replace("EXAMPLES", str(ROOT / "examples")).replace("OPTIMIZER", ADAMW_CLIP))
+    c = compile_file(src)
+    out = tmp_path / "pipe"
+    write_output(c.plan_json, c.program, out)
+    plan = json.loads((out / "plan.json").read_text())
+    assert targets(plan) == {("gradients", 0): "reduce_scatter", ("parameters", 0): "all_gather",
+                             ("gradients", 1): "allreduce"}
+    r, _ = run_and_compare(tmp_path, src, out, plan, 3)
+    assert "ZeRO-2" in r.stderr and "ZeRO-1" not in r.stderr, r.stderr[-3000:]
