@@ -4,7 +4,7 @@ controls (gradients x2, a data rank's rows missing) failing the same comparison.
 
 - an unequal plan (stage 0 data 2 on host 0, stage 1 data 4 across hosts 1 and 2, hierarchical
   reduce-scatter), SGD and AdamW + clip: every micro-batch's gradient reduce-scattered, only the owned
-  shard kept (``--memory-stats``: each rank's gradient bytes are its shard's, about 1/d of ZeRO-1's);
+  shard accumulated (``--memory-stats``: each rank's gradient bytes within the memory model's bound);
 - ``zero 2`` on one stage line only (the train block says 1 or 0; explicit meshes and pipe-axis stages);
 - a (data 2, tensor 2) stage with zero 2, AdamW + clip;
 - checkpoints across degrees: 0 -> 2 and 2 -> 1 continue one reference run;
