@@ -334,8 +334,7 @@ class _ToAst(Transformer):
         return _StageZero(self._num(degree), self._span(meta))
 
     def _stage_zero(self, rest) -> ast.Num | None:
-        """The degree of a stage line's ``zero N`` (the first stands), None without one; ``recompute`` or
-        ``zero`` written twice on the line is a mistake the tree is built past."""
+        """A stage line's ``zero N`` (the first stands; ``zero`` or ``recompute`` again: a mistake), or None."""
         for kind, word in ((_Recompute, "recompute"), (_StageZero, "zero")):
             found = [r for r in rest if isinstance(r, kind)]
             for again in found[1:]:
@@ -472,7 +471,6 @@ class _Recompute:
 @dataclass(frozen=True, slots=True)
 class _StageZero:
     """A stage line's trailing ``zero N``."""
-
     degree: ast.Num
     span: Span
 
