@@ -1,12 +1,9 @@
 """``zero = 2`` outside the runtime's numbers (those: tests/test_e2e_zero2.py): the language (train block
 and stage lines, 3 refused as not built), plan.json's ``stages[i].zero``, the memory model (gradients
-divided by d, staged buckets, tied parameters whole), the simulator (a reduce-scatter after every
-backward) and explain; and ``ShardedGradientBuckets`` on one rank's buckets (two in-process ranks)."""
+divided by d, staged buckets, tied parameters whole), the simulator and the placement ranking (a
+reduce-scatter after every backward), the no-fit suggestion, explain; and ``ShardedGradientBuckets`` on one
+rank's buckets (a stand-in 2-member reduce-scatter executor)."""
 from __future__ import annotations
-
-import dataclasses
-import json
-import textwrap
 
 import pytest
 
