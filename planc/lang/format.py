@@ -199,6 +199,8 @@ def summary(p: ir.Program) -> str:
                   if s.auto_layers else "all layers" if p.model else "no layers")
         where = f" on devices {s.explicit_devices[0]}..{s.explicit_devices[-1] + 1} as {s.mesh_shape}" if s.explicit_devices else ""
         again = ", recomputes its forward" if s.recompute or p.train.recompute is ir.Recompute.FULL else ""
+        zero = s.zero if s.zero is not None else p.train.zero
+        again += f", ZeRO-{zero}" if zero else ""
         lines.append(f"  stage {s.index}    {layers}, {n} device(s){where}, mesh axes ({', '.join(s.mesh_axes)}){again}")
     for t in p.transfers:
         ttype = f"{t.dtype}{list(t.shape)}" if t.shape is not None else "(type measured on the model)"
