@@ -10,7 +10,7 @@ import pytest
 from planc import ir
 from planc.lang import load_text
 from planc.lang.errors import PlanError
-from planc.lang.format import to_text
+from planc.lang.format import summary, to_text
 from planc.pipeline.memory import GRADIENT_BYTES, ZERO2_WINDOW, StageMemory, saved, whole_tied
 from planc.pipeline.schedules import build
 from planc.pipeline.siminput import StageCompute, sim_input
@@ -65,6 +65,8 @@ def test_zero2_in_the_train_block_and_on_stage_lines_in_either_order():
         assert p.stages[0].recompute == (True if "recompute" in line else None)
         again = load_text(to_text(p), "z.plan")     # the formatter writes the stage's zero back
         assert again.stages == p.stages
+    lines = summary(load_text(text(stage0="zero 2", train="zero = 1"), "z.plan")).splitlines()
+    assert [ln.split(", ")[-1] for ln in lines if ln.startswith("  stage ")] == ["ZeRO-2", "ZeRO-1"]
 
 
 def at(src: str, culprit: str, skip: int = 0) -> str:
