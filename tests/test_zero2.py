@@ -204,6 +204,8 @@ def test_sharded_buckets_reduce_every_micro_batch_and_keep_only_the_owned_half()
     buckets = ShardedGradientBuckets(params, ex, torch.device("cpu"), bucket_bytes=4 * 42)   # a layer a bucket
     n = len(buckets.buckets)
     assert n >= 3
+    order, release = [], buckets._release
+    buckets._release = lambda b: (order.append(b), release(b))[1]
     buckets.attach()
     xs = [torch.randn(4, 6) for _ in range(3)]
     whole = [torch.zeros_like(p) for p in params]
@@ -219,6 +221,9 @@ def test_sharded_buckets_reduce_every_micro_batch_and_keep_only_the_owned_half()
         assert all(p.grad is None for p in params)   # no whole gradient kept between micro-batches
     buckets._queue.join()
     assert len(ex.runs) == 3 * n        # one reduce-scatter per bucket per micro-batch
+    # in bucket order, also in micro-batch 1, where layer 1's bucket waits for the end of the backward and
+    # layer 0's, complete before it, waits for it (a member with layer 1's gradients releases them in order)
+    assert order == list(range(n)) * 3, order
     assert all(s is None for s in buckets._staging)
     # the owned half of each bucket holds twice the accumulated gradient; nothing else is held
     for b, (meta, placed) in enumerate(buckets.buckets):

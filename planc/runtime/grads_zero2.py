@@ -11,9 +11,10 @@ Per micro-batch (``arm`` starts it; the engine calls it before every backward):
 - a parameter's post-accumulate hook adds its gradient (autograd's own tensor, any dtype) into a
   *staging* buffer of its bucket, allocated at the bucket's first gradient of the micro-batch, and drops
   ``.grad``;
-- when every parameter of a bucket has had its gradient the bucket is released: the reduce thread runs
-  the reduce-scatter program on the staging buffer, adds the owned ranges into the accumulator and drops
-  the staging buffer. At most ``WINDOW`` released buckets wait or run at once (a release past it waits
+- when every parameter of a bucket, and of every bucket before it, has had its gradient the bucket is
+  released (bucket order only, so the members' collectives match whatever gradients each lacks): the
+  reduce thread runs the reduce-scatter program on the staging buffer, adds the owned ranges into the
+  accumulator and drops the staging buffer. At most ``WINDOW`` released buckets wait or run at once (a release past it waits
   for the oldest), so a rank holds ``WINDOW`` + the buckets being filled whole (one in backward order, two
   where a layer's parameters straddle a bucket boundary): the memory model counts ``WINDOW + 2`` buckets
   of staging (docs/memory.md). A parameter whose gradient comes out of backward order (used by several
@@ -112,6 +113,7 @@ class ShardedGradientBuckets(GradientBuckets):
             self._flush()
         self._left = [len(placed) for _, placed in self.buckets]
         self._released = [False] * len(self.buckets)
+        self._next = 0            # buckets are released in bucket order only: [0, _next) are
         self._open, self._callback, self._armed = True, False, True
 
     def _hook(self, p) -> None:
@@ -126,8 +128,11 @@ class ShardedGradientBuckets(GradientBuckets):
             self._stage(b)[off:off + p.numel()].add_(p.grad.reshape(-1))
             p.grad = None
         self._left[b] -= 1
-        if self._left[b] == 0:
-            self._release(b)
+        # complete buckets go in bucket order, never past one still filling: every member of the group
+        # issues the same reduce-scatters in the same order even where one lacks a gradient another has
+        while self._next < len(self.buckets) and self._left[self._next] == 0:
+            self._release(self._next)
+            self._next += 1
 
     def _stage(self, b: int) -> torch.Tensor:
         if self._staging[b] is None:
@@ -154,8 +159,9 @@ class ShardedGradientBuckets(GradientBuckets):
         """The end of a micro-batch's backward: every bucket not released yet, in bucket order."""
         if not self._open:
             return
-        for b in range(len(self.buckets)):
+        for b in range(self._next, len(self.buckets)):
             self._release(b)
+        self._next = len(self.buckets)
         self._open = False
 
     def _run(self) -> None:
