@@ -316,6 +316,7 @@ class Stage:
     span: Span = field(default=_NOSPAN, compare=False, repr=False)
     auto_layers: bool = False
     recompute: bool | None = None           # `stage I : ... recompute`; None: the train block's setting
+    zero: int | None = None                 # `stage I : ... zero N`; None: the train block's setting
     # filled by planc.model.infer.decide_sequence for a stage with `tensor` > 1: its activations split along the
     # sequence over `tensor` (LANGUAGE.md "Hugging Face models"), else why not
     sequence_parallel: bool = False
@@ -426,7 +427,8 @@ class Train:
     save_every: int | None = None    # checkpoint every N steps with `train.py --save DIR` (None: never)
     runtime: Runtime = Runtime()     # how the runtime executes the plan (plan.json `runtime`)
     lr_schedule: LrSchedule = LrSchedule()   # total = 0 until checked: the checker fills in `steps`
-    zero: int = 0                    # 0 | 1 (ZeRO-1: master weights and optimizer state sharded over data)
+    zero: int = 0                    # 0 | 1 | 2 (ZeRO-1: master weights and optimizer state sharded over data;
+                                     # ZeRO-2: the gradients too); every stage's default, Stage.zero overrides
     recompute: Recompute = Recompute.NONE   # every stage's default; Stage.recompute overrides
     clip: float | None = None        # global gradient-norm bound (None: no clipping)
     sequence_parallel: bool = True   # where a stage has tensor > 1 and its model can (`= false`: nowhere)

@@ -127,6 +127,9 @@ def explain_data(plan: planfile.Plan | dict) -> dict:
 
     data["reductions"] = [_reduction_data(r, n, in_host, str(plan.runtime.in_host))
                           for r, n in zip(plan.reductions, notes.reductions)]
+    for r, d in zip(plan.reductions, data["reductions"]):   # ZeRO's programs: the stage's degree (1 or 2)
+        if str(r.target) != "allreduce" and plan.train is not None:
+            d["zero"] = plan.zero_of(r.stage) if r.stage is not None else plan.train.zero
     _zero_pairs(data["reductions"])
     by_src: dict[int, list[str]] = {}
     for t in plan.transfers:
@@ -181,7 +184,8 @@ def _memory_data(plan: planfile.Plan, notes: planfile.Notes) -> dict | None:
     return {"limit": notes.memory_limit, "zero": train.zero if train is not None else 0,
             "precision": str(train.precision) if train is not None else None,
             "stages": [{"stage": st.stage, **dict(st.memory or ()), "saved": dict(st.saved),
-                        "recompute": bool(rc[st.stage]) if st.stage < len(rc) else False} for st in stages]}
+                        "recompute": bool(rc[st.stage]) if st.stage < len(rc) else False,
+                        "zero": plan.zero_of(st.stage)} for st in stages]}
 
 
 def _memory_lines(mem: dict, tty: bool) -> list:
@@ -197,7 +201,9 @@ def _memory_lines(mem: dict, tty: bool) -> list:
         transient.append([st["stage"], *(_bytes(st[k]) if k in st else "-" for k in ("step", "build"))])
         saved = st["saved"]
         if saved:
-            what = [f"zero = 1 saved {_bytes(saved['zero'])} of optimizer state"] if "zero" in saved else []
+            what = [f"zero = {st.get('zero', mem['zero'])} {_saved(saved['zero'])} of optimizer state"
+                    + (f" and {_saved(saved['zero_gradients'])} of gradients (reduce-scattered every micro-batch; "
+                       "a few buckets staged whole)" if "zero_gradients" in saved else "")] if "zero" in saved else []
             what += [f"recompute saved {_bytes(saved['recompute'])} of activations"] if "recompute" in saved else []
             notes.append(f"  stage {st['stage']}: " + "; ".join(what))
     out.append(ui.table([Col("stage", "right"), Col("parameters", "right"), Col("gradients", "right"),
@@ -209,6 +215,11 @@ def _memory_lines(mem: dict, tty: bool) -> list:
                         transient, tty=tty))
     return out + notes + (["  (rc: the stage recomputes; it keeps only its inputs per micro-batch in flight)"]
                           if any(st["recompute"] for st in mem["stages"]) else [])
+
+
+def _saved(n: int) -> str:
+    """``saved X``, or ``added X`` where the setting costs bytes (fp32 masters of a tiny stage, say)."""
+    return f"saved {_bytes(n)}" if n >= 0 else f"added {_bytes(-n)}"
 
 
 def _zero_pairs(reductions: list[dict]) -> None:
@@ -319,7 +330,7 @@ def _reduction(r: dict, tty: bool) -> list:
     flat_name = "allreduce" if target == "allreduce" else target
     flat = r["allreduce_predicted"] if target == "allreduce" else r["flat_predicted"]
     speed = f"{r['speedup']:.2f}x vs flat {flat_name}" if r["speedup"] is not None else "no data to move"
-    zero = "" if target == "allreduce" else " (zero = 1)"
+    zero = "" if target == "allreduce" else f" (zero = {r.get('zero', 1)})"
     out = [f"{_VERB[target]} {r['name']} over {', '.join(r['axes'])}{where}{zero}: {_bytes(r['bytes'])} per group, "
            f"{r['groups']} group(s) of {r['group_size']}"] if not r.get("tied") else tied_lines(r)
     if r["hierarchy"]:

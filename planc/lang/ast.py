@@ -154,6 +154,7 @@ class StageDecl:
     span: Span
     auto: Span | None = None   # `layers auto`: where `auto` is written
     recompute: Span | None = None   # `... recompute` at the end of the line: where it is written
+    zero: Num | None = None         # `... zero N` at the end of the line: the stage's ZeRO degree
 
 
 @dataclass(frozen=True, slots=True)

@@ -107,9 +107,9 @@ def to_text(p: ir.Program) -> str:
         if ref is not None:
             args = ", ".join(f"{k} = {_value(v)}" for k, v in ref.args)
             out.append(f'  {kind} "{ref.path}:{ref.function}"' + (f" {{ {args} }}" if args else ""))
-    # stages = auto(N) has no stage lines: a stage's `recompute` needs its `layers auto` line
+    # stages = auto(N) has no stage lines: a stage's `recompute` or `zero N` needs its `layers auto` line
     pipe_auto = (p.stage_mode is ir.StageMode.PIPE_AXIS and any(s.auto_layers for s in p.stages)
-                 and not any(s.recompute for s in p.stages))
+                 and not any(s.recompute or s.zero is not None for s in p.stages))
     if pipe_auto:
         out.append(f"  stages = auto({len(p.stages)})")
     for s in p.stages:
@@ -125,6 +125,8 @@ def to_text(p: ir.Program) -> str:
             line += f" on devices {s.first_device}..{s.first_device + len(s.explicit_devices)} as ({dims})"
         if s.recompute:
             line += " recompute"
+        if s.zero is not None:
+            line += f" zero {s.zero}"
         out.append(line)
     for t in p.transfers:   # an omitted type or spec (measured / derived at compile time) stays omitted
         layer = f" layer {t.src_layer}" if t.src_layer is not None else ""
@@ -197,6 +199,8 @@ def summary(p: ir.Program) -> str:
                   if s.auto_layers else "all layers" if p.model else "no layers")
         where = f" on devices {s.explicit_devices[0]}..{s.explicit_devices[-1] + 1} as {s.mesh_shape}" if s.explicit_devices else ""
         again = ", recomputes its forward" if s.recompute or p.train.recompute is ir.Recompute.FULL else ""
+        zero = s.zero if s.zero is not None else p.train.zero
+        again += f", ZeRO-{zero}" if zero else ""
         lines.append(f"  stage {s.index}    {layers}, {n} device(s){where}, mesh axes ({', '.join(s.mesh_axes)}){again}")
     for t in p.transfers:
         ttype = f"{t.dtype}{list(t.shape)}" if t.shape is not None else "(type measured on the model)"

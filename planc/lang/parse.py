@@ -322,7 +322,7 @@ class _ToAst(Transformer):
         devices, mesh = placement if placement else (None, ())
         auto = layers if isinstance(layers, Span) else None   # `layers auto`
         return ast.StageDecl(self._num(index), None if auto else layers, devices, mesh, self._span(meta), auto,
-                             recompute.span if recompute else None)
+                             recompute.span if recompute else None, self._stage_zero(rest))
 
     def layers_auto(self, meta):
         return self._span(meta)
@@ -330,13 +330,25 @@ class _ToAst(Transformer):
     def recompute(self, meta):
         return _Recompute(self._span(meta))
 
+    def stage_zero(self, meta, degree):
+        return _StageZero(self._num(degree), self._span(meta))
+
+    def _stage_zero(self, rest) -> ast.Num | None:
+        """A stage line's ``zero N`` (the first stands; ``zero`` or ``recompute`` again: a mistake), or None."""
+        for kind, word in ((_Recompute, "recompute"), (_StageZero, "zero")):
+            found = [r for r in rest if isinstance(r, kind)]
+            for again in found[1:]:
+                self.found.append(Diagnostic(f"'{word}' is written twice on this stage line", again.span))
+        return next((r.degree for r in rest if isinstance(r, _StageZero)), None)
+
     def stages(self, meta, count=None):
         return ast.StagesAuto(self._num(count) if count is not None else None, self._span(meta))
 
-    def stage_bare(self, meta, index, placement, recompute=None):
+    def stage_bare(self, meta, index, placement, *rest):
         devices, mesh = placement
+        recompute = next((r for r in rest if isinstance(r, _Recompute)), None)
         return ast.StageDecl(self._num(index), None, devices, mesh, self._span(meta),
-                             recompute=recompute.span if recompute else None)
+                             recompute=recompute.span if recompute else None, zero=self._stage_zero(rest))
 
     def placement(self, meta, devices, *dims):
         return (devices, tuple(dims))
@@ -453,6 +465,13 @@ class _ToAst(Transformer):
 class _Recompute:
     """A stage line's trailing ``recompute`` (a Span alone would read as ``layers auto``)."""
 
+    span: Span
+
+
+@dataclass(frozen=True, slots=True)
+class _StageZero:
+    """A stage line's trailing ``zero N``."""
+    degree: ast.Num
     span: Span
 
 

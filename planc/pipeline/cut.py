@@ -32,7 +32,8 @@ from typing import Iterable, Sequence
 
 from planc import ir
 from planc.diagnostics import Diagnostic, PlanError
-from planc.pipeline.memory import StageMemory, layer_bytes, optimizer_states, recomputes
+from planc.pipeline.memory import (StageMemory, grad_bucket, layer_bytes, optimizer_states, recomputes,
+                                   whole_tied, zero_of)
 from planc.pipeline.schedules import peak_in_flight
 
 __all__ = ["cut_layers", "layer_costs", "stage_speeds", "apply_auto_stages", "memory_allowed", "cut_memory",
@@ -220,8 +221,10 @@ def cut_memory(program: ir.Program, probe, cut, meshes=None) -> list[StageMemory
         out.append(StageMemory(index, sum(counts[a:b]), data, t.micro_batch,
                                sum(layer_bytes(probe, j, t.precision) for j in range(a, b)),
                                layer_bytes(probe, a - 1, t.precision) if a > 0 else 0, t.precision,
-                               optimizer_states(t.optimizer), t.zero,
-                               recomputes(program, index) if i < len(stages) else t.recompute is ir.Recompute.FULL))
+                               optimizer_states(t.optimizer), zero_of(program, index) if i < len(stages) else t.zero,
+                               recomputes(program, index) if i < len(stages) else t.recompute is ir.Recompute.FULL,
+                               tied=whole_tied(probe, a, b), bucket=grad_bucket(program),
+                               largest=max(counts[a:b], default=0)))
     return out
 
 

@@ -11,11 +11,17 @@ Per device of a stage holding ``P`` parameters (its tensor-parallel shard of the
 data degree ``d``, ``p`` bytes per element of the precision (fp32 4, bf16/fp16 2):
 
 * parameters ``P x p``;
-* gradients ``P x 4``: the runtime accumulates over the micro-batches and reduces in fp32;
+* gradients ``P x 4``: the runtime accumulates over the micro-batches and reduces in fp32; with
+  ``zero = 2`` (and ``d`` > 1) ``(P' + S) x 4``: the owned shard accumulated, plus ``S`` = 4 x min(P - T,
+  max(the bucket's elements, the largest layer's parameters)) of one micro-batch's gradient staged
+  whole until its reduce-scatter (``runtime/grads_zero2.py``: the bucket being filled, two where a layer
+  straddles a bucket boundary, and 2 in flight; a
+  parameter larger than the bucket is a bucket of its own, and the largest layer bounds it);
 * optimizer ``(4 s + m) x P'``: ``s`` fp32 states per parameter (sgd with momentum 1, without 0; adam and
-  adamw 2), ``m`` = 4 for the fp32 master copy of bf16/fp16 plans and of ``zero = 1`` plans (0 in fp32 without
-  ZeRO: the parameters are their own masters); ``P' = ceil(P / d)`` with
-  ``zero = 1`` (ZeRO-1 shards master weights and optimizer state over the data group), else ``P``;
+  adamw 2), ``m`` = 4 for the fp32 master copy of bf16/fp16 plans and of ``zero`` >= 1 plans (0 in fp32
+  without ZeRO: the parameters are their own masters); ``P' = ceil((P - T) / d) + T`` with ``zero`` >= 1
+  (ZeRO-1 and 2 shard master weights and optimizer state over the data group; ``T``: the elements tied to
+  another stage's layers, which stay whole), else ``P``; a stage's own ``zero N`` overrides the train block's;
 * activations of ``k`` micro-batches in flight: ``k x (I + O)``, or with the stage's ``recompute``
   ``k x I + O``, where ``I`` are the bytes of the stage's received inputs and ``O`` what its layers keep
   for backward — the distinct tensors autograd saved when the probe ran each layer on the whole
@@ -51,6 +57,7 @@ __all__ = ["PRECISION_BYTES", "GRADIENT_BYTES", "FLOAT_DTYPES", "PARTS", "StageM
 PRECISION_BYTES = {ir.Precision.FP32: 4, ir.Precision.FP16: 2, ir.Precision.BF16: 2}
 GRADIENT_BYTES = 4   # fp32 accumulation buffers, whatever the precision
 STATE_BYTES = 4      # optimizer states and the master copy are fp32
+ZERO2_WINDOW = 2     # ZeRO-2's released buckets in flight at once (runtime/grads_zero2.py WINDOW)
 FLOAT_DTYPES = frozenset({"f64", "f32", "f16", "bf16"})
 PARTS = ("parameters", "gradients", "optimizer", "activations", "logits", "step", "total", "build")
 
@@ -77,6 +84,32 @@ def recomputes(program: ir.Program, index: int) -> bool:
     except KeyError:
         own = None
     return own if own is not None else program.train.recompute is ir.Recompute.FULL
+
+
+def zero_of(program: ir.Program, index: int) -> int:
+    """Stage ``index``'s ZeRO degree: its own ``zero N`` if written, else the train block's (as
+    plan.json's ``stages[i].zero`` overrides ``train.zero``)."""
+    try:
+        own = program.stage(index).zero
+    except KeyError:
+        own = None
+    return own if own is not None else program.train.zero
+
+
+def whole_tied(probe, a: int, b: int) -> int:
+    """Elements of the parameters layers [a, b) hold that are tied to a layer outside them: ZeRO never
+    shards them (their gradients reduce by their own programs, their masters stay whole)."""
+    total = 0
+    for holders, numel in getattr(probe, "tied", ()) or ():
+        layers = {i for i, _ in holders}
+        if any(a <= i < b for i in layers) and any(not a <= i < b for i in layers):
+            total += numel
+    return total
+
+
+def grad_bucket(program: ir.Program) -> int:
+    """Elements of one fp32 gradient bucket (plan.json ``runtime.grad_bucket_bytes``)."""
+    return program.train.runtime.grad_bucket_bytes // GRADIENT_BYTES
 
 
 def activation_itemsize(dtype: str | None, precision: ir.Precision) -> int | None:
@@ -155,6 +188,10 @@ class StageMemory:
     last_out: int = 0       # elements of the model's last output (the logits) for one whole micro-batch, on a
                             # device of the last stage (its vocabulary slice); 0 on the other stages
     step_states: bool = False   # the optimizer's step allocates a temporary as large as its fp32 tensors
+    tied: int = 0           # of ``params``, elements tied to another stage's layers: never sharded by ZeRO
+    bucket: int = 0         # elements of one gradient bucket (plan.json runtime.grad_bucket_bytes / 4)
+    largest: int = 0        # the stage's largest layer's parameters on a device: a bound on its largest
+                            # parameter, which gets a bucket of its own when it is larger than ``bucket``
 
     def with_(self, **changes) -> "StageMemory":
         """The same stage under other settings (``zero``, ``recompute``, ``micro_batch``: the activation
@@ -183,7 +220,24 @@ class StageMemory:
         return self.params * PRECISION_BYTES[self.precision]
 
     @property
+    def sharded(self) -> int:
+        """The elements of a device's ZeRO shard: ``ceil((P - T) / d) + T`` (tied ones ``T`` whole)."""
+        return -(-(self.params - self.tied) // self.data) + self.tied
+
+    @property
+    def staging(self) -> int:
+        """ZeRO-2's whole gradient buckets of one micro-batch, held until their reduce-scatter (elements):
+        two being filled (a layer straddling a bucket boundary) and ``ZERO2_WINDOW`` waiting
+        (runtime/grads_zero2.py); a bucket is at most the stage's gradient, whose copies of two micro-batches
+        can be alive at once (one still reducing while the next fills)."""
+        whole = self.params - self.tied
+        bucket = min(max(self.bucket, self.largest), whole) if self.bucket else whole
+        return (ZERO2_WINDOW + 2) * bucket
+
+    @property
     def gradients(self) -> int:
+        if self.zero >= 2 and self.data > 1:   # ZeRO-2: the owned shard accumulated, a few buckets staged
+            return (self.sharded + self.staging) * GRADIENT_BYTES
         return self.params * GRADIENT_BYTES
 
     @property
@@ -191,7 +245,7 @@ class StageMemory:
         # a separate fp32 master: bf16/fp16, and ZeRO-1 in fp32 too (the parameters are all-gathered
         # replicas; the shard the optimizer updates is its own copy)
         master = STATE_BYTES if self.precision is not ir.Precision.FP32 or self.zero else 0
-        held = -(-self.params // self.data) if self.zero else self.params
+        held = self.sharded if self.zero else self.params
         return (self.states * STATE_BYTES + master) * held
 
     @property
@@ -209,7 +263,7 @@ class StageMemory:
     def step(self) -> int:
         """The optimizer step's temporary (torch's multi-tensor Adam: the denominators, one fp32 tensor per
         master), held after the last backward, when the activations are gone."""
-        return STATE_BYTES * (-(-self.params // self.data) if self.zero else self.params) if self.step_states else 0
+        return STATE_BYTES * (self.sharded if self.zero else self.params) if self.step_states else 0
 
     @property
     def build(self) -> int:
@@ -234,11 +288,14 @@ class StageMemory:
 
 
 def saved(m: StageMemory, in_flight: int) -> dict:
-    """What the stage's ``zero = 1`` and ``recompute`` save against the same stage without them (bytes
-    per device; only those it uses)."""
+    """What the stage's ``zero`` and ``recompute`` save against the same stage without them (bytes per
+    device; only those it uses): ``zero`` the optimizer state (and masters), ``zero_gradients`` what
+    ZeRO-2 saves of gradients against ZeRO-1."""
     out = {}
     if m.zero:
         out["zero"] = m.with_(zero=0).optimizer - m.optimizer
+    if m.zero >= 2 and m.data > 1:
+        out["zero_gradients"] = m.with_(zero=1).gradients - m.gradients
     if m.recompute:
         out["recompute"] = m.with_(recompute=False).activations(in_flight) - m.activations(in_flight)
     return out
@@ -272,6 +329,7 @@ def stage_memory(program: ir.Program, stages, probe) -> tuple[StageMemory, ...]:
                 last = last * per_device[-1] // probe.layer_params[-1]
         adam = train.optimizer.name in ("adam", "adamw") or bool(dict(train.optimizer.params).get("weight_decay", 0))
         out.append(StageMemory(st.index, params, degree(program, st, ir.MeshAxis.DATA), train.micro_batch,
-                               outputs, inputs, precision, optimizer_states(train.optimizer), train.zero,
-                               recomputes(program, st.index), widest, last, adam))
+                               outputs, inputs, precision, optimizer_states(train.optimizer),
+                               zero_of(program, st.index), recomputes(program, st.index), widest, last, adam,
+                               whole_tied(probe, a, b), grad_bucket(program), max(per_device, default=0)))
     return tuple(out)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from planc import ir
 from planc.cost.collectives import collective_time
 from planc.cost.network import Network
-from planc.pipeline.memory import GRADIENT_BYTES, PRECISION_BYTES, degree, stage_memory
+from planc.pipeline.memory import GRADIENT_BYTES, PRECISION_BYTES, degree, stage_memory, zero_of
 from planc.plan import DEFAULT_GRAD_BUCKET_BYTES, DEFAULT_RECV_AHEAD
 
 DEFAULT_FLOPS = 100e12   # FLOP/s of one device when the cluster gives no `flops` (docs/simulator.md)
@@ -149,7 +149,8 @@ class SimTransfer:
 class SimReduction:
     """One stage's reduction program: ``steps`` (collective, groups of the stage's devices). The
     gradients' (target allreduce or, with ``zero = 1``, reduce_scatter) run in buckets as the last
-    backward fills them; ``after_step``: ZeRO-1's all-gather of the parameters, after the optimizer
+    backward fills them (``every_micro_batch``, ZeRO-2: also after each earlier backward, the whole
+    gradient in buckets); ``after_step``: ZeRO-1's all-gather of the parameters, after the optimizer
     step, over the stage's parameter bytes. ``held``: per step, the fraction of the buffer each member
     holds before it (from the program's regions; empty: the whole buffer, then ``held_after``)."""
 
@@ -158,6 +159,7 @@ class SimReduction:
     overlapped: bool = True     # False: DeepSpeed's all-reduce, after the last backward
     after_step: bool = False
     held: tuple[float, ...] = ()
+    every_micro_batch: bool = False   # ZeRO-2: each backward's gradient reduce-scattered, not the last only
 
 
 @dataclass(frozen=True, slots=True)
@@ -192,9 +194,11 @@ def _tasks(route: dict | None, itemsize: int, cluster: ir.Cluster) -> tuple[SimT
 
 
 def sim_input(cluster: ir.Cluster, stages: list[dict], transfers: list[dict], reductions: list[dict],
-              compute, runtime: dict | None = None) -> SimInput:
+              compute, runtime: dict | None = None, zero: int = 0) -> SimInput:
     """The simulator's input from plan.json's ``stages``, ``transfers``, ``reductions`` and ``runtime``
-    records (each as in docs/plan-format.md; no ``runtime``: its defaults) and the per-stage compute model."""
+    records (each as in docs/plan-format.md; no ``runtime``: its defaults) and the per-stage compute model;
+    ``zero``: plan.json's ``train.zero`` (a stage's own ``zero`` overrides it; 2: gradients reduce-scattered
+    every micro-batch)."""
     runtime = runtime or {}
     order = sorted(stages, key=lambda s: s["index"])
     devices = tuple(tuple(sorted(s["devices"])) for s in order)
@@ -221,9 +225,11 @@ def sim_input(cluster: ir.Cluster, stages: list[dict], transfers: list[dict], re
                               st in prog["steps"])
                 held, overlapped = _held(prog), True
             keep = [i for i, (c, gs) in enumerate(steps) if any(len(g) > 1 for g in gs)]
+            own = order[k].get("zero")
+            every = (own if own is not None else zero) >= 2 and not gather and str(r.get("target")) == "reduce_scatter"
             if keep:
                 reds.append(SimReduction(k, tuple(steps[i] for i in keep), overlapped, gather,
-                                         tuple(held[i] for i in keep) if held else ()))
+                                         tuple(held[i] for i in keep) if held else (), every))
     return SimInput(cluster, devices, tuple(compute), tuple(trs), tuple(reds),
                     bucket_bytes=float(runtime.get("grad_bucket_bytes", BUCKET_BYTES)),
                     ahead=int(runtime.get("recv_ahead", RECV_AHEAD)),
@@ -263,5 +269,5 @@ def compiled_input(program: ir.Program, stages, probe, reductions, routes):
     for r, d in zip(reductions, reds):   # ZeRO-1's reduce-scatter and all-gather programs say what they leave
         if getattr(r, "target", None) is not None:
             d.setdefault("target", str(r.target))
-    st = [{"index": s.index, "devices": sorted(s.devices)} for s in stages]
+    st = [{"index": s.index, "devices": sorted(s.devices), "zero": zero_of(program, s.index)} for s in stages]
     return sim_input(program.cluster, st, transfers, reds, compute, program.train.runtime.to_json()), rate

@@ -267,6 +267,14 @@ def _simulate(sim: SimInput, per_stage, free: bool, keep: bool, nic_order: tuple
             continue
         c = sim.compute[red.stage]
         last = {d: comp_end[d, len(per_stage[red.stage]) - 1] for d in sim.stage_devices[red.stage]}
+        if red.every_micro_batch:   # ZeRO-2: every earlier backward's gradient reduce-scattered as it ends
+            ops = per_stage[red.stage]
+            final = max(i for i, op in enumerate(ops) if op[0] == "B")
+            for i, (kind, m) in enumerate(ops):
+                if kind == "B" and i != final:
+                    ready = {d: comp_end[d, i] for d in last}
+                    for bi, (nbytes, _) in enumerate(_buckets(c.grad_bytes, sim.bucket_bytes)):
+                        _program(g, net, comm, red, nbytes, ready, red_last, ("reduce", red.stage, m, bi))
         for bi, (nbytes, j) in enumerate(_buckets(c.grad_bytes, sim.bucket_bytes)):
             ready = {d: layer_end[d, j] if red.overlapped and (d, j) in layer_end else last[d] for d in last}
             _program(g, net, comm, red, nbytes, ready, red_last, ("reduce", red.stage, bi))

@@ -91,6 +91,13 @@ def _region_bytes(nbytes: int, spec: ir.ShardingSpec, layout: ir.StageLayout) ->
     return nbytes / math.prod(parts_per_dim(layout.shape, spec))
 
 
+def _zero2(program: ir.Program) -> bool:
+    """Whether some stage runs ZeRO-2 (the train block's ``zero = 2`` or a stage line's ``zero 2``)."""
+    default = program.train.zero if program.train is not None else 0
+    return any((s.zero if s.zero is not None else default) == 2 for s in program.stages) or (
+        default == 2 and not program.stages)
+
+
 METHODS = ("closed", "devices")
 
 
@@ -126,7 +133,10 @@ class _Costing:
                 syn = ir.Synthesis(max_size=1, collectives=(ir.Collective.ALLREDUCE,))
             pinned = red.program if red.mode is ir.ReductionMode.PROGRAM else None
             rows = tuple(sorted({rows_of[a] for a in red.axes}))
-            self.reductions.append((red.name, tuple(red.axes), _reduction_bytes(red, param_bytes), syn, pinned, rows))
+            nbytes = _reduction_bytes(red, param_bytes)
+            if red.name == "gradients" and red.shape is None and _zero2(program):
+                nbytes *= program.train.micro_batches   # ZeRO-2 reduce-scatters every micro-batch's gradient
+            self.reductions.append((red.name, tuple(red.axes), nbytes, syn, pinned, rows))
         self.cache: dict[Matrix, float] = {}
         self.parts: dict[Matrix, tuple[tuple[str, float], ...]] = {}
 

@@ -16,7 +16,7 @@ DATA_AXIS = ir.MeshAxis.DATA
 
 def stage_record(s: ir.StageLayout, micro_batch: int | None, stage: ir.Stage | None = None) -> planfile.Stage:
     """Stage ``s`` as plan.json writes it; ``micro_batch`` None: no training (no rows, no grid). ``stage``:
-    the program's, for its sequence parallelism (and why not, ``sequence_parallel_why``)."""
+    the program's, for its sequence parallelism (and why not, ``sequence_parallel_why``) and its own ``zero``."""
     devices = tuple(sorted(s.devices))
     mesh = (s.index, tuple(s.layers) if s.layers else None, devices, _as_lists(s.mesh()), tuple(s.axes), tuple(s.shape),
             tuple(s.devices))
@@ -30,7 +30,8 @@ def stage_record(s: ir.StageLayout, micro_batch: int | None, stage: ir.Stage | N
         rows.append((d, (i * micro_batch // data, (i + 1) * micro_batch // data)))
     sp = stage is not None and stage.sequence_parallel
     why = (("sequence_parallel_why", stage.sequence_why),) if stage is not None and stage.sequence_why else ()
-    return planfile.Stage(*mesh, tuple(rows), _split(s, k, along=True), _split(s, k, along=False), why, sp)
+    zero = stage.zero if stage is not None else None   # `stage I ... zero N`: overrides train.zero
+    return planfile.Stage(*mesh, tuple(rows), _split(s, k, along=True), _split(s, k, along=False), why, sp, zero)
 
 
 def loss_devices(last: ir.StageLayout) -> tuple[int, ...]:

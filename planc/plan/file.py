@@ -145,6 +145,17 @@ class Plan:
             for d in self.train.loss_devices:
                 if d not in last:
                     raise PlanFileError(f"plan.json: train.loss_devices: {d} is not a device of the last stage")
+            self._check_zero()
+
+    def _check_zero(self) -> None:
+        """A stage with ZeRO (1 or 2) and data-parallel peers reduce-scatters its gradients."""
+        for st in self.stages:
+            zero = self.zero_of(st.index)
+            peers = next((g for g in st.data_groups if len(g) > 1), None)
+            red = self.gradient_reduction(peers[0]) if zero and peers else None
+            if red is not None and str(red.target) != "reduce_scatter":
+                raise PlanFileError(f"plan.json: stages[{st.index}]: zero = {zero} but its gradients reduction has "
+                                    f"target {red.target}: ZeRO reduce-scatters the gradients (recompile the plan)")
 
     def _check_tied(self) -> None:
         """A tied reduction's holders are layers of their stages, and its groups partition exactly the
@@ -223,6 +234,11 @@ class Plan:
             if device in s.devices:
                 return s
         return None
+
+    def zero_of(self, stage: int) -> int:
+        """Stage ``stage``'s ZeRO degree: its own (``stages[i].zero``) or the train block's."""
+        own = next(s for s in self.stages if s.index == stage).zero
+        return own if own is not None else (self.train.zero if self.train is not None else 0)
 
     def gradient_reduction(self, device: int) -> Reduction | None:
         """The ``gradients`` entry whose groups hold ``device`` (one per stage when stages differ)."""

@@ -87,9 +87,10 @@ class Stage:
     model_groups: tuple[Group, ...] = ()
     extra: tuple = ()
     sequence_parallel: bool = False    # activations split along the sequence over ``tensor`` (written where tensor > 1)
+    zero: int | None = None            # the stage's ZeRO degree where it overrides ``train.zero`` (``stage I ... zero N``)
 
     KEYS = ("index", "layers", "devices", "mesh", "mesh_axes", "mesh_shape", "mesh_devices", "rows",
-            "data_groups", "model_groups", "sequence_parallel")
+            "data_groups", "model_groups", "sequence_parallel", "zero")
 
     @staticmethod
     def read(at: At) -> "Stage":
@@ -123,7 +124,9 @@ class Stage:
             at.key("rows").fail("must give a row range for every device of the stage")
         st = Stage(at.key("index").int(0), layers, devices, at.key("mesh").value, axes, shape, mesh_devices,
                    tuple(sorted(rows)), at.key("data_groups", []).groups(), at.key("model_groups", []).groups(),
-                   extra(at, Stage.KEYS), at.key("sequence_parallel", False).bool())
+                   extra(at, Stage.KEYS), at.key("sequence_parallel", False).bool(), at.key("zero", None).opt_int(0))
+        if st.zero is not None and st.zero > 2:
+            at.key("zero").fail(f"expected 0, 1 or 2, got {st.zero}")
         if st.sequence_parallel and st.axis_size("tensor") < 2:
             at.key("sequence_parallel").fail("true on a stage without a 'tensor' mesh axis of size > 1")
         for name in ("data_groups", "model_groups"):
@@ -164,6 +167,8 @@ class Stage:
             out["model_groups"] = lists(self.model_groups)
         if self.axis_size("tensor") > 1:
             out["sequence_parallel"] = self.sequence_parallel
+        if self.zero is not None:
+            out["zero"] = self.zero
         return with_extra(out, self.extra)
 
     def axis_size(self, name: str) -> int:

@@ -238,7 +238,8 @@ class Train:
     The training regime (LANGUAGE.md, "Training settings"): ``optimizer`` with every argument,
     ``lr_schedule``, ``precision``, ``zero`` (1: fp32 master weights and optimizer state sharded over
     each stage's data group, gradients reduce-scattered and parameters all-gathered by the plan's
-    ``reductions`` of those targets), ``recompute`` (per stage, in stage order), ``clip`` (the global
+    ``reductions`` of those targets; 2: also only the owned shard of each gradient accumulated, every
+    micro-batch's gradient reduce-scattered; a stage's ``zero`` overrides it, ``Plan.zero_of``), ``recompute`` (per stage, in stage order), ``clip`` (the global
     gradient-norm bound, None: no clipping), ``loss_scale`` (fp16 only) and ``norm_group``: every device
     of every stage, sorted, the group the global gradient norm and fp16's overflow vote are summed over
     (listed in ``groups`` when it has more than one member; empty when neither clip nor fp16 needs it).
@@ -275,8 +276,8 @@ class Train:
     def read(at: At) -> "Train":
         precision = at.key("precision").enum(Precision)
         zero = at.key("zero", 0).int(0)
-        if zero > 1:
-            at.key("zero").fail(f"expected 0 or 1, got {zero}")
+        if zero > 2:
+            at.key("zero").fail(f"expected 0, 1 or 2, got {zero}")
         clip = at.key("clip", None)
         if clip.value is not None and not clip.num() > 0:
             clip.fail(f"expected a positive norm, got {clip.value}")

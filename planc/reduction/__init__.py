@@ -33,7 +33,7 @@ __all__ = [
     "ReductionPlan", "plan_reduction", "plan_reductions", "best_time", "reduction_groups",
     "stage_reduction_groups", "Hierarchy", "hierarchy_from_matrix", "synthesize", "parse_program",
     "FLAT_ALLREDUCE", "reduction_bytes", "pinned_time", "rank_programs", "TIE_RELATIVE", "resolve",
-    "program_coefficients", "plan_zero", "PARAMETERS", "plan_tied",
+    "program_coefficients", "plan_zero", "PARAMETERS", "plan_tied", "stage_zero",
 ]
 
 Groups = tuple[tuple[int, ...], ...]
@@ -219,7 +219,8 @@ def plan_reductions(program: ir.Program, coords: Sequence[Sequence[int] | None] 
 
     Standalone reductions (a declared shape) are one plan each.
 
-    With ``train { zero = 1 }`` every gradients plan above becomes ZeRO-1's pair
+    With ``train { zero = 1 }`` (or 2; per stage: ``stage I ... zero N``, where stages differ in whether
+    they shard each gets its own plan) every gradients plan above becomes ZeRO-1's pair
     (``zero.plan_zero``): the ``gradients`` reduce-scatter, then the ``parameters``
     all-gather over the same groups (per stage for explicit stages).
     """
@@ -227,14 +228,18 @@ def plan_reductions(program: ir.Program, coords: Sequence[Sequence[int] | None] 
     explicit = program.stage_mode is ir.StageMode.EXPLICIT or coords is None or program.parallel is None
     axis_names = program.parallel.axis_names() if program.parallel is not None else ()
     out: list[ReductionPlan] = []
-    zero = program.train is not None and program.train.zero == 1
+    zero = stage_zero(program, stages)
+    # stages that differ in whether they shard (zero 0 against 1 or 2) get a plan each, as explicit stages do
+    mixed = len({z > 0 for z in zero.values()}) > 1
     for red in program.reductions:
-        # ZeRO-1 shards the gradients' optimizer: a reduce-scatter and an all-gather instead of an allreduce
-        plan = plan_zero if zero and red.name == "gradients" and red.shape is None else plan_reduction
-        if explicit and red.name == "gradients" and red.shape is None:
+        # ZeRO-1/2 shard the gradients' optimizer: a reduce-scatter and an all-gather instead of an allreduce
+        gradients = red.name == "gradients" and red.shape is None
+        plan = plan_zero if gradients and any(zero.values()) else plan_reduction
+        if (explicit or mixed) and gradients:
             sizes = param_bytes or {}
             for st in sorted(stages, key=lambda s: s.index):
                 groups = stage_reduction_groups((st,), red.axes)
+                plan = plan_zero if zero.get(st.index, 0) else plan_reduction
                 _add(out, plan(cluster, red, groups, int(sizes.get(st.index, 0)), program.synthesis,
                                stage=st.index))
             continue
@@ -256,6 +261,13 @@ def plan_reductions(program: ir.Program, coords: Sequence[Sequence[int] | None] 
             nbytes = reduction_bytes(red, None) or 0
         _add(out, plan(cluster, red, groups, nbytes, program.synthesis, layout, per_stage))
     return tuple(out)
+
+
+def stage_zero(program: ir.Program, stages: Sequence[ir.StageLayout]) -> dict[int, int]:
+    """Each stage's ZeRO degree by index: its own (``stage I ... zero N``) or the train block's."""
+    default = program.train.zero if program.train is not None else 0
+    own = {s.index: s.zero for s in program.stages if s.zero is not None}
+    return {st.index: own.get(st.index, default) for st in stages}
 
 
 def _add(out: list, planned) -> None:

@@ -42,7 +42,8 @@ from .regime import Regime, make_optimizer, param_dtype, zero_sharding
 from .reshard import DTYPES, TransferExecutor
 from .comm import RecvAhead, receive_jobs
 from .dsplan import BeginOp, PlanSchedule, check_ds_config, deepspeed_on_plan
-from .grads import GradientBuckets, GroupAllReduce
+from .grads import GroupAllReduce
+from .grads_zero2 import make_buckets
 from .tied import TiedGradients
 from .sends import SendReaper
 from .topology import StageTopology, lookup_group, reduce_groups
@@ -151,8 +152,8 @@ class PlanEngine(PipelineEngine):
                               f"stage's data group {self.grid.get_data_parallel_group_ranks()}")
         self.held = {k: {} for k in ("inputs", "outputs", "labels", "losses", "grads")}
         self.last_backward = int(next(op for op in reversed(self.ops) if op[0] == "B")[1:])
-        self.grads = GradientBuckets(self.tied.others(self.module.parameters()), self.reduction, self.device,
-                                     bucket_bytes=plan.runtime.grad_bucket_bytes, tracer=tracer)
+        self.grads = make_buckets(plan, self.stage_id, self.tied.others(self.module.parameters()), self.reduction,
+                                  self.device, tracer=tracer)   # zero = 2: owned shards only (grads_zero2.py)
         self.regime = self._regime(plan, groups, red, initial)
         self.optimizer = self.regime.optimizer   # DeepSpeed was built with a placeholder (see build)
         self.recompute = plan.train.recomputes(self.stage_id)
@@ -200,7 +201,7 @@ class PlanEngine(PipelineEngine):
         """The optimizer step as plan.json train says (regime.py), on this rank's buckets and groups."""
         rank, stage = self.rank, self.stage
         try:
-            owned = zero_sharding(plan, red, self.reduction, self.grads)
+            owned = zero_sharding(plan, self.stage_id, red, self.reduction, self.grads)
         except (ValueError, AttributeError) as e:
             raise EngineError(f"rank {rank}: {e}") from None
         gather = None
@@ -208,11 +209,11 @@ class PlanEngine(PipelineEngine):
             params = next((r for r in plan.reductions if r.name == "parameters" and r.group_of(rank) is not None),
                           None)
             if params is None or params.group_of(rank) != red.group_of(rank):
-                raise EngineError(f"rank {rank}: zero = 1 but plan.json has no parameters all-gather over its "
-                                  f"gradient group {list(red.group_of(rank))}")
+                raise EngineError(f"rank {rank}: zero = {plan.zero_of(self.stage_id)} but plan.json has no parameters "
+                                  f"all-gather over its gradient group {list(red.group_of(rank))}")
             gather = ReductionExecutor.for_plan(plan, params, groups, rank)
-            self.reduce_description += (f"; ZeRO-1: fp32 master weights and optimizer state sharded over the data "
-                                        f"group, parameters all-gathered by {params.text}")
+            self.reduce_description += (f"; ZeRO-{plan.zero_of(self.stage_id)}: fp32 master weights and optimizer "
+                                        f"state sharded over the data group, parameters all-gathered by {params.text}")
         members = plan.train.norm_group
         norm_group = lookup_group(groups, members) if len(members) > 1 and rank in members else None
         if plan.train.clip is not None or plan.train.precision is Precision.FP16:
@@ -311,7 +312,7 @@ class PlanEngine(PipelineEngine):
         opt = [v for st in self.optimizer.state.values() for v in st.values() if torch.is_tensor(v) and v.dim() > 0]
         self.stats.update(
             parameter_bytes=nbytes(p for p in self.module.parameters()),
-            gradient_bytes=nbytes(buf for buf, _ in self.grads.buckets),
+            gradient_bytes=self.grads.held_bytes(),
             master_bytes=nbytes(f.master for f in self.regime.separate),
             optimizer_state_bytes=nbytes(opt))
         return self.stats
@@ -351,8 +352,7 @@ class PlanEngine(PipelineEngine):
         self._note()
 
     def _exec_backward_pass(self, buffer_id):
-        if buffer_id == self.last_backward:
-            self.grads.arm()   # gradients become final during this backward: reduce buckets as they fill
+        self.grads.arm(last=buffer_id == self.last_backward)   # last: reduce buckets as they fill (zero 2: each)
         if self.is_last_stage():
             # DeepSpeedEngine.backward (PipelineEngine.backward raises): loss / gradient_accumulation_steps
             self.loss = self.held["losses"][buffer_id]

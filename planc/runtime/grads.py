@@ -27,7 +27,8 @@ peers, or DeepSpeed's own all-reduce) the buckets only accumulate.
 
 With a reduce-scatter program (zero = 1) a member holds the summed flags only where it owns them, so
 ``finish(flags_group=...)`` sums every member's flags with one all-reduce over the stage's data group
-instead of reading them from the buckets (see docs/runtime.md, "ZeRO-1").
+instead of reading them from the buckets (see docs/runtime.md, "ZeRO-1"). ZeRO-2 keeps only the owned
+shards and reduce-scatters every micro-batch's gradient: ``grads_zero2.ShardedGradientBuckets``.
 """
 from __future__ import annotations
 
@@ -54,6 +55,7 @@ class GradientBuckets:
     def __init__(self, params, executor, device, bucket_bytes: int | None = None, tracer=None):
         self.tracer = tracer
         self.executor = executor
+        self.device = device
         self.params = [p for p in params if p.requires_grad]
         limit = bucket_bytes or DEFAULT_BUCKET_BYTES   # the engine passes plan.json's runtime.grad_bucket_bytes
         granule = executor.granule if executor is not None else 1
@@ -107,13 +109,24 @@ class GradientBuckets:
             for p, off in placed:
                 p.grad = buf[off:off + p.numel()].view_as(p) if p.dtype == buf.dtype else None
 
+    def grad(self, b: int, x: int, y: int) -> torch.Tensor:
+        """Elements [x, y) of bucket ``b``'s gradient buffer (ZeRO-2's buckets keep owned ranges only)."""
+        return self.buckets[b][0][x:y]
+
+    def held_bytes(self) -> int:
+        """The bytes of gradient buffers this rank keeps across the step."""
+        return sum(buf.numel() * buf.element_size() for buf, _ in self.buckets)
+
     def view(self, p) -> torch.Tensor:
         """``p``'s fp32 gradient slot in its bucket, shaped like ``p``."""
         b, off = self.slot[id(p)]
         return self.buckets[b][0][off:off + p.numel()].view(p.shape)
 
-    def arm(self) -> None:
-        """The next backward is this stage's last one of the step: release buckets as they fill."""
+    def arm(self, last: bool = True) -> None:
+        """A backward begins; ``last``: it is this stage's last one of the step: release buckets as they
+        fill (ZeRO-2's buckets, grads_zero2.py, reduce every micro-batch's)."""
+        if not last:
+            return
         self._left = [len(placed) for _, placed in self.buckets]
         self._released = [False] * len(self.buckets)
         self._armed = True
@@ -215,7 +228,7 @@ class GradientBuckets:
         """Every member's flags summed with one all-reduce over ``group`` (the stage's data group)."""
         import torch.distributed as dist
         flags = torch.tensor([float(id(p) in self._used) for p in self.params], dtype=GRAD_DTYPE,
-                             device=self.buckets[0][0].device if self.buckets else None)
+                             device=self.device)
         dist.all_reduce(flags, group=group)
         if bool((flags == 0).any()):
             self.no_gradient = {id(p) for p, f in zip(self.params, flags.tolist()) if f == 0}

@@ -4,11 +4,12 @@
 which DeepSpeed runs here (codegen's ds_config enables none of them):
 
 - master weights: in fp32 plans without ZeRO the parameters are their own masters; otherwise the
-  optimizer updates fp32 masters (zero = 1: only this rank's owned slices of each gradient bucket, one
+  optimizer updates fp32 masters (zero = 1 or 2: only this rank's owned slices of each gradient bucket, one
   fragment per parameter piece, so weight decay and Adam's elementwise state are exact) and the
-  parameters are copied from them (zero = 1: written into a flat parameter buffer with the bucket's
+  parameters are copied from them (zero = 1 or 2: written into a flat parameter buffer with the bucket's
   layout, which the plan's ``parameters`` all-gather program fills);
-- gradients are the fp32 buckets of ``grads.GradientBuckets`` (reduced, or reduce-scattered);
+- gradients are the fp32 buckets of ``grads.GradientBuckets`` (reduced, or reduce-scattered), or with
+  zero = 2 the owned shards of ``grads_zero2.ShardedGradientBuckets`` (read through ``buckets.grad``);
 - clip = X: every gradient multiplied by min(1, X / (N + 1e-6)), N the L2 norm of the whole model's
   gradient, each element counted by exactly one rank (``counted`` below) and the squares summed over
   ``train.norm_group``;
@@ -77,8 +78,8 @@ class Regime:
     """One stage rank's optimizer step.
 
     ``buckets``: the stage's ``GradientBuckets``; ``initial``: ``cast_stage``'s fp32 copies (None in fp32);
-    ``owned``: per bucket, the element ranges this rank owns (zero = 1 with a reduce-scatter program;
-    None: every element); ``gather``: the ``parameters`` all-gather executor (zero = 1); ``norm_group``:
+    ``owned``: per bucket, the element ranges this rank owns (zero = 1 or 2 with a reduce-scatter program;
+    None: every element); ``gather``: the ``parameters`` all-gather executor (zero = 1 or 2); ``norm_group``:
     the process group of ``train.norm_group`` (None: this rank alone); ``tensor_index``: the rank's
     position along its stage's ``tensor`` axis (parameters replicated over it count at 0 only);
     ``share``: (k, D), this rank's position in a data group of D members that all hold the summed
@@ -157,7 +158,7 @@ class Regime:
     def _counted(self, tensor_index: int, share) -> list[torch.Tensor]:
         """Views of the bucket elements this rank counts in the global norm: each parameter once over the
         model (a tensor-replicated one at tensor position 0 only), each element of a data group's summed
-        gradient once (zero = 1: the owned fragments; zero = 0: the k-th of D equal parts)."""
+        gradient once (zero = 1 or 2: the owned fragments; zero = 0: the k-th of D equal parts)."""
         views = []
         k, d = share
         for b, (buf, placed) in enumerate(self.buckets.buckets):
@@ -175,11 +176,11 @@ class Regime:
             for x, y, p in spans:
                 if tensor_index != 0 and shard_info(p) is None:
                     continue
-                if views and views[-1][0] is buf and views[-1][2] == x:   # merge neighbours
-                    views[-1] = (buf, views[-1][1], y)
+                if views and views[-1][0] == b and views[-1][2] == x:   # merge neighbours
+                    views[-1] = (b, views[-1][1], y)
                 else:
-                    views.append((buf, x, y))
-        return [buf[x:y] for buf, x, y in views]
+                    views.append((b, x, y))
+        return [self.buckets.grad(b, x, y) for b, x, y in views]
 
     # ---- the step
     @property
@@ -237,19 +238,18 @@ class Regime:
         return {"lr": lr, "norm": norm, "skipped": False, "scale": used, "next_scale": self.scale}
 
     def _grad_view(self, f: Fragment) -> torch.Tensor:
-        buf = f.source.buckets[f.bucket][0]
-        view = buf[f.offset + f.lo:f.offset + f.hi]
+        view = f.source.grad(f.bucket, f.offset + f.lo, f.offset + f.hi)
         return view.view(f.master.shape)
 
     @torch.no_grad()
     def _publish(self) -> None:
-        """The parameters from the updated masters: copied (cast) into them, or (zero = 1) written into the
+        """The parameters from the updated masters: copied (cast) into them, or (zero = 1 or 2) written into the
         flat parameter buffers and all-gathered by the plan's ``parameters`` program."""
         if not self.sharded:
             for f in self.separate:
                 f.param.copy_(f.master)
             return
-        for f in self.tied:   # zero = 1: tied parameters stay whole, outside the flat parameter buffers
+        for f in self.tied:   # zero = 1 or 2: tied parameters stay whole, outside the flat parameter buffers
             if f.master is not f.param:
                 f.param.copy_(f.master)
         for f in self.fragments:
@@ -260,7 +260,7 @@ class Regime:
 
     @torch.no_grad()
     def whole_masters(self) -> dict:
-        """``{id(param): fp32 master}``, whole: the masters this rank holds whole, or (zero = 1 in bf16/fp16;
+        """``{id(param): fp32 master}``, whole: the masters this rank holds whole, or (zero = 1 or 2 in bf16/fp16;
         collective over the data group) every parameter's, its fragments all-gathered by the plan's
         ``parameters`` program into an fp32 buffer of the bucket's layout. Empty where the parameters
         are their masters' exact values (fp32)."""
@@ -300,13 +300,14 @@ class Regime:
         self.t, self.scale, self.clean = int(state["t"]), float(state["scale"]), int(state["clean"])
 
 
-def zero_sharding(plan, red, executor, buckets) -> list | None:
-    """Per gradient bucket, the element ranges this rank owns under zero = 1 (its reduce-scatter
+def zero_sharding(plan, stage: int, red, executor, buckets) -> list | None:
+    """Per gradient bucket, the element ranges this rank owns under zero = 1 or 2 (its reduce-scatter
     executor's ``owned_slices``); None where nothing is sharded (zero = 0, or no data-parallel peers)."""
-    if plan.train.zero != 1 or red is None or executor is None:
+    zero = plan.zero_of(stage)
+    if zero == 0 or red is None or executor is None:
         return None
     if red.target is not Collective.REDUCE_SCATTER:
-        raise ValueError(f"zero = 1 needs the plan's gradients reduction to be a reduce_scatter program, "
+        raise ValueError(f"zero = {zero} needs the plan's gradients reduction to be a reduce_scatter program, "
                          f"got target {red.target} ({red.text})")
     return [list(executor.owned_slices(buf.numel())) for buf, _ in buckets.buckets]
 

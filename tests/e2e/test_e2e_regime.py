@@ -15,7 +15,7 @@ into the compiled plan.json through the contract (``e2e_util.edit_plan``).
 - everything together in fp32 (AdamW, warmup_cosine, clip, recompute on one stage, zero = 1) at rtol 1e-4;
 - bf16 and fp16 (SGD): the update every parameter received (final - initial, the fp32 masters) within
   UPDATE_TOL of the reference's; the same run against a reference with lr x 1.05 must fail it;
-- fp16 with zero = 1 and a loss scale far too large: overflowing steps skipped on every rank, the
+- fp16 with zero = 1 (and 2) and a loss scale far too large: overflowing steps skipped on every rank, the
   printed line, the scale halved and grown by the rule, the reference skipping the same steps; a
   checkpoint of that run (each data rank holding its half of the masters) resumed continues its
   losses, rates, scales and parameters (master shards, optimizer state, loss scale, schedule step).
@@ -196,13 +196,15 @@ def expected_scales(skipped: list[bool], scale: P.LossScale) -> list[float]:
 
 
 @pytest.mark.slow
-def test_fp16_skips_overflowing_steps_and_resumes_with_its_loss_scale(tmp_path):
+@pytest.mark.parametrize("zero", [1, 2])
+def test_fp16_skips_overflowing_steps_and_resumes_with_its_loss_scale(tmp_path, zero):
     steps = 6
     scale = P.LossScale(initial=2.0 ** 19, window=2)   # far too large: this model's gradients overflow fp16
-    out, plan = build(tmp_path, "fp16", SGD + ", lr_schedule = warmup_cosine(warmup = 1), zero = 1",
+    out, plan = build(tmp_path, "fp16", SGD + f", lr_schedule = warmup_cosine(warmup = 1), zero = {zero}",
                       precision="fp16", steps=steps, loss_scale=scale)
     assert [t["dtype"] for t in plan["transfers"]] == ["f16"]
     text = run(out, "--save", tmp_path / "ck", "--dump-params", tmp_path / "dump")
+    assert f"ZeRO-{zero}" in text, text[-3000:]
     lines = step_lines(text)
     assert sorted(lines) == list(range(steps))
     skipped = ["skipped" in lines[s] for s in range(steps)]

@@ -111,7 +111,8 @@ def test_one_gpu_bf16_clip_recompute_schedule_over_nccl(tmp_path):
 
 @pytest.mark.skipif(torch.cuda.device_count() < 3,
                     reason="3 ranks need 3 GPUs: NCCL refuses two ranks on one GPU ('Duplicate GPU detected')")
-def test_three_gpus_zero1_fp16_clip_over_nccl(tmp_path):
-    plan, rank0 = train_on_gpus(tmp_path, SEVERAL, 3)
-    assert "ZeRO-1" in rank0 and [r["target"] for r in plan["reductions"] if r["stage"] == 0] == [
+@pytest.mark.parametrize("zero", [1, 2])
+def test_three_gpus_zero1_fp16_clip_over_nccl(tmp_path, zero):
+    plan, rank0 = train_on_gpus(tmp_path, SEVERAL.replace("zero = 1", f"zero = {zero}"), 3)
+    assert f"ZeRO-{zero}" in rank0 and [r["target"] for r in plan["reductions"] if r["stage"] == 0] == [
         "reduce_scatter", "all_gather"]

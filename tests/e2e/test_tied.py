@@ -255,14 +255,16 @@ def test_equal_tensor_degrees_reduce_per_coordinate_at_run_time(tmp_path):
 
 
 @pytest.mark.slow
-def test_zero_one_with_a_tie_and_adamw(tmp_path):
-    """zero = 1 on a stage of 2 data devices, the tie reaching a stage of one device: the tied parameter stays
-    outside the sharded buffers (a replicated fp32 master); AdamW as the single process's."""
+@pytest.mark.parametrize("zero", [1, 2])
+def test_zero_one_with_a_tie_and_adamw(tmp_path, zero):
+    """zero = 1 (and 2) on a stage of 2 data devices, the tie reaching a stage of one device: the tied parameter
+    stays outside the sharded buffers (a replicated fp32 master, with zero 2 a whole gradient of its own);
+    AdamW as the single process's."""
     _, out = _compile(tmp_path, _plan(3, "on devices 0..2 as (data = 2)", "on devices 2..3 as (data = 1)",
-                                      "zero = 1"))
+                                      f"zero = {zero}"))
     from planc import plan as P
     plan = edit_plan(out, optimizer=P.Optimizer.make("adamw", 1e-2))
-    assert plan["train"]["zero"] == 1
+    assert plan["train"]["zero"] == zero
     assert any(r.get("target") == "reduce_scatter" for r in plan["reductions"])
     (t, _) = _tied(plan)
     assert t["groups"] == [[0, 1, 2]] and t["tied"]["contributors"] == [0, 1, 2]
@@ -270,13 +272,14 @@ def test_zero_one_with_a_tie_and_adamw(tmp_path):
 
 
 @pytest.mark.slow
-def test_bf16_masters_and_zero_one_with_a_tie(tmp_path):
-    """bf16 with zero = 1 and clip: the tied parameter's fp32 master is replicated on its holders, every copy
-    steps identically, and the update is the fp32 reference's within bf16's tolerance (a 5 % rate error
+@pytest.mark.parametrize("zero", [1, 2])
+def test_bf16_masters_and_zero_one_with_a_tie(tmp_path, zero):
+    """bf16 with zero = 1 (and 2) and clip: the tied parameter's fp32 master is replicated on its holders, every
+    copy steps identically, and the update is the fp32 reference's within bf16's tolerance (a 5 % rate error
     is not)."""
     from e2e_util import update_error
     _, out = _compile(tmp_path, _plan(3, "on devices 0..2 as (data = 2)", "on devices 2..3 as (data = 1)",
-                                      "zero = 1, clip = 0.05"))
+                                      f"zero = {zero}, clip = 0.05"))
     plan = edit_plan(out, transfer_dtype="bf16", precision="bf16")
     rc, rank0, every = start_ranks(out, 3, "--steps", STEPS, "--dump-params", out / "dump")
     assert rc == 0, every[-4000:]

@@ -273,9 +273,11 @@ BASE = CLUSTER + "parallel { data = 4 }\n"
     # precision, zero, recompute, clip
     ("precision = fp8", "precision must be one of fp32, fp16, bf16", "fp8", None),
     ("precision = Bf16", "precision must be one of fp32, fp16, bf16", "Bf16", "did you mean 'bf16'? (spellings"),
-    ("zero = 2", "zero must be 0 or 1", "2", None),
-    ("zero = 0.5", "zero must be 0 or 1", "0.5", None),
-    ("zero = one", "zero must be 0 or 1", "one", None),
+    ("zero = 3", "zero 3 (ZeRO-3: parameters sharded over the data group) is not built yet; use 0, 1 or 2", "3",
+     None),
+    ("zero = 4", "zero must be 0, 1 or 2 (1: fp32 master weights", "4", None),
+    ("zero = 0.5", "zero must be 0, 1 or 2", "0.5", None),
+    ("zero = one", "zero must be 0, 1 or 2", "one", None),
     ("recompute = selective", "recompute must be one of none, full", "selective", None),
     ("recompute = ful", "recompute must be one of none, full", "ful", "did you mean 'full'?"),
     ("recompute = FULL", "recompute must be one of none, full", "FULL", "did you mean 'full'? (spellings"),
@@ -293,7 +295,7 @@ def test_bad_training_settings_are_located(train, message, culprit, hint):
 
 
 def test_every_bad_setting_is_reported_at_once():
-    e, rendered = errors(BASE + "train {\n  optimizer = adam(beta1 = 0.9, eps = -1)\n  zero = 2, clip = 0\n"
+    e, rendered = errors(BASE + "train {\n  optimizer = adam(beta1 = 0.9, eps = -1)\n  zero = 3, clip = 0\n"
                                "  lr_schedule = warmup_cosine(min_ratio = 2), recompute = some\n}\n")
     assert len(e.diagnostics) == 6, rendered
 
@@ -319,6 +321,8 @@ def test_flops_per_precision_inline():
 
 @pytest.mark.parametrize("yaml, message, where", [
     ("zero_optimization:\n  stage: 1\n", "write 'zero = 1' in the train block", (2, 10)),
+    ("zero_optimization:\n  stage: 2\n", "ZeRO stage 2 is set in the plan, not in the DeepSpeed overrides: write "
+     "'zero = 2' in the train block (and leave zero_optimization out)", (2, 10)),
     ("gradient_clipping: 0.5\n", "write 'clip = 0.5' in the train block", (1, 20)),
     ("bf16:\n  enabled: true\n", "write 'precision = bf16' in the train block", (2, 12)),
     ("fp16: {enabled: true, loss_scale: 0}\n", "write 'precision = fp16' in the train block", (1, 17)),

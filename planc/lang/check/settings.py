@@ -310,13 +310,13 @@ def check_deepspeed(errs: Diagnostics, block: ast.DeepspeedDecl | None, file=Non
     stage = zero.get("stage", 0) if isinstance(zero, dict) else 0
     if stage not in (0, None, False):
         at = file.at("zero_optimization", "stage", fallback=block.path.span)
-        if stage == 1:
-            errs.add(f"{where}: ZeRO stage 1 is set in the plan, not in the DeepSpeed overrides: write "
-                     "'zero = 1' in the train block (and leave zero_optimization out)", at,
-                     "train { zero = 1 }")
+        if stage in (1, 2):
+            errs.add(f"{where}: ZeRO stage {stage} is set in the plan, not in the DeepSpeed overrides: write "
+                     f"'zero = {stage}' in the train block (and leave zero_optimization out)", at,
+                     f"train {{ zero = {stage} }}")
         else:
-            errs.add(f"{where}: ZeRO stage {stage!r} cannot run with pipeline parallelism (0 or 1 only: "
-                     "'zero = 1' in the train block)", at)
+            errs.add(f"{where}: ZeRO stage {stage!r} cannot run with pipeline parallelism (0, 1 or 2 only: "
+                     "'zero = 1' or 'zero = 2' in the train block)", at)
     clip = doc.get("gradient_clipping")
     if clip not in (None, 0, 0.0, False):
         clip = clip if isinstance(clip, (int, float)) and not isinstance(clip, bool) and clip > 0 else "X"

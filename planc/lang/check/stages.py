@@ -6,6 +6,7 @@ import math
 
 from planc import ir
 from planc.lang import ast
+from planc.lang.check.training import zero_degree
 from planc.lang.check.values import Diagnostics, int_of
 from planc.span import Span
 
@@ -73,7 +74,8 @@ def check_stages(errs: Diagnostics, decls: list[ast.StageDecl], cluster: ir.Clus
         elif parallel is not None:
             axes = ir.derived_mesh(parallel)[1]
         out.append(ir.Stage(idx, layers, first, shape, axes, d.span, auto_layers=cut,
-                            recompute=True if d.recompute is not None else None))
+                            recompute=True if d.recompute is not None else None,
+                            zero=zero_degree(errs, d.zero, f"stage {idx}: zero") if d.zero is not None else None))
     out.sort(key=lambda s: s.index)
     if not out and decls:
         return mode, ()
