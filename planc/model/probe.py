@@ -271,6 +271,8 @@ class PendingProbe:
             if self.cache is not None:
                 self.cache.put(self.req, self.doc)
         doc = self.doc
+        if FAILED in doc:
+            raise PlanError(_failure(program, doc[FAILED]))
         if doc.get("hf"):   # heads that do not split: at the stage, before the tensor-parallel module's own reasons
             hfmodel.check_tensor_degrees(program, doc["hf"]["config"])
         if doc.get("shard_errors"):
@@ -283,8 +285,21 @@ class PendingProbe:
         return probe_from_json(doc, program.train.micro_batch, stage_tensor, chain=program.auto_stages)
 
 
+# An answer that is the probe's own report of a part of the user's model, data or loss failing (its exit 2
+# with a ``probe[PART]:`` line): as much a function of the request as an answer (the cache's key holds the
+# files' bytes), so it is kept and replayed like one (``planc check`` then ``planc compile`` probe once).
+# A probe that timed out, crashed or failed otherwise is never kept.
+FAILED = "probe_failed"
+
+
+def _failure(program: ir.Program, stderr: str):
+    """The located errors of a failed probe's stderr."""
+    return (hfmodel.is_hf(program) and hfmodel.failure(program, stderr)) or probe_failure(program, stderr)
+
+
 def _run_probe(program: ir.Program, req: dict) -> dict:
-    """The runtime probe's JSON answer to ``req``, in a subprocess; its failures as located errors."""
+    """The runtime probe's JSON answer to ``req``, in a subprocess, or ``{FAILED: stderr}`` where it reports
+    the user's code failing; its other failures as located errors."""
     model = program.model
     env = dict(os.environ, PYTHONHASHSEED="0", CUDA_VISIBLE_DEVICES="")
     try:
@@ -296,8 +311,9 @@ def _run_probe(program: ir.Program, req: dict) -> dict:
         raise PlanError(Diagnostic(f"building the model took longer than {PROBE_TIMEOUT_S} s "
                                    "(use --no-probe to skip sizing it)", model.span)) from None
     if proc.returncode != 0:   # located at the plan line of the part that failed (planc.model.usercheck, planc.model.hfmodel)
-        raise PlanError((hfmodel.is_hf(program) and hfmodel.failure(program, proc.stderr))
-                        or probe_failure(program, proc.stderr))
+        if proc.returncode == 2 and any(line.startswith("probe[") for line in proc.stderr.splitlines()):
+            return {FAILED: proc.stderr}   # the user's code failed, as the probe reports it: kept like an answer
+        raise PlanError(_failure(program, proc.stderr))
     try:
         return json.loads(proc.stdout.strip().splitlines()[-1])
     except (ValueError, IndexError):

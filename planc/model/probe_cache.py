@@ -1,6 +1,7 @@
 """The model probe's answers kept across compiles (``planc compile`` without ``--no-cache``).
 
-An answer is the runtime probe's JSON for one request (``planc.model.probe.probe_request``); it is kept in
+An answer is the runtime probe's JSON for one request (``planc.model.probe.probe_request``), or its report
+of the user's code failing (``planc.model.probe.FAILED``: replayed as the same located error); it is kept in
 ``<folder>/<key>.json`` (default folder ``~/.cache/planc/probe/``), where ``key`` is the SHA-256 of:
 
 - the request itself (model, data and loss files and functions, the model's arguments, micro-batch,

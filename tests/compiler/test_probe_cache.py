@@ -99,6 +99,33 @@ def test_a_cache_hit_gives_the_same_plan_json_without_a_probe(tmp_path, monkeypa
     assert dump_plan(compile_file(path).plan_json) == first   # and as without any cache
 
 
+def test_the_users_code_failing_is_kept_and_replayed_but_a_crash_is_not(tmp_path, monkeypatch):
+    """The probe's own report of the user's model failing (exit 2, ``probe[PART]:``) is as much the
+    request's as an answer: ``planc check`` then ``planc compile`` probe once, the second giving the very
+    same located error. A probe that fails otherwise (here: killed) is never kept."""
+    import subprocess
+    model = tmp_path / "broken.py"
+    model.write_text(GPT.read_text().replace("def build(", "def build(*_, **__):\n    raise ValueError('no such width')\n\n\ndef _build("))
+    path = auto_plan(tmp_path, model=str(model))
+    cache = ProbeCache(tmp_path / "cache")
+    with pytest.raises(PlanError) as first:
+        compile_file(path, cache=cache)
+    assert "no such width" in str(first.value) and str(first.value).startswith(f"{path}:")
+    assert len(list((tmp_path / "cache").glob("*.json"))) == 1
+    runs = counting(monkeypatch)
+    with pytest.raises(PlanError) as again:
+        compile_file(path, cache=cache)
+    assert runs == [] and cache.hits == 1 and str(again.value) == str(first.value)
+
+    killed = ProbeCache(tmp_path / "killed")
+    real = subprocess.run
+    monkeypatch.setattr(probe_mod.subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(a, -9, "", ""))
+    with pytest.raises(PlanError):
+        compile_file(path, cache=killed)
+    monkeypatch.setattr(probe_mod.subprocess, "run", real)
+    assert not list((tmp_path / "killed").glob("*.json"))
+
+
 def test_a_corrupt_entry_is_recomputed(tmp_path, monkeypatch):
     """Each corruption (not JSON, not an object, another key, an answer its digest does not match) is
     ignored: the probe runs again and the entry is rewritten. The model runs once, for the good entry;
