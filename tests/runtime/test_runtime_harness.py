@@ -1,7 +1,7 @@
 """Spawning small gloo jobs for the runtime tests (no tests here).
 
-`run_ranks(target, world, payload)` starts `world` spawned processes on a free
-port, each calling `target(rank, world, payload)` after init_process_group
+`run_ranks(target, world, payload)` starts `world` processes (forks of multiprocessing's fork server,
+torch imported once) on a free port, each calling `target(rank, world, payload)` after init_process_group
 (gloo). Every process writes "ok" or its traceback to a file; the parent joins
 with a timeout, kills stragglers (by their own pid) and fails with the
 tracebacks, so a test never hangs.
@@ -28,9 +28,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank, world, port, target_mod, target_name, payload, outdir):
+def _entry(rank, world, port, target_mod, target_name, payload, outdir, env):
     path = os.path.join(outdir, f"rank{rank}.txt")
     try:
+        os.environ.clear()          # the caller's environment when it ran them (a spawned process's), not
+        os.environ.update(env)      # the fork server's, which started with an earlier test's
         for p in (ROOT, HERE):
             if p not in sys.path:
                 sys.path.insert(0, p)
@@ -58,13 +60,25 @@ def _entry(rank, world, port, target_mod, target_name, payload, outdir):
         raise SystemExit(1)
 
 
+# What every rank imports, once: the ranks are forks of multiprocessing's fork server, which imported these
+# and nothing else (no tensor op, no thread pool, no process group before the fork), so each rank starts
+# without importing torch again (~2 CPU seconds a rank spawned); each still builds its own process group.
+PRELOAD = ["torch", "torch.distributed", "planc.runtime.reduce", "planc.runtime.reshard"]
+
+
+def _context():
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    return ctx
+
+
 def run_ranks(target, world: int, payload, timeout: float = JOB_TIMEOUT_S) -> dict[int, str]:
     """Run target on `world` gloo ranks; returns {rank: result text}; raises on any failure."""
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     port = free_port()
     with tempfile.TemporaryDirectory() as outdir:
         procs = [ctx.Process(target=_entry, args=(r, world, port, target.__module__, target.__name__,
-                                                   payload, outdir), daemon=True)
+                                                   payload, outdir, dict(os.environ)), daemon=True)
                  for r in range(world)]
         for p in procs:
             p.start()
