@@ -239,7 +239,9 @@ def test_stock_deepspeed_and_compute_only_run_per_host_in_the_testbed(tmp_path):
     ref_losses, _ = independent_reference(c.plan_json, out, 2)
     with Testbed(2, 1000) as tb:
         env = extensions_env()
-        stock = tb.launch(out, steps=2, timeout=240, comm_only=False, env=env,
+        # each host's ranks started directly (the bench starts them with DeepSpeed's launcher; the
+        # testbed's launcher path is test_testbed*.py's subject, stock DeepSpeed's engine this one's)
+        stock = tb.launch(out, steps=2, timeout=240, comm_only=False, env=env, launcher="direct",
                           script=ROOT / "benchmarks/bench/stock_deepspeed.py",
                           extra_args=["--out", str(out), "--partition", iteration.stock_partition(c.plan_json)]).check()
         compute = tb.launch(out, steps=2, timeout=240, comm_only=False, env=env, script=Path(iteration.__file__),
