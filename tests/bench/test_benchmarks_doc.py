@@ -9,7 +9,7 @@ from pathlib import Path
 
 from benchmarks.bench import BENCHES, replace_section, run_bench
 
-DOC = Path(__file__).resolve().parents[1] / "docs" / "benchmarks.md"
+DOC = Path(__file__).resolve().parents[2] / "docs" / "benchmarks.md"
 MAX_LINES = 400
 COMMAND = re.compile(r"`python -m benchmarks[ .][^`]*`|^python -m benchmarks ", re.M)
 
