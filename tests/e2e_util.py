@@ -451,6 +451,17 @@ class Ranks:
         try:
             for p in self.procs:
                 texts.append(p.communicate(timeout=max(1.0, deadline - time.monotonic()))[0])
+        except subprocess.TimeoutExpired:
+            self.kill()
+            tails = []
+            if self.logs is not None:   # what each rank said before it was killed: where it hung
+                for r in range(self.world):
+                    log = Path(self.logs.name) / f"rank{r}.log"
+                    text = log.read_text(errors="replace") if log.is_file() else "(no output)"
+                    tails.append(f"--- rank {r} ---\n{text[-1500:]}")
+                self.logs.cleanup()
+            raise AssertionError(f"the ranks did not end within {timeout} s; every rank killed\n"
+                                 + "\n".join(tails)) from None
         finally:
             self.kill()
         if self.logs is None:
