@@ -21,11 +21,7 @@ def variant(out: Path | str, name: str, *, drop_nic_order: bool = False, **runti
     """``OUT-name/``: a copy of the output folder ``out`` whose plan.json has the ``runtime`` fields
     given (``planfile.Runtime``'s names) and, with ``drop_nic_order``, no host NIC order. Made
     again on every call (an earlier copy is replaced)."""
-    out = Path(out)
-    dest = out.parent / f"{out.name}-{name}"
-    if dest.exists():
-        shutil.rmtree(dest)
-    shutil.copytree(out, dest, ignore=shutil.ignore_patterns("logs", "__pycache__"))
+    dest = _copy(out, name)
     plan = planfile.load(dest / "plan.json")
     plan = dataclasses.replace(plan, runtime=dataclasses.replace(plan.runtime, **runtime))
     if drop_nic_order and plan.pipeline is not None:
@@ -40,16 +36,22 @@ def with_timeout(out: Path | str, seconds: float) -> Path:
     collective timeout is the plan's, read from nowhere else. ``out`` itself where it holds that already."""
     out = Path(out)
     plan = planfile.load(out / "plan.json")
-    planned = plan.train.timeout if plan.train is not None else plan.runtime.timeout
-    if planned == float(seconds):
+    if plan.timeout == float(seconds):
         return out
-    dest = out.parent / f"{out.name}-timeout{float(seconds):g}"
-    if dest.exists():
-        shutil.rmtree(dest)
-    shutil.copytree(out, dest, ignore=shutil.ignore_patterns("logs", "__pycache__"))
+    dest = _copy(out, f"timeout{float(seconds):g}")
     if plan.train is not None:
         plan = dataclasses.replace(plan, train=dataclasses.replace(plan.train, timeout=float(seconds)))
     else:
         plan = dataclasses.replace(plan, runtime=dataclasses.replace(plan.runtime, timeout=float(seconds)))
     (dest / "plan.json").write_text(planfile.dumps(plan))
+    return dest
+
+
+def _copy(out: Path | str, name: str) -> Path:
+    """``OUT-name/``: a fresh copy of the output folder (an earlier copy replaced), without logs or caches."""
+    out = Path(out)
+    dest = out.parent / f"{out.name}-{name}"
+    if dest.exists():
+        shutil.rmtree(dest)
+    shutil.copytree(out, dest, ignore=shutil.ignore_patterns("logs", "__pycache__"))
     return dest

@@ -59,6 +59,12 @@ class Plan:
     # dataclasses.replace, whose new records would not be these bytes
     raw: bytes | None = field(default=None, init=False, compare=False, repr=False)
 
+    @property
+    def timeout(self) -> float | None:
+        """The collective timeout the plan sets (s): ``train.timeout``, or ``runtime.timeout`` for a plan
+        without a model; None: the runtime's default."""
+        return self.train.timeout if self.train is not None else self.runtime.timeout
+
     @staticmethod
     def from_json(doc) -> "Plan":
         at = At(doc, "")

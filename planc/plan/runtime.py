@@ -59,7 +59,7 @@ class Runtime:
                        at.key("nic_drain", d.nic_drain).bool(),
                        at.key("signal_transfers", d.signal_transfers).bool(),
                        at.key("shm_slot_bytes", d.shm_slot_bytes).int(1),
-                       _seconds(at.key("timeout", None)),
+                       positive_seconds(at.key("timeout", None)),
                        extra(at, Runtime.KEYS))
 
     def to_json(self) -> dict:
@@ -71,7 +71,8 @@ class Runtime:
                           self.extra)
 
 
-def _seconds(at: At) -> float | None:
+def positive_seconds(at: At) -> float | None:
+    """A positive number of seconds, or None where the key is absent (``train.timeout``, ``runtime.timeout``)."""
     if at.value is None:
         return None
     v = at.num()

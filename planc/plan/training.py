@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from .jsonpath import At, PlanFileError, extra, with_extra
 from .optim import LossScale, LrSchedule, Optimizer
+from .runtime import positive_seconds
 from .vocab import Direction, Precision, Schedule
 
 __all__ = ["Pipeline", "CodeRef", "HfModel", "VocabSplit", "padded_vocab", "vocab_rows", "Train", "TagLayout"]
@@ -293,7 +294,7 @@ class Train:
                      at.key("schedule").enum(Schedule), Optimizer.read(at.key("optimizer")), precision,
                      at.key("seed").int(), at.key("trainable", True).bool(),
                      tuple(x.str() for x in at.key("not_trainable_because", []).items()),
-                     at.key("loss_devices", []).ints(), _positive(at.key("timeout", None)),
+                     at.key("loss_devices", []).ints(), positive_seconds(at.key("timeout", None)),
                      at.key("save_every", None).opt_int(1), extra(at, Train.KEYS),
                      LrSchedule.read(at.key("lr_schedule", {"name": "constant"})), zero,
                      tuple(x.bool() for x in at.key("recompute", []).items()),
@@ -325,14 +326,6 @@ class Train:
             out["save_every"] = self.save_every
         return out
 
-
-def _positive(at: At) -> float | None:
-    if at.value is None:
-        return None
-    v = at.num()
-    if v <= 0:
-        at.fail(f"expected a positive number of seconds, got {v}")
-    return v
 
 
 # ---------------------------------------------------------------- tags
