@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from planc.ports import free_port  # noqa: F401  (the tests' one way to pick a rendezvous port)
+
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
 
@@ -44,7 +46,7 @@ def launch_env():
     env = dict(os.environ, DS_ACCELERATOR="cpu",
                PYTHONPATH="", PYTHON=PY,
                PATH=bin_dir + os.pathsep + os.environ.get("PATH", ""),
-               PLANC_MASTER_PORT=str(29500 + os.getpid() % 2000), **extensions_env())
+               PLANC_MASTER_PORT=str(free_port()), **extensions_env())
     env.pop("OMP_NUM_THREADS", None)
     return env
 
@@ -423,12 +425,8 @@ class Ranks:
     every rank is killed and ``subprocess.TimeoutExpired`` raised."""
 
     def __init__(self, out, world: int, *args, env=None, fork=True):
-        import socket
         import tempfile
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        base = dict(launch_env(), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        base = dict(launch_env(), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
         base.update(env or {})
         self.world, self.procs, self.logs = world, [], None
         if fork:

@@ -16,7 +16,10 @@ test_comm_only, test_hf_models, test_failures, the testbed). The suite's other l
 ranks compute; this cuts what they repeat (issue 45: the suite under 15 minutes).
 
 Exit: the worst return code of the ranks (a rank killed by signal S counts as 128 + S), after every
-rank has ended; ``LOGS/rc.json`` lists each rank's.
+rank has ended; ``LOGS/rc.json`` lists each rank's. As a per-host launcher does (DeepSpeed's kills the
+rest at once), a rank that fails ends the launch: the ranks still running ``SIBLING_GRACE_S`` after it
+are killed (the grace lets them print their own failure report), so a rank that dies at the rendezvous
+never leaves the others waiting on it until the test's timeout.
 """
 from __future__ import annotations
 
@@ -24,8 +27,12 @@ import atexit
 import gc
 import json
 import os
+import signal
 import sys
+import time
 import traceback
+
+SIBLING_GRACE_S = 15.0
 
 
 def _preload(out: str) -> None:
@@ -87,11 +94,20 @@ def main(argv: list[str]) -> int:
             finally:
                 os._exit(code)
         pids[pid] = rank
-    codes = {}
+    codes, killed_at = {}, None
     while pids:
-        pid, status = os.wait()
+        pid, status = os.waitpid(-1, os.WNOHANG) if killed_at is not None else os.wait()
+        if pid == 0:                      # a rank failed; the others are still running
+            if time.monotonic() >= killed_at:
+                for other in pids:
+                    os.kill(other, signal.SIGKILL)
+                killed_at = float("inf")
+            time.sleep(0.05)
+            continue
         if pid in pids:
-            codes[pids.pop(pid)] = os.waitstatus_to_exitcode(status)
+            codes[pids.pop(pid)] = code = os.waitstatus_to_exitcode(status)
+            if code != 0 and killed_at is None and pids:
+                killed_at = time.monotonic() + SIBLING_GRACE_S
     with open(os.path.join(logs, "rc.json"), "w") as f:
         json.dump({str(r): codes[r] for r in sorted(codes)}, f)
     return max((128 - c if c < 0 else c) for c in codes.values())

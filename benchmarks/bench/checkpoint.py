@@ -18,12 +18,13 @@ import math
 import os
 import platform
 import re
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from planc.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples"
@@ -75,9 +76,7 @@ def _compile(name: str, text: str, folder: Path) -> Path:
 
 
 def _launch(out: Path, args: list, legacy: bool = False, world: int = 4, timeout: float = 900) -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     bin_dir = str(Path(sys.executable).parent)
     base = dict(os.environ, DS_ACCELERATOR="cpu", PYTHONPATH="", PYTHON=sys.executable,
                 PATH=bin_dir + os.pathsep + os.environ.get("PATH", ""), MASTER_ADDR="127.0.0.1",

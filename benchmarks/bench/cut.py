@@ -28,6 +28,7 @@ import tempfile
 from pathlib import Path
 
 from planc.commands.ui import progress
+from planc.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 LAYERS, INPUTS, HIDDEN, OUTPUTS = 6, 4096, 512, 8
@@ -65,7 +66,7 @@ def _env() -> dict:
     # CPU ranks on any machine: no GPU visible, so launch.sh and the plan's `backend = auto` pick gloo
     return dict(os.environ, DS_ACCELERATOR="cpu", CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", PYTHONPATH="",
                 PYTHON=py, PATH=str(Path(py).parent) + os.pathsep + os.environ.get("PATH", ""),
-                PLANC_MASTER_PORT=str(29500 + os.getpid() % 2000))
+                PLANC_MASTER_PORT=str(free_port()))
 
 
 def measure(out: Path, timeout: float = 600) -> tuple[list[float], str | None]:

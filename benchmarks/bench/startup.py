@@ -32,6 +32,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from planc.ports import free_port
+
 ROOT = Path(__file__).resolve().parents[2]
 PLAN = ROOT / "plans" / "gpt-2x4.plan"
 BASELINE = "1e64f0f"      # before issue 45: no entry.py, no --profile-startup
@@ -53,7 +55,7 @@ def _env() -> dict:
     bin_dir = str(Path(sys.executable).parent)
     env = dict(os.environ, DS_ACCELERATOR="cpu", PYTHONPATH="", PYTHON=sys.executable,
                PATH=bin_dir + os.pathsep + os.environ.get("PATH", ""),
-               PLANC_MASTER_PORT=str(29500 + os.getpid() % 2000))
+               PLANC_MASTER_PORT=str(free_port()))
     if not env.get("TORCH_EXTENSIONS_DIR") and sys.prefix != sys.base_prefix:   # the venv's prebuilt op
         env["TORCH_EXTENSIONS_DIR"] = str(Path(sys.prefix) / "torch_extensions")
     env.pop("OMP_NUM_THREADS", None)

@@ -215,6 +215,8 @@ class Testbed(FaultsMixin):
                host_outs: dict[int, str | os.PathLike] | None = None,
                progress: bool | None = None) -> LaunchResult:
         """Run a compiled output: plan host h's ranks in namespace h, gloo over the veth.
+        A launch whose rank 0 could not bind its rendezvous port (EADDRINUSE: something on the machine
+        holds it; no step ran) is started once more on the next port.
 
         ``launcher="deepspeed"`` (default) starts, in each host's namespace, the
         DeepSpeed launcher for that node as a multi-node job without ssh does:
@@ -251,6 +253,17 @@ class Testbed(FaultsMixin):
         of rank 0's steps on stderr (``planc.commands.ui.progress``); None: when stderr is a terminal. What
         DeepSpeed's ranks leave in /dev/shm for this launch is removed afterwards (``shm_removed``).
         """
+        kwargs = dict(steps=steps, timeout=timeout, comm_only=comm_only, extra_args=extra_args, args=args,
+                      script=script, launcher=launcher, env=env, python=python, grace=grace, memory=memory,
+                      on_step=on_step, collective_timeout=collective_timeout, ranks_per_host=ranks_per_host,
+                      host_outs=host_outs, progress=progress)
+        result = self._launch_once(out, **kwargs)
+        if result.returncode != 0 and not result.step_times and "EADDRINUSE" in result.stdout:
+            result = self._launch_once(out, **kwargs)
+        return result
+
+    def _launch_once(self, out, *, steps, timeout, comm_only, extra_args, args, script, launcher, env, python,
+                     grace, memory, on_step, collective_timeout, ranks_per_host, host_outs, progress) -> LaunchResult:
         if not self.up:
             raise TestbedError("the testbed is not up (use it as a context manager)")
         if launcher not in ("deepspeed", "direct"):

@@ -8,7 +8,6 @@ import json
 import os
 import queue
 import re
-import socket
 import subprocess
 import sys
 import tempfile
@@ -17,6 +16,7 @@ from pathlib import Path
 
 from planc.calibrate.fit import DEFAULT_TIMEOUT, INNER_SIZES, MATMUL, CalibrateError, outer_sizes
 from planc.commands.ui import progress
+from planc.ports import free_port
 
 MICROBENCH = Path(__file__).resolve().parent / "microbench.py"
 MARK = "PLANC_MICROBENCH "
@@ -69,10 +69,6 @@ def phase_list(hosts: int, per_host: int) -> list[str]:
     return [p for p in PHASE_NAMES if not (("inner" in p and per_host < 2) or ("outer" in p and hosts < 2))]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_cluster(ranks: int, *, backend: str = "auto", repeats: int = 3, timeout: float = DEFAULT_TIMEOUT,
@@ -80,7 +76,7 @@ def run_cluster(ranks: int, *, backend: str = "auto", repeats: int = 3, timeout:
     """``ranks`` ranks of this machine (one host), spawned here; rank 0's result."""
     names = phase_list(1, ranks)
     spec = microbench_spec(1, ranks, None, repeats, timeout, backend, matmul)
-    port = str(_free_port())
+    port = str(free_port())
     threads = max(1, (os.cpu_count() or 1) // ranks)
 
     def work(on_phase):

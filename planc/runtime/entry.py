@@ -1,7 +1,8 @@
 """OUT/train.py's entry (standard library only until it imports ``main``).
 
-    run(out_dir) -> int     imports ``main`` with the garbage collector paused, runs
-                            ``main.main(out_dir=out_dir)``, freezes what is left before the exit
+    run(out_dir)            imports ``main`` with the garbage collector paused, runs
+                            ``main.main(out_dir=out_dir)``, and ends the process with its code
+                            (``_exit_now``: the exit handlers, not the interpreter's teardown)
 
 Garbage collection at start and exit: the imports of torch and DeepSpeed make about a million objects
 that live as long as the rank; every full collection during the imports walks all of them again
@@ -32,7 +33,29 @@ def run(out_dir: str) -> int:
         gc.enable()
     code = main(out_dir=out_dir)
     gc.freeze()      # the interpreter's last collection then skips the rank's objects
-    return code
+    _exit_now(code)
+    return code      # not reached
+
+
+def _exit_now(code) -> None:
+    """End a rank whose ``main`` returned: the exit handlers run (logging's flush, DeepSpeed's), the
+    streams are flushed, and the process ends without the interpreter's teardown. The teardown
+    destroys C++ objects in whatever order it meets them; a joinable thread among them (a
+    communicator's or DeepSpeed's) aborts the finished rank with "terminate called without an active
+    exception" (SIGABRT) now and then. Every collective has ended by then (``main``'s last barrier,
+    the process group destroyed), so nothing is lost."""
+    import atexit
+    import os
+    import sys
+    try:
+        atexit._run_exitfuncs()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        os._exit(code if isinstance(code, int) else (0 if code is None else 1))
 
 
 def _defer_dynamo() -> None:

@@ -26,6 +26,7 @@ import pytest
 
 from planc.output.codegen import write_output
 from planc.driver.compile import compile_file
+from planc.ports import free_port
 
 from e2e_util import ROOT, edit_plan, launch_env, spelled
 
@@ -180,18 +181,13 @@ def test_a_rank_hanging_in_compute_ends_every_rank_within_the_timeout(tmp_path):
         assert _pid_of(out, rank) is None, f"rank {rank} still running"
 
 
-def _free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _start_ranks(outs, hosts=None, timeout=180):
     """One ``python OUT/train.py`` per rank (as a per-host launcher would start them): rank r runs
     outs[r] (its collective timeout: the plan's train { timeout }); with ``hosts``, rank r runs under hostname hosts[r] (its own UTS namespace) with
     LOCAL_WORLD_SIZE = how many ranks share that name. Returns [(returncode, output)] by rank."""
-    port, world = _free_port(), len(outs)
+    port, world = free_port(), len(outs)
     procs = []
     for rank, out in enumerate(outs):
         env = dict(launch_env(), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),

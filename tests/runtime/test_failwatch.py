@@ -4,24 +4,20 @@ stopped watch ends nothing. (On the testbed: tests/testbed/test_testbed_failures
 its host.)"""
 from __future__ import annotations
 
-import socket
 import threading
 import time
 from datetime import timedelta
 
 from torch.distributed import TCPStore
 
+from planc.ports import free_port
 from planc.runtime.failwatch import FAILED_KEY, FailureWatch, report_failure
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _stores():
-    port = _free_port()
+    port = free_port()
     server = TCPStore("127.0.0.1", port, 2, True, wait_for_workers=False)
     client = TCPStore("127.0.0.1", port, 2, False, wait_for_workers=False, timeout=timedelta(seconds=2))
     return server, client

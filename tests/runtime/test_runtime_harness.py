@@ -11,10 +11,11 @@ from __future__ import annotations
 import datetime
 import multiprocessing as mp
 import os
-import socket
 import sys
 import tempfile
 import traceback
+
+from planc.ports import free_port
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
@@ -22,10 +23,6 @@ JOB_TIMEOUT_S = float(os.environ.get("PLANC_TEST_JOB_TIMEOUT_S", "240"))
 COLLECTIVE_TIMEOUT_S = 60
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _entry(rank, world, port, target_mod, target_name, payload, outdir, env):

@@ -40,7 +40,7 @@ def test_profile_table_gives_median_slowest_and_the_launch_span():
 
 
 def test_entry_runs_main_with_the_collector_back_on(monkeypatch):
-    """OUT/train.py's entry (planc_runtime.entry): main's return code, and the collector enabled again,
+    """OUT/train.py's entry (planc_runtime.entry): main's return code ends the process, the collector enabled again,
     both while main runs and after; torch._dynamo deferred before main is imported (here recorded, not
     done: this test process keeps its own torch)."""
     import gc
@@ -55,9 +55,10 @@ def test_entry_runs_main_with_the_collector_back_on(monkeypatch):
     monkeypatch.setitem(sys.modules, "planc.runtime.main", fake)
     monkeypatch.setattr(sys.modules["planc.runtime"], "main", fake, raising=False)
     monkeypatch.setattr(entry, "_defer_dynamo", lambda: seen.update(deferred="main" not in seen))
+    monkeypatch.setattr(entry, "_exit_now", lambda code: seen.update(exit=code))
     try:
-        assert entry.run("/some/out") == 7
-        assert seen == {"out_dir": "/some/out", "enabled": True, "deferred": True} and gc.isenabled()
+        entry.run("/some/out")
+        assert seen == {"out_dir": "/some/out", "enabled": True, "deferred": True, "exit": 7} and gc.isenabled()
     finally:
         gc.unfreeze()      # this test process's objects go back to the collector
 
@@ -153,3 +154,19 @@ print(json.dumps({"loaded": lazydynamo.loaded(), "answer": answer}, sort_keys=Tr
         runs[mode] = json.loads(proc.stdout.strip().splitlines()[-1])
     assert runs["lazy"]["loaded"] is False and runs["eager"]["loaded"] is True
     assert runs["lazy"]["answer"] == runs["eager"]["answer"]
+
+
+def test_a_finished_rank_ends_with_its_code_after_the_exit_handlers(tmp_path):
+    """``entry._exit_now``: what was printed (unflushed) and what an exit handler writes both arrive,
+    and the process's code is main's: no interpreter teardown is needed for either."""
+    import subprocess
+    import sys
+    script = tmp_path / "r.py"
+    script.write_text("import atexit, sys\n"
+                      "from planc.runtime.entry import _exit_now\n"
+                      "atexit.register(lambda: sys.stdout.write('handler ran\\n'))\n"
+                      "sys.stdout.write('printed ')\n"
+                      "_exit_now(3)\n"
+                      "print('never')\n")
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 3 and r.stdout == "printed handler ran\n", (r.returncode, r.stdout, r.stderr)

@@ -227,6 +227,8 @@ def test_calibrate_on_the_testbed_then_predict(tmp_path, capsys):
     assert 0 < host["both_ways"] <= host["bandwidth"]
     assert doc["calibration"]["samples"][0]["exchange"]["outer"]
     # the runtime's own time: fitted to the engine's two step times, which the simulation then gives
+    said = capsys.readouterr()
+    assert "engine" in doc["calibration"], f"the runtime's own time was not measured:\n{said.err[-4000:]}"
     eng = doc["calibration"]["engine"]
     assert doc["op_overhead"] >= 0 and doc["step_overhead"] >= 0 and doc["op_overhead"] + doc["step_overhead"] > 0
     assert eng["micro_batches"] == [4, 16] and min(eng["measured_s"]) > 0
@@ -236,7 +238,7 @@ def test_calibrate_on_the_testbed_then_predict(tmp_path, capsys):
     def err(sims):
         return sum((m - s) ** 2 for m, s in zip(eng["measured_s"], sims))
     assert err(eng["simulated_s"]) <= err(eng["simulated_without_s"]) * (1 + 1e-9)
-    assert "runtime: " in capsys.readouterr().out
+    assert "runtime: " in said.out
     # the file drives the cost model: the bench testbed's cases predicted at 400 Mbit/s
     cases = [{"kind": "transfer", "case": name, "what": "send_recv", "measured": 1.0} for name in testbed.TRANSFERS]
     rows = accuracy.testbed_cases(cases, accuracy.read_calibrated(out), "x", 400)
