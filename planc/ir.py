@@ -427,8 +427,11 @@ class Train:
     save_every: int | None = None    # checkpoint every N steps with `train.py --save DIR` (None: never)
     runtime: Runtime = Runtime()     # how the runtime executes the plan (plan.json `runtime`)
     lr_schedule: LrSchedule = LrSchedule()   # total = 0 until checked: the checker fills in `steps`
-    zero: int = 0                    # 0 | 1 | 2 (ZeRO-1: master weights and optimizer state sharded over data;
-                                     # ZeRO-2: the gradients too); every stage's default, Stage.zero overrides
+    zero: int = 0                    # 0 | 1 | 2 | 3 (ZeRO-1: master weights and optimizer state sharded over data;
+                                     # ZeRO-2: the gradients too; ZeRO-3: the parameters too); every stage's
+                                     # default, Stage.zero overrides
+    zero_prefetch: bool = True       # zero = 3: the next layer's gather starts while this one computes
+    zero_keep_gathered: bool = False  # zero = 3: gathered once a step, kept across its micro-batches
     recompute: Recompute = Recompute.NONE   # every stage's default; Stage.recompute overrides
     clip: float | None = None        # global gradient-norm bound (None: no clipping)
     sequence_parallel: bool = True   # where a stage has tensor > 1 and its model can (`= false`: nowhere)

@@ -116,7 +116,9 @@ def train_record(program: ir.Program, probe: ModelProbe | None, stages, untraina
         loss_devices(max(stages, key=lambda s: s.index)), getattr(t, "timeout", None), getattr(t, "save_every", None),
         (("layer_params", list(probe.layer_params) if probe else None),) + hfmodel.layer_listing(probe),
         t.lr_schedule, t.zero, recompute, t.clip,
-        planfile.LossScale() if fp16 else None, norm_group)
+        planfile.LossScale() if fp16 else None, norm_group,
+        planfile.Zero3(t.zero_prefetch, t.zero_keep_gathered) if any(
+            (s.zero if s.zero is not None else t.zero) == 3 for s in by_index) else None)
 
 
 def _ordered_groups(*lists) -> tuple[tuple[int, ...], ...]:

@@ -11,7 +11,7 @@ from .file import FORMAT, Plan, digest, dumps, load
 from .gates import DEFAULT_AHEAD, post_gates
 from .jsonpath import At, Group, PlanFileError, Range, Region
 from .notes import LayerNotes, Notes, PipelineNotes, PlacementNotes, ReductionNotes, TransferNotes
-from .optim import OPTIMIZER_DEFAULTS, LossScale, LrSchedule, Optimizer
+from .optim import OPTIMIZER_DEFAULTS, LossScale, LrSchedule, Optimizer, Zero3
 from .records import Cluster, Holder, Level, Reduction, Stage, Step, Tied, TiedSplit
 from .runtime import (DEFAULT_GRAD_BUCKET_BYTES, DEFAULT_RECV_AHEAD, DEFAULT_REDUCE_BUCKET_BYTES,
                       DEFAULT_SHM_SLOT_BYTES, DEFAULT_TIMEOUT_S, Runtime)
@@ -25,7 +25,7 @@ __all__ = [
     "Level", "Reduction", "Stage", "Step", "Tied", "TiedSplit", "Holder", "DEFAULT_GRAD_BUCKET_BYTES", "DEFAULT_RECV_AHEAD",
     "DEFAULT_REDUCE_BUCKET_BYTES", "DEFAULT_SHM_SLOT_BYTES", "DEFAULT_TIMEOUT_S", "Runtime", "CodeRef", "HfModel", "VocabSplit", "padded_vocab", "vocab_rows", "Pipeline", "TagLayout", "Train", "Route", "Task",
     "Transfer", "DTYPE_NAMES", "Backend", "Collective", "Direction", "InHost", "MeshAxis", "Precision",
-    "ReductionMode", "Schedule", "StageMode", "Strategy", "OPTIMIZER_DEFAULTS", "LossScale", "LrSchedule",
+    "ReductionMode", "Schedule", "StageMode", "Strategy", "OPTIMIZER_DEFAULTS", "LossScale", "LrSchedule", "Zero3",
     "Optimizer", "Recompute", "DEFAULT_AHEAD", "post_gates", "checkpoint", "Notes", "PlacementNotes",
     "ReductionNotes", "TransferNotes", "PipelineNotes", "LayerNotes",
 ]

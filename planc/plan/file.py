@@ -154,7 +154,8 @@ class Plan:
             self._check_zero()
 
     def _check_zero(self) -> None:
-        """A stage with ZeRO (1 or 2) and data-parallel peers reduce-scatters its gradients."""
+        """A stage with ZeRO (1, 2 or 3) and data-parallel peers reduce-scatters its gradients; ``train.zero3``
+        is there exactly where a stage has zero = 3."""
         for st in self.stages:
             zero = self.zero_of(st.index)
             peers = next((g for g in st.data_groups if len(g) > 1), None)
@@ -162,6 +163,10 @@ class Plan:
             if red is not None and str(red.target) != "reduce_scatter":
                 raise PlanFileError(f"plan.json: stages[{st.index}]: zero = {zero} but its gradients reduction has "
                                     f"target {red.target}: ZeRO reduce-scatters the gradients (recompile the plan)")
+        threes = [st.index for st in self.stages if self.zero_of(st.index) == 3]
+        if self.train is not None and bool(threes) != (self.train.zero3 is not None):
+            raise PlanFileError("plan.json: train.zero3: " + (f"missing, but stages {threes} have zero = 3" if threes
+                                else "present, but no stage has zero = 3"))
 
     def _check_tied(self) -> None:
         """A tied reduction's holders are layers of their stages, and its groups partition exactly the

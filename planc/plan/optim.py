@@ -132,3 +132,24 @@ class LossScale:
     def to_json(self) -> dict:
         return {"initial": self.initial, "backoff": self.backoff, "growth": self.growth, "window": self.window,
                 "minimum": self.minimum}
+
+
+@dataclass(frozen=True, slots=True)
+class Zero3:
+    """How zero = 3 stages gather their parameters (plan.json ``train.zero3``, present where a stage has
+    zero = 3). ``prefetch``: the next layer's all-gather starts while the current layer computes
+    (forward: layer i + 1 at layer i's start; backward: layer i - 1 at layer i's). ``keep_gathered``:
+    a layer's parameters, once gathered in a step, stay gathered across the step's micro-batches and
+    are freed after its last backward (torch's ``set_reshard_after_backward(False)``: one gather per
+    layer and step instead of two per micro-batch, the stage's whole parameters held during the step);
+    otherwise they are freed after each forward and each backward."""
+
+    prefetch: bool = True
+    keep_gathered: bool = False
+
+    @staticmethod
+    def read(at: At) -> "Zero3":
+        return Zero3(at.key("prefetch", True).bool(), at.key("keep_gathered", False).bool())
+
+    def to_json(self) -> dict:
+        return {"prefetch": self.prefetch, "keep_gathered": self.keep_gathered}

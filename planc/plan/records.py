@@ -125,8 +125,8 @@ class Stage:
         st = Stage(at.key("index").int(0), layers, devices, at.key("mesh").value, axes, shape, mesh_devices,
                    tuple(sorted(rows)), at.key("data_groups", []).groups(), at.key("model_groups", []).groups(),
                    extra(at, Stage.KEYS), at.key("sequence_parallel", False).bool(), at.key("zero", None).opt_int(0))
-        if st.zero is not None and st.zero > 2:
-            at.key("zero").fail(f"expected 0, 1 or 2, got {st.zero}")
+        if st.zero is not None and st.zero > 3:
+            at.key("zero").fail(f"expected 0, 1, 2 or 3, got {st.zero}")
         if st.sequence_parallel and st.axis_size("tensor") < 2:
             at.key("sequence_parallel").fail("true on a stage without a 'tensor' mesh axis of size > 1")
         for name in ("data_groups", "model_groups"):

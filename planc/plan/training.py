@@ -8,7 +8,7 @@ import math
 from dataclasses import dataclass
 
 from .jsonpath import At, PlanFileError, extra, with_extra
-from .optim import LossScale, LrSchedule, Optimizer
+from .optim import LossScale, LrSchedule, Optimizer, Zero3
 from .runtime import positive_seconds
 from .vocab import Direction, Precision, Schedule
 
@@ -240,7 +240,8 @@ class Train:
     ``lr_schedule``, ``precision``, ``zero`` (1: fp32 master weights and optimizer state sharded over
     each stage's data group, gradients reduce-scattered and parameters all-gathered by the plan's
     ``reductions`` of those targets; 2: also only the owned shard of each gradient accumulated, every
-    micro-batch's gradient reduce-scattered; a stage's ``zero`` overrides it, ``Plan.zero_of``), ``recompute`` (per stage, in stage order), ``clip`` (the global
+    micro-batch's gradient reduce-scattered; 3: also the parameters sharded, each layer's all-gathered before
+    its forward and its backward, as ``zero3`` says; a stage's ``zero`` overrides it, ``Plan.zero_of``), ``recompute`` (per stage, in stage order), ``clip`` (the global
     gradient-norm bound, None: no clipping), ``loss_scale`` (fp16 only) and ``norm_group``: every device
     of every stage, sorted, the group the global gradient norm and fp16's overflow vote are summed over
     (listed in ``groups`` when it has more than one member; empty when neither clip nor fp16 needs it).
@@ -268,17 +269,19 @@ class Train:
     clip: float | None = None
     loss_scale: LossScale | None = None
     norm_group: tuple[int, ...] = ()
+    zero3: Zero3 | None = None          # present where a stage has zero = 3
 
     KEYS = ("model", "loss", "data", "micro_batch", "micro_batches", "steps", "schedule", "optimizer",
             "precision", "seed", "trainable", "not_trainable_because", "loss_devices", "timeout", "save_every",
-            "lr_schedule", "zero", "recompute", "clip", "loss_scale", "norm_group")
+            "lr_schedule", "zero", "recompute", "clip", "loss_scale", "norm_group", "zero3")
 
     @staticmethod
     def read(at: At) -> "Train":
         precision = at.key("precision").enum(Precision)
         zero = at.key("zero", 0).int(0)
-        if zero > 2:
-            at.key("zero").fail(f"expected 0, 1 or 2, got {zero}")
+        if zero > 3:
+            at.key("zero").fail(f"expected 0, 1, 2 or 3, got {zero}")
+        zero3 = at.key("zero3", None)
         clip = at.key("clip", None)
         if clip.value is not None and not clip.num() > 0:
             clip.fail(f"expected a positive norm, got {clip.value}")
@@ -299,7 +302,8 @@ class Train:
                      LrSchedule.read(at.key("lr_schedule", {"name": "constant"})), zero,
                      tuple(x.bool() for x in at.key("recompute", []).items()),
                      None if clip.value is None else float(clip.value),
-                     None if scale.value is None else LossScale.read(scale), members)
+                     None if scale.value is None else LossScale.read(scale), members,
+                     None if zero3.value is None else Zero3.read(zero3))
 
     def recomputes(self, stage: int) -> bool:
         """Stage ``stage`` keeps only its inputs per in-flight micro-batch and reruns its forward in backward."""
@@ -315,6 +319,8 @@ class Train:
             out["loss_scale"] = self.loss_scale.to_json()
         if self.norm_group:
             out["norm_group"] = list(self.norm_group)
+        if self.zero3 is not None:
+            out["zero3"] = self.zero3.to_json()
         out = with_extra(out, self.extra)
         out["trainable"] = self.trainable
         out["not_trainable_because"] = list(self.not_trainable_because)

@@ -206,5 +206,5 @@ class ShardedGradientBuckets(GradientBuckets):
 def make_buckets(plan, stage: int, params, executor, device, tracer=None) -> GradientBuckets:
     """The stage's gradient buckets: ZeRO-2's sharded ones where its degree is 2 and it has data-parallel
     peers (a reduce-scatter executor), else whole ones (zero 0 and 1)."""
-    cls = ShardedGradientBuckets if plan.zero_of(stage) == 2 and executor is not None else GradientBuckets
+    cls = ShardedGradientBuckets if plan.zero_of(stage) >= 2 and executor is not None else GradientBuckets
     return cls(params, executor, device, bucket_bytes=plan.runtime.grad_bucket_bytes, tracer=tracer)

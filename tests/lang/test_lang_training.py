@@ -273,11 +273,13 @@ BASE = CLUSTER + "parallel { data = 4 }\n"
     # precision, zero, recompute, clip
     ("precision = fp8", "precision must be one of fp32, fp16, bf16", "fp8", None),
     ("precision = Bf16", "precision must be one of fp32, fp16, bf16", "Bf16", "did you mean 'bf16'? (spellings"),
-    ("zero = 3", "zero 3 (ZeRO-3: parameters sharded over the data group) is not built yet; use 0, 1 or 2", "3",
-     None),
-    ("zero = 4", "zero must be 0, 1 or 2 (1: fp32 master weights", "4", None),
-    ("zero = 0.5", "zero must be 0, 1 or 2", "0.5", None),
-    ("zero = one", "zero must be 0, 1 or 2", "one", None),
+    ("zero = 4", "zero must be 0, 1, 2 or 3 (1: fp32 master weights", "4", None),
+    ("zero = 0.5", "zero must be 0, 1, 2 or 3", "0.5", None),
+    ("zero = one", "zero must be 0, 1, 2 or 3", "one", None),
+    ("zero = 2, zero_keep_gathered = true", "zero_keep_gathered sets how zero = 3 stages gather their parameters, "
+     "but no stage has zero = 3", "true", None),
+    ("zero_prefetch = false", "zero_prefetch sets how zero = 3 stages gather", "false", None),
+    ("zero = 3, zero_prefetch = maybe", "zero_prefetch must be true or false", "maybe", None),
     ("recompute = selective", "recompute must be one of none, full", "selective", None),
     ("recompute = ful", "recompute must be one of none, full", "ful", "did you mean 'full'?"),
     ("recompute = FULL", "recompute must be one of none, full", "FULL", "did you mean 'full'? (spellings"),
@@ -295,7 +297,7 @@ def test_bad_training_settings_are_located(train, message, culprit, hint):
 
 
 def test_every_bad_setting_is_reported_at_once():
-    e, rendered = errors(BASE + "train {\n  optimizer = adam(beta1 = 0.9, eps = -1)\n  zero = 3, clip = 0\n"
+    e, rendered = errors(BASE + "train {\n  optimizer = adam(beta1 = 0.9, eps = -1)\n  zero = 5, clip = 0\n"
                                "  lr_schedule = warmup_cosine(min_ratio = 2), recompute = some\n}\n")
     assert len(e.diagnostics) == 6, rendered
 

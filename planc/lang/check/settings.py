@@ -185,7 +185,8 @@ def check_train(errs: Diagnostics, block: ast.SettingsBlock | None, parallel: ir
                 stages: tuple[ir.Stage, ...], has_model: bool = False) -> ir.Train:
     """Training settings; ``micro_batch`` must divide over every stage's data axis."""
     s = _settings(errs, block, ["micro_batch", "micro_batches", "steps", "schedule", "optimizer", "lr_schedule",
-                                "precision", "zero", "recompute", "clip", "seed", "save_every", "timeout",
+                                "precision", "zero", "zero_prefetch", "zero_keep_gathered", "recompute", "clip", "seed",
+                                "save_every", "timeout",
                                 "sequence_parallel", *RUNTIME_KEYS])
     seed = _int_setting(errs, s.get("seed"), 1234, minimum=0)
     steps = _int_setting(errs, s.get("steps"), 10)
@@ -202,6 +203,8 @@ def check_train(errs: Diagnostics, block: ast.SettingsBlock | None, parallel: ir
         runtime=_runtime(errs, s),
         lr_schedule=check_lr_schedule(errs, s.get("lr_schedule"), steps),
         zero=check_zero(errs, s.get("zero")),
+        zero_prefetch=_bool_setting(errs, s.get("zero_prefetch"), True),
+        zero_keep_gathered=_bool_setting(errs, s.get("zero_keep_gathered"), False),
         recompute=_enum_value(errs, s.get("recompute"), ir.Recompute, ir.Recompute.NONE),
         clip=check_clip(errs, s.get("clip")),
         sequence_parallel=_bool_setting(errs, s.get("sequence_parallel"), True),
@@ -220,6 +223,10 @@ def check_train(errs: Diagnostics, block: ast.SettingsBlock | None, parallel: ir
         if over is not None:
             errs.items.append(over)
 
+    if not any((st.zero if st.zero is not None else train.zero) == 3 for st in stages) and (
+            written := [k for k in ("zero_prefetch", "zero_keep_gathered") if k in s]):
+        errs.add(f"{written[0]} sets how zero = 3 stages gather their parameters, but no stage has zero = 3 "
+                 "(set 'zero = 3' in the train block or 'zero 3' on a stage line)", s[written[0]].value.span)
     for st in stages:
         n = ir.axis_size(ir.stage_mesh(st, parallel), ir.MeshAxis.DATA)
         if "micro_batch" in s and n > 1 and train.micro_batch % n:

@@ -172,25 +172,21 @@ def check_lr_schedule(errs: Diagnostics, kv: ast.KeyValue | None, steps: int) ->
 
 
 def check_zero(errs: Diagnostics, kv: ast.KeyValue | None) -> int:
-    """``zero = 0 | 1 | 2`` (3 is in the language but not built: refused where it is written)."""
+    """``zero = 0 | 1 | 2 | 3``."""
     if kv is None:
         return 0
     return zero_degree(errs, kv.value, "zero")
 
 
 def zero_degree(errs: Diagnostics, v, where: str) -> int:
-    """A ZeRO degree as written (the train block's ``zero = N`` or a stage line's ``zero N``): 0, 1 or 2;
-    3 and anything else are located errors (0 stands in for them)."""
-    if isinstance(v, ast.Num) and v.text in ("0", "1", "2"):
+    """A ZeRO degree as written (the train block's ``zero = N`` or a stage line's ``zero N``): 0, 1, 2 or 3;
+    anything else is a located error (0 stands in for it)."""
+    if isinstance(v, ast.Num) and v.text in ("0", "1", "2", "3"):
         return int(v.text)
-    if isinstance(v, ast.Num) and v.text == "3":
-        errs.add(f"{where} 3 (ZeRO-3: parameters sharded over the data group) is not built yet; "
-                 "use 0, 1 or 2", v.span)
-        return 0
     text = v.text if isinstance(v, ast.Num) else v.value if isinstance(v, ast.Name) else None
-    errs.add(f"{where} must be 0, 1 or 2 (1: fp32 master weights and optimizer state sharded over each stage's "
-             "data group, ZeRO stage 1; 2: the gradients too, ZeRO stage 2)" + (f", got {text}" if text is not None else ""),
-             v.span)
+    errs.add(f"{where} must be 0, 1, 2 or 3 (1: fp32 master weights and optimizer state sharded over each stage's "
+             "data group, ZeRO stage 1; 2: the gradients too, ZeRO stage 2; 3: the parameters too, ZeRO stage 3)"
+             + (f", got {text}" if text is not None else ""), v.span)
     return 0
 
 
