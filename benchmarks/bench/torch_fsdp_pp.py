@@ -1,0 +1,133 @@
+"""torch's own FSDP2 + pipelining on a planc-compiled plan's model: the baseline of ``python -m benchmarks bench zero3``.
+
+Standalone (torch and the standard library; ``stock_deepspeed``'s plan readers), launched like the
+compiled program, one process per rank (RANK, WORLD_SIZE, MASTER_ADDR/PORT), ``torch_fsdp_pp.py --out
+OUT --steps N``. It reads the compiled output OUT only for what the plan says about the model and
+training (builder, loss, data and their arguments, seed, micro-batch rows and count, the layer cut,
+the optimizer of ds_config.json) and then does what a torch user does:
+
+- a 2-d ``DeviceMesh`` ``(pp, dp)`` (rank = stage x D + data position, as the plan's uniform
+  placement with its data axis inside the host): the plan must be uniform, each stage on D devices
+  ``[s·D, (s+1)·D)``, else exit 2;
+- the stage's layers as one ``nn.Sequential``; every layer ``fully_shard`` over ``dp`` (FSDP2: each
+  layer's parameters all-gathered before its forward and its backward, freed after,
+  ``reshard_after_forward=True``), the stage module too; the next layer's gather prefetched by FSDP2's
+  own implicit prefetch;
+- ``PipelineStage`` + ``Schedule1F1B`` (or ``ScheduleGPipe`` for a gpipe plan) over ``pp``, the loss
+  divided by the micro-batch count so gradients are those of the global mean loss, as planc's.
+
+Each data position trains on its rows of the same seeded micro-batches planc's program uses. Rank 0
+prints ``step N loss X time T s S samples/s`` (the loss: the mean over micro-batches, on the last
+stage, sent to rank 0).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+from benchmarks.bench.stock_deepspeed import _load_function, _optimizer  # noqa: E402
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="torch_fsdp_pp.py", description=__doc__.split("\n")[0])
+    p.add_argument("--out", required=True, help="a planc-compiled output folder (its plan.json, model file)")
+    p.add_argument("--steps", type=int, default=None)
+    args = p.parse_args(argv)
+
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    out = os.path.abspath(args.out)
+    with open(os.path.join(out, "plan.json")) as f:
+        plan = json.load(f)
+    with open(os.path.join(out, "ds_config.json")) as f:
+        ds_config = json.load(f)
+    train = plan["train"]
+    steps = args.steps if args.steps is not None else int(train.get("steps", 1))
+    seed = int(train.get("seed", 0))
+    micro_batch, micro_batches = int(train["micro_batch"]), int(train["micro_batches"])
+    stages = sorted(plan["stages"], key=lambda s: s["index"])
+    S = len(stages)
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    D = world // S
+    for s in stages:
+        if sorted(s["devices"]) != list(range(s["index"] * D, (s["index"] + 1) * D)):
+            if rank == 0:
+                print(f"torch_fsdp_pp: stage {s['index']} runs on devices {sorted(s['devices'])}: the baseline needs a "
+                      f"uniform plan with stage s on [s·{D}, (s+1)·{D})", file=sys.stderr, flush=True)
+            return 2
+    mesh = init_device_mesh("cpu", (S, D), mesh_dim_names=("pp", "dp"))
+    s, d = rank // D, rank % D
+    model_args = dict(train["model"].get("args", {}))
+    torch.manual_seed(seed)   # every rank builds all layers from the same seed, as planc's runtime and stock do
+    layers = _load_function(out, train["model"])(**model_args)
+    a, b = stages[s]["layers"]
+    module = nn.Sequential(*layers[a:b])
+    del layers
+    for layer in module:
+        if any(True for _ in layer.parameters()):
+            fully_shard(layer, mesh=mesh["dp"])
+    fully_shard(module, mesh=mesh["dp"])
+    loss_of = _load_function(out, train["loss"])
+
+    def loss_fn(output, target):
+        return loss_of(output, target) / micro_batches
+
+    stage = PipelineStage(module, s, S, torch.device("cpu"), group=mesh["pp"].get_group())
+    kind = ScheduleGPipe if train.get("schedule") == "gpipe" else Schedule1F1B
+    schedule = kind(stage, n_microbatches=micro_batches, loss_fn=loss_fn)
+    optimizer = _optimizer([q for q in module.parameters() if q.requires_grad], ds_config)
+    rows = micro_batch // D
+    batches = _load_function(out, train["data"])(micro_batch, seed, **model_args)
+    samples = micro_batch * micro_batches
+    last = S - 1
+    total = 0.0
+    if rank == 0:
+        print(f"torch FSDP2 + pipelining: {kind.__name__}, pp {S} x dp {D}, every layer fully_shard over dp", flush=True)
+    for step in range(steps):
+        xs, ys = [], []
+        for _ in range(micro_batches):
+            x, y = next(batches)
+            xs.append(x[d * rows:(d + 1) * rows])
+            ys.append(y[d * rows:(d + 1) * rows])
+        x, y = torch.cat(xs), torch.cat(ys)
+        t0 = time.perf_counter()
+        optimizer.zero_grad(set_to_none=True)
+        losses: list = []
+        if s == 0 and s == last:
+            schedule.step(x, target=y, losses=losses)
+        elif s == 0:
+            schedule.step(x)
+        elif s == last:
+            schedule.step(target=y, losses=losses)
+        else:
+            schedule.step()
+        optimizer.step()
+        elapsed = time.perf_counter() - t0
+        total += elapsed
+        # the step's loss (mean over the micro-batches, summed over data positions / D) to rank 0
+        mine = torch.tensor([float(sum(v.detach() for v in losses)) if losses else 0.0], dtype=torch.float64)
+        dist.all_reduce(mine)
+        if rank == 0:
+            print(f"step {step} loss {mine.item() / D:.6f} time {elapsed:.4f} s {samples / elapsed:.1f} samples/s",
+                  flush=True)
+    if rank == 0 and steps:
+        print(f"trained {steps} step(s) in {total:.3f} s: {steps * samples / total:.1f} samples/s", flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
