@@ -21,8 +21,9 @@ from __future__ import annotations
 
 from planc.cost import events
 from planc.cost.network import Network
+from planc.pipeline.memory import PRECISION_BYTES
 
-__all__ = ["layered_ops", "gathers_per_micro_batch", "gather_seconds"]
+__all__ = ["layered_ops", "gathers_per_micro_batch", "gather_seconds", "zero3_notes"]
 
 
 def gathers_per_micro_batch(layers: int, recompute: bool, keep_gathered: bool) -> int:
@@ -100,3 +101,39 @@ def gather_seconds(sim, s: int) -> float:
         return 0.0
     trace = events.run(g, net)
     return max(trace.finish[n] for n in stream.values())
+
+
+def zero3_notes(memory, flights, sim=None, per_stage=None) -> list[dict | None]:
+    """Per stage (index order) plan.json's ``pipeline.stages[i].zero3`` (docs/plan-format.md), None where the
+    stage does not shard its parameters: the stage's ``prefetch``, ``keep_gathered`` and ``recompute``;
+    ``shard`` and ``gathered``, the parameter bytes of the owned shard
+    and of the gathered buffers; ``freed`` and ``kept``, the stage under ``zero_keep_gathered = false`` and
+    ``true``: ``total`` bytes by the memory model (``flights`` micro-batches in flight), ``gathers`` per
+    micro-batch (``per``: ``micro_batch``, or ``step`` when kept), ``gather_seconds`` (their price alone,
+    :func:`gather_seconds`) and ``iteration``, the schedule's ``per_stage`` lists simulated on ``sim`` with
+    that setting and no host NIC order (None without a simulation)."""
+    import dataclasses
+    from planc.pipeline.simulate import predict
+    out: list[dict | None] = []
+    runs: dict = {}
+    for m, k in zip(memory, flights):
+        if not m.shards_parameters:
+            out.append(None)
+            continue
+        p = PRECISION_BYTES[m.precision]
+        entry = {"prefetch": m.prefetch, "keep_gathered": m.keep_gathered, "recompute": m.recompute,
+                 "shard": m.sharded * p,
+                 "gathered": m.gathered * p}
+        layers = len(sim.compute[m.stage].forward) if sim is not None else None
+        red = next((r for r in sim.reductions if r.stage == m.stage and r.per_layer), None) if sim else None
+        for name, keep in (("freed", False), ("kept", True)):
+            run = dataclasses.replace(sim, keep_gathered=keep) if sim is not None else None
+            if run is not None and per_stage is not None and keep not in runs:
+                runs[keep] = predict(run, per_stage).iteration
+            entry[name] = {"total": m.with_(keep_gathered=keep).total(k),
+                           "gathers": (gathers_per_micro_batch(layers, m.recompute, keep) if layers is not None
+                                       else None), "per": "step" if keep else "micro_batch",
+                           "gather_seconds": gather_seconds(run, m.stage) if red is not None else None,
+                           "iteration": runs.get(keep)}
+        out.append(entry)
+    return out
