@@ -190,3 +190,22 @@ def test_schedule_auto_sees_the_gathers(tmp_path):
 
     two, three = schedules("zero = 2"), schedules("zero = 3, zero_prefetch = false")
     assert set(two) == set(three) and all(three[k] > two[k] for k in two)
+
+
+def test_the_placement_ranking_prices_zero3_gathers(tmp_path):
+    """Pipe-axis stages: under zero 3 each matrix's breakdown has the gradients per micro-batch (as zero 2) and
+    the per-layer gathers: 2 a micro-batch, priced as half an all-reduce of their bytes; once a step kept."""
+    from planc.driver.compile import compile_file
+    from planc.commands.explain import explain_data
+    from test_zero2 import EX, PIPE
+    parts = {}
+    for name, zero in (("two", "2"), ("three", "3"), ("kept", "3, zero_keep_gathered = true")):
+        src = tmp_path / f"p{name}.plan"
+        src.write_text(PIPE.replace("EX", EX).replace("ZERO", zero))
+        data = explain_data(compile_file(src).plan_json)
+        parts[name] = {tuple(map(tuple, r["matrix"])): r["breakdown"] for r in data["placement"]["ranked"]}
+    for matrix, two in parts["two"].items():
+        three, kept = parts["three"][matrix], parts["kept"][matrix]
+        assert three["reduce gradients"] == two["reduce gradients"]
+        assert "reduce parameters (zero 3 gathers)" not in two
+        assert three["reduce parameters (zero 3 gathers)"] > kept["reduce parameters (zero 3 gathers)"] > 0
