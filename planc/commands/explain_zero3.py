@@ -1,6 +1,6 @@
 """`planc explain` on a zero-3 stage: how its parameters' all-gather program runs per layer, its price per
 micro-batch, and ``zero_keep_gathered`` priced both ways (memory and iteration), from plan.json's
-``pipeline.stages[i].zero3`` (``planc.pipeline.zero3sim.zero3_notes``; docs/explain.md)."""
+``pipeline.stages[i].zero3`` (``planc.pipeline.zero3price.zero3_notes``; docs/explain.md)."""
 
 from __future__ import annotations
 

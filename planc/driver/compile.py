@@ -36,7 +36,7 @@ from planc.pipeline.schedules import peak_in_flight
 from planc.pipeline.deadlock import check_rendezvous
 from planc.pipeline.schedules import PipelinePlan, build as build_pipeline
 from planc.pipeline.siminput import compiled_input
-from planc.pipeline.zero3sim import zero3_notes
+from planc.pipeline.zero3price import zero3_notes
 from planc.placement import Placement, place, warm
 from planc.model.infer import chain_transfers, decide_sequence, infer_transfers
 from planc.model.probe import (ModelProbe, check_against_model, check_model_reductions, probe_for_cut, probe_model,

@@ -24,7 +24,7 @@ data degree ``d``, ``p`` bytes per element of the precision (fp32 4, bf16/fp16 2
 * optimizer ``(4 s + m) x P'``: ``s`` fp32 states per parameter (sgd with momentum 1, without 0; adam and
   adamw 2), ``m`` = 4 for the fp32 master copy of bf16/fp16 plans and of ``zero`` >= 1 plans (0 in fp32
   without ZeRO: the parameters are their own masters); ``P' = ceil((P - T) / d) + T`` with ``zero`` >= 1
-  (ZeRO-1 and 2 shard master weights and optimizer state over the data group; ``T``: the elements tied to
+  (ZeRO-1, 2 and 3 shard master weights and optimizer state over the data group; ``T``: the elements tied to
   another stage's layers, which stay whole), else ``P``; a stage's own ``zero N`` overrides the train block's;
 * activations of ``k`` micro-batches in flight: ``k x (I + O)``, or with the stage's ``recompute``
   ``k x I + O``, where ``I`` are the bytes of the stage's received inputs and ``O`` what its layers keep

@@ -134,7 +134,7 @@ class PipelinePlan:
         ``peak_activation_bytes`` (one device, the stage's worst), from ``predicted``, and ``memory``: the
         memory model's bytes per device of its largest device by part (docs/memory.md), with
         ``memory_saved`` (``zero``, ``recompute``: the bytes each saves) where the stage uses them, ``zero3`` (the
-        gathers' bytes and prices, ``planc.pipeline.zero3sim.zero3_notes``) on a stage that shards its parameters; ``null`` figures
+        gathers' bytes and prices, ``planc.pipeline.zero3price.zero3_notes``) on a stage that shards its parameters; ``null`` figures
         where nothing was simulated (no probe, or a plan the runtime cannot train) or sized (no probe)."""
         sim = {int(st["stage"]): st for st in (self.predicted or {}).get("stages") or ()}
         mem = self.memory or ()

@@ -13,17 +13,14 @@ groups, ``planc.pipeline.simulate._program``) moves the layer's parameter bytes 
   ends and the layer waits for it (on the critical path).
 
 A device's gathers run one after another (one stream), beside the gradients' reduce-scatters, sharing
-the links with everything else by the cost model. :func:`gather_seconds` prices one micro-batch's gathers
-alone (no compute, nothing else on the links): what ``planc explain`` shows per micro-batch.
+the links with everything else by the cost model. ``planc.pipeline.zero3price`` prices one micro-batch's
+gathers alone and both ``zero_keep_gathered`` settings: what ``planc explain`` shows.
 """
 
 from __future__ import annotations
 
-from planc.cost import events
-from planc.cost.network import Network
-from planc.pipeline.memory import PRECISION_BYTES
 
-__all__ = ["layered_ops", "gathers_per_micro_batch", "gather_seconds", "zero3_notes"]
+__all__ = ["layered_ops", "gathers_per_micro_batch", "layer_param_bytes"]
 
 
 def gathers_per_micro_batch(layers: int, recompute: bool, keep_gathered: bool) -> int:
@@ -31,7 +28,8 @@ def gathers_per_micro_batch(layers: int, recompute: bool, keep_gathered: bool) -
     return layers if keep_gathered else layers * (3 if recompute else 2)
 
 
-def _layer_bytes(c) -> tuple[float, ...]:
+def layer_param_bytes(c) -> tuple[float, ...]:
+    """A stage compute model's parameter bytes per layer in the precision (older inputs: its gradient bytes)."""
     return c.param_bytes or c.grad_bytes
 
 
@@ -43,7 +41,7 @@ def layered_ops(g, net, comm, program, sim, s: int, ops, red, pool, op_cost: flo
     ``program(g, net, comm, red, nbytes, ready, last, tag)``; ``pool(d)``: device ``d``'s core pool."""
     c = sim.compute[s]
     devs = sim.stage_devices[s]
-    nbytes = _layer_bytes(c)
+    nbytes = layer_param_bytes(c)
     L = len(c.forward)
     last_b = max((i for i, op in enumerate(ops) if op[0] == "B"), default=-1)
     first_f = min((i for i, op in enumerate(ops) if op[0] == "F"), default=-1)
@@ -76,64 +74,3 @@ def layered_ops(g, net, comm, program, sim, s: int, ops, red, pool, op_cost: flo
                     layer_end[d, j] = node
         for d in devs:
             comp_end[d, i] = prev[d] = cur[d]
-
-
-def gather_seconds(sim, s: int) -> float:
-    """Seconds of one micro-batch's gathers on zero-3 stage ``s`` alone, back to back (a step's with
-    ``keep_gathered``); 0 when the stage gathers nothing (no zero 3, or one data member)."""
-    from planc.pipeline.simulate import _program
-    red = next((r for r in sim.reductions if r.stage == s and r.per_layer), None)
-    if red is None:
-        return 0.0
-    c = sim.compute[s]
-    g, net = events.Graph(), Network(sim.cluster)
-
-    def comm(deps, tag, fl, lat):
-        return g.add(deps, flows=tuple(fl), latency=lat, tag=tag)
-
-    stream: dict = {}
-    ready = {d: None for d in sim.stage_devices[s]}
-    count = gathers_per_micro_batch(1, red.recompute, sim.keep_gathered)
-    for j, nbytes in enumerate(_layer_bytes(c)):
-        for r in range(count):
-            _program(g, net, comm, red, nbytes, ready, stream, ("gather", s, j, r))
-    if not stream:
-        return 0.0
-    trace = events.run(g, net)
-    return max(trace.finish[n] for n in stream.values())
-
-
-def zero3_notes(memory, flights, sim=None, per_stage=None) -> list[dict | None]:
-    """Per stage (index order) plan.json's ``pipeline.stages[i].zero3`` (docs/plan-format.md), None where the
-    stage does not shard its parameters: the stage's ``prefetch``, ``keep_gathered`` and ``recompute``;
-    ``shard`` and ``gathered``, the parameter bytes of the owned shard
-    and of the gathered buffers; ``freed`` and ``kept``, the stage under ``zero_keep_gathered = false`` and
-    ``true``: ``total`` bytes by the memory model (``flights`` micro-batches in flight), ``gathers`` per
-    micro-batch (``per``: ``micro_batch``, or ``step`` when kept), ``gather_seconds`` (their price alone,
-    :func:`gather_seconds`) and ``iteration``, the schedule's ``per_stage`` lists simulated on ``sim`` with
-    that setting and no host NIC order (None without a simulation)."""
-    import dataclasses
-    from planc.pipeline.simulate import predict
-    out: list[dict | None] = []
-    runs: dict = {}
-    for m, k in zip(memory, flights):
-        if not m.shards_parameters:
-            out.append(None)
-            continue
-        p = PRECISION_BYTES[m.precision]
-        entry = {"prefetch": m.prefetch, "keep_gathered": m.keep_gathered, "recompute": m.recompute,
-                 "shard": m.sharded * p,
-                 "gathered": m.gathered * p}
-        layers = len(sim.compute[m.stage].forward) if sim is not None else None
-        red = next((r for r in sim.reductions if r.stage == m.stage and r.per_layer), None) if sim else None
-        for name, keep in (("freed", False), ("kept", True)):
-            run = dataclasses.replace(sim, keep_gathered=keep) if sim is not None else None
-            if run is not None and per_stage is not None and keep not in runs:
-                runs[keep] = predict(run, per_stage).iteration
-            entry[name] = {"total": m.with_(keep_gathered=keep).total(k),
-                           "gathers": (gathers_per_micro_batch(layers, m.recompute, keep) if layers is not None
-                                       else None), "per": "step" if keep else "micro_batch",
-                           "gather_seconds": gather_seconds(run, m.stage) if red is not None else None,
-                           "iteration": runs.get(keep)}
-        out.append(entry)
-    return out

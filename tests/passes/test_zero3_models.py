@@ -11,7 +11,8 @@ from planc.pipeline.memory import StageMemory, saved
 from planc.pipeline.schedules import build
 from planc.pipeline.siminput import StageCompute, sim_input
 from planc.pipeline.simulate import predict
-from planc.pipeline.zero3sim import gather_seconds, gathers_per_micro_batch
+from planc.pipeline.zero3price import gather_seconds
+from planc.pipeline.zero3sim import gathers_per_micro_batch
 
 from test_zero2 import deep, text
 
