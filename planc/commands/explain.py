@@ -5,7 +5,8 @@ bytes, deterministic key order); ``planc explain --json`` prints it and ``explai
 lays it out as rich tables that fit 80 columns: the placement matrix and the ranking of the
 matrices, each stage's mesh, per reduction (per stage for explicit-stage gradients) the program
 against the flat collective of its target (allreduce; with zero = 1 the gradients' reduce_scatter and
-the parameters' all_gather, who owns which piece, and the pair against the flat pair) with its steps
+the parameters' all_gather, who owns which piece, and the pair against the flat pair; with zero = 3 the
+gather per layer, its price per micro-batch and zero_keep_gathered priced both ways) with its steps
 and alternatives, per transfer its strategy, unit tasks
 and schedule, each device's host and its region (half-open ``a:b`` per dim) on the source and
 destination meshes, then the pipeline's instruction lists.
@@ -23,6 +24,7 @@ from planc.pipeline.simulate import NIC_ORDER_GAIN
 from planc.commands.summaries import check_summary, idle_devices, idle_warning, sequence_lines  # noqa: F401 - re-exported
 from planc.commands.summaries import nothing_to_reduce, nothing_to_reduce_line, tensor_group_data, tensor_group_lines
 from planc.commands.summaries import mesh_text, tied_lines, vocab_line
+from planc.commands.explain_zero3 import gather_lines, memory_note
 from planc.commands.ui import Col
 
 
@@ -125,11 +127,14 @@ def explain_data(plan: planfile.Plan | dict) -> dict:
     def in_host(groups) -> bool:
         return bool(host_of) and all(len({host_of.get(d) for d in g}) == 1 for g in groups)
 
+    z3 = {st.stage: st.zero3 for st in (notes.pipeline.stages if notes.pipeline else ()) if st.zero3}
     data["reductions"] = [_reduction_data(r, n, in_host, str(plan.runtime.in_host))
                           for r, n in zip(plan.reductions, notes.reductions)]
     for r, d in zip(plan.reductions, data["reductions"]):   # ZeRO's programs: the stage's degree (1 or 2)
         if str(r.target) != "allreduce" and plan.train is not None:
             d["zero"] = plan.zero_of(r.stage) if r.stage is not None else plan.train.zero
+            if str(r.target) == "all_gather" and z3:   # zero 3: gathered per layer, priced both ways
+                d["zero3"] = [[k, z] for k, z in sorted(z3.items()) if r.stage is None or k == r.stage] or None
     _zero_pairs(data["reductions"])
     by_src: dict[int, list[str]] = {}
     for t in plan.transfers:
@@ -185,7 +190,7 @@ def _memory_data(plan: planfile.Plan, notes: planfile.Notes) -> dict | None:
             "precision": str(train.precision) if train is not None else None,
             "stages": [{"stage": st.stage, **dict(st.memory or ()), "saved": dict(st.saved),
                         "recompute": bool(rc[st.stage]) if st.stage < len(rc) else False,
-                        "zero": plan.zero_of(st.stage)} for st in stages]}
+                        "zero": plan.zero_of(st.stage), **({"zero3": st.zero3} if st.zero3 else {})} for st in stages]}
 
 
 def _memory_lines(mem: dict, tty: bool) -> list:
@@ -203,7 +208,9 @@ def _memory_lines(mem: dict, tty: bool) -> list:
         if saved:
             what = [f"zero = {st.get('zero', mem['zero'])} {_saved(saved['zero'])} of optimizer state"
                     + (f" and {_saved(saved['zero_gradients'])} of gradients (reduce-scattered every micro-batch; "
-                       "a few buckets staged whole)" if "zero_gradients" in saved else "")] if "zero" in saved else []
+                       "a few buckets staged whole)" if "zero_gradients" in saved else "")
+                    + (f" and {_saved(saved['zero_parameters'])} of parameters ({memory_note(st['zero3'])})"
+                       if "zero_parameters" in saved and st.get("zero3") else "")] if "zero" in saved else []
             what += [f"recompute saved {_bytes(saved['recompute'])} of activations"] if "recompute" in saved else []
             notes.append(f"  stage {st['stage']}: " + "; ".join(what))
     out.append(ui.table([Col("stage", "right"), Col("parameters", "right"), Col("gradients", "right"),
@@ -340,6 +347,8 @@ def _reduction(r: dict, tty: bool) -> list:
                f"{r['candidates']} valid program(s) found")
     if target != "allreduce":
         out += _owned_line(r)
+    for stage, z in r.get("zero3") or ():
+        out += gather_lines(z, stage)
     if r.get("pair"):
         p = r["pair"]
         ratio = f"{p['flat_predicted'] / p['predicted']:.2f}x" if p["predicted"] else "no data to move"

@@ -36,6 +36,7 @@ from planc.pipeline.schedules import peak_in_flight
 from planc.pipeline.deadlock import check_rendezvous
 from planc.pipeline.schedules import PipelinePlan, build as build_pipeline
 from planc.pipeline.siminput import compiled_input
+from planc.pipeline.zero3price import zero3_notes
 from planc.placement import Placement, place, warm
 from planc.model.infer import chain_transfers, decide_sequence, infer_transfers
 from planc.model.probe import (ModelProbe, check_against_model, check_model_reductions, probe_for_cut, probe_model,
@@ -260,8 +261,10 @@ def pipeline_pass(value, ctx: Context):
     if ctx.probe is not None:   # the memory model's bytes per device by part (docs/memory.md)
         memory = stage_memory(program, ctx.placement.stages, ctx.probe)
         flights = [peak_in_flight(program.train.schedule, S, k, B) for k in range(S)]
+        z3 = zero3_notes(memory, flights, *((runs[1], plan.per_stage) if runs is not None else ()))
         plan = dataclasses.replace(plan, memory=tuple(
-            dict(m.parts(f), **({"saved": saved(m, f)} if saved(m, f) else {})) for m, f in zip(memory, flights)))
+            dict(m.parts(f), **({"saved": saved(m, f)} if saved(m, f) else {}), **({"zero3": z} if z else {}))
+            for m, f, z in zip(memory, flights, z3)))
     if runs is None:
         return plan
     runs, sim, rate = runs

@@ -96,9 +96,11 @@ MAX_EVENTS = 60_000   # simulated operations per schedule above which the compil
 
 def sim_size(sim, micro_batches: int) -> int:
     """Roughly the simulation's node count: per device and operation a begin, a compute and its receives;
-    per unit task and micro-batch, one per direction."""
+    per unit task and micro-batch, one per direction; per layer of a zero-3 stage its gathers and compute."""
     ops = sum(len(d) for d in sim.stage_devices) * 2 * micro_batches * 3
-    return ops + 2 * micro_batches * sum(len(t.forward) + len(t.backward) for t in sim.transfers)
+    layered = sum(len(sim.stage_devices[r.stage]) * 2 * micro_batches * len(sim.compute[r.stage].forward)
+                  * (len(r.steps) + 2) for r in sim.reductions if getattr(r, "per_layer", False))   # ZeRO-3's
+    return ops + layered + 2 * micro_batches * sum(len(t.forward) + len(t.backward) for t in sim.transfers)
 
 
 def simulate_schedules(sim, num_stages: int, micro_batches: int, edges=None, nic: bool = True) -> dict | None:

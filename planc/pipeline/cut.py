@@ -33,7 +33,7 @@ from typing import Iterable, Sequence
 from planc import ir
 from planc.diagnostics import Diagnostic, PlanError
 from planc.pipeline.memory import (StageMemory, grad_bucket, layer_bytes, optimizer_states, recomputes,
-                                   whole_tied, zero_of)
+                                   whole_tied, zero3_settings, zero_of)
 from planc.pipeline.schedules import peak_in_flight
 
 __all__ = ["cut_layers", "layer_costs", "stage_speeds", "apply_auto_stages", "memory_allowed", "cut_memory",
@@ -210,6 +210,7 @@ def cut_memory(program: ir.Program, probe, cut, meshes=None) -> list[StageMemory
     stages = sorted(program.stages, key=lambda s: s.index)
     meshes = meshes or [program.stage_mesh(s.index) for s in stages]
     t = program.train
+    prefetch, keep = zero3_settings(program)
     out = []
     for i, (a, b) in enumerate(cut):
         tensor, data = ir.axis_size(meshes[i], ir.MeshAxis.TENSOR), ir.axis_size(meshes[i], ir.MeshAxis.DATA)
@@ -224,7 +225,8 @@ def cut_memory(program: ir.Program, probe, cut, meshes=None) -> list[StageMemory
                                optimizer_states(t.optimizer), zero_of(program, index) if i < len(stages) else t.zero,
                                recomputes(program, index) if i < len(stages) else t.recompute is ir.Recompute.FULL,
                                tied=whole_tied(probe, a, b), bucket=grad_bucket(program),
-                               largest=max(counts[a:b], default=0)))
+                               largest=max(counts[a:b], default=0),
+                               prefetch=prefetch, keep_gathered=keep))
     return out
 
 

@@ -4,7 +4,7 @@ The model is ``planc.pipeline.memory`` (docs/memory.md); a stage's need under a 
 bytes plus the activations of the schedule's in-flight bound on it. :func:`no_fit` is the located error
 for a plan that fits under none of the schedules it may run: it names each stage over the limit, its
 bytes by part and the limit, and lists the single settings that would make every stage fit by the same
-model: ``zero = 1`` (``zero = 2`` where 1 is not enough), recompute on the stages over the limit, ``schedule = 1f1b`` (fewer micro-batches in
+model: the least of ``zero = 1``, ``2`` and ``3`` that fits (above the plan's), recompute on the stages over the limit, ``schedule = 1f1b`` (fewer micro-batches in
 flight than a pinned gpipe or eager_1f1b), the largest smaller ``micro_batch`` that still splits over
 every stage's data axis, and ``stages = auto(N')`` with more stages for a plan whose stages are cut by
 planc (the same devices, the data axis shrunk to match).
@@ -90,6 +90,11 @@ class Suggestion:
     change: tuple
 
 
+ZERO_TEXT = ((1, "optimizer state and master weights sharded over the data axis"),
+             (2, "gradients sharded too: reduce-scattered every micro-batch"),
+             (3, "parameters sharded too: each layer's all-gathered before its forward and its backward"))
+
+
 class NoFit(PlanError):
     """The plan does not fit ``cluster.memory``; ``suggestions``: the settings that would."""
 
@@ -113,14 +118,11 @@ def _suggest(program: ir.Program, memory, schedules, limit: float, more_stages=N
         return any(fits(mem, s, b, limit) for s in scheds)
 
     out = []
-    if program.train.zero < 2 and any(m.data > 1 for m in memory):
-        one = program.train.zero == 0 and ok([m.with_(zero=1) for m in memory])
-        if one:
-            out.append(Suggestion("zero = 1 (optimizer state and master weights sharded over the data axis)",
-                                  (("zero", 1),)))
-        elif ok([m.with_(zero=2) for m in memory]):
-            out.append(Suggestion("zero = 2 (gradients sharded too: reduce-scattered every micro-batch)",
-                                  (("zero", 2),)))
+    if any(m.data > 1 for m in memory):   # the least ZeRO degree above the plan's that fits
+        for z, what in ZERO_TEXT:
+            if z > program.train.zero and ok([m.with_(zero=max(z, m.zero)) for m in memory]):
+                out.append(Suggestion(f"zero = {z} ({what})", (("zero", z),)))
+                break
     # recompute on the stages over the limit, under the least demanding schedule for which that fits
     for s in sorted(schedules, key=lambda s: worst(memory, s, B).total):
         redo = [n.stage for n in needs(memory, s, B) if n.total > limit and not n.memory.recompute]
@@ -166,6 +168,6 @@ def no_fit(program: ir.Program, memory, schedules, span, more_stages=None) -> No
     if sugg:
         lines.append("settings that would fit: " + "; ".join(s.text for s in sugg))
     else:
-        lines.append("no single setting planc can weigh (zero = 1 or 2, recompute, 1f1b, a smaller micro_batch, more "
+        lines.append("no single setting planc can weigh (zero = 1, 2 or 3, recompute, 1f1b, a smaller micro_batch, more "
                      "stages) fits: use more devices, or give the devices' real memory")
     return NoFit(Diagnostic("\n".join(lines), span), tuple(sugg))

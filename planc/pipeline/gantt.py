@@ -36,7 +36,8 @@ def plan_input(plan: dict) -> SimInput:
                          "(without --no-probe) and as a trainable plan")
     compute = [StageCompute.from_json(s) for s in pred["stages"]]
     return sim_input(cluster_of(plan), plan["stages"], plan["transfers"], plan["reductions"], compute,
-                     plan.get("runtime"), (plan.get("train") or {}).get("zero", 0))
+                     plan.get("runtime"), (plan.get("train") or {}).get("zero", 0), (plan.get("train") or {}).get("zero3"),
+                     (plan.get("train") or {}).get("recompute") or ())
 
 
 def _t(s: float) -> str:

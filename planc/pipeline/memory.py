@@ -10,17 +10,21 @@ plan.json writes as ``pipeline.stages[i].memory``; ``planc.pipeline.choose`` wei
 Per device of a stage holding ``P`` parameters (its tensor-parallel shard of the stage's layers),
 data degree ``d``, ``p`` bytes per element of the precision (fp32 4, bf16/fp16 2):
 
-* parameters ``P x p``;
+* parameters ``P x p``; with ``zero = 3`` (and ``d`` > 1) ``(P' + G) x p``: the owned shard and the
+  gathered buffers, ``G = min(g x min(Lmax, P - T), P - T)`` with ``Lmax`` the largest layer's parameters
+  and ``g`` = 2 with ``zero_prefetch`` (the current layer's and the next one's, gathered while the
+  current one computes), else 1; with ``zero_keep_gathered`` ``P x p`` (the stage's whole parameters,
+  gathered once a step and held through it, as ZeRO-2's);
 * gradients ``P x 4``: the runtime accumulates over the micro-batches and reduces in fp32; with
   ``zero = 2`` (and ``d`` > 1) ``(P' + S) x 4``: the owned shard accumulated, plus ``S`` = 4 x min(P - T,
   max(the bucket's elements, the largest layer's parameters)) of one micro-batch's gradient staged
-  whole until its reduce-scatter (``runtime/grads_zero2.py``: the bucket being filled, two where a layer
+  whole until its reduce-scatter (``zero = 3`` keeps ZeRO-2's gradients) (``runtime/grads_zero2.py``: the bucket being filled, two where a layer
   straddles a bucket boundary, and 2 in flight; a
   parameter larger than the bucket is a bucket of its own, and the largest layer bounds it);
 * optimizer ``(4 s + m) x P'``: ``s`` fp32 states per parameter (sgd with momentum 1, without 0; adam and
   adamw 2), ``m`` = 4 for the fp32 master copy of bf16/fp16 plans and of ``zero`` >= 1 plans (0 in fp32
   without ZeRO: the parameters are their own masters); ``P' = ceil((P - T) / d) + T`` with ``zero`` >= 1
-  (ZeRO-1 and 2 shard master weights and optimizer state over the data group; ``T``: the elements tied to
+  (ZeRO-1, 2 and 3 shard master weights and optimizer state over the data group; ``T``: the elements tied to
   another stage's layers, which stay whole), else ``P``; a stage's own ``zero N`` overrides the train block's;
 * activations of ``k`` micro-batches in flight: ``k x (I + O)``, or with the stage's ``recompute``
   ``k x I + O``, where ``I`` are the bytes of the stage's received inputs and ``O`` what its layers keep
@@ -52,7 +56,8 @@ from dataclasses import dataclass
 from planc import ir
 
 __all__ = ["PRECISION_BYTES", "GRADIENT_BYTES", "FLOAT_DTYPES", "PARTS", "StageMemory", "degree", "stage_memory",
-           "recomputes", "optimizer_states", "activation_itemsize", "layer_bytes", "kept_bytes", "saved"]
+           "recomputes", "optimizer_states", "activation_itemsize", "layer_bytes", "kept_bytes", "saved",
+           "zero3_settings"]
 
 PRECISION_BYTES = {ir.Precision.FP32: 4, ir.Precision.FP16: 2, ir.Precision.BF16: 2}
 GRADIENT_BYTES = 4   # fp32 accumulation buffers, whatever the precision
@@ -94,6 +99,12 @@ def zero_of(program: ir.Program, index: int) -> int:
     except KeyError:
         own = None
     return own if own is not None else program.train.zero
+
+
+def zero3_settings(program: ir.Program) -> tuple[bool, bool]:
+    """``(prefetch, keep_gathered)``: how zero = 3 stages gather (plan.json ``train.zero3``)."""
+    t = program.train
+    return (t.zero_prefetch, t.zero_keep_gathered) if t is not None else (True, False)
 
 
 def whole_tied(probe, a: int, b: int) -> int:
@@ -192,6 +203,8 @@ class StageMemory:
     bucket: int = 0         # elements of one gradient bucket (plan.json runtime.grad_bucket_bytes / 4)
     largest: int = 0        # the stage's largest layer's parameters on a device: a bound on its largest
                             # parameter, which gets a bucket of its own when it is larger than ``bucket``
+    prefetch: bool = True   # zero = 3: the next layer gathered while this one computes (two layers held)
+    keep_gathered: bool = False   # zero = 3: gathered once a step, the whole stage held through it
 
     def with_(self, **changes) -> "StageMemory":
         """The same stage under other settings (``zero``, ``recompute``, ``micro_batch``: the activation
@@ -216,8 +229,26 @@ class StageMemory:
         return self._slice(self.inputs)
 
     @property
+    def shards_parameters(self) -> bool:
+        """ZeRO-3 with data-parallel peers: the parameters are sharded and gathered per layer."""
+        return self.zero >= 3 and self.data > 1
+
+    @property
+    def gathered(self) -> int:
+        """ZeRO-3's gathered parameters held beside the shard (elements): with ``keep_gathered`` the rest of
+        the stage's whole parameters; else the largest layer's, twice with ``prefetch`` (the current and the
+        next layer), never more than the stage's shardable parameters ``P - T``; 0 without ZeRO-3."""
+        if not self.shards_parameters:
+            return 0
+        whole = self.params - self.tied
+        if self.keep_gathered:
+            return self.params - self.sharded
+        return min((2 if self.prefetch else 1) * min(self.largest or whole, whole), whole)
+
+    @property
     def parameters(self) -> int:
-        return self.params * PRECISION_BYTES[self.precision]
+        held = self.sharded + self.gathered if self.shards_parameters else self.params
+        return held * PRECISION_BYTES[self.precision]
 
     @property
     def sharded(self) -> int:
@@ -290,12 +321,15 @@ class StageMemory:
 def saved(m: StageMemory, in_flight: int) -> dict:
     """What the stage's ``zero`` and ``recompute`` save against the same stage without them (bytes per
     device; only those it uses): ``zero`` the optimizer state (and masters), ``zero_gradients`` what
-    ZeRO-2 saves of gradients against ZeRO-1."""
+    ZeRO-2 saves of gradients against ZeRO-1, ``zero_parameters`` what ZeRO-3 saves of parameters against
+    ZeRO-2 (the shard and the gathered buffers against the whole)."""
     out = {}
     if m.zero:
         out["zero"] = m.with_(zero=0).optimizer - m.optimizer
     if m.zero >= 2 and m.data > 1:
         out["zero_gradients"] = m.with_(zero=1).gradients - m.gradients
+    if m.shards_parameters:
+        out["zero_parameters"] = m.with_(zero=2).parameters - m.parameters
     if m.recompute:
         out["recompute"] = m.with_(recompute=False).activations(in_flight) - m.activations(in_flight)
     return out
@@ -331,5 +365,6 @@ def stage_memory(program: ir.Program, stages, probe) -> tuple[StageMemory, ...]:
         out.append(StageMemory(st.index, params, degree(program, st, ir.MeshAxis.DATA), train.micro_batch,
                                outputs, inputs, precision, optimizer_states(train.optimizer),
                                zero_of(program, st.index), recomputes(program, st.index), widest, last, adam,
-                               whole_tied(probe, a, b), grad_bucket(program), max(per_device, default=0)))
+                               whole_tied(probe, a, b), grad_bucket(program), max(per_device, default=0),
+                               *zero3_settings(program)))
     return tuple(out)

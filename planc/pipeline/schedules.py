@@ -133,7 +133,8 @@ class PipelinePlan:
         """PLAN_FORMAT.md's ``pipeline.stages``: per stage the simulated ``busy``, ``bubble`` and
         ``peak_activation_bytes`` (one device, the stage's worst), from ``predicted``, and ``memory``: the
         memory model's bytes per device of its largest device by part (docs/memory.md), with
-        ``memory_saved`` (``zero``, ``recompute``: the bytes each saves) where the stage uses them; ``null`` figures
+        ``memory_saved`` (``zero``, ``recompute``: the bytes each saves) where the stage uses them, ``zero3`` (the
+        gathers' bytes and prices, ``planc.pipeline.zero3price.zero3_notes``) on a stage that shards its parameters; ``null`` figures
         where nothing was simulated (no probe, or a plan the runtime cannot train) or sized (no probe)."""
         sim = {int(st["stage"]): st for st in (self.predicted or {}).get("stages") or ()}
         mem = self.memory or ()
@@ -141,8 +142,9 @@ class PipelinePlan:
         for i in range(self.num_stages):
             m = dict(mem[i]) if i < len(mem) and mem[i] is not None else None
             saved = m.pop("saved", None) if m else None
+            z3 = m.pop("zero3", None) if m else None
             out.append({"stage": i, **{k: sim.get(i, {}).get(k) for k in ("busy", "bubble", "peak_activation_bytes")},
-                        "memory": m, **({"memory_saved": dict(saved)} if saved else {})})
+                        "memory": m, **({"memory_saved": dict(saved)} if saved else {}), **({"zero3": z3} if z3 else {})})
         return out
 
     @staticmethod
@@ -155,7 +157,8 @@ class PipelinePlan:
             predicted=data.get("predicted"),
             nic_order=tuple((int(e["host"]), tuple((int(r), str(t), str(d), int(m)) for r, t, d, m in e["sends"]))
                             for e in data.get("nic_order") or ()),
-            memory=(tuple(dict(st["memory"], **({"saved": st["memory_saved"]} if st.get("memory_saved") else {}))
+            memory=(tuple(dict(st["memory"], **({"saved": st["memory_saved"]} if st.get("memory_saved") else {}),
+                               **({"zero3": st["zero3"]} if st.get("zero3") else {}))
                           if st.get("memory") else None for st in data["stages"])
                     if any(st.get("memory") for st in data.get("stages") or ()) else None),
         )

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from planc import ir
 from planc.cost.collectives import collective_time
 from planc.cost.network import Network
-from planc.pipeline.memory import GRADIENT_BYTES, PRECISION_BYTES, degree, stage_memory, zero_of
+from planc.pipeline.memory import GRADIENT_BYTES, PRECISION_BYTES, degree, recomputes, stage_memory, zero_of
 from planc.plan import DEFAULT_GRAD_BUCKET_BYTES, DEFAULT_RECV_AHEAD
 
 DEFAULT_FLOPS = 100e12   # FLOP/s of one device when the cluster gives no `flops` (docs/simulator.md)
@@ -160,6 +160,8 @@ class SimReduction:
     after_step: bool = False
     held: tuple[float, ...] = ()
     every_micro_batch: bool = False   # ZeRO-2: each backward's gradient reduce-scattered, not the last only
+    per_layer: bool = False     # ZeRO-3's all-gather: each layer's parameters before its forward and backward
+    recompute: bool = False     # ZeRO-3 on a recomputing stage: the recomputed forward gathers too
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,6 +175,8 @@ class SimInput:
     ahead: int = RECV_AHEAD
     op_overhead: float = 0.0      # device seconds the runtime spends on each F and B beyond the layers
     step_overhead: float = 0.0    # device seconds each device spends on a step beyond its list (optimizer)
+    prefetch: bool = True         # zero = 3: the next layer's gather starts while this one computes
+    keep_gathered: bool = False   # zero = 3: each layer gathered once a step (at its first forward)
 
 
 def _tasks(route: dict | None, itemsize: int, cluster: ir.Cluster) -> tuple[SimTask, ...]:
@@ -194,12 +198,15 @@ def _tasks(route: dict | None, itemsize: int, cluster: ir.Cluster) -> tuple[SimT
 
 
 def sim_input(cluster: ir.Cluster, stages: list[dict], transfers: list[dict], reductions: list[dict],
-              compute, runtime: dict | None = None, zero: int = 0) -> SimInput:
+              compute, runtime: dict | None = None, zero: int = 0, zero3: dict | None = None,
+              recompute=()) -> SimInput:
     """The simulator's input from plan.json's ``stages``, ``transfers``, ``reductions`` and ``runtime``
     records (each as in docs/plan-format.md; no ``runtime``: its defaults) and the per-stage compute model;
     ``zero``: plan.json's ``train.zero`` (a stage's own ``zero`` overrides it; 2: gradients reduce-scattered
-    every micro-batch)."""
+    every micro-batch; 3: also the parameters all-gathered per layer, as ``zero3``, plan.json's
+    ``train.zero3``, says; ``recompute``: plan.json's ``train.recompute``, per stage)."""
     runtime = runtime or {}
+    zero3 = zero3 or {}
     order = sorted(stages, key=lambda s: s["index"])
     devices = tuple(tuple(sorted(s["devices"])) for s in order)
     trs = []
@@ -226,14 +233,18 @@ def sim_input(cluster: ir.Cluster, stages: list[dict], transfers: list[dict], re
                 held, overlapped = _held(prog), True
             keep = [i for i, (c, gs) in enumerate(steps) if any(len(g) > 1 for g in gs)]
             own = order[k].get("zero")
-            every = (own if own is not None else zero) >= 2 and not gather and str(r.get("target")) == "reduce_scatter"
+            degree = own if own is not None else zero
+            every = degree >= 2 and not gather and str(r.get("target")) == "reduce_scatter"
+            layered = gather and degree >= 3
             if keep:
-                reds.append(SimReduction(k, tuple(steps[i] for i in keep), overlapped, gather,
-                                         tuple(held[i] for i in keep) if held else (), every))
+                reds.append(SimReduction(k, tuple(steps[i] for i in keep), overlapped, gather and not layered,
+                                         tuple(held[i] for i in keep) if held else (), every, layered,
+                                         layered and k < len(recompute) and bool(recompute[k])))
     return SimInput(cluster, devices, tuple(compute), tuple(trs), tuple(reds),
                     bucket_bytes=float(runtime.get("grad_bucket_bytes", BUCKET_BYTES)),
                     ahead=int(runtime.get("recv_ahead", RECV_AHEAD)),
-                    op_overhead=float(cluster.op_overhead or 0.0), step_overhead=float(cluster.step_overhead or 0.0))
+                    op_overhead=float(cluster.op_overhead or 0.0), step_overhead=float(cluster.step_overhead or 0.0),
+                    prefetch=bool(zero3.get("prefetch", True)), keep_gathered=bool(zero3.get("keep_gathered", False)))
 
 
 def _held(program: dict) -> tuple[float, ...]:
@@ -270,4 +281,7 @@ def compiled_input(program: ir.Program, stages, probe, reductions, routes):
         if getattr(r, "target", None) is not None:
             d.setdefault("target", str(r.target))
     st = [{"index": s.index, "devices": sorted(s.devices), "zero": zero_of(program, s.index)} for s in stages]
-    return sim_input(program.cluster, st, transfers, reds, compute, program.train.runtime.to_json()), rate
+    zero3 = {"prefetch": program.train.zero_prefetch, "keep_gathered": program.train.zero_keep_gathered}
+    rc = [recomputes(program, s.index) for s in sorted(stages, key=lambda s: s.index)]
+    return sim_input(program.cluster, st, transfers, reds, compute, program.train.runtime.to_json(), 0, zero3,
+                     rc), rate

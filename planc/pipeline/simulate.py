@@ -9,7 +9,8 @@ plan's real transfers (unit tasks per route) and gradient reductions moving
 bytes over the cost model's links (``planc.cost.events``), and per-layer
 compute times from the model probe (:func:`stage_compute`). It gives the
 iteration time, each stage's busy and bubble fractions, the exposed
-communication and the peak activation memory per stage.
+communication and the peak activation memory per stage. A ``zero 3`` stage runs layer by layer with its
+parameters' all-gathers (``planc.pipeline.zero3sim``).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from planc.cost.collectives import held_after, ring_flows, step_coefficients
 from planc.cost.network import Network
 from planc.plan.gates import post_gates
 from planc.pipeline.schedules import DeadlockError, Timeline, simulate
+from planc.pipeline.zero3sim import layered_ops
 from planc.pipeline.siminput import (
     BUCKET_BYTES, DEFAULT_FLOPS, RECV_AHEAD, SimInput, SimReduction, SimTask, SimTransfer, StageCompute,
     sim_input, stage_compute,
@@ -153,8 +155,13 @@ def _simulate(sim: SimInput, per_stage, free: bool, keep: bool, nic_order: tuple
     begin, comp_end, layer_end = {}, {}, {}
     comp_nodes = []            # (node, stage, device, kind, m)
     op_cost = sim.op_overhead   # the runtime's own time per instruction (cluster op_overhead), on the compute stream
+    layered = {r.stage: r for r in sim.reductions if r.per_layer}   # ZeRO-3: gathered layer by layer
     for s, devs in enumerate(sim.stage_devices):
         c = sim.compute[s]
+        if s in layered:
+            layered_ops(g, net, comm, _program, sim, s, per_stage[s], layered[s], pool_of.get, op_cost, begin,
+                        comp_end, layer_end, comp_nodes)
+            continue
         last_b = max(i for i, op in enumerate(per_stage[s]) if op[0] == "B") if per_stage[s] else -1
         for d in devs:
             prev = None
@@ -263,7 +270,7 @@ def _simulate(sim: SimInput, per_stage, free: bool, keep: bool, nic_order: tuple
     # gradient reductions: buckets in backward order, released as the stage's last backward fills them
     red_last: dict[int, int] = {}
     for red in sim.reductions:
-        if red.after_step:
+        if red.after_step or red.per_layer:
             continue
         c = sim.compute[red.stage]
         last = {d: comp_end[d, len(per_stage[red.stage]) - 1] for d in sim.stage_devices[red.stage]}

@@ -91,11 +91,20 @@ def _region_bytes(nbytes: int, spec: ir.ShardingSpec, layout: ir.StageLayout) ->
     return nbytes / math.prod(parts_per_dim(layout.shape, spec))
 
 
-def _zero2(program: ir.Program) -> bool:
-    """Whether some stage runs ZeRO-2 (the train block's ``zero = 2`` or a stage line's ``zero 2``)."""
+def _zero2(program: ir.Program, degree: int = 2) -> bool:
+    """Whether some stage runs ZeRO-2 or more (``degree``: 3, ZeRO-3) (the train block's ``zero`` or a stage
+    line's ``zero N``)."""
     default = program.train.zero if program.train is not None else 0
-    return any((s.zero if s.zero is not None else default) == 2 for s in program.stages) or (
-        default == 2 and not program.stages)
+    return any((s.zero if s.zero is not None else default) >= degree for s in program.stages) or (
+        default >= degree and not program.stages)
+
+
+def _zero3_gathers(program: ir.Program) -> float:
+    """ZeRO-3's parameter bytes gathered per iteration for each byte of fp32 gradient: in the precision
+    (bf16/fp16 half of fp32), 2 gathers a layer per micro-batch (3 with recompute), once a step kept."""
+    t = program.train
+    per = 1 if t.zero_keep_gathered else t.micro_batches * (3 if t.recompute is ir.Recompute.FULL else 2)
+    return per * (1 if t.precision is ir.Precision.FP32 else 0.5)
 
 
 METHODS = ("closed", "devices")
@@ -134,9 +143,13 @@ class _Costing:
             pinned = red.program if red.mode is ir.ReductionMode.PROGRAM else None
             rows = tuple(sorted({rows_of[a] for a in red.axes}))
             nbytes = _reduction_bytes(red, param_bytes)
+            gathered = nbytes * _zero3_gathers(program) / 2 if red.name == "gradients" and red.shape is None and \
+                _zero2(program, 3) else 0
             if red.name == "gradients" and red.shape is None and _zero2(program):
-                nbytes *= program.train.micro_batches   # ZeRO-2 reduce-scatters every micro-batch's gradient
+                nbytes *= program.train.micro_batches   # ZeRO-2 and 3 reduce-scatter every micro-batch's gradient
             self.reductions.append((red.name, tuple(red.axes), nbytes, syn, pinned, rows))
+            if gathered:   # ZeRO-3's per-layer gathers: half an all-reduce of their bytes (a ring all-gather's)
+                self.reductions.append(("parameters (zero 3 gathers)", tuple(red.axes), gathered, syn, None, rows))
         self.cache: dict[Matrix, float] = {}
         self.parts: dict[Matrix, tuple[tuple[str, float], ...]] = {}
 

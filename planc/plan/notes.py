@@ -124,16 +124,18 @@ class ScheduleFigures:
 @dataclass(frozen=True, slots=True)
 class StageFigures:
     """``pipeline.stages[i]``: the memory model's bytes per device by part (docs/memory.md; None: not sized)
-    and what zero and recompute saved, each as (part, bytes) in plan.json's order."""
+    and what zero and recompute saved, each as (part, bytes) in plan.json's order; ``zero3``: a zero-3 stage's
+    gathers."""
     stage: int
     memory: tuple[tuple[str, object], ...] | None
     saved: tuple[tuple[str, object], ...] = ()
+    zero3: dict | None = None   # a zero-3 stage's gathers: bytes and prices (docs/plan-format.md)
 
     @staticmethod
     def read(at: At) -> "StageFigures":
-        mem, saved = at.key("memory", None), at.key("memory_saved", None)
+        mem, saved, z3 = at.key("memory", None), at.key("memory_saved", None), at.key("zero3", None)
         return StageFigures(at.key("stage").int(0), _pairs(mem) if mem.value else None,
-                            _pairs(saved) if saved.value else ())
+                            _pairs(saved) if saved.value else (), dict(_pairs(z3)) if z3.value else None)
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,5 +1,5 @@
 """``zero = 2`` outside the runtime's numbers (those: tests/e2e/test_e2e_zero2.py): the language (train block
-and stage lines, 3 refused as not built), plan.json's ``stages[i].zero``, the memory model (gradients
+and stage lines, degrees beyond 3 refused), plan.json's ``stages[i].zero``, the memory model (gradients
 divided by d, staged buckets, tied parameters whole), the simulator and the placement ranking (a
 reduce-scatter after every backward), the no-fit suggestion, explain; and ``ShardedGradientBuckets`` on one
 rank's buckets (a stand-in 2-member reduce-scatter executor)."""
@@ -75,17 +75,12 @@ def at(src: str, culprit: str, skip: int = 0) -> str:
     return f"{line_no}:{line.rindex(culprit) + 1 + skip}"
 
 
-def test_zero3_and_other_degrees_are_located_errors():
-    src = text(train="zero = 3")
-    assert errors(src) == [
-        f"{at(src, '3 }')}: zero 3 (ZeRO-3: parameters sharded over the data group) is not built yet; use 0, 1 or 2"]
-    src = text(stage0="zero 3")
-    assert errors(src) == [f"{at(src, 'zero 3', 5)}: stage 0: zero 3 (ZeRO-3: parameters sharded over the data group) is "
-                           "not built yet; use 0, 1 or 2"]
+def test_other_degrees_are_located_errors():
     src = text(stage0="recompute zero 5")
     assert errors(src) == [
-        f"{at(src, 'zero 5', 5)}: stage 0: zero must be 0, 1 or 2 (1: fp32 master weights and optimizer state sharded "
-        "over each stage's data group, ZeRO stage 1; 2: the gradients too, ZeRO stage 2), got 5"]
+        f"{at(src, 'zero 5', 5)}: stage 0: zero must be 0, 1, 2 or 3 (1: fp32 master weights and optimizer state "
+        "sharded over each stage's data group, ZeRO stage 1; 2: the gradients too, ZeRO stage 2; 3: the parameters "
+        "too, ZeRO stage 3), got 5"]
 
 
 def test_plan_json_writes_a_stage_zero_where_the_line_sets_one(tmp_path):
@@ -104,13 +99,13 @@ def test_plan_json_writes_a_stage_zero_where_the_line_sets_one(tmp_path):
     assert "zero_gradients" in saved0 and "zero_gradients" not in dict(mem[1].get("memory_saved") or {})
 
 
-def test_the_plan_loader_refuses_zero_3():
+def test_the_plan_loader_refuses_zero_4():
     from planc.plan import PlanFileError
     from planc.plan.jsonpath import At
     from planc.plan.records import Stage
-    with pytest.raises(PlanFileError, match=r"^plan.json: stages\[0\].zero: expected 0, 1 or 2, got 3$"):
+    with pytest.raises(PlanFileError, match=r"^plan.json: stages\[0\].zero: expected 0, 1, 2 or 3, got 4$"):
         Stage.read(At({"index": 0, "layers": [0, 1], "devices": [0], "mesh": [0], "mesh_axes": ["data"],
-                       "mesh_shape": [1], "mesh_devices": [0], "zero": 3}, "stages[0]"))
+                       "mesh_shape": [1], "mesh_devices": [0], "zero": 4}, "stages[0]"))
 
 
 # ---------------------------------------------------------------- memory model
