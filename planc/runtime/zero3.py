@@ -118,7 +118,7 @@ class Zero3:
         self.whole_bytes = 0                 # parameters outside the buffers (tied, not trainable): kept whole
         self.peak_bytes = 0                  # the most gathered parameter bytes at once
         self._lock = threading.Lock()
-        self._held = 0
+        self._held = sum(self.nbytes)        # gathered bytes now (the buffers start whole, freed below)
         self._in_bwd = False
         self._error: BaseException | None = None
         self._queue: queue.Queue | None = None
