@@ -124,3 +124,63 @@ def test_checkpoints_cross_zero_degrees_0_to_3_to_1(tmp_path):
 @pytest.mark.slow
 def test_checkpoints_cross_zero_degrees_1_to_3_to_0(tmp_path):
     _chain(tmp_path, (1, 3, 0))
+
+
+# ---------------------------------------------------------------- a Linear tied across two zero-3 stages
+
+def _tied_plan(tmp_path, train: str, **edits):
+    from test_tied import _compile, _plan, _tied
+    _, out = _compile(tmp_path, _plan(4, "on devices 0..2 as (data = 2)", "on devices 2..4 as (data = 2)", train))
+    from e2e_util import edit_plan
+    plan = edit_plan(out, **edits)
+    assert plan["train"]["zero"] == 3
+    (t, _b) = _tied(plan)
+    assert t["groups"] == [[0, 1, 2, 3]]
+    return out, plan
+
+
+@pytest.mark.slow
+def test_zero3_with_a_linear_tied_across_stages_adamw(tmp_path):
+    """Both stages data 2 and zero 3; the Linear shared by layers 0 and 3 stays whole (a replicated fp32
+    master, a whole gradient summed by the tie's program), the MLP layers between are sharded and gathered."""
+    from planc import plan as P
+    from test_tied import STEPS, _copies_identical
+    out, plan = _tied_plan(tmp_path, "zero = 3", optimizer=P.Optimizer.make("adamw", 1e-2))
+    rc, rank0, every = start_ranks(out, 4, "--steps", STEPS, "--dump-params", out / "dump",
+                                   "--memory-stats", out / "mem")
+    assert rc == 0 and "Traceback" not in every, every[-4000:]
+    got = step_lines(rank0)
+
+    def compare(ref_losses, ref_state, record):
+        assert [got[s]["loss"] for s in range(STEPS)] == pytest.approx(ref_losses, rel=1e-4, abs=1e-6)
+        compare_dumps(out / "dump", stage_ranks(plan), ref_state, rtol=1e-4, atol=1e-6)
+
+    losses, state = independent_reference(plan, out, STEPS)
+    assert losses[-1] != losses[0]
+    compare(losses, state, {})
+    _copies_identical(out / "dump", plan)
+    assert_controls_fail(compare, plan, out, STEPS, source=None, data_parts=2)
+    mem = memory(out / "mem")
+    m = plan["pipeline"]["micro_batches"]
+    for rank, layer in ((0, 1), (1, 1), (2, 2), (3, 2)):   # the tied layers 0 and 3 hold nothing sharded
+        assert mem[rank]["zero3_gathers"] == {str(layer): 2 * m * STEPS}, mem[rank]["zero3_gathers"]
+        assert mem[rank]["parameter_bytes"] == mem[rank]["zero3_peak_gathered_bytes"] + 4 * (8 * 8 + 8)
+
+
+@pytest.mark.slow
+def test_zero3_bf16_with_a_tie_and_clip(tmp_path):
+    """bf16 + clip under zero 3: parameters gathered in bf16 from fp32 masters; the update is the fp32
+    reference's within bf16's tolerance (a 5 % rate error is not)."""
+    from e2e_util import update_error
+    from test_tied import STEPS, _copies_identical
+    out, plan = _tied_plan(tmp_path, "zero = 3, clip = 0.05", transfer_dtype="bf16", precision="bf16")
+    rc, rank0, every = start_ranks(out, 4, "--steps", STEPS, "--dump-params", out / "dump")
+    assert rc == 0 and "Traceback" not in every, every[-4000:]
+    losses, state = independent_reference(plan, out, STEPS)
+    _, init = independent_reference(plan, out, 0)
+    got = step_lines(rank0)
+    assert [got[s]["loss"] for s in range(STEPS)] == pytest.approx(losses, rel=1e-2)
+    assert update_error(out / "dump", plan, state, init) < 0.02
+    _, wrong = independent_reference(plan, out, STEPS, lr_factor=1.05)
+    assert update_error(out / "dump", plan, wrong, init) > 0.02
+    _copies_identical(out / "dump", plan)
