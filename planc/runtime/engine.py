@@ -273,10 +273,11 @@ class PlanEngine(PipelineEngine):
         if self.saved is None:
             return contextlib.nullcontext()
         seen: dict = {}
-        params = {p.untyped_storage().data_ptr() for p in self.module.parameters()}   # not activations
+        params = list(self.module.parameters())   # not activations (zero 3: their storages come and go)
 
         def pack(t):
-            if t.device.type != "meta" and (ptr := t.untyped_storage().data_ptr()) not in params:
+            if t.device.type != "meta" and (ptr := t.untyped_storage().data_ptr()) not in {
+                    p.untyped_storage().data_ptr() for p in params}:
                 seen[(ptr, t.dtype)] = t.untyped_storage().nbytes()
             return t
 
