@@ -112,7 +112,7 @@ def test_gradients_equal_the_plain_model_and_gathers_are_counted(prefetch, keep,
 @pytest.mark.parametrize("prefetch", [False, True])
 def test_storage_between_layers_is_freed(prefetch):
     """During layer k's forward only layer k (and, prefetching, layer k + 1) hold storage; during its
-    backward only k (and k - 1); the rest is freed."""
+    backward only k, k + 1 until its backward is done (and, prefetching, k - 1); the rest is freed."""
     layers = chain()
     z3, pbufs = shard(layers, prefetch, keep=False)
     seen_fwd, seen_bwd = {}, {}
@@ -127,11 +127,12 @@ def test_storage_between_layers_is_freed(prefetch):
     for k, layer in enumerate(layers):
         h = layer(h)
         h.register_hook(lambda g, k=k: seen_bwd.update({k: held()}))   # after zero3's own hook: gathered
-        assert held() == ({k + 1} if prefetch and k + 1 < LAYERS else set())   # layer k freed after its forward
+        # layer k freed after its forward; the prefetched k + 1 allocated once the gather thread got to it
+        assert held() <= ({k + 1} if prefetch and k + 1 < LAYERS else set())
     (h ** 2).mean().backward()
     assert held() == set()
     for k in range(LAYERS):
-        assert seen_fwd[k] == {k} | ({k + 1} if prefetch and k + 1 < LAYERS else set()), (k, seen_fwd)
+        assert k in seen_fwd[k] and seen_fwd[k] <= {k} | ({k + 1} if prefetch and k + 1 < LAYERS else set()), seen_fwd
         allowed = {k, k + 1} | ({k - 1} if prefetch and k else set())   # k + 1 until its input's gradient is out
         assert k in seen_bwd[k] and seen_bwd[k] <= allowed, (k, seen_bwd)
     assert 0 < z3.peak_bytes <= 3 * max(b.numel() * 4 for b in pbufs)
