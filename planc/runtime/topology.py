@@ -48,8 +48,8 @@ def create_groups(plan: Plan, timeout=None) -> dict:
     families.append(((REDUCE,), [g for r in plan.reductions if r.name == "gradients" for s in r.steps
                                  for g in s.groups]))
     if plan.train is not None and plan.train.zero3 is not None:   # zero 3's per-layer gathers (zero3.py)
-        families.append(((GATHER,), [g for r in plan.reductions if r.name == "parameters" and r.stage is not None
-                                     and plan.zero_of(r.stage) == 3 for s in r.steps for g in s.groups]))
+        families.append(((GATHER,), [g for r in plan.reductions if r.name == "parameters" and (r.stage is None
+                                     or plan.zero_of(r.stage) == 3) for s in r.steps for g in s.groups]))
     if plan.transfers:   # the transfers' own communicators, used by nothing else (see comm.py)
         for d in Direction:
             families.append(((P2P, str(d)), [world]))
