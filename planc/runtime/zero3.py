@@ -296,7 +296,13 @@ def zero3_for(engine):
 
     gather = regime.gather.run if regime.gather is not None else (lambda buf: buf)
     start = engine.module._local_start
-    z3 = Zero3(layers, regime.pbufs, layer_units(layers, placed), fill, gather,
+    units = layer_units(layers, placed)
+    orphans = sorted(set(range(len(placed))) - {b for u in units for b in u})
+    if orphans:   # never gathered by any layer's hooks: their parameters would read freed memory
+        names = [n for n, p in engine.module.named_parameters() if any(p is q for q, _ in placed[orphans[0]])]
+        raise ValueError(f"rank {engine.rank}: zero 3: parameters {names[:3]} are in none of the stage's layers "
+                         f"(as modules), so no layer would gather them")
+    z3 = Zero3(layers, regime.pbufs, units, fill, gather,
                prefetch=plan.train.zero3.prefetch, keep_gathered=plan.train.zero3.keep_gathered,
                tracer=engine.tracer, names=[start + k for k in range(len(layers))], rank=engine.rank)
     inside = {id(p) for pl in placed for p, _ in pl}
