@@ -46,8 +46,15 @@ def test_zero3_on_unequal_meshes_sgd_matches_the_reference(tmp_path):
     assert plan["train"]["zero"] == 3 and plan["train"]["zero3"] == {"prefetch": True, "keep_gathered": False}
     assert targets(plan) == {("gradients", 0): "reduce_scatter", ("parameters", 0): "all_gather",
                              ("gradients", 1): "reduce_scatter", ("parameters", 1): "all_gather"}
-    r, _ = run_and_compare(tmp_path, src, out, plan, 3, "--memory-stats", str(tmp_path / "mem"))
+    r, _ = run_and_compare(tmp_path, src, out, plan, 3, "--memory-stats", str(tmp_path / "mem"),
+                           "--trace", str(tmp_path / "trace"))
     assert "ZeRO-3" in r.stderr and "freed between uses" in r.stderr, r.stderr[-3000:]
+    # the trace's gather events (thread "gather"): one per layer unit gathered, the same count as --memory-stats
+    from planc.runtime.trace import summarise
+    events = json.loads((tmp_path / "trace" / "trace-rank4.json").read_text())["traceEvents"]
+    gathers = [e["name"].split()[2] for e in events if e.get("tid") == "gather"]
+    assert {k: gathers.count(k) for k in set(gathers)} == {"2": 24, "3": 24}
+    assert summarise(str(tmp_path / "trace"))
     mem = memory(tmp_path / "mem")
     layers = {0: (0, 1), 1: (0, 1), 4: (2, 3), 5: (2, 3), 6: (2, 3), 7: (2, 3)}
     micro_batches, steps = plan["pipeline"]["micro_batches"], 3
