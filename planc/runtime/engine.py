@@ -38,7 +38,9 @@ from .dataflow import (EngineError, SequenceBoundary, StageGraph, apply_layers, 
                        run_reference)
 from planc.plan import Direction, Plan, Precision, Stage
 from .reduce import ReductionExecutor
-from .regime import Regime, make_optimizer, param_dtype, zero_sharding
+from .regime import Regime, make_optimizer, param_dtype
+from .stage_regime import build_regime
+from .zero3 import zero3_for
 from .reshard import DTYPES, TransferExecutor
 from .comm import RecvAhead, receive_jobs
 from .dsplan import BeginOp, PlanSchedule, check_ds_config, deepspeed_on_plan
@@ -46,7 +48,7 @@ from .grads import GroupAllReduce
 from .grads_zero2 import make_buckets
 from .tied import TiedGradients
 from .sends import SendReaper
-from .topology import StageTopology, lookup_group, reduce_groups
+from .topology import StageTopology, reduce_groups
 
 __all__ = ["StageGraph", "PlanPipelineModule", "PlanSchedule", "PlanEngine", "EngineError",
            "run_reference", "build_optimizer", "check_stage_shapes", "apply_layers", "SendReaper", "DTYPES"]
@@ -153,8 +155,9 @@ class PlanEngine(PipelineEngine):
         self.held = {k: {} for k in ("inputs", "outputs", "labels", "losses", "grads")}
         self.last_backward = int(next(op for op in reversed(self.ops) if op[0] == "B")[1:])
         self.grads = make_buckets(plan, self.stage_id, self.tied.others(self.module.parameters()), self.reduction,
-                                  self.device, tracer=tracer)   # zero = 2: owned shards only (grads_zero2.py)
+                                  self.device, tracer=tracer, layers=self.module.forward_funcs)   # grads_zero2.py
         self.regime = self._regime(plan, groups, red, initial)
+        self.zero3 = zero3_for(self)   # zero = 3: parameters freed, gathered per layer (zero3.py)
         self.optimizer = self.regime.optimizer   # DeepSpeed was built with a placeholder (see build)
         self.recompute = plan.train.recomputes(self.stage_id)
         self.step_report: dict = {}
@@ -199,30 +202,7 @@ class PlanEngine(PipelineEngine):
 
     def _regime(self, plan: Plan, groups: dict, red, initial) -> Regime:
         """The optimizer step as plan.json train says (regime.py), on this rank's buckets and groups."""
-        rank, stage = self.rank, self.stage
-        try:
-            owned = zero_sharding(plan, self.stage_id, red, self.reduction, self.grads)
-        except (ValueError, AttributeError) as e:
-            raise EngineError(f"rank {rank}: {e}") from None
-        gather = None
-        if owned is not None:
-            params = next((r for r in plan.reductions if r.name == "parameters" and r.group_of(rank) is not None),
-                          None)
-            if params is None or params.group_of(rank) != red.group_of(rank):
-                raise EngineError(f"rank {rank}: zero = {plan.zero_of(self.stage_id)} but plan.json has no parameters "
-                                  f"all-gather over its gradient group {list(red.group_of(rank))}")
-            gather = ReductionExecutor.for_plan(plan, params, groups, rank)
-            self.reduce_description += (f"; ZeRO-{plan.zero_of(self.stage_id)}: fp32 master weights and optimizer "
-                                        f"state sharded over the data group, parameters all-gathered by {params.text}")
-        members = plan.train.norm_group
-        norm_group = lookup_group(groups, members) if len(members) > 1 and rank in members else None
-        if plan.train.clip is not None or plan.train.precision is Precision.FP16:
-            if rank not in members:
-                raise EngineError(f"rank {rank}: plan.json train.norm_group {list(members)} does not hold it")
-        tensor_index = stage.position(rank)[stage.mesh_axes.index("tensor")] if "tensor" in stage.mesh_axes else 0
-        group = red.group_of(rank) if red is not None else (rank,)
-        return Regime(plan.train, self.grads, self.device, initial=initial, owned=owned, gather=gather, tied=self.tied,
-                      norm_group=norm_group, tensor_index=tensor_index, share=(group.index(rank), len(group)))
+        return build_regime(self, plan, groups, red, initial)
 
     # ---- buffer bookkeeping
     def _note(self) -> None:
@@ -293,10 +273,11 @@ class PlanEngine(PipelineEngine):
         if self.saved is None:
             return contextlib.nullcontext()
         seen: dict = {}
-        params = {p.untyped_storage().data_ptr() for p in self.module.parameters()}   # not activations
+        params = list(self.module.parameters())   # not activations (zero 3: their storages come and go)
 
         def pack(t):
-            if t.device.type != "meta" and (ptr := t.untyped_storage().data_ptr()) not in params:
+            if t.device.type != "meta" and (ptr := t.untyped_storage().data_ptr()) not in {
+                    p.untyped_storage().data_ptr() for p in params}:
                 seen[(ptr, t.dtype)] = t.untyped_storage().nbytes()
             return t
 
@@ -315,6 +296,7 @@ class PlanEngine(PipelineEngine):
             gradient_bytes=self.grads.held_bytes(),
             master_bytes=nbytes(f.master for f in self.regime.separate),
             optimizer_state_bytes=nbytes(opt))
+        self.stats.update(self.zero3.report())   # zero = 3: the most parameter bytes held, gathers per layer
         return self.stats
 
     def _note_saved(self, m: int) -> None:
@@ -397,6 +379,7 @@ class PlanEngine(PipelineEngine):
         """Every gradient bucket reduced by the plan's program (most already while the last backward
         ran, see grads.py); a sum: gradients are already those of the global mean loss."""
         self.sends.drain()
+        self.zero3.end_step()   # zero = 3: every gather done, every layer freed before the optimizer step
         if any(self.held.values()):
             left = {k: sorted(v) for k, v in self.held.items() if v}
             raise EngineError(f"rank {self.rank}: micro-batch buffers still held after the schedule: {left}")

@@ -52,7 +52,7 @@ def grad_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 class GradientBuckets:
-    def __init__(self, params, executor, device, bucket_bytes: int | None = None, tracer=None):
+    def __init__(self, params, executor, device, bucket_bytes: int | None = None, tracer=None, layer_of=None):
         self.tracer = tracer
         self.executor = executor
         self.device = device
@@ -66,8 +66,10 @@ class GradientBuckets:
         for p in reversed(self.params):            # backward order
             if not p.dtype.is_floating_point:
                 raise TypeError(f"a trainable parameter of dtype {p.dtype}: gradients are floating point")
-            # a bucket is one flat buffer of one dtype: a parameter of another dtype starts the next bucket
-            if members and ((size + p.numel()) * grad_dtype(p.dtype).itemsize > limit or p.dtype != members[0].dtype):
+            # a bucket is one flat buffer of one dtype: a parameter of another dtype starts the next bucket;
+            # ``layer_of`` (zero = 3: {id(param): layer}) starts one at every layer boundary too
+            if members and ((size + p.numel()) * grad_dtype(p.dtype).itemsize > limit or p.dtype != members[0].dtype
+                            or (layer_of is not None and layer_of.get(id(p)) != layer_of.get(id(members[0])))):
                 self._add(members, granule, device)
                 members, size = [], 0
             members.append(p)

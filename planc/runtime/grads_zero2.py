@@ -43,7 +43,7 @@ WINDOW = 2     # released buckets waiting for, or in, their reduce-scatter at on
 
 
 class ShardedGradientBuckets(GradientBuckets):
-    def __init__(self, params, executor, device, bucket_bytes: int | None = None, tracer=None):
+    def __init__(self, params, executor, device, bucket_bytes: int | None = None, tracer=None, layer_of=None):
         if executor is None:
             raise ValueError("zero = 2 needs the stage's gradients reduce-scatter program (a data group of 2 or more)")
         self._window = threading.Semaphore(WINDOW)
@@ -51,7 +51,7 @@ class ShardedGradientBuckets(GradientBuckets):
         self._lock = threading.Lock()
         self.staged_bytes = 0        # staging buffers alive now (filling, queued or being reduced)
         self.peak_staged_bytes = 0   # their most at once since the buckets were built
-        super().__init__(params, executor, device, bucket_bytes, tracer)
+        super().__init__(params, executor, device, bucket_bytes, tracer, layer_of)
         self.ranges: list[list[tuple[int, int, int]]] = []   # per bucket: (x, y, offset in its accumulator)
         self.accumulators: list[torch.Tensor] = []
         for buf, _ in self.buckets:
@@ -203,8 +203,17 @@ class ShardedGradientBuckets(GradientBuckets):
         self._vote_unused(flags_group)
 
 
-def make_buckets(plan, stage: int, params, executor, device, tracer=None) -> GradientBuckets:
-    """The stage's gradient buckets: ZeRO-2's sharded ones where its degree is 2 and it has data-parallel
-    peers (a reduce-scatter executor), else whole ones (zero 0 and 1)."""
+def make_buckets(plan, stage: int, params, executor, device, tracer=None, layers=()) -> GradientBuckets:
+    """The stage's gradient buckets: ZeRO-2's sharded ones where its degree is 2 or 3 and it has data-parallel
+    peers (a reduce-scatter executor), else whole ones (zero 0 and 1). Zero 3: no bucket straddles two of
+    ``layers`` (the stage's), so a layer's all-gather unit is its own buckets (zero3.py); a parameter used
+    by several layers belongs to its first."""
     cls = ShardedGradientBuckets if plan.zero_of(stage) >= 2 and executor is not None else GradientBuckets
-    return cls(params, executor, device, bucket_bytes=plan.runtime.grad_bucket_bytes, tracer=tracer)
+    layer_of = None
+    if plan.zero_of(stage) == 3:
+        layer_of = {}
+        for i, layer in enumerate(layers):
+            for p in (layer.parameters() if isinstance(layer, torch.nn.Module) else ()):
+                layer_of.setdefault(id(p), i)
+    return cls(params, executor, device, bucket_bytes=plan.runtime.grad_bucket_bytes, tracer=tracer,
+               layer_of=layer_of)

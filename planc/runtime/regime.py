@@ -95,6 +95,7 @@ class Regime:
         self.fp16 = self.precision is Precision.FP16
         self.sharded = owned is not None
         self.gather = gather
+        self.zero3 = False   # zero = 3 (zero3.py sets it): the flat parameter buffers are freed between uses
         self.norm_group = norm_group
         self.lr0 = train.optimizer.lr
         self.t = 0                                   # optimizer steps applied (the schedule's step)
@@ -244,7 +245,8 @@ class Regime:
     @torch.no_grad()
     def _publish(self) -> None:
         """The parameters from the updated masters: copied (cast) into them, or (zero = 1 or 2) written into the
-        flat parameter buffers and all-gathered by the plan's ``parameters`` program."""
+        flat parameter buffers and all-gathered by the plan's ``parameters`` program; zero = 3: nothing but the
+        tied parameters (the buffers are gathered from the masters at each use)."""
         if not self.sharded:
             for f in self.separate:
                 f.param.copy_(f.master)
@@ -252,6 +254,8 @@ class Regime:
         for f in self.tied:   # zero = 1 or 2: tied parameters stay whole, outside the flat parameter buffers
             if f.master is not f.param:
                 f.param.copy_(f.master)
+        if self.zero3:   # the masters are the parameters' only values: each use gathers from them (zero3.py)
+            return
         for f in self.fragments:
             self.pbufs[f.bucket][f.offset + f.lo:f.offset + f.hi].copy_(f.master)
         if self.gather is not None:
@@ -260,15 +264,15 @@ class Regime:
 
     @torch.no_grad()
     def whole_masters(self) -> dict:
-        """``{id(param): fp32 master}``, whole: the masters this rank holds whole, or (zero = 1 or 2 in bf16/fp16;
-        collective over the data group) every parameter's, its fragments all-gathered by the plan's
+        """``{id(param): fp32 master}``, whole: the masters this rank holds whole, or (zero = 1 or 2 in bf16/fp16,
+        zero = 3 in every precision; collective over the data group) every parameter's, its fragments all-gathered by the plan's
         ``parameters`` program into an fp32 buffer of the bucket's layout. Empty where the parameters
         are their masters' exact values (fp32)."""
         tied = {id(f.param): f.master for f in self.tied if f.master is not f.param}
         if not self.sharded:
             return {id(f.param): f.master for f in self.fragments if f.whole} | tied
-        if all(pbuf.dtype == buf.dtype for pbuf, (buf, _) in zip(self.pbufs, self.buckets.buckets)):
-            return tied
+        if not self.zero3 and all(pbuf.dtype == buf.dtype for pbuf, (buf, _) in zip(self.pbufs, self.buckets.buckets)):
+            return tied   # (zero = 3: the parameters are freed, every master is gathered here)
         out = dict(tied)
         for b, (buf, placed) in enumerate(self.buckets.buckets):
             flat = torch.zeros(buf.numel(), dtype=buf.dtype, device=self.device)

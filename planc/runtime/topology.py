@@ -7,7 +7,8 @@ Public API (stable):
         ``("backward", *members)``), then each stage's DeepSpeed grid groups
         (``stages[].data_groups`` / ``model_groups``, one-member groups included,
         keyed ``("grid", *members)``), then the gradient programs' own communicators
-        (``("reduce", *members)``), then the transfers' own communicators (per
+        (``("reduce", *members)``), then (zero = 3 only) the zero-3 stages' ``parameters``
+        programs' own communicators (``("gather", *members)``, zero3.py's gathers only), then the transfers' own communicators (per
         direction, a p2p one over the world, keyed ``("p2p", direction)``, and one
         per broadcast group or allgather part, keyed ``("transfer", direction, *members)``),
         in that order on every rank (creation is collective). The value is None on
@@ -30,9 +31,9 @@ from .dist_util import BACKWARD, GroupMissing, collective_timeout, lookup_group
 from planc.plan import Direction, Plan, PlanFileError, Strategy
 
 __all__ = ["create_groups", "lookup_group", "GroupMissing", "StageTopology", "PlanGrid", "reduce_groups", "GRID",
-           "BACKWARD"]
+           "BACKWARD", "gather_groups"]
 
-GRID, P2P, TRANSFER, REDUCE = "grid", "p2p", "transfer", "reduce"
+GRID, P2P, TRANSFER, REDUCE, GATHER = "grid", "p2p", "transfer", "reduce", "gather"
 
 
 def create_groups(plan: Plan, timeout=None) -> dict:
@@ -46,6 +47,9 @@ def create_groups(plan: Plan, timeout=None) -> dict:
     # the gradient programs' own communicators, used by the reduction thread only (see grads.py)
     families.append(((REDUCE,), [g for r in plan.reductions if r.name == "gradients" for s in r.steps
                                  for g in s.groups]))
+    if plan.train is not None and plan.train.zero3 is not None:   # zero 3's per-layer gathers (zero3.py)
+        families.append(((GATHER,), [g for r in plan.reductions if r.name == "parameters" and (r.stage is None
+                                     or plan.zero_of(r.stage) == 3) for s in r.steps for g in s.groups]))
     if plan.transfers:   # the transfers' own communicators, used by nothing else (see comm.py)
         for d in Direction:
             families.append(((P2P, str(d)), [world]))
@@ -66,6 +70,12 @@ def create_groups(plan: Plan, timeout=None) -> dict:
 def reduce_groups(groups: dict) -> dict:
     """The groups as the gradient reduction thread sees them: its own communicators by members."""
     return {k[1:]: v for k, v in groups.items() if k and k[0] == REDUCE}
+
+
+def gather_groups(groups: dict) -> dict:
+    """The groups as zero 3's parameter gathers see them (compute thread or gather thread, never both at
+    once): their own communicators by members."""
+    return {k[1:]: v for k, v in groups.items() if k and k[0] == GATHER}
 
 
 def route_groups(plan: Plan, direction: Direction) -> list[tuple[int, ...]]:
