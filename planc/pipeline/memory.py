@@ -13,7 +13,8 @@ data degree ``d``, ``p`` bytes per element of the precision (fp32 4, bf16/fp16 2
 * parameters ``P x p``; with ``zero = 3`` (and ``d`` > 1) ``(P' + G) x p``: the owned shard and the
   gathered buffers, ``G = min(g x min(Lmax, P - T), P - T)`` with ``Lmax`` the largest layer's parameters
   and ``g`` = 2 with ``zero_prefetch`` (the current layer's and the next one's, gathered while the
-  current one computes), else 1; with ``zero_keep_gathered`` ``P x p`` (the stage's whole parameters,
+  current one computes), else 1; with ``recompute`` twice that (the layer whose backward started the
+  recompute stays gathered, with its prefetched predecessor, while the recompute gathers layer by layer); with ``zero_keep_gathered`` ``P x p`` (the stage's whole parameters,
   gathered once a step and held through it, as ZeRO-2's);
 * gradients ``P x 4``: the runtime accumulates over the micro-batches and reduces in fp32; with
   ``zero = 2`` (and ``d`` > 1) ``(P' + S) x 4``: the owned shard accumulated, plus ``S`` = 4 x min(P - T,
@@ -237,13 +238,14 @@ class StageMemory:
     def gathered(self) -> int:
         """ZeRO-3's gathered parameters held beside the shard (elements): with ``keep_gathered`` the rest of
         the stage's whole parameters; else the largest layer's, twice with ``prefetch`` (the current and the
-        next layer), never more than the stage's shardable parameters ``P - T``; 0 without ZeRO-3."""
+        next layer), twice that again with ``recompute`` (runtime/zero3.py), never more than the stage's shardable parameters ``P - T``; 0 without ZeRO-3."""
         if not self.shards_parameters:
             return 0
         whole = self.params - self.tied
         if self.keep_gathered:
             return self.params - self.sharded
-        return min((2 if self.prefetch else 1) * min(self.largest or whole, whole), whole)
+        held = (4 if self.prefetch else 2) if self.recompute else (2 if self.prefetch else 1)
+        return min(held * min(self.largest or whole, whole), whole)
 
     @property
     def parameters(self) -> int:

@@ -30,8 +30,9 @@ def gather_seconds(sim, s: int) -> float:
 
     stream: dict = {}
     ready = {d: None for d in sim.stage_devices[s]}
-    count = gathers_per_micro_batch(1, red.recompute, sim.keep_gathered)
-    for j, nbytes in enumerate(layer_param_bytes(c)):
+    per = layer_param_bytes(c)
+    for j, nbytes in enumerate(per):   # the last layer's backward starts the recompute: gathered already
+        count = 1 if sim.keep_gathered else 3 if red.recompute and j != len(per) - 1 else 2
         for r in range(count):
             _program(g, net, comm, red, nbytes, ready, stream, ("gather", s, j, r))
     if not stream:

@@ -5,7 +5,9 @@ Per layer ``j`` of a ``zero 3`` stage, the plan's ``parameters`` program (its st
 groups, ``planc.pipeline.simulate._program``) moves the layer's parameter bytes in the plan's precision:
 
 * before each forward and each backward (a recomputing stage's backward: twice, its recomputed forward
-  gathers too), so 2 gathers a layer per micro-batch (3 with recompute);
+  gathers too, but for the layer whose backward starts the recompute: the runtime recomputes the stage
+  as one region from that layer's first saved tensor, gathered already), so 2 gathers a layer per
+  micro-batch (3 with recompute, 3L - 1 for L layers);
 * with ``keep_gathered`` only before the stage's first forward of the step: once a layer per step;
 * with ``prefetch`` layer ``j + 1``'s gather (in backward ``j - 1``'s) is issued when layer ``j``'s compute
   starts, and an operation's first gather when the device's previous operation ends, so it overlaps
@@ -25,7 +27,9 @@ __all__ = ["layered_ops", "gathers_per_micro_batch", "layer_param_bytes"]
 
 def gathers_per_micro_batch(layers: int, recompute: bool, keep_gathered: bool) -> int:
     """All-gathers of one micro-batch on a zero-3 stage of ``layers`` layers (keep_gathered: per step)."""
-    return layers if keep_gathered else layers * (3 if recompute else 2)
+    if keep_gathered:
+        return layers
+    return 3 * layers - 1 if recompute and layers else 2 * layers
 
 
 def layer_param_bytes(c) -> tuple[float, ...]:
@@ -56,12 +60,12 @@ def layered_ops(g, net, comm, program, sim, s: int, ops, red, pool, op_cost: flo
                 comp_nodes.append((cur[d], s, d, kind, m))
         gathers = not sim.keep_gathered or i == first_f
         times = c.forward if kind == "F" else c.backward
-        repeat = 2 if kind == "B" and red.recompute and not sim.keep_gathered else 1
+        again = kind == "B" and red.recompute and not sim.keep_gathered   # the recompute's gathers
         issue = {d: (prev[d] if sim.prefetch else cur[d]) for d in devs}
         for j in (range(L) if kind == "F" else range(L - 1, -1, -1)):
             got = {}
             if gathers:
-                for r in range(repeat):
+                for r in range(2 if again and j != L - 1 else 1):
                     program(g, net, comm, red, nbytes[j], issue, stream, ("gather", s, m, j, kind, r))
                 got = dict(stream)
             for d in devs:

@@ -17,18 +17,23 @@ When (hooks on each layer of the stage):
 - forward pre-hook: the layer gathered (waited for, if prefetched); with prefetch the next layer's
   gather queued; the layer's inputs that require grad pass through ``_AfterBackward``, whose backward
   runs once the gradients of all of them are computed: the layer's backward is done, it is freed;
-- forward post-hook: the layer freed, unless ``keep_gathered`` or inside a backward (a recompute: the
-  backward that follows needs it); a hook on each output that requires grad;
-- that output hook (its gradient is ready: the layer's backward starts): the layer gathered; with
-  prefetch the previous layer's gather queued; at the first one of a backward an autograd callback
-  that frees what is left at the backward's end;
+- forward post-hook: the layer freed, unless ``keep_gathered`` or its backward has begun (a recompute
+  inside that backward reruns the layer's forward: it stays for the backward); a hook on each output
+  that requires grad;
+- that output hook (its gradient is ready: the layer's backward starts): the layer gathered and
+  pinned until its backward is done; with prefetch the previous layer's gather queued; at the first
+  one of a backward an autograd callback that frees what is left at the backward's end;
 - ``end_step`` (before the step's gradient reduction ends, so before the optimizer step): every gather
   waited for, every layer freed; with ``keep_gathered`` this is the only place layers are freed.
 
 Prefetch: one gather thread per rank runs the queued gathers in queue order; without it the compute
 thread runs them. Either way one thread at a time uses the communicators, and every rank of a data
 group queues the same gathers in the same order (the hooks are deterministic). Gathers per layer and
-micro-batch: two (forward; backward, or the recompute), keep_gathered: one per step.
+micro-batch: two (forward, backward); with recompute three (forward, recompute, backward), but for
+the layer whose backward starts the recompute (the stage recomputes as one region, from that
+layer's first saved tensor; it is gathered already): 3L - 1 for L layers; keep_gathered: one per
+layer and step. What is gathered at once stays a few layers: the one in backward, the one being
+recomputed and (prefetch) the next.
 
 Imports only torch and the standard library.
 """
@@ -42,11 +47,6 @@ import torch
 __all__ = ["Zero3", "NoZero3", "layer_units", "zero3_for"]
 
 FREE, PENDING, READY = 0, 1, 2
-
-
-def _in_backward() -> bool:
-    """Inside an autograd backward (a non-reentrant checkpoint's recompute runs there)."""
-    return torch._C._current_graph_task_id() != -1
 
 
 def _tensors(out):
@@ -120,6 +120,7 @@ class Zero3:
         self._lock = threading.Lock()
         self._held = sum(self.nbytes)        # gathered bytes now (the buffers start whole, freed below)
         self._in_bwd = False
+        self.pinned: set[int] = set()        # layers whose backward has begun and not ended
         self._error: BaseException | None = None
         self._queue: queue.Queue | None = None
         if self.prefetch:
@@ -159,7 +160,7 @@ class Zero3:
                 for t in _tensors(out):
                     if t.requires_grad:
                         t.register_hook(lambda g, i=i: self._before_backward(i))
-            if not self.keep and not _in_backward():
+            if not self.keep and i not in self.pinned:   # (a recompute: the layer in backward stays)
                 self.release(i)
         return post
 
@@ -167,16 +168,19 @@ class Zero3:
         if not self._in_bwd:
             self._in_bwd = True
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+        self.pinned.add(i)
         self.use(i)
         if self.prefetch and i > 0:
             self.queue(i - 1)
 
     def _backward_done(self, i) -> None:
+        self.pinned.discard(i)
         if not self.keep:
             self.release(i)
 
     def _end_backward(self) -> None:
         self._in_bwd = False
+        self.pinned.clear()
         if not self.keep:
             for i in sorted(self.active):
                 self.release(i)
@@ -220,6 +224,7 @@ class Zero3:
         for i in sorted(self.active):
             self.release(i)
         self._in_bwd = False
+        self.pinned.clear()
 
     def _wait(self, b: int) -> None:
         if self.state[b] == PENDING:

@@ -92,13 +92,14 @@ def test_the_simulator_gathers_every_layer_before_its_forward_and_backward():
     sim, p = z3_sim()
     assert [(r.per_layer, r.after_step) for r in sim.reductions] == [(False, False), (True, False)]
     assert gathers(p) == 2 * 4 * 2 == gathers_per_micro_batch(4, False, False) * 2
-    assert gathers(z3_sim(recompute=True)[1]) == 3 * 4 * 2        # the recomputed forward gathers too
+    # the recomputed forward gathers too, but for the layer whose backward starts the recompute
+    assert gathers(z3_sim(recompute=True)[1]) == (3 * 4 - 1) * 2 == gathers_per_micro_batch(4, True, False) * 2
     assert gathers(z3_sim(keep=True)[1]) == 4                     # once a layer per step
     assert gathers(z3_sim(2)[1]) == 0                             # ZeRO-2 gathers after the step only
-    # one micro-batch's gathers alone: 8 x 2 ms; kept: 4 x 2 ms a step; with recompute 12 x 2 ms
+    # one micro-batch's gathers alone: 8 x 2 ms; kept: 4 x 2 ms a step; with recompute 11 x 2 ms
     assert gather_seconds(sim, 0) == pytest.approx(16e-3)
     assert gather_seconds(z3_sim(keep=True)[0], 0) == pytest.approx(8e-3)
-    assert gather_seconds(z3_sim(recompute=True)[0], 0) == pytest.approx(24e-3)
+    assert gather_seconds(z3_sim(recompute=True)[0], 0) == pytest.approx(22e-3)
 
 
 def test_gathers_cost_time_and_prefetch_hides_them_behind_compute():
