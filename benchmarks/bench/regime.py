@@ -34,6 +34,10 @@ VARIANTS = {       # label -> train settings added to the plan's
     "fp32, recompute": "recompute = full",
     "bf16": "precision = bf16",
     "bf16, zero = 1, recompute": "precision = bf16, zero = 1, recompute = full",
+    "fp32, zero = 2": "zero = 2",
+    "fp32, zero = 3": "zero = 3",
+    "fp32, zero = 3, no prefetch": "zero = 3, zero_prefetch = false",
+    "fp32, zero = 3, keep gathered": "zero = 3, zero_keep_gathered = true",
 }
 
 

@@ -55,6 +55,10 @@ def memory_note(z: dict) -> str:
     if z["keep_gathered"]:
         what = "the whole stage, kept gathered through the step"
     else:
-        what = ("at most two layers': the current and the prefetched next" if z["prefetch"]
-                else "the largest layer's")
-    return f"shard {ui.human_bytes(z['shard'])} + gathered {ui.human_bytes(z['gathered'])}, {what}"
+        layers = (4 if z["prefetch"] else 2) if z["recompute"] else (2 if z["prefetch"] else 1)
+        what = {1: "the largest layer's", 2: "at most two layers'", 4: "at most four layers'"}[layers] + (
+            " (recompute: the layer in backward and the recomputed one" + (", each with its prefetched next)"
+                                                                          if z["prefetch"] else ")")
+            if z["recompute"] else ": the current and the prefetched next" if z["prefetch"] else "")
+    whole = f" + {ui.human_bytes(z['whole'])} tied, whole" if z["whole"] else ""
+    return f"gathered {ui.human_bytes(z['gathered'])}{whole}, {what}; the shard's values are the fp32 masters"

@@ -10,12 +10,15 @@ plan.json writes as ``pipeline.stages[i].memory``; ``planc.pipeline.choose`` wei
 Per device of a stage holding ``P`` parameters (its tensor-parallel shard of the stage's layers),
 data degree ``d``, ``p`` bytes per element of the precision (fp32 4, bf16/fp16 2):
 
-* parameters ``P x p``; with ``zero = 3`` (and ``d`` > 1) ``(P' + G) x p``: the owned shard and the
-  gathered buffers, ``G = min(g x min(Lmax, P - T), P - T)`` with ``Lmax`` the largest layer's parameters
+* parameters ``P x p``; with ``zero = 3`` (and ``d`` > 1) ``(T + G) x p``: the tied parameters (whole)
+  and the gathered buffers (the shard's values are the fp32 masters, under optimizer; no shard in the
+  parameters' dtype is kept), ``G = min(g x min(Lmax, P - T), P - T)`` with ``Lmax`` the largest layer's parameters
   and ``g`` = 2 with ``zero_prefetch`` (the current layer's and the next one's, gathered while the
   current one computes), else 1; with ``recompute`` twice that (the layer whose backward started the
-  recompute stays gathered, with its prefetched predecessor, while the recompute gathers layer by layer); with ``zero_keep_gathered`` ``P x p`` (the stage's whole parameters,
-  gathered once a step and held through it, as ZeRO-2's);
+  recompute stays gathered, with its prefetched predecessor, while the recompute gathers layer by
+  layer); with ``zero_keep_gathered`` ``P x p`` (the stage's whole parameters, gathered once a step and
+  held through it, as ZeRO-2's); ZeRO-3's gradient staging is ``3 x Lmax`` (its buckets never straddle
+  two layers, so ``ZERO2_WINDOW`` + 1 of at most a layer);
 * gradients ``P x 4``: the runtime accumulates over the micro-batches and reduces in fp32; with
   ``zero = 2`` (and ``d`` > 1) ``(P' + S) x 4``: the owned shard accumulated, plus ``S`` = 4 x min(P - T,
   max(the bucket's elements, the largest layer's parameters)) of one micro-batch's gradient staged
@@ -236,20 +239,21 @@ class StageMemory:
 
     @property
     def gathered(self) -> int:
-        """ZeRO-3's gathered parameters held beside the shard (elements): with ``keep_gathered`` the rest of
-        the stage's whole parameters; else the largest layer's, twice with ``prefetch`` (the current and the
+        """ZeRO-3's gathered parameters (elements; the shard's values are the fp32 masters, counted in
+        ``optimizer``: no shard in the parameters' dtype is kept): with ``keep_gathered`` the stage's whole
+        shardable parameters; else the largest layer's, twice with ``prefetch`` (the current and the
         next layer), twice that again with ``recompute`` (runtime/zero3.py), never more than the stage's shardable parameters ``P - T``; 0 without ZeRO-3."""
         if not self.shards_parameters:
             return 0
         whole = self.params - self.tied
         if self.keep_gathered:
-            return self.params - self.sharded
+            return whole
         held = (4 if self.prefetch else 2) if self.recompute else (2 if self.prefetch else 1)
         return min(held * min(self.largest or whole, whole), whole)
 
     @property
     def parameters(self) -> int:
-        held = self.sharded + self.gathered if self.shards_parameters else self.params
+        held = self.tied + self.gathered if self.shards_parameters else self.params
         return held * PRECISION_BYTES[self.precision]
 
     @property
@@ -264,6 +268,8 @@ class StageMemory:
         (runtime/grads_zero2.py); a bucket is at most the stage's gradient, whose copies of two micro-batches
         can be alive at once (one still reducing while the next fills)."""
         whole = self.params - self.tied
+        if self.shards_parameters:   # ZeRO-3's buckets never straddle two layers: at most a layer's parameters
+            return (ZERO2_WINDOW + 1) * min(self.largest or whole, whole)   # (one larger than the limit included)
         bucket = min(max(self.bucket, self.largest), whole) if self.bucket else whole
         return (ZERO2_WINDOW + 2) * bucket
 

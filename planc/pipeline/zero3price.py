@@ -44,8 +44,8 @@ def gather_seconds(sim, s: int) -> float:
 def zero3_notes(memory, flights, sim=None, per_stage=None) -> list[dict | None]:
     """Per stage (index order) plan.json's ``pipeline.stages[i].zero3`` (docs/plan-format.md), None where the
     stage does not shard its parameters: the stage's ``prefetch``, ``keep_gathered`` and ``recompute``;
-    ``shard`` and ``gathered``, the parameter bytes of the owned shard
-    and of the gathered buffers; ``freed`` and ``kept``, the stage under ``zero_keep_gathered = false`` and
+    ``whole`` and ``gathered``, the parameter bytes kept whole (tied across stages) and of the
+    gathered buffers (no shard in the parameters' dtype is kept: the fp32 masters are its values); ``freed`` and ``kept``, the stage under ``zero_keep_gathered = false`` and
     ``true``: ``total`` bytes by the memory model (``flights`` micro-batches in flight), ``gathers`` per
     micro-batch (``per``: ``micro_batch``, or ``step`` when kept), ``gather_seconds`` (their price alone,
     :func:`gather_seconds`) and ``iteration``, the schedule's ``per_stage`` lists simulated on ``sim`` with
@@ -58,7 +58,7 @@ def zero3_notes(memory, flights, sim=None, per_stage=None) -> list[dict | None]:
             continue
         p = PRECISION_BYTES[m.precision]
         entry = {"prefetch": m.prefetch, "keep_gathered": m.keep_gathered, "recompute": m.recompute,
-                 "shard": m.sharded * p,
+                 "whole": m.tied * p,
                  "gathered": m.gathered * p}
         layers = len(sim.compute[m.stage].forward) if sim is not None else None
         red = next((r for r in sim.reductions if r.stage == m.stage and r.per_layer), None) if sim else None
