@@ -13,8 +13,9 @@ the optimizer of ds_config.json) and then does what a torch user does:
   layer's parameters all-gathered before its forward and its backward, freed after,
   ``reshard_after_forward=True``), the stage module too; the next layer's gather prefetched by FSDP2's
   own implicit prefetch;
-- ``PipelineStage`` + ``Schedule1F1B`` (or ``ScheduleGPipe`` for a gpipe plan) over ``pp``, the loss
-  divided by the micro-batch count so gradients are those of the global mean loss, as planc's.
+- ``PipelineStage`` + ``Schedule1F1B`` (or ``ScheduleGPipe`` for a gpipe plan) over ``pp``, its
+  ``scale_grads`` dividing the gradients by the micro-batch count and FSDP2 averaging over ``dp``, so
+  gradients are those of the global mean loss, as planc's (an SGD test holds it to the reference).
 
 Each data position trains on its rows of the same seeded micro-batches planc's program uses. Rank 0
 prints ``step N loss X time T s S samples/s`` (the loss: the mean over micro-batches, on the last
@@ -79,14 +80,11 @@ def main(argv=None) -> int:
         if any(True for _ in layer.parameters()):
             fully_shard(layer, mesh=mesh["dp"])
     fully_shard(module, mesh=mesh["dp"])
-    loss_of = _load_function(out, train["loss"])
-
-    def loss_fn(output, target):
-        return loss_of(output, target) / micro_batches
+    loss_fn = _load_function(out, train["loss"])   # the schedule divides the gradients by the micro-batches
 
     stage = PipelineStage(module, s, S, torch.device("cpu"), group=mesh["pp"].get_group())
     kind = ScheduleGPipe if train.get("schedule") == "gpipe" else Schedule1F1B
-    schedule = kind(stage, n_microbatches=micro_batches, loss_fn=loss_fn)
+    schedule = kind(stage, n_microbatches=micro_batches, loss_fn=loss_fn, scale_grads=True)
     optimizer = _optimizer([q for q in module.parameters() if q.requires_grad], ds_config)
     rows = micro_batch // D
     batches = _load_function(out, train["data"])(micro_batch, seed, **model_args)
@@ -117,7 +115,8 @@ def main(argv=None) -> int:
         elapsed = time.perf_counter() - t0
         total += elapsed
         # the step's loss (mean over the micro-batches, summed over data positions / D) to rank 0
-        mine = torch.tensor([float(sum(v.detach() for v in losses)) if losses else 0.0], dtype=torch.float64)
+        mine = torch.tensor([float(sum(v.detach() for v in losses)) / micro_batches if losses else 0.0],
+                            dtype=torch.float64)
         dist.all_reduce(mine)
         if rank == 0:
             print(f"step {step} loss {mine.item() / D:.6f} time {elapsed:.4f} s {samples / elapsed:.1f} samples/s",
