@@ -56,7 +56,8 @@ def pytest_sessionfinish(session, exitstatus):
 # is by launches held (and the known slow fixtures); `make test` prints --durations=30 to correct it.
 LONG_FIRST = (
     "test_hf_models.py", "test_checkpoint_reshard.py", "test_e2e_regime.py", "test_failures.py",
-    "test_checkpoint.py", "test_e2e_zero2.py", "test_hf_gpt2.py", "test_hf_tp.py", "test_e2e_unequal.py", "test_e2e.py",
+    "test_checkpoint.py", "test_e2e_zero3_ckpt.py", "test_e2e_zero2.py", "test_e2e_zero3.py", "test_bench_zero3.py",
+    "test_hf_gpt2.py", "test_hf_tp.py", "test_e2e_unequal.py", "test_e2e.py",
     "test_checkpoint_cli.py", "test_testbed_faults.py", "test_testbed_failures.py", "test_testbed.py",
     "test_testbed_watch.py", "test_calibrate.py", "test_user_mistakes.py", "test_comm_only.py",
     "test_bench_iteration.py", "test_e2e_nic_order.py", "test_chain_default.py", "test_packaging.py",

@@ -11,8 +11,13 @@ the optimizer of ds_config.json) and then does what a torch user does:
   ``[s·D, (s+1)·D)``, else exit 2;
 - the stage's layers as one ``nn.Sequential``; every layer ``fully_shard`` over ``dp`` (FSDP2: each
   layer's parameters all-gathered before its forward and its backward, freed after,
-  ``reshard_after_forward=True``), the stage module too; the next layer's gather prefetched by FSDP2's
-  own implicit prefetch;
+  ``reshard_after_forward=True``), and the stage module too: pipelining then keeps the stage gathered
+  across the step's micro-batches and reduce-scatters the gradients once, after the last (its
+  ``stage.py``: ``set_reshard_after_backward(False)``, ``set_requires_gradient_sync(False)`` before
+  the last backward), the mode of planc's ``zero_keep_gathered = true``; with ``--per-micro-batch``
+  the stage module is left plain, so every layer keeps FSDP2's defaults (gathered before each forward
+  and backward, freed after, gradients reduce-scattered every micro-batch), the mode of planc's
+  default;
 - ``PipelineStage`` + ``Schedule1F1B`` (or ``ScheduleGPipe`` for a gpipe plan) over ``pp``, its
   ``scale_grads`` dividing the gradients by the micro-batch count and FSDP2 averaging over ``dp``, so
   gradients are those of the global mean loss, as planc's (an SGD test holds it to the reference).
@@ -38,6 +43,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="torch_fsdp_pp.py", description=__doc__.split("\n")[0])
     p.add_argument("--out", required=True, help="a planc-compiled output folder (its plan.json, model file)")
     p.add_argument("--steps", type=int, default=None)
+    p.add_argument("--per-micro-batch", action="store_true",
+                   help="gather and reduce-scatter every micro-batch (the stage module itself not fully_shard)")
     args = p.parse_args(argv)
 
     import torch
@@ -79,7 +86,8 @@ def main(argv=None) -> int:
     for layer in module:
         if any(True for _ in layer.parameters()):
             fully_shard(layer, mesh=mesh["dp"])
-    fully_shard(module, mesh=mesh["dp"])
+    if not args.per_micro_batch:   # pipelining keeps an FSDP stage module gathered through the step
+        fully_shard(module, mesh=mesh["dp"])
     loss_fn = _load_function(out, train["loss"])   # the schedule divides the gradients by the micro-batches
 
     stage = PipelineStage(module, s, S, torch.device("cpu"), group=mesh["pp"].get_group())
@@ -92,7 +100,10 @@ def main(argv=None) -> int:
     last = S - 1
     total = 0.0
     if rank == 0:
-        print(f"torch FSDP2 + pipelining: {kind.__name__}, pp {S} x dp {D}, every layer fully_shard over dp", flush=True)
+        print(f"torch FSDP2 + pipelining: {kind.__name__}, pp {S} x dp {D}, every layer fully_shard over dp, "
+              + ("gathered and reduce-scattered every micro-batch" if args.per_micro_batch
+                 else "kept gathered through the step, gradients reduce-scattered after the last micro-batch"),
+              flush=True)
     for step in range(steps):
         xs, ys = [], []
         for _ in range(micro_batches):

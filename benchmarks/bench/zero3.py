@@ -9,7 +9,9 @@ launched the same way (one process per rank, ``launcher="direct"``):
 - planc ``zero = 3`` with prefetch (the default), without (``zero_prefetch = false``: every gather on
   the critical path), and ``zero_keep_gathered = true`` (one gather per layer and step);
 - torch's own ``fully_shard`` (FSDP2, every layer) + ``torch.distributed.pipelining``'s
-  ``Schedule1F1B`` on the same model, cut, data and optimizer (``benchmarks/bench/torch_fsdp_pp.py``).
+  ``Schedule1F1B`` on the same model, cut, data and optimizer (``benchmarks/bench/torch_fsdp_pp.py``),
+  configured both ways planc runs: gathered per micro-batch (beside planc's default) and kept for the
+  step (beside ``zero_keep_gathered = true``).
 
 Reported: the median step time of steps 1..N-1, its ratio to planc's zero 1, the simulator's
 prediction for planc's variants (plan.json ``pipeline.predicted_iteration``), and whether each run's
@@ -56,7 +58,12 @@ VARIANTS = {   # label -> train settings
     "planc zero = 3, zero_prefetch = false": ", zero = 3, zero_prefetch = false",
     "planc zero = 3, zero_keep_gathered = true": ", zero = 3, zero_keep_gathered = true",
 }
-TORCH = "torch fully_shard + Schedule1F1B"
+TORCH = {   # label -> the worker's arguments (torch_fsdp_pp.py), each beside the planc run configured the same way
+    "torch fully_shard + Schedule1F1B, per micro-batch": ("--per-micro-batch",),
+    "torch fully_shard + Schedule1F1B, kept for the step": (),
+}
+SAME_WAY = {"planc zero = 3": "torch fully_shard + Schedule1F1B, per micro-batch",
+            "planc zero = 3, zero_keep_gathered = true": "torch fully_shard + Schedule1F1B, kept for the step"}
 
 
 def _compile(tmp: Path, label: str, settings: str) -> tuple[Path, dict]:
@@ -90,9 +97,10 @@ def measure(timeout: float = 600) -> list[dict]:
                 r = tb.launch(out, steps=STEPS, timeout=timeout, comm_only=False, launcher="direct", memory=True)
                 rows.append({"what": label, "result": r, "predicted": plan["pipeline"].get("predicted_iteration")})
             out = built[0][1]
-            r = tb.launch(out, steps=STEPS, timeout=timeout, comm_only=False, launcher="direct", memory=True,
-                          script=ROOT / "benchmarks" / "bench" / "torch_fsdp_pp.py", args=("--out", str(out)))
-            rows.append({"what": TORCH, "result": r, "predicted": None})
+            for label, extra in TORCH.items():
+                r = tb.launch(out, steps=STEPS, timeout=timeout, comm_only=False, launcher="direct", memory=True,
+                              script=ROOT / "benchmarks" / "bench" / "torch_fsdp_pp.py", args=("--out", str(out), *extra))
+                rows.append({"what": label, "result": r, "predicted": None})
     base = rows[0]["result"]
     for row in rows:
         r = row["result"]
@@ -109,12 +117,16 @@ def table(rows: list[dict]) -> str:
 
     def f(x, d=3):
         return "—" if x is None else f"{x:.{d}f}"
-    lines = ["| run | step s (median) | ÷ zero 1 | predicted s | losses = zero 1's | peak RSS of a rank MB |",
-             "|---|---|---|---|---|---|"]
+    by = {row["what"]: row for row in rows}
+    lines = ["| run | step s (median) | ÷ zero 1 | ÷ torch configured the same way | predicted s | losses = zero 1's | "
+             "peak RSS of a rank MB |", "|---|---|---|---|---|---|---|"]
     for row in rows:
         ratio = row["measured"] / base if row["measured"] and base else None
+        twin = by.get(SAME_WAY.get(row["what"], ""), {})
+        vs = row["measured"] / twin["measured"] if row["measured"] and twin.get("measured") else None
         lines.append(f"| {row['what']} | {f(row['measured']) if row['ok'] else 'failed'} | {f(ratio, 2)} | "
-                     f"{f(row['predicted'])} | {'yes' if row['same_losses'] else 'no'} | {f(row['peak_rss_mb'], 0)} |")
+                     f"{f(vs, 2)} | {f(row['predicted'])} | {'yes' if row['same_losses'] else 'no'} | "
+                     f"{f(row['peak_rss_mb'], 0)} |")
     failed = [f"{row['what']}: {row['error']}" for row in rows if not row["ok"]]
     return "\n".join(lines) + ("\n\nFailed:\n\n```\n" + "\n".join(failed) + "\n```" if failed else "")
 

@@ -42,10 +42,10 @@ def _compiled(tmp_path, first="0..2", second="2..4"):
     return c.plan_json, out
 
 
-def _launch(out, world=4, timeout=240):
+def _launch(out, world=4, timeout=240, extra=()):
     env = dict(launch_env(), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(world),
                OMP_NUM_THREADS="1")
-    procs = [subprocess.Popen([sys.executable, str(WORKER), "--out", str(out)], env=dict(env, RANK=str(r)),
+    procs = [subprocess.Popen([sys.executable, str(WORKER), "--out", str(out), *extra], env=dict(env, RANK=str(r)),
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(world)]
     try:
         texts = [p.communicate(timeout=timeout)[0] for p in procs]
@@ -58,16 +58,21 @@ def _launch(out, world=4, timeout=240):
 @pytest.mark.slow
 def test_torch_fully_shard_and_pipelining_train_like_the_reference(tmp_path):
     from benchmarks.bench.zero3 import losses_equal
-    from e2e_util import independent_reference, step_lines
+    from e2e_util import independent_reference
     plan, out = _compiled(tmp_path)
     codes, texts = _launch(out)
     assert codes == [0] * 4, "\n".join(texts)[-4000:]
-    assert "Schedule1F1B, pp 2 x dp 2, every layer fully_shard over dp" in texts[0]
+    assert "Schedule1F1B, pp 2 x dp 2, every layer fully_shard over dp, kept gathered through the step" in texts[0]
     ref, _ = independent_reference(plan, out, 3)
-    got = [v["loss"] for _, v in sorted(step_lines(texts[0] + "\n").items())] or [
-        float(line.split()[3]) for line in texts[0].splitlines() if line.startswith("step ")]
-    assert losses_equal(got, ref), (got, ref)
-    assert not losses_equal([x * 1.01 for x in got], ref)   # the check sees a 1 % difference
+
+    def losses(text):
+        return [float(line.split()[3]) for line in text.splitlines() if line.startswith("step ")]
+    assert losses_equal(losses(texts[0]), ref), (texts[0], ref)
+    assert not losses_equal([x * 1.01 for x in losses(texts[0])], ref)   # the check sees a 1 % difference
+    codes, texts = _launch(out, extra=("--per-micro-batch",))         # FSDP2's defaults on every layer
+    assert codes == [0] * 4, "\n".join(texts)[-4000:]
+    assert "gathered and reduce-scattered every micro-batch" in texts[0]
+    assert losses_equal(losses(texts[0]), ref), (texts[0], ref)
 
 
 def test_the_torch_baseline_refuses_a_plan_it_cannot_lay_out(tmp_path):
@@ -83,10 +88,16 @@ def test_the_zero3_table_reports_ratios_losses_and_failures():
              "peak_rss_mb": 100.0, "error": None},
             {"what": "planc zero = 3", "ok": True, "measured": 0.75, "predicted": 0.45, "same_losses": True,
              "peak_rss_mb": 90.0, "error": None},
-            {"what": "torch", "ok": False, "measured": None, "predicted": None, "same_losses": False,
-             "peak_rss_mb": None, "error": "rank 3 died"}]
+            {"what": "planc zero = 3, zero_keep_gathered = true", "ok": True, "measured": 0.6, "predicted": 0.4,
+             "same_losses": True, "peak_rss_mb": 95.0, "error": None},
+            {"what": "torch fully_shard + Schedule1F1B, per micro-batch", "ok": True, "measured": 1.0,
+             "predicted": None, "same_losses": True, "peak_rss_mb": 99.0, "error": None},
+            {"what": "torch fully_shard + Schedule1F1B, kept for the step", "ok": False, "measured": None,
+             "predicted": None, "same_losses": False, "peak_rss_mb": None, "error": "rank 3 died"}]
     text = table(rows)
-    assert "| planc zero = 3 | 0.750 | 1.50 | 0.450 | yes | 90 |" in text
-    assert "| torch | failed | — | — | no | — |" in text and "torch: rank 3 died" in text
+    assert "| planc zero = 3 | 0.750 | 1.50 | 0.75 | 0.450 | yes | 90 |" in text        # ÷ torch per micro-batch
+    assert "| planc zero = 3, zero_keep_gathered = true | 0.600 | 1.20 | — |" in text  # its torch twin failed
+    assert "| torch fully_shard + Schedule1F1B, kept for the step | failed | — | — | — | no | — |" in text
+    assert "kept for the step: rank 3 died" in text
     assert losses_equal([1.0, 2.0], [1.00001, 2.0]) and not losses_equal([1.0], [1.0, 2.0])
     assert not losses_equal([], [])
