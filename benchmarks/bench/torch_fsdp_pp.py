@@ -39,6 +39,18 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 from benchmarks.bench.stock_deepspeed import _load_function, _optimizer  # noqa: E402
 
 
+def layout_error(plan: dict) -> str | None:
+    """Why the baseline cannot lay ``plan`` out as its ``(pp, dp)`` mesh (rank = stage x D + data position),
+    or None: every stage must hold D devices, stage s the devices ``[s·D, (s+1)·D)``."""
+    stages = sorted(plan["stages"], key=lambda s: s["index"])
+    D = int(plan["cluster"]["devices"]) // len(stages)
+    for s in stages:
+        if sorted(s["devices"]) != list(range(s["index"] * D, (s["index"] + 1) * D)):
+            return (f"stage {s['index']} runs on devices {sorted(s['devices'])}: the baseline needs a uniform plan "
+                    f"with stage s on [s·{D}, (s+1)·{D})")
+    return None
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="torch_fsdp_pp.py", description=__doc__.split("\n")[0])
     p.add_argument("--out", required=True, help="a planc-compiled output folder (its plan.json, model file)")
@@ -66,15 +78,14 @@ def main(argv=None) -> int:
     stages = sorted(plan["stages"], key=lambda s: s["index"])
     S = len(stages)
 
+    why = layout_error(plan)
+    if why:
+        if os.environ.get("RANK", "0") == "0":
+            print(f"torch_fsdp_pp: {why}", file=sys.stderr, flush=True)
+        return 2
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     D = world // S
-    for s in stages:
-        if sorted(s["devices"]) != list(range(s["index"] * D, (s["index"] + 1) * D)):
-            if rank == 0:
-                print(f"torch_fsdp_pp: stage {s['index']} runs on devices {sorted(s['devices'])}: the baseline needs a "
-                      f"uniform plan with stage s on [s·{D}, (s+1)·{D})", file=sys.stderr, flush=True)
-            return 2
     mesh = init_device_mesh("cpu", (S, D), mesh_dim_names=("pp", "dp"))
     s, d = rank // D, rank % D
     model_args = dict(train["model"].get("args", {}))
