@@ -320,9 +320,9 @@ def run(plans=None, rates=None, *, json_path: str | None = None, chart: str | No
         return report(from_json, cluster)
     if rounds < 1 or measured < 1:
         raise ValueError(f"rounds and measured must be at least 1, got {rounds} and {measured}")
-    why = benchmarks.testbed.available()
-    if why:
-        return f"_Skipped: {why}. The testbed needs root and iproute2 (`ip`, `tc`); see docs/testbed.md._\n"
+    from benchmarks.bench.testbed import skipped_note
+    if note := skipped_note():
+        return note
     import torch
 
     plans = [str(p) for p in (plans or DEFAULT_PLANS)]

@@ -75,6 +75,30 @@ def _regime(train: dict) -> dict:
     return cfg
 
 
+def read_output(out_dir: str, steps: int | None):
+    """What a baseline reads of a compiled output: ``(out, plan, ds_config, train, steps, seed, micro_batch,
+    micro_batches)``, ``steps`` the argument's, else ``train.steps``."""
+    out = os.path.abspath(out_dir)
+    with open(os.path.join(out, "plan.json")) as f:
+        plan = json.load(f)
+    with open(os.path.join(out, "ds_config.json")) as f:
+        ds_config = json.load(f)
+    train = plan["train"]     # the model, loss and data references and the train settings
+    steps = steps if steps is not None else int(train.get("steps", 1))
+    return (out, plan, ds_config, train, steps, int(train.get("seed", 0)), int(train["micro_batch"]),
+            int(train["micro_batches"]))
+
+
+def print_step(step: int, loss: float, elapsed: float, samples: int) -> None:
+    """Rank 0's step line, as the compiled program prints it."""
+    print(f"step {step} loss {loss:.6f} time {elapsed:.4f} s {samples / elapsed:.1f} samples/s", flush=True)
+
+
+def print_total(steps: int, total: float, samples: int) -> None:
+    if steps:
+        print(f"trained {steps} step(s) in {total:.3f} s: {steps * samples / total:.1f} samples/s", flush=True)
+
+
 def _rows(batches, lo: int, hi: int):
     for x, y in batches:
         yield x[lo:hi].contiguous(), y[lo:hi].contiguous()
@@ -93,15 +117,7 @@ def main(argv=None) -> int:
     import deepspeed
     from deepspeed.pipe import PipelineModule
 
-    out = os.path.abspath(args.out)
-    with open(os.path.join(out, "plan.json")) as f:
-        plan = json.load(f)
-    with open(os.path.join(out, "ds_config.json")) as f:
-        ds_config = json.load(f)
-    train = plan["train"]     # the model, loss and data references and the train settings
-    steps = args.steps if args.steps is not None else int(train.get("steps", 1))
-    seed = int(train.get("seed", 0))
-    micro_batch, micro_batches = int(train["micro_batch"]), int(train["micro_batches"])
+    out, plan, ds_config, train, steps, seed, micro_batch, micro_batches = read_output(args.out, args.steps)
     num_stages = len(plan["stages"])
     bounds = [s["layers"][0] for s in plan["stages"]] + [plan["stages"][-1]["layers"][1]]
 
@@ -141,10 +157,9 @@ def main(argv=None) -> int:
         elapsed = time.perf_counter() - t0
         total += elapsed
         if rank == 0:
-            print(f"step {step} loss {float(loss):.6f} time {elapsed:.4f} s {samples / elapsed:.1f} samples/s",
-                  flush=True)
-    if rank == 0 and steps:
-        print(f"trained {steps} step(s) in {total:.3f} s: {steps * samples / total:.1f} samples/s", flush=True)
+            print_step(step, float(loss), elapsed, samples)
+    if rank == 0:
+        print_total(steps, total, samples)
     dist.barrier()
     dist.destroy_process_group()
     return 0

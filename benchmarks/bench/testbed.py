@@ -101,9 +101,12 @@ plan tb_reduce {{{CLUSTER}
 """
 
 
-def _why_skipped() -> str | None:
+def skipped_note() -> str | None:
+    """A testbed bench's whole section where the testbed cannot be built here (why, and what it needs);
+    None where it can."""
     from benchmarks.testbed import available
-    return available()
+    why = available()
+    return f"_Skipped: {why}. The testbed needs root and iproute2 (`ip`, `tc`); see docs/testbed.md._\n" if why else None
 
 
 def _compile(text: str, out: Path) -> dict:
@@ -250,9 +253,8 @@ def table(cases: list[dict]) -> str:
 
 
 def run() -> str:
-    why = _why_skipped()
-    if why:
-        return f"_Skipped: {why}. The testbed needs root and iproute2 (`ip`, `tc`); see docs/testbed.md._\n"
+    if note := skipped_note():
+        return note
     import torch
 
     try:

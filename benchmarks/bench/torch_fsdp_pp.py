@@ -29,14 +29,14 @@ stage, sent to rank 0).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from benchmarks.bench.stock_deepspeed import _load_function, _optimizer  # noqa: E402
+from benchmarks.bench.stock_deepspeed import (_load_function, _optimizer, print_step, print_total,  # noqa: E402
+                                               read_output)
 
 
 def layout_error(plan: dict) -> str | None:
@@ -66,15 +66,7 @@ def main(argv=None) -> int:
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-    out = os.path.abspath(args.out)
-    with open(os.path.join(out, "plan.json")) as f:
-        plan = json.load(f)
-    with open(os.path.join(out, "ds_config.json")) as f:
-        ds_config = json.load(f)
-    train = plan["train"]
-    steps = args.steps if args.steps is not None else int(train.get("steps", 1))
-    seed = int(train.get("seed", 0))
-    micro_batch, micro_batches = int(train["micro_batch"]), int(train["micro_batches"])
+    out, plan, ds_config, train, steps, seed, micro_batch, micro_batches = read_output(args.out, args.steps)
     stages = sorted(plan["stages"], key=lambda s: s["index"])
     S = len(stages)
 
@@ -141,10 +133,9 @@ def main(argv=None) -> int:
                             dtype=torch.float64)
         dist.all_reduce(mine)
         if rank == 0:
-            print(f"step {step} loss {mine.item() / D:.6f} time {elapsed:.4f} s {samples / elapsed:.1f} samples/s",
-                  flush=True)
-    if rank == 0 and steps:
-        print(f"trained {steps} step(s) in {total:.3f} s: {steps * samples / total:.1f} samples/s", flush=True)
+            print_step(step, mine.item() / D, elapsed, samples)
+    if rank == 0:
+        print_total(steps, total, samples)
     dist.barrier()
     dist.destroy_process_group()
     return 0

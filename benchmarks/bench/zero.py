@@ -19,7 +19,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.bench.testbed import CLUSTER, HOSTS, LINK_MBIT, PER_HOST, STEPS, _fmt, _run_cases, _why_skipped
+from benchmarks.bench.testbed import CLUSTER, HOSTS, LINK_MBIT, PER_HOST, STEPS, _fmt, _run_cases, skipped_note
 
 ROOT = Path(__file__).resolve().parents[2]
 HIDDEN, LAYERS = 1024, 4
@@ -87,9 +87,8 @@ def table(cases: list[dict]) -> str:
 
 
 def run() -> str:
-    why = _why_skipped()
-    if why:
-        return f"_Skipped: {why}. The testbed needs root and iproute2 (`ip`, `tc`); see docs/testbed.md._\n"
+    if note := skipped_note():
+        return note
     import torch
 
     t0 = time.monotonic()

@@ -132,10 +132,9 @@ def table(rows: list[dict]) -> str:
 
 
 def run() -> str:
-    from benchmarks.testbed import available
-    why = available()
-    if why:
-        return f"_Skipped: {why}. The testbed needs root and iproute2 (`ip`, `tc`); see docs/testbed.md._\n"
+    from benchmarks.bench.testbed import skipped_note
+    if note := skipped_note():
+        return note
     import torch
 
     t0 = time.monotonic()

@@ -28,14 +28,7 @@ from planc.commands.explain_zero3 import gather_lines, memory_note
 from planc.commands.ui import Col
 
 
-def _t(seconds) -> str:
-    if seconds is None:
-        return "n/a"
-    if seconds >= 1:
-        return f"{seconds:.3f} s"
-    if seconds >= 1e-3:
-        return f"{seconds * 1e3:.3f} ms"
-    return f"{seconds * 1e6:.1f} us"
+_t = ui.human_seconds
 
 
 _bytes = ui.human_bytes

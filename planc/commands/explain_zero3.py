@@ -9,14 +9,7 @@ from planc.commands import ui
 __all__ = ["gather_lines", "memory_note"]
 
 
-def _t(seconds) -> str:
-    if seconds is None:
-        return "n/a"
-    if seconds >= 1:
-        return f"{seconds:.3f} s"
-    if seconds >= 1e-3:
-        return f"{seconds * 1e3:.3f} ms"
-    return f"{seconds * 1e6:.1f} us"
+_t = ui.human_seconds
 
 
 def _way(name: str, w: dict, stage: int, chosen: bool) -> str:

@@ -58,6 +58,17 @@ def human_bytes(n: float) -> str:
     return f"{int(n)} B"
 
 
+def human_seconds(seconds: float | None) -> str:
+    """``1.234 s``, ``12.345 ms``, ``97.2 us``; ``n/a`` for None."""
+    if seconds is None:
+        return "n/a"
+    if seconds >= 1:
+        return f"{seconds:.3f} s"
+    if seconds >= 1e-3:
+        return f"{seconds * 1e3:.3f} ms"
+    return f"{seconds * 1e6:.1f} us"
+
+
 def is_tty(stream=None) -> bool:
     stream = sys.stdout if stream is None else stream
     try:

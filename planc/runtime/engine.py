@@ -273,12 +273,13 @@ class PlanEngine(PipelineEngine):
         if self.saved is None:
             return contextlib.nullcontext()
         seen: dict = {}
-        params = list(self.module.parameters())   # not activations (zero 3: their storages come and go)
+        # not activations: the parameters' storages, by identity (zero 3 frees and reallocates their memory,
+        # so its address changes; the storage object stays)
+        params = {p.untyped_storage()._cdata for p in self.module.parameters()}
 
         def pack(t):
-            if t.device.type != "meta" and (ptr := t.untyped_storage().data_ptr()) not in {
-                    p.untyped_storage().data_ptr() for p in params}:
-                seen[(ptr, t.dtype)] = t.untyped_storage().nbytes()
+            if t.device.type != "meta" and (st := t.untyped_storage())._cdata not in params:
+                seen[(st.data_ptr(), t.dtype)] = st.nbytes()
             return t
 
         self.saved[m] = seen

@@ -277,12 +277,17 @@ def test_bf16_masters_and_zero_one_with_a_tie(tmp_path, zero):
     """bf16 with zero = 1 (and 2) and clip: the tied parameter's fp32 master is replicated on its holders, every
     copy steps identically, and the update is the fp32 reference's within bf16's tolerance (a 5 % rate error
     is not)."""
-    from e2e_util import update_error
     _, out = _compile(tmp_path, _plan(3, "on devices 0..2 as (data = 2)", "on devices 2..3 as (data = 1)",
                                       f"zero = {zero}, clip = 0.05"))
-    plan = edit_plan(out, transfer_dtype="bf16", precision="bf16")
-    rc, rank0, every = start_ranks(out, 3, "--steps", STEPS, "--dump-params", out / "dump")
-    assert rc == 0, every[-4000:]
+    run_bf16(out, edit_plan(out, transfer_dtype="bf16", precision="bf16"), 3)
+
+
+def run_bf16(out, plan: dict, world: int) -> None:
+    """A bf16 launch of ``STEPS`` steps against the fp32 reference within bf16's tolerance: losses at rel
+    1e-2, the update's error under 2 % while a 5 % rate error's is over it, every tied copy identical."""
+    from e2e_util import update_error
+    rc, rank0, every = start_ranks(out, world, "--steps", STEPS, "--dump-params", out / "dump")
+    assert rc == 0 and "Traceback" not in every, every[-4000:]
     losses, state = independent_reference(plan, out, STEPS)
     _, init = independent_reference(plan, out, 0)
     got = step_lines(rank0)

@@ -271,23 +271,33 @@ def test_explain_shows_zero2_programs_and_what_it_saves(tmp_path):
             "staged whole)") in words
 
 
+def compiled_deep(tmp_path, train: str, memory: str | None = None, optimizer: str | None = None):
+    """``deep(text(...))`` compiled with ``train`` settings added (1 KiB gradient buckets), ``optimizer``
+    in place of its SGD, and ``memory`` (e.g. ``"3 MB"``) per device when given."""
+    from planc.driver.compile import compile_file
+    extra = ", grad_bucket = 1 KiB" + (f", optimizer = {optimizer}" if optimizer else "")
+    body = deep(text(train=train + extra))
+    if optimizer:
+        body = body.replace("optimizer = sgd(lr = 0.1), ", "")
+    if memory:
+        body = body.replace("latency 2 us\n", f"latency 2 us\n    memory = {memory}\n")
+    src = tmp_path / "z.plan"
+    src.write_text(body)
+    return compile_file(src)
+
+
+def worst(c) -> int:
+    """The largest stage total of a compiled plan's memory model (bytes per device)."""
+    return max(st["memory"]["total"] for st in c.plan_json["pipeline"]["stages"])
+
+
 def test_a_plan_that_only_zero2_fits_is_told_so(tmp_path):
     """A memory limit between the zero 1 and the zero 2 totals: the no-fit error suggests zero = 2 (and
     not zero = 1), and the plan with it compiles within the limit."""
-    from planc.driver.compile import compile_file
     from planc.pipeline.fit import NoFit
 
     def compiled(train, memory=None):
-        src = tmp_path / "z.plan"
-        body = deep(text(train=train + ", grad_bucket = 1 KiB, optimizer = adam(lr = 1e-3)").replace(
-            "optimizer = sgd(lr = 0.1), ", ""))
-        if memory:
-            body = body.replace("latency 2 us\n", f"latency 2 us\n    memory = {memory}\n")
-        src.write_text(body)
-        return compile_file(src)
-
-    def worst(c):
-        return max(st["memory"]["total"] for st in c.plan_json["pipeline"]["stages"])
+        return compiled_deep(tmp_path, train, memory, optimizer="adam(lr = 1e-3)")
 
     one, two = worst(compiled("zero = 1")), worst(compiled("zero = 2"))
     assert two < one

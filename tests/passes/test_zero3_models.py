@@ -14,7 +14,7 @@ from planc.pipeline.simulate import predict
 from planc.pipeline.zero3price import gather_seconds
 from planc.pipeline.zero3sim import gathers_per_micro_batch
 
-from test_zero2 import deep, text
+from test_zero2 import compiled_deep, deep, text, worst
 
 
 # ---------------------------------------------------------------- memory model
@@ -162,19 +162,10 @@ def test_plan_json_prices_both_ways_and_explain_shows_the_gather_program(compile
 
 
 def test_a_plan_that_only_zero3_fits_is_told_so(tmp_path):
-    from planc.driver.compile import compile_file
     from planc.pipeline.fit import NoFit
 
     def compiled(train, memory=None):
-        src = tmp_path / "z.plan"
-        body = deep(text(train=train + ", grad_bucket = 1 KiB"))
-        if memory:
-            body = body.replace("latency 2 us\n", f"latency 2 us\n    memory = {memory}\n")
-        src.write_text(body)
-        return compile_file(src)
-
-    def worst(c):
-        return max(st["memory"]["total"] for st in c.plan_json["pipeline"]["stages"])
+        return compiled_deep(tmp_path, train, memory)
 
     two, three = worst(compiled("zero = 2")), worst(compiled("zero = 3"))
     assert three < two
