@@ -253,8 +253,8 @@ def engine_fit(measured: dict, doc: dict) -> dict:
         cal = read_calibrated(path)
     rate = doc.get("calibration", {}).get("rate_mbit")
     sims = [_signal_input(plan, substitute(cluster_of(plan), cal, rate)) for plan in measured["plans"]]
-    lists = [build("1f1b", len(plan["stages"]), plan["pipeline"]["micro_batches"]).per_stage
-             for plan in measured["plans"]]
+    lists = [build("1f1b", len(plan["stages"]), plan["pipeline"]["micro_batches"], sim.transfers).actions
+             for plan, sim in zip(measured["plans"], sims)]
     got = fit_overhead(sims, lists, measured["step_s"])
     return {k: (float(f"{v:.6g}") if isinstance(v, float) else [float(f"{x:.6g}") for x in v])
             for k, v in got.items()}

@@ -901,6 +901,74 @@ def nic_lower_bound(src_regions: dict, dst_regions: dict, host_of: dict[int, int
 
 # ------------------------------------------------------------------ pipeline
 
+def _check_actions(doc: dict, classes: list, micro_batches: int, n_stages: int, report: _Report) -> None:
+    """pipeline.actions (PLAN_FORMAT.md "Schedules"): every stage run by one class, its F and B (and W, if
+    any, for all) of every micro-batch once, B after F and W after B, each transfer's forward sent after
+    its source's F and received before its destination's F (gradients the other way), and the lists
+    replayed together: a RECV waits until the other class has passed the matching SEND (sends never
+    block). Lists that cannot all finish are a hang."""
+    owner, lists = {}, []
+    for c, cls in enumerate(classes):
+        for s in cls.get("stages", []):
+            if s in owner:
+                report.bad(f"pipeline.actions: stage {s} is in classes {owner[s]} and {c}")
+            owner[s] = c
+        lists.append([tuple(a) for a in cls.get("list", [])])
+    if sorted(owner) != list(range(n_stages)):
+        report.bad(f"pipeline.actions: the classes run stages {sorted(owner)}, not 0..{n_stages - 1}")
+        return
+    transfers = [(t["name"], t["src"]["stage"], t["dst"]["stage"]) for t in doc.get("transfers", [])]
+    for c, acts in enumerate(lists):
+        where = f"pipeline.actions[{c}]"
+        pos = {a: i for i, a in enumerate(acts)}
+        if len(pos) != len(acts):
+            report.bad(f"{where}: an action is listed twice")
+        for s in classes[c]["stages"]:
+            for kind in ("F", "B", "W"):
+                got = sorted(a[2] for a in acts if a[0] == kind and a[1] == s)
+                if kind == "W" and not got:
+                    continue
+                if got != list(range(micro_batches)):
+                    report.bad(f"{where}: stage {s} does not run {kind} of each of {micro_batches} micro-batches once")
+            for m in range(micro_batches):
+                for first, then in ((("F", s, m), ("B", s, m)), (("B", s, m), ("W", s, m))):
+                    if then in pos and first in pos and pos[first] > pos[then]:
+                        report.bad(f"{where}: {then[0]}{s}.{m} before {first[0]}{s}.{m}")
+            if ("REDUCE", s) not in pos:
+                report.bad(f"{where}: no REDUCE of stage {s}")
+        for name, src, dst in transfers:
+            for m in range(micro_batches):
+                for kind, stage, direction, compute, before in (("SEND", src, "forward", "F", False),
+                                                                ("RECV", dst, "forward", "F", True),
+                                                                ("SEND", dst, "backward", "B", False),
+                                                                ("RECV", src, "backward", "B", True)):
+                    if stage not in classes[c]["stages"]:
+                        continue
+                    a = (kind, stage, m, name, direction)
+                    ref = pos.get((compute, stage, m))
+                    if a not in pos or ref is None:
+                        report.bad(f"{where}: no {list(a)}")
+                    elif (pos[a] < ref) != before:
+                        report.bad(f"{where}: {list(a)} {'after' if before else 'before'} {compute}{stage}.{m}")
+    # the replay: each class's list in order, a RECV waiting for the matching SEND of the peer class
+    sent, at = set(), [0] * len(lists)
+    moved = True
+    while moved:
+        moved = False
+        for c, acts in enumerate(lists):
+            while at[c] < len(acts):
+                a = acts[at[c]]
+                if a[0] == "RECV" and (a[3], a[4], a[2]) not in sent:
+                    break
+                if a[0] == "SEND":
+                    sent.add((a[3], a[4], a[2]))
+                at[c] += 1
+                moved = True
+    stuck = [f"class {c} at {list(acts[at[c]])}" for c, acts in enumerate(lists) if at[c] < len(acts)]
+    if stuck:
+        report.bad(f"pipeline.actions: the lists cannot all finish (a hang): {'; '.join(stuck)}")
+
+
 def _check_pipeline(doc: dict, facts: _Facts, report: _Report) -> None:
     pipeline = doc.get("pipeline")
     if pipeline is None:
@@ -912,7 +980,7 @@ def _check_pipeline(doc: dict, facts: _Facts, report: _Report) -> None:
     if schedule not in PIPELINE_SCHEDULES:
         report.bad(f"pipeline.schedule {schedule!r} is not one of {sorted(PIPELINE_SCHEDULES)}")
     micro_batches = report.need(pipeline, "micro_batches", int, "pipeline") or 0
-    per_stage = report.need(pipeline, "per_stage", list, "pipeline") or []
+    classes = report.need(pipeline, "actions", list, "pipeline") or []
     stages = report.need(pipeline, "stages", list, "pipeline") or []
     predictions = [("pipeline", "predicted_iteration", pipeline)]
     predictions += [(f"pipeline.stages[{i}]", key, stage) for i, stage in enumerate(stages)
@@ -926,15 +994,6 @@ def _check_pipeline(doc: dict, facts: _Facts, report: _Report) -> None:
             report.bad(f"{where}.{key}: expected a number, got {value!r:.80}")
     if unsimulated and all(key in obj for _, key, obj in predictions):
         report.warn(f"pipeline: {len(unsimulated)} predictions are null (not simulated), e.g. {unsimulated[0]}")
-    if len(per_stage) != n_stages or len(stages) != n_stages:
-        report.bad(f"pipeline: {len(per_stage)} per_stage lists and {len(stages)} stages for {n_stages} stages")
-    for i, order in enumerate(per_stage):
-        forward = [x for x in order if x.startswith("F")]
-        backward = [x for x in order if x.startswith("B")]
-        if sorted(forward) != sorted(f"F{k}" for k in range(micro_batches)) or \
-                sorted(backward) != sorted(f"B{k}" for k in range(micro_batches)):
-            report.bad(f"pipeline.per_stage[{i}] does not run each F and B of {micro_batches} micro-batches once")
-            continue
-        late = [k for k in range(micro_batches) if order.index(f"F{k}") > order.index(f"B{k}")]
-        if late:
-            report.bad(f"pipeline.per_stage[{i}]: B{late[0]} before F{late[0]}")
+    if len(stages) != n_stages:
+        report.bad(f"pipeline: {len(stages)} stages figures for {n_stages} stages")
+    _check_actions(doc, classes, micro_batches, n_stages, report)

@@ -22,14 +22,14 @@ def rows(plan_path: str, cal_path: str, rates) -> list[dict]:
     from planc.lang import load
     from planc.pipeline.gantt import plan_input
     from planc.pipeline.schedules import build
-    from planc.pipeline.simulate import _simulate, ingress_order_from, nic_order_from
+    from planc.pipeline.simulate import _simulate, _turns, ingress_order_from, nic_order_from
 
     out = []
     for rate, pj in compiled_at_rates(load(plan_path), read_calibrated(cal_path), rates):
         sim = plan_input(pj)
         for name in SCHEDULES:
-            lists = [[(k, int(m)) for k, m in ops]
-                     for ops in build(name, len(pj["stages"]), pj["pipeline"]["micro_batches"]).per_stage]
+            lists = _turns(build(name, len(pj["stages"]), pj["pipeline"]["micro_batches"], sim.transfers).actions,
+                           len(pj["stages"]))
             shared = _simulate(sim, lists, free=False, keep=False)
             egress, ingress = nic_order_from(shared.ready, sim), ingress_order_from(shared.ready, sim)
             row = {"rate_mbit": rate, "schedule": name, "shared": shared.iteration}

@@ -113,6 +113,16 @@ def _cmd_explain(args) -> int:
         compiled = compile_file(Path(args.plan), probe=not args.no_probe, progress=progress,
                                 cache=not args.no_cache)
     plan = compiled.plan   # the typed plan file (planc.plan.Plan) the compiler wrote
+    if args.schedule_csv:
+        from planc.commands.schedule_csv import ScheduleCsvError, schedule_csv
+        try:
+            text = schedule_csv(plan)
+        except ScheduleCsvError as e:
+            print(f"planc explain --schedule-csv: {args.plan}: {e}", file=sys.stderr)
+            return EXIT_USER
+        Path(args.schedule_csv).write_text(text, newline="")
+        print(f"wrote {args.schedule_csv} ({text.count(chr(10))} pipeline ranks; torch: "
+              "PipelineScheduleMulti._load_csv)", file=sys.stderr)
     if args.as_:
         from planc.commands.explain_as import ExplainAsError, explain_as_data, explain_as_renderables
         try:
@@ -185,7 +195,7 @@ def _cmd_simulate(args) -> int:
     shown = args.schedule or pipe["schedule"]
     rows, chart = [], None
     for name in ("gpipe", "1f1b", "eager_1f1b"):
-        lists = build(name, len(plan["stages"]), pipe["micro_batches"]).per_stage
+        lists = build(name, len(plan["stages"]), pipe["micro_batches"], sim.transfers, check=False).actions
         p = predict(sim, lists, timeline=name == shown)
         rows.append((name, p))
         chart = p if name == shown else chart
@@ -397,6 +407,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--as", dest="as_", choices=["megatron", "deepspeed", "torch"],
                    help="the chosen placement as a Megatron order, a DeepSpeed ProcessTopology or a torch DeviceMesh")
     c.add_argument("--draw", metavar="FILE", help="draw the cluster tree with each stage's mesh (.png or .svg; matplotlib)")
+    c.add_argument("--schedule-csv", metavar="FILE",
+                   help="write the schedule as torch pipelining's compute-only CSV (a uniform plan: equal stage "
+                        "meshes, stage i feeding stage i + 1)")
     c.set_defaults(func=_cmd_explain)
 
     c = sub.add_parser("simulate", help="predict one iteration of every schedule; draw the plan's as a Gantt chart")

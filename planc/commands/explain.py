@@ -137,7 +137,8 @@ def explain_data(plan: planfile.Plan | dict) -> dict:
     pipe = plan.pipeline
     data["pipeline"] = None if pipe is None else {
         "schedule": str(pipe.schedule), "micro_batches": pipe.micro_batches,
-        "predicted_iteration": notes.pipeline.predicted_iteration, "per_stage": [list(ops) for ops in pipe.per_stage],
+        "predicted_iteration": notes.pipeline.predicted_iteration,
+        "actions": [{"stages": list(c.stages), "list": [a.text() for a in c.actions]} for c in pipe.actions],
         "nic_order": _nic_data(pipe, notes.pipeline), "memory": _memory_data(plan, notes)}
     data["choices"] = dict(notes.choices)       # what `auto` became, and why
     return data
@@ -432,8 +433,10 @@ def explain_renderables(data: dict, tty: bool = False) -> list:
     if pipe:
         out += ["", f"pipeline: {pipe['schedule']}, {pipe['micro_batches']} micro-batches; predicted iteration "
                     f"{_t(pipe['predicted_iteration'])}",
-                ui.table([Col("stage", "right"), Col("instructions (F = forward, B = backward of micro-batch i)", wrap=True)],
-                         [[i, " ".join(ops)] for i, ops in enumerate(pipe["per_stage"])], tty=tty)]
+                ui.table([Col("stages", "right"), Col("actions, in order (F/B/W s.m: forward, backward, weight gradients "
+                                                      "of stage s, micro-batch m; recv/send(transfer,fwd|bwd,m))",
+                                                      wrap=True)],
+                         [[",".join(map(str, c["stages"])), " ".join(c["list"])] for c in pipe["actions"]], tty=tty)]
         if pipe.get("nic_order"):
             out.append(_nic_line(pipe["nic_order"]))
         if pipe.get("memory"):

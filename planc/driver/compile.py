@@ -32,7 +32,6 @@ from planc.pipeline.choose import (check_pinned, choose_by_prediction, choose_sc
                                    simulate_schedules)
 from planc.pipeline.cut import apply_auto_stages, more_stages_fit
 from planc.pipeline.memory import saved, stage_memory
-from planc.pipeline.schedules import peak_in_flight
 from planc.pipeline.deadlock import check_rendezvous
 from planc.pipeline.schedules import PipelinePlan, build as build_pipeline
 from planc.pipeline.siminput import compiled_input
@@ -245,8 +244,7 @@ def _simulated(program: ir.Program, ctx: Context, reductions, routes, nic: bool 
     if not ctx.training or ctx.untrainable or ctx.probe is None:
         return None
     sim, rate = compiled_input(program, ctx.placement.stages, ctx.probe, reductions, routes)
-    edges = tuple((t.src_stage, t.dst_stage) for t in program.transfers)
-    runs = simulate_schedules(sim, len(ctx.placement.stages), program.train.micro_batches, edges, nic=nic)
+    runs = simulate_schedules(sim, len(ctx.placement.stages), program.train.micro_batches, program.transfers, nic=nic)
     return (runs, sim, rate) if runs is not None else None
 
 
@@ -255,13 +253,13 @@ def pipeline_pass(value, ctx: Context):
     program, runs = value
     if not ctx.training:
         return None
-    edges = None if ctx.untrainable else tuple((t.src_stage, t.dst_stage) for t in program.transfers)
     S, B = len(ctx.placement.stages), program.train.micro_batches
-    plan = build_pipeline(program.train.schedule, S, B, edges)
+    plan = build_pipeline(program.train.schedule, S, B, program.transfers, check=not ctx.untrainable)
     if ctx.probe is not None:   # the memory model's bytes per device by part (docs/memory.md)
         memory = stage_memory(program, ctx.placement.stages, ctx.probe)
-        flights = [peak_in_flight(program.train.schedule, S, k, B) for k in range(S)]
-        z3 = zero3_notes(memory, flights, *((runs[1], plan.per_stage) if runs is not None else ()))
+        lists = plan.record()   # micro-batches in flight per stage: read from the action lists
+        flights = [lists.in_flight_bound(k) for k in range(S)]
+        z3 = zero3_notes(memory, flights, *((runs[1], plan.actions) if runs is not None else ()))
         plan = dataclasses.replace(plan, memory=tuple(
             dict(m.parts(f), **({"saved": saved(m, f)} if saved(m, f) else {}), **({"zero3": z} if z else {}))
             for m, f, z in zip(memory, flights, z3)))

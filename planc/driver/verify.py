@@ -172,12 +172,12 @@ def _scheduled(pipeline, ctx) -> list[str]:
         return []
     m = pipeline.micro_batches
     out = []
-    for s, ops in enumerate(pipeline.to_json()["per_stage"]):
-        f = [int(o[1:]) for o in ops if o[0] == "F"]
-        b = [int(o[1:]) for o in ops if o[0] == "B"]
+    for s, ops in enumerate(pipeline.per_stage):
+        f = [i for k, i in ops if k == "F"]
+        b = [i for k, i in ops if k == "B"]
         if sorted(f) != list(range(m)) or sorted(b) != list(range(m)):
             out.append(f"stage {s} does not run F and B of every micro-batch once")
-        elif any(ops.index(f"B{i}") < ops.index(f"F{i}") for i in range(m)):
+        elif any(ops.index(("B", i)) < ops.index(("F", i)) for i in range(m)):
             out.append(f"stage {s} runs a backward before its forward")
     return out
 

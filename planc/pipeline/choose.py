@@ -103,7 +103,7 @@ def sim_size(sim, micro_batches: int) -> int:
     return ops + layered + 2 * micro_batches * sum(len(t.forward) + len(t.backward) for t in sim.transfers)
 
 
-def simulate_schedules(sim, num_stages: int, micro_batches: int, edges=None, nic: bool = True) -> dict | None:
+def simulate_schedules(sim, num_stages: int, micro_batches: int, transfers=(), nic: bool = True) -> dict | None:
     """Per concrete schedule: ``(PipelinePlan, Prediction)`` of its lists on ``sim``; None when the
     simulation would be larger than :data:`MAX_EVENTS` (it would slow the compiler by seconds).
     ``nic`` False: no host NIC order is tried (the compiler's retry when one could hang the lists)."""
@@ -111,8 +111,8 @@ def simulate_schedules(sim, num_stages: int, micro_batches: int, edges=None, nic
         return None
     out = {}
     for schedule in (ir.PipeSchedule.GPIPE, ir.PipeSchedule.ONE_F_ONE_B, ir.PipeSchedule.EAGER_1F1B):
-        plan = build(schedule, num_stages, micro_batches, edges)
-        out[schedule] = (plan, predict(sim, plan.per_stage, nic=nic))
+        plan = build(schedule, num_stages, micro_batches, transfers)
+        out[schedule] = (plan, predict(sim, plan.actions, nic=nic))
     return out
 
 

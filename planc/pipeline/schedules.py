@@ -1,11 +1,12 @@
-"""Per-stage instruction orders for gpipe, 1f1b and eager_1f1b (AlpaComm §4).
+"""The schedules as generators of action lists: gpipe, 1f1b and eager_1f1b (AlpaComm §4).
 
-A stage's list names only its compute: ``("F", m)`` runs micro-batch ``m``
-forward, ``("B", m)`` backward. The runtime derives the communication around
-each entry from the plan's transfers (receive inputs before ``F``, send
-outputs after it; receive output gradients before ``B``, send input gradients
-after it), so the lists are independent of the transfer graph; the graph only
-decides whether the lists can run (:func:`simulate` below, which :func:`build` runs).
+A schedule first orders each stage's compute: ``("F", m)`` runs micro-batch ``m`` forward,
+``("B", m)`` backward (:func:`stage_ops`). :func:`actions_of` then writes plan.json's
+``pipeline.actions`` (``planc.plan.actions``), the one list every reader runs: before each ``F`` the
+receives of the stage's incoming transfers, after it the sends of its outgoing ones; before each ``B``
+the receives of the output gradients, after it the sends of the input gradients (transfers in
+declaration order); the stage's ``REDUCE`` last. The transfer graph decides whether the compute
+orders can run at all (:func:`simulate` below, which :func:`build` runs).
 
 Warm-up forwards before the first backward, stage ``i`` of ``S``, ``B``
 micro-batches:
@@ -67,6 +68,35 @@ def stage_ops(schedule: PipeSchedule | str, num_stages: int, stage: int, micro_b
     return tuple(ops)
 
 
+def actions_of(per_stage, transfers=()) -> tuple[planfile.RankClass, ...]:
+    """plan.json ``pipeline.actions`` for per-stage compute orders: one rank class per stage (each stage
+    on its own mesh), its compute with each transfer's receives before the action that consumes them and
+    its sends after the one that produced them, then the stage's reduce. ``transfers``: the plan's, in
+    declaration order (anything with ``name``, ``src_stage`` and ``dst_stage``)."""
+    fwd, bwd = planfile.Direction.FORWARD, planfile.Direction.BACKWARD
+    out = []
+    for s, ops in enumerate(per_stage):
+        incoming = [t.name for t in transfers if t.dst_stage == s]
+        outgoing = [t.name for t in transfers if t.src_stage == s]
+        acts = []
+        for kind, m in ops:
+            waits, sends, d = (incoming, outgoing, fwd) if kind == "F" else (outgoing, incoming, bwd)
+            acts += [planfile.Action("RECV", s, m, t, d) for t in waits]
+            acts.append(planfile.Action(kind, s, m))
+            acts += [planfile.Action("SEND", s, m, t, d) for t in sends]
+        acts.append(planfile.Action("REDUCE", s))
+        out.append(planfile.RankClass((s,), tuple(acts)))
+    return tuple(out)
+
+
+def plan_actions(plan_json: dict) -> tuple[planfile.RankClass, ...]:
+    """A plan.json document's ``pipeline.actions``, read and checked on their own (``RankClass.read``)."""
+    pipe = plan_json["pipeline"]
+    m = int(pipe["micro_batches"])
+    return tuple(planfile.RankClass.read(planfile.At(c, f"pipeline.actions[{i}]"), m)
+                 for i, c in enumerate(pipe["actions"]))
+
+
 def op_text(op: Op) -> str:
     return f"{op[0]}{op[1]}"
 
@@ -81,7 +111,8 @@ def parse_op(text: str) -> Op:
 class PipelinePlan:
     schedule: PipeSchedule
     micro_batches: int
-    per_stage: tuple[tuple[Op, ...], ...]
+    per_stage: tuple[tuple[Op, ...], ...]             # each stage's compute order
+    actions: tuple = ()                                # plan.json pipeline.actions (actions_of)
     predicted_iteration: float | None = None
     predicted: dict | None = field(default=None, compare=False)   # the simulator's figures (docs/simulator.md)
     # per host, its cross-host sends one at a time in this order: ((host, ((rank, transfer, direction, m), ...)), ...)
@@ -111,7 +142,7 @@ class PipelinePlan:
         return {
             "schedule": str(self.schedule),
             "micro_batches": self.micro_batches,
-            "per_stage": [[op_text(op) for op in ops] for ops in self.per_stage],
+            "actions": [c.to_json() for c in self.actions],
             "predicted_iteration": self.predicted_iteration,
             "stages": self._stage_figures(),
             **({"predicted": self.predicted} if self.predicted is not None else {}),
@@ -125,8 +156,7 @@ class PipelinePlan:
         extra = (("predicted_iteration", self.predicted_iteration), ("stages", self._stage_figures()))
         if self.predicted is not None:
             extra += (("predicted", self.predicted),)
-        return planfile.Pipeline(planfile.Schedule(str(self.schedule)), self.micro_batches,
-                                 tuple(tuple(op_text(op) for op in ops) for ops in self.per_stage), extra,
+        return planfile.Pipeline(planfile.Schedule(str(self.schedule)), self.micro_batches, self.actions, extra,
                                  tuple((h, tuple(tuple(k) for k in keys)) for h, keys in self.nic_order))
 
     def _stage_figures(self) -> list[dict]:
@@ -149,10 +179,14 @@ class PipelinePlan:
 
     @staticmethod
     def from_json(data: dict) -> "PipelinePlan":
+        m = int(data["micro_batches"])
+        actions = tuple(planfile.RankClass.read(planfile.At(c, f"actions[{i}]"), m)
+                        for i, c in enumerate(data["actions"]))
         return PipelinePlan(
             schedule=PipeSchedule(data["schedule"]),
-            micro_batches=int(data["micro_batches"]),
-            per_stage=tuple(tuple(parse_op(t) for t in ops) for ops in data["per_stage"]),
+            micro_batches=m,
+            per_stage=tuple(tuple((a.kind, a.micro_batch) for a in c.compute()) for c in actions),
+            actions=actions,
             predicted_iteration=data.get("predicted_iteration"),
             predicted=data.get("predicted"),
             nic_order=tuple((int(e["host"]), tuple((int(r), str(t), str(d), int(m)) for r, t, d, m in e["sends"]))
@@ -164,26 +198,23 @@ class PipelinePlan:
         )
 
 
-def build(schedule: PipeSchedule | str, num_stages: int, micro_batches: int,
-          edges: tuple[tuple[int, int], ...] | None = None) -> PipelinePlan:
-    """Per-stage instruction lists for ``schedule``.
+def build(schedule: PipeSchedule | str, num_stages: int, micro_batches: int, transfers=(),
+          check: bool = True) -> PipelinePlan:
+    """``schedule``'s compute orders and action lists (:func:`actions_of` with ``transfers``: the plan's,
+    anything with ``name``, ``src_stage`` and ``dst_stage``).
 
-    ``edges`` (``(src_stage, dst_stage)`` per transfer, default the chain
-    ``i -> i+1``) are checked by running the lists in the event simulation:
-    a plan whose lists would deadlock is rejected here, not on the cluster.
+    ``check``: the compute orders are run in the event simulation over the transfers' edges first: a
+    plan whose lists would deadlock is rejected here, not on the cluster.
     """
     if num_stages < 1:
         raise ValueError("num_stages must be at least 1")
     if str(schedule) == "auto":
         raise ValueError("schedule = auto must be resolved (planc.pipeline.choose) before the lists are built")
-    plan = PipelinePlan(
-        schedule=PipeSchedule(schedule),
-        micro_batches=micro_batches,
-        per_stage=tuple(stage_ops(schedule, num_stages, i, micro_batches) for i in range(num_stages)),
-    )
-    if edges is not None:
-        simulate(plan.per_stage, edges)   # raises DeadlockError
-    return plan
+    per_stage = tuple(stage_ops(schedule, num_stages, i, micro_batches) for i in range(num_stages))
+    if check:
+        simulate(per_stage, tuple((t.src_stage, t.dst_stage) for t in transfers))   # raises DeadlockError
+    return PipelinePlan(schedule=PipeSchedule(schedule), micro_batches=micro_batches, per_stage=per_stage,
+                        actions=actions_of(per_stage, transfers))
 
 
 # ---------------------------------------------------------------- the lists' own deadlock check

@@ -24,7 +24,7 @@ from planc.cost import events
 from planc.cost.collectives import held_after, ring_flows, step_coefficients
 from planc.cost.network import Network
 from planc.plan.gates import post_gates
-from planc.pipeline.schedules import DeadlockError, Timeline, simulate
+from planc.pipeline.schedules import DeadlockError, Timeline, build, simulate
 from planc.pipeline.zero3sim import layered_ops
 from planc.pipeline.siminput import (
     BUCKET_BYTES, DEFAULT_FLOPS, RECV_AHEAD, SimInput, SimReduction, SimTask, SimTransfer, StageCompute,
@@ -32,7 +32,7 @@ from planc.pipeline.siminput import (
 )
 
 __all__ = [   # the input types (planc.pipeline.siminput) and the lists' check (schedules) are named here too
-    "DeadlockError", "Timeline", "simulate", "Prediction", "StageFigures", "predict",
+    "DeadlockError", "Timeline", "simulate", "Prediction", "StageFigures", "predict", "predict_schedule",
     "BUCKET_BYTES", "DEFAULT_FLOPS", "RECV_AHEAD", "SimInput", "SimReduction", "SimTask", "SimTransfer",
     "StageCompute", "sim_input", "stage_compute",
 ]
@@ -77,9 +77,9 @@ class Prediction:
         return max(0.0, self.iteration - self.free_iteration)
 
 
-def predict(sim: SimInput, per_stage, timeline: bool = False, nic: bool = False) -> Prediction:
-    """Simulate one iteration of ``per_stage`` (the schedule's lists, ``(kind, micro-batch)`` ops) on
-    ``sim``; also with free communication, so the exposed communication is the difference.
+def predict(sim: SimInput, actions, timeline: bool = False, nic: bool = False) -> Prediction:
+    """Simulate one iteration of ``actions`` (plan.json ``pipeline.actions``: the rank classes' lists,
+    ``planc.plan.RankClass``; ``planc.pipeline.schedules.build(...).actions``) on ``sim``; also with free communication, so the exposed communication is the difference.
     ``timeline``: keep every compute interval and flow (for ``planc.pipeline.gantt``).
 
     ``nic``: also try a host NIC order (docs/simulator.md, "The host NIC order"): every host's
@@ -88,7 +88,7 @@ def predict(sim: SimInput, per_stage, timeline: bool = False, nic: bool = False)
     completion (the order cannot hang the lists under the runtime's rules) and predicts an iteration
     at least :data:`NIC_ORDER_GAIN` shorter than sharing the links as the sends come (a smaller gain is
     within what the model misses); ``unordered_iteration`` is the latter."""
-    per_stage = [[(k, int(m)) for k, m in ops] for ops in per_stage]
+    per_stage = _turns(actions, len(sim.stage_devices))
     full = _simulate(sim, per_stage, free=False, keep=timeline)
     free = _simulate(sim, per_stage, free=True, keep=False)
     if nic:
@@ -103,6 +103,32 @@ def predict(sim: SimInput, per_stage, timeline: bool = False, nic: bool = False)
                                            unordered_iteration=full.iteration)
         full = dataclasses.replace(full, unordered_iteration=full.iteration)
     return dataclasses.replace(full, free_iteration=free.iteration)
+
+
+def _turns(actions, stages: int) -> list:
+    """Per stage the turns of its class's list (``planc.plan.RankClass.turns``: each compute action with
+    the receives it waits for and the sends it issues after): the only order the simulator runs."""
+    out: list = [None] * stages
+    for c in actions:
+        if len(c.stages) != 1:
+            raise ValueError(f"the simulator runs one stage per rank class; pipeline.actions has a class of "
+                             f"stages {list(c.stages)}")
+        if c.stages[0] >= stages:
+            raise ValueError(f"pipeline.actions runs stage {c.stages[0]} of {stages}")
+        turns = c.turns()
+        if any(t.compute.kind == "W" for t in turns):
+            raise ValueError(f"stage {c.stages[0]}: the simulator does not time a split backward (W) yet")
+        out[c.stages[0]] = (turns, c.tail())
+    if None in out:
+        raise ValueError(f"pipeline.actions runs no list for stage {out.index(None)}")
+    return out
+
+
+def predict_schedule(sim: SimInput, schedule, micro_batches: int, **kw) -> Prediction:
+    """:func:`predict` of ``schedule``'s generated lists (``planc.pipeline.schedules.build``) for the stages
+    and transfers of ``sim``."""
+    return predict(sim, build(schedule, len(sim.stage_devices), micro_batches, sim.transfers, check=False).actions,
+                   **kw)
 
 
 def nic_order_from(ready, sim: SimInput) -> tuple:
@@ -132,16 +158,35 @@ def ingress_order_from(ready, sim: SimInput) -> tuple:
     return tuple((h, tuple(keys)) for h, keys in sorted(by_host.items()) if len(keys) > 1)
 
 
-def _simulate(sim: SimInput, per_stage, free: bool, keep: bool, nic_order: tuple = ()) -> Prediction:
+def _simulate(sim: SimInput, lists, free: bool, keep: bool, nic_order: tuple = ()) -> Prediction:
+    """One iteration of ``lists`` (per stage its class's turns and tail, :func:`_turns`)."""
     S = len(sim.stage_devices)
-    if len(per_stage) != S or len(sim.compute) != S:
-        raise ValueError(f"{len(per_stage)} lists and {len(sim.compute)} compute models for {S} stages")
+    if len(lists) != S or len(sim.compute) != S:
+        raise ValueError(f"{len(lists)} lists and {len(sim.compute)} compute models for {S} stages")
+    turns, tails = [ts for ts, _ in lists], [tail for _, tail in lists]
     net = Network(sim.cluster)
     g = events.Graph()
-    incoming = [[i for i, t in enumerate(sim.transfers) if t.dst_stage == s] for s in range(S)]
-    outgoing = [[i for i, t in enumerate(sim.transfers) if t.src_stage == s] for s in range(S)]
+    per_stage = [[(t.compute.kind, t.compute.micro_batch) for t in ts] for ts in turns]
+    number = {t.name: i for i, t in enumerate(sim.transfers)}
+    unknown = [a for ts, tail in lists for a in [x for t in ts for x in t.before] + list(tail)
+               if a.transfer not in number]
+    if unknown:
+        raise ValueError(f"pipeline.actions: {unknown[0].text()}: the plan has no transfer {unknown[0].transfer!r}")
+    # per stage and compute action, the receives it waits for: (transfer index, direction, micro-batch)
+    jobs_of = [[[(number[a.transfer], str(a.direction), a.micro_batch) for a in t.recvs] for t in ts] for ts in turns]
+    # (transfer, direction, micro-batch) -> (the compute action its send follows, the receives the compute
+    # thread waits for between that action and the send): the list's order, as the runtime runs it
+    sent_after = {}
+    for ts, tail in zip(turns, tails):
+        for i, before in enumerate([t.before for t in ts[1:]] + [tail]):
+            waited = []
+            for a in before:
+                if a.kind == "RECV":
+                    waited.append((number[a.transfer], str(a.direction), a.micro_batch))
+                else:
+                    sent_after[a.transfer, str(a.direction), a.micro_batch] = (i, tuple(waited))
+    micro_batches = max((m for ops in per_stage for _, m in ops), default=-1) + 1
     stage_of = {d: s for s, devs in enumerate(sim.stage_devices) for d in devs}
-    index = [{op: i for i, op in enumerate(ops)} for ops in per_stage]
 
     def comm(deps, tag, fl, lat):
         """A node moving ``fl`` (free: nothing, at once)."""
@@ -189,14 +234,11 @@ def _simulate(sim: SimInput, per_stage, free: bool, keep: bool, nic_order: tuple
     posted, recv_job, recv_sources, begin_jobs = {}, {}, {}, {}
     before = {}     # the receive finished before this one on the same device (relays and gathers wait for it)
     for s, devs in enumerate(sim.stage_devices):
-        gates = post_gates(per_stage[s], sim.ahead,
-                           [bool(incoming[s] if kind == "F" else outgoing[s]) for kind, _ in per_stage[s]])
+        gates = post_gates(per_stage[s], sim.ahead, [bool(j) for j in jobs_of[s]])
         for d in devs:
             prev = None
-            for i, (kind, m) in enumerate(per_stage[s]):
-                jobs = ([(t, "forward") for t in incoming[s]] if kind == "F" else
-                        [(t, "backward") for t in outgoing[s]])
-                for t, direction in jobs:   # posted when queued (never blocks), finished in queue order
+            for i, jobs in enumerate(jobs_of[s]):
+                for t, direction, m in jobs:   # posted when queued (never blocks), finished in queue order
                     post = g.add([begin[d, gates[i]] if gates[i] > 0 else None],
                                  tag=("post", s, d, t, direction, m))
                     posted[d, t, direction, m] = post
@@ -213,15 +255,20 @@ def _simulate(sim: SimInput, per_stage, free: bool, keep: bool, nic_order: tuple
         for direction, tasks, src in (("forward", tr.forward, tr.src_stage), ("backward", tr.backward, tr.dst_stage)):
             if not tasks:
                 continue
-            kind = "F" if direction == "forward" else "B"
-            for m in range(len(per_stage[src]) // 2):
+            for m in range(micro_batches):
                 gather_prev: dict[int, int] = {}
                 ends = []
                 for task in tasks:
                     if stage_of.get(task.sender) != src:
                         raise ValueError(f"transfer {tr.name!r} ({direction}): sender {task.sender} is not in "
                                          f"stage {src}")
-                    ready = comp_end[task.sender, index[src][(kind, m)]]
+                    at = sent_after.get((tr.name, direction, m))
+                    if at is None:
+                        raise ValueError(f"pipeline.actions: stage {src} never sends {tr.name} {direction} {m}")
+                    ready = comp_end[task.sender, at[0]]
+                    if at[1]:   # the list has the compute thread wait for receives before it sends
+                        ready = g.add([ready] + [recv_job[(task.sender,) + k] for k in at[1]],
+                                      tag=("sent", src, task.sender, tr.name, direction, m))
                     deps = [ready] + [posted[r, ti, direction, m] for r in task.receivers]
                     tag = ("transfer", tr.name, direction, m)
                     done = {}

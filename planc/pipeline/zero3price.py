@@ -41,14 +41,14 @@ def gather_seconds(sim, s: int) -> float:
     return max(trace.finish[n] for n in stream.values())
 
 
-def zero3_notes(memory, flights, sim=None, per_stage=None) -> list[dict | None]:
+def zero3_notes(memory, flights, sim=None, actions=None) -> list[dict | None]:
     """Per stage (index order) plan.json's ``pipeline.stages[i].zero3`` (docs/plan-format.md), None where the
     stage does not shard its parameters: the stage's ``prefetch``, ``keep_gathered`` and ``recompute``;
     ``whole`` and ``gathered``, the parameter bytes kept whole (tied across stages) and of the
     gathered buffers (no shard in the parameters' dtype is kept: the fp32 masters are its values); ``freed`` and ``kept``, the stage under ``zero_keep_gathered = false`` and
     ``true``: ``total`` bytes by the memory model (``flights`` micro-batches in flight), ``gathers`` per
     micro-batch (``per``: ``micro_batch``, or ``step`` when kept), ``gather_seconds`` (their price alone,
-    :func:`gather_seconds`) and ``iteration``, the schedule's ``per_stage`` lists simulated on ``sim`` with
+    :func:`gather_seconds`) and ``iteration``, the schedule's ``actions`` simulated on ``sim`` with
     that setting and no host NIC order (None without a simulation)."""
     out: list[dict | None] = []
     runs: dict = {}
@@ -64,8 +64,8 @@ def zero3_notes(memory, flights, sim=None, per_stage=None) -> list[dict | None]:
         red = next((r for r in sim.reductions if r.stage == m.stage and r.per_layer), None) if sim else None
         for name, keep in (("freed", False), ("kept", True)):
             run = dataclasses.replace(sim, keep_gathered=keep) if sim is not None else None
-            if run is not None and per_stage is not None and keep not in runs:
-                runs[keep] = predict(run, per_stage).iteration
+            if run is not None and actions is not None and keep not in runs:
+                runs[keep] = predict(run, actions).iteration
             entry[name] = {"total": m.with_(keep_gathered=keep).total(k),
                            "gathers": (gathers_per_micro_batch(layers, m.recompute, keep) if layers is not None
                                        else None), "per": "step" if keep else "micro_batch",

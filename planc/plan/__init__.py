@@ -6,6 +6,7 @@ package into every output as ``OUT/planc/plan/``). The closed vocabularies are d
 (``vocab``); ``planc.ir`` imports them. ../shared/PLAN_FORMAT.md is the contract in words;
 docs/plan-format.md lists what planc adds.
 """
+from .actions import Action, RankClass, Turn
 from . import checkpoint   # planc.json of a checkpoint (its own FORMAT): planc.plan.checkpoint.Manifest
 from .file import FORMAT, Plan, digest, dumps, load
 from .gates import DEFAULT_AHEAD, post_gates
@@ -27,5 +28,5 @@ __all__ = [
     "Transfer", "DTYPE_NAMES", "Backend", "Collective", "Direction", "InHost", "MeshAxis", "Precision",
     "ReductionMode", "Schedule", "StageMode", "Strategy", "OPTIMIZER_DEFAULTS", "LossScale", "LrSchedule", "Zero3",
     "Optimizer", "Recompute", "DEFAULT_AHEAD", "post_gates", "checkpoint", "Notes", "PlacementNotes",
-    "ReductionNotes", "TransferNotes", "PipelineNotes", "LayerNotes",
+    "ReductionNotes", "TransferNotes", "PipelineNotes", "LayerNotes", "Action", "RankClass", "Turn",
 ]

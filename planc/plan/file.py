@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from .jsonpath import At, Group, PlanFileError, kind, lists
 from .records import Cluster, Reduction, Stage
 from .runtime import Runtime
+from .actions import check_transfers
 from .training import Pipeline, TagLayout, Train
 from .transfers import Transfer
 from .vocab import StageMode, Strategy
@@ -137,6 +138,8 @@ class Plan:
                             raise PlanFileError(f"plan.json: transfers[{i}]{where}.tasks[{k}]: group {list(g)} "
                                                 "is not listed in groups")
         if self.pipeline is not None:
+            check_transfers(self.pipeline.actions, self.transfers, [st.devices for st in self.stages],
+                            self.pipeline.micro_batches)
             self._check_nic_order()
         if self.train is not None:
             if self.pipeline is None:

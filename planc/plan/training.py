@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from .actions import RankClass
 from .jsonpath import At, PlanFileError, extra, with_extra
 from .optim import LossScale, LrSchedule, Optimizer, Zero3
 from .runtime import positive_seconds
@@ -21,34 +22,18 @@ __all__ = ["Pipeline", "CodeRef", "HfModel", "VocabSplit", "padded_vocab", "voca
 class Pipeline:
     schedule: Schedule
     micro_batches: int
-    per_stage: tuple[tuple[str, ...], ...]
+    actions: tuple[RankClass, ...]    # the schedule: per rank class its ordered actions (actions.py)
     extra: tuple = ()
     # per host (index), its cross-host sends in the order its NIC runs them, one at a time:
     # ((host, ((rank, transfer, direction, micro-batch), ...)), ...); empty: sends go as they come
     nic_order: tuple = ()
 
-    KEYS = ("schedule", "micro_batches", "per_stage", "nic_order")
+    KEYS = ("schedule", "micro_batches", "actions", "nic_order")
 
     @staticmethod
     def read(at: At, stages: int) -> "Pipeline":
         m = at.key("micro_batches").int(1)
-        lists = []
-        for i, ops in enumerate(at.key("per_stage").items()):
-            seen = {"F": set(), "B": set()}
-            names = []
-            for op in ops.items():
-                s = op.str()
-                if len(s) < 2 or s[0] not in "FB" or not s[1:].isdigit() or int(s[1:]) >= m:
-                    op.fail(f"expected F<m> or B<m> with m < {m}, got {s!r}")
-                if s[0] == "B" and int(s[1:]) not in seen["F"]:
-                    op.fail(f"{s} runs before F{s[1:]}")
-                seen[s[0]].add(int(s[1:]))
-                names.append(s)
-            if seen["F"] != set(range(m)) or seen["B"] != set(range(m)):
-                ops.fail(f"stage {i} must run F and B of every micro-batch 0..{m - 1} once")
-            lists.append(tuple(names))
-        if len(lists) != stages:
-            at.key("per_stage").fail(f"{len(lists)} lists for {stages} stages")
+        classes = tuple(RankClass.read(c, m) for c in at.key("actions").items())
         nic, hosts = [], set()
         for e in at.key("nic_order", []).items():
             h = e.key("host").int(0)
@@ -70,7 +55,23 @@ class Pipeline:
                 seen.add(key)
                 sends.append(key)
             nic.append((h, tuple(sends)))
-        return Pipeline(at.key("schedule").enum(Schedule), m, tuple(lists), extra(at, Pipeline.KEYS), tuple(nic))
+        return Pipeline(at.key("schedule").enum(Schedule), m, classes, extra(at, Pipeline.KEYS), tuple(nic))
+
+    def class_of(self, stage: int) -> RankClass:
+        """The rank class that runs ``stage``."""
+        return next(c for c in self.actions if stage in c.stages)
+
+    @property
+    def per_stage(self) -> tuple[tuple[str, ...], ...]:
+        """Per stage its forwards and backwards in list order (``"F3"``, ``"B0"``): read from the actions,
+        for the figures that only count micro-batches in flight (``W`` left out: it frees nothing ``B``
+        kept for the previous stage, and holds only what the weight gradients need)."""
+        out = {}
+        for c in self.actions:
+            for a in c.compute():
+                if a.kind != "W":
+                    out.setdefault(a.stage, []).append(f"{a.kind}{a.micro_batch}")
+        return tuple(tuple(out.get(s, ())) for s in range(max(out, default=-1) + 1))
 
     def in_flight_bound(self, stage: int) -> int:
         """Most micro-batches whose forward ran and backward did not, at any point of the stage's list."""
@@ -82,7 +83,7 @@ class Pipeline:
 
     def to_json(self) -> dict:
         out = {"schedule": str(self.schedule), "micro_batches": self.micro_batches,
-               "per_stage": [list(x) for x in self.per_stage]}
+               "actions": [c.to_json() for c in self.actions]}
         if self.nic_order:
             out["nic_order"] = [{"host": h, "sends": [list(k) for k in keys]} for h, keys in self.nic_order]
         return with_extra(out, self.extra)

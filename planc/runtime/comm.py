@@ -49,16 +49,10 @@ __all__ = ["RecvAhead", "receive_jobs", "post_gates", "DEFAULT_AHEAD"]
 _NOTHING = object()
 
 
-def receive_jobs(ops, incoming, outgoing) -> list[list[tuple[str, Direction, int]]]:
-    """Per operation of the stage's list, the receives it consumes, in consumption order."""
-    out = []
-    for op in ops:
-        m = int(op[1:])
-        if op[0] == "F":
-            out.append([(t, Direction.FORWARD, m) for t in incoming])
-        else:
-            out.append([(t, Direction.BACKWARD, m) for t in outgoing])
-    return out
+def receive_jobs(turns) -> list[list[tuple[str, Direction, int]]]:
+    """Per compute action of the rank's list (``planc.plan.RankClass.turns``), the receives it waits for,
+    in list order."""
+    return [[(a.transfer, a.direction, a.micro_batch) for a in t.recvs] for t in turns]
 
 
 class RecvAhead:

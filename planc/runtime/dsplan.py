@@ -10,7 +10,7 @@ from deepspeed.runtime.pipe import module as ds_module
 from deepspeed.runtime.pipe import p2p as ds_p2p
 from deepspeed.runtime.pipe import schedule as ds_schedule
 
-from planc.plan import Plan
+from planc.plan import Direction, Plan
 
 from .dataflow import EngineError
 from .topology import PlanGrid
@@ -25,28 +25,33 @@ class BeginOp(ds_schedule.PipeInstruction):
 
 
 class PlanSchedule(ds_schedule.PipeSchedule):
-    """DeepSpeed instructions for one stage, from its plan.json ``per_stage`` list."""
+    """DeepSpeed instructions for one stage, from its rank class's plan.json ``pipeline.actions`` list, in
+    its order: per turn (``planc.plan.RankClass.turns``) its receives (a wait) and sends (issued) as listed,
+    ``BeginOp`` where the turn begins, the compute; the sends after the last compute, then the reduce and
+    the optimizer step."""
 
-    def __init__(self, ops, micro_batches, stages, stage_id, incoming, outgoing, loads_data):
+    _RECV = {Direction.FORWARD: ds_schedule.RecvActivation, Direction.BACKWARD: ds_schedule.RecvGrad}
+    _SEND = {Direction.FORWARD: ds_schedule.SendActivation, Direction.BACKWARD: ds_schedule.SendGrad}
+
+    def __init__(self, rank_class, micro_batches, stages, stage_id, loads_data):
         super().__init__(micro_batches, stages, stage_id)
-        self.ops, self.incoming, self.outgoing, self.loads_data = list(ops), incoming, outgoing, loads_data
+        self.rank_class, self.loads_data = rank_class, loads_data
+
+    def _move(self, a):
+        table = self._RECV if a.kind == "RECV" else self._SEND
+        return table[a.direction](buffer_id=a.micro_batch, transfer=a.transfer)
 
     def steps(self):
-        for index, text in enumerate(self.ops):
-            kind, m = text[0], int(text[1:])
-            cmds = [BeginOp(index=index)]
-            if kind == "F":
-                if self.loads_data:
-                    cmds.append(ds_schedule.LoadMicroBatch(buffer_id=m))
-                cmds += [ds_schedule.RecvActivation(buffer_id=m, transfer=t) for t in self.incoming]
-                cmds.append(ds_schedule.ForwardPass(buffer_id=m))
-                cmds += [ds_schedule.SendActivation(buffer_id=m, transfer=t) for t in self.outgoing]
-            else:
-                cmds += [ds_schedule.RecvGrad(buffer_id=m, transfer=t) for t in self.outgoing]
-                cmds.append(ds_schedule.BackwardPass(buffer_id=m))
-                cmds += [ds_schedule.SendGrad(buffer_id=m, transfer=t) for t in self.incoming]
+        for index, turn in enumerate(self.rank_class.turns()):
+            a = turn.compute
+            cmds = [self._move(x) for x in turn.before]
+            cmds.insert(turn.begin, BeginOp(index=index))
+            if a.kind == "F" and self.loads_data:
+                cmds.append(ds_schedule.LoadMicroBatch(buffer_id=a.micro_batch))
+            cmds.append(ds_schedule.ForwardPass(buffer_id=a.micro_batch) if a.kind == "F" else
+                        ds_schedule.BackwardPass(buffer_id=a.micro_batch))
             yield cmds
-        yield [ds_schedule.ReduceGrads(), ds_schedule.OptimizerStep()]
+        yield [self._move(x) for x in self.rank_class.tail()] + [ds_schedule.ReduceGrads(), ds_schedule.OptimizerStep()]
 
     def num_pipe_buffers(self):
         return 1    # the engine keeps its own per-micro-batch buffers and frees each one early

@@ -108,7 +108,9 @@ class PlanEngine(PipelineEngine):
         self.plan, self.plan_groups, self.rank = plan, groups, rank
         self.graph = StageGraph(plan)
         self.stage: Stage = plan.stage_of(rank)
-        self.ops = plan.pipeline.per_stage[self.stage_id]
+        self.rank_class = plan.pipeline.class_of(self.stage_id)   # plan.json pipeline.actions: the order
+        self.turns = self.rank_class.turns()
+        self.ops = [f"{t.compute.kind}{t.compute.micro_batch}" for t in self.turns]
         if plan.pipeline.micro_batches != self.micro_batches:
             raise EngineError(f"gradient_accumulation_steps = {self.micro_batches} but the plan has "
                               f"{plan.pipeline.micro_batches} micro-batches")
@@ -152,7 +154,7 @@ class PlanEngine(PipelineEngine):
         if red is not None and tuple(self.grid.get_data_parallel_group_ranks()) != red.group_of(rank):
             raise EngineError(f"rank {rank}: its gradient reduction group {list(red.group_of(rank))} is not its "
                               f"stage's data group {self.grid.get_data_parallel_group_ranks()}")
-        self.held = {k: {} for k in ("inputs", "outputs", "labels", "losses", "grads")}
+        self.held = {k: {} for k in ("inputs", "outputs", "labels", "losses", "grads", "grads_sent")}
         self.last_backward = int(next(op for op in reversed(self.ops) if op[0] == "B")[1:])
         self.grads = make_buckets(plan, self.stage_id, self.tied.others(self.module.parameters()), self.reduction,
                                   self.device, tracer=tracer, layers=self.module.forward_funcs)   # grads_zero2.py
@@ -164,7 +166,7 @@ class PlanEngine(PipelineEngine):
         self.sends = SendReaper(tracer=tracer)
         self.nic = None   # the host NIC order (nicorder.py): attach_nic, when the plan has one for this host
         self.nic_bytes: dict = {}   # (transfer, direction) -> bytes this rank sends off its host per micro-batch
-        self.recvs = RecvAhead(self.executors, receive_jobs(self.ops, self.incoming, self.outgoing),
+        self.recvs = RecvAhead(self.executors, receive_jobs(self.turns),
                                ahead=plan.runtime.recv_ahead, tracer=tracer, ops=self.ops)
         self.stats = {"stage": self.stage_id, "peak_live_micro_batches": 0, "peak_pending_sends": 0}
         self.saved = None   # --memory-stats: per micro-batch in flight, the bytes autograd saved in its forward
@@ -372,8 +374,10 @@ class PlanEngine(PipelineEngine):
         t = self.held["inputs"][buffer_id][transfer]
         g = t.grad if t.grad is not None else torch.zeros_like(t)
         self._send(transfer, Direction.BACKWARD, buffer_id, g)
-        if transfer == self.incoming[-1]:
-            self._drop(buffer_id, "inputs")
+        sent = self.held["grads_sent"].setdefault(buffer_id, set())
+        sent.add(transfer)
+        if len(sent) == len(self.incoming):   # every input's gradient sent (in the list's order)
+            self._drop(buffer_id, "inputs", "grads_sent")
         self._note()
 
     def _exec_reduce_grads(self):
@@ -415,8 +419,8 @@ class PlanEngine(PipelineEngine):
 
     # ---- driver
     def _train_schedule(self):
-        return PlanSchedule(self.ops, self.micro_batches, self.num_stages, self.stage_id,
-                            self.incoming, self.outgoing, self.is_first_stage() or self.is_last_stage())
+        return PlanSchedule(self.rank_class, self.micro_batches, self.num_stages, self.stage_id,
+                            self.is_first_stage() or self.is_last_stage())
 
     def train_batch(self, data_iter=None) -> float:
         """One iteration of the plan's schedule; returns this rank's share of the step's mean loss

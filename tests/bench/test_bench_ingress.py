@@ -32,7 +32,7 @@ def test_receiving_host_chains(files):
     from planc.lang import load
     from planc.pipeline.gantt import plan_input
     from planc.pipeline.schedules import build
-    from planc.pipeline.simulate import _simulate, ingress_order_from, nic_order_from
+    from planc.pipeline.simulate import _simulate, _turns, ingress_order_from, nic_order_from
     from planc.model.probe import probe_model
 
     plan, cal = files
@@ -40,7 +40,7 @@ def test_receiving_host_chains(files):
     program = dataclasses.replace(program, cluster=substitute(program.cluster, read_calibrated(cal), 100))
     pj = compile_program(program, probe_model(program)).plan_json
     sim = plan_input(pj)
-    lists = [[(k, int(m)) for k, m in ops] for ops in build("1f1b", 2, 4).per_stage]
+    lists = _turns(build("1f1b", 2, 4, sim.transfers).actions, 2)
     shared = _simulate(sim, lists, free=False, keep=False)
     chains = ingress_order_from(shared.ready, sim)
     assert chains, "the tiny plan sends across its two hosts"

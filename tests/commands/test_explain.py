@@ -63,9 +63,12 @@ def test_explain_cli_shows_transfers_and_pipeline():
         assert re.search(rf"^{name}\s+\d -> \d\s+\w+", r.stdout, re.M), name   # the transfers table
     assert "scheduled on one NIC timeline with" in r.stdout
     assert "pipeline: eager_1f1b, 4 micro-batches" in r.stdout
-    per_stage = compile_file(UNET, probe=False).plan_json["pipeline"]["per_stage"]
-    for i, ops in enumerate(per_stage):                            # each stage's row of the schedule table
-        assert re.search(rf"^\s*{i}\s+{' '.join(ops)}$", r.stdout, re.M), (i, ops)
+    classes = compile_file(UNET, probe=False).plan_json["pipeline"]["actions"]
+    text = " ".join(r.stdout.split())   # the table wraps each class's long list
+    for c in classes:                  # each class's row of the schedule table: its actions, in order
+        words = [f"{a[0]}{a[1]}.{a[2]}" if a[0] in "FBW" else f"reduce({a[1]})" if a[0] == "REDUCE" else
+                 f"{a[0].lower()}({a[3]},{dict(forward='fwd', backward='bwd')[a[4]]},{a[2]})" for a in c["list"]]
+        assert " ".join(words) in text, c["stages"]
     assert all(len(line) <= 80 for line in r.stdout.splitlines())
 
 
@@ -82,7 +85,8 @@ def test_explain_json_is_the_same_content():
     for t, src in zip(data["transfers"], plan["transfers"]):
         assert t["strategy"] == src["strategy"] and t["tasks"] == len(src["tasks"])
         assert t["makespan"] == src["makespan"] and t["lower_bound"] == src["lower_bound"]
-    assert data["pipeline"]["per_stage"] == plan["pipeline"]["per_stage"]
+    assert [c["stages"] for c in data["pipeline"]["actions"]] == [c["stages"] for c in plan["pipeline"]["actions"]]
+    assert [len(c["list"]) for c in data["pipeline"]["actions"]] == [len(c["list"]) for c in plan["pipeline"]["actions"]]
     assert data["reductions"][0]["program"] == plan["reductions"][0]["program"]["text"]
 
 

@@ -93,8 +93,9 @@ def _hand_written_plan() -> dict:
                                     {"matrix": [[1, 2], [2, 1]], "predicted": 0.0123,
                                      "breakdown": {"reduce gradients": 0.0083, "transfers": 0.004}}],
                          "coords": [[0, 0], [0, 1], [1, 0], [1, 1]]}
-    plan["pipeline"] = {"schedule": "1f1b", "micro_batches": 2, "predicted_iteration": 0.031,
-                        "per_stage": [["F0", "F1", "B0", "B1"], ["F0", "B0", "F1", "B1"]]}
+    from schedule_util import set_compute_lists
+    plan["pipeline"] = {"schedule": "1f1b", "micro_batches": 2, "predicted_iteration": 0.031}
+    set_compute_lists(plan, [["F0", "F1", "B0", "B1"], ["F0", "B0", "F1", "B1"]])
     plan["choices"] = {"schedule": "1f1b, the first of eager_1f1b, 1f1b that fits the memory"}
     return plan
 

@@ -556,7 +556,7 @@ def test_peak_in_flight_is_the_lists_bound():
     for schedule in ir.PipeSchedule.concrete():
         for S in range(1, 5):
             for B in range(1, 9):
-                lists = build(schedule, S, B).per_stage
+                lists = build(schedule, S, B).per_stage   # the compute orders
                 for i, ops in enumerate(lists):
                     live = peak = 0
                     for kind, _ in ops:

@@ -131,6 +131,21 @@ def _stage_meshes_overlap(d):
     b["mesh"] = swap(b["mesh"])
 
 
+def _send_after_its_gradient(d):
+    """Stage 0 waits for micro-batch 0's gradient before it sends micro-batch 0's activations."""
+    lst = d["pipeline"]["actions"][0]["list"]
+    name = d["transfers"][0]["name"]
+    a, b = lst.index(["SEND", 0, 0, name, "forward"]), lst.index(["RECV", 0, 0, name, "backward"])
+    lst[a], lst[b] = lst[b], lst[a]
+
+
+def _receive_late(d):
+    lst = d["pipeline"]["actions"][1]["list"]
+    recv = next(a for a in lst if a[0] == "RECV" and a[2] == 0 and a[4] == "forward")
+    lst.remove(recv)
+    lst.insert(lst.index(["F", 1, 0]) + 1, recv)
+
+
 MUTATIONS = {
     "coords off the rank mapping": ("gpt-2x4", _swap_coords, "rank mapping"),
     "matrix column off its fanout": (
@@ -164,9 +179,11 @@ MUTATIONS = {
     "a spec that uses a mesh dimension twice": (
         "gpt-2x4", lambda d: d["transfers"][0]["dst"].__setitem__("spec", "S0 S0 R"), "mesh dimension twice"),
     "stages that share a device": ("mlp-three-stages-2-1-2", _stage_meshes_overlap, "another stage"),
-    "B before F": ("mlp-three-stages-2-1-2", lambda d: d["pipeline"]["per_stage"][0].reverse(), "before F"),
+    "B before F": ("mlp-three-stages-2-1-2", lambda d: d["pipeline"]["actions"][0]["list"].reverse(), "before F"),
     "a micro-batch missing from a stage": (
-        "mlp-three-stages-2-1-2", lambda d: d["pipeline"]["per_stage"][1].remove("F0"), "once"),
+        "mlp-three-stages-2-1-2", lambda d: d["pipeline"]["actions"][1]["list"].remove(["F", 1, 0]), "once"),
+    "a send swapped with a receive (a hang)": ("mlp-three-stages-2-1-2", _send_after_its_gradient, "cannot all finish"),
+    "a receive after the compute it feeds": ("mlp-three-stages-2-1-2", _receive_late, "after F1.0"),
     "a transfer without its backward": (
         "mlp-three-stages-2-1-2", lambda d: d["transfers"][0].pop("backward"), "backward"),
     "a missing section": ("unet-skip", lambda d: d.pop("transfers"), "missing required key 'transfers'"),

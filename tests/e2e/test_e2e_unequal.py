@@ -30,6 +30,7 @@ import pytest
 from planc.output.codegen import write_output
 from planc.driver.compile import compile_file
 
+from schedule_util import compute_lists
 from e2e_util import (ROOT, _load_callable, assert_controls_fail, compare_dumps, data_degree, independent_reference,
                       run_direct, schedule_bound, stage_gradient_program, stage_ranks)
 
@@ -301,7 +302,7 @@ def check_traces(plan: dict, directory, steps: int) -> None:
     from planc.runtime.trace import load, summarise
     traces = load(str(directory))
     assert sorted(traces) == list(range(plan["cluster"]["devices"]))
-    per_stage = plan["pipeline"]["per_stage"]
+    per_stage = compute_lists(plan)
     for st in plan["stages"]:
         ops = per_stage[st["index"]]
         incoming = [t["name"] for t in plan["transfers"] if t["dst"]["stage"] == st["index"]]
@@ -344,7 +345,7 @@ def test_many_micro_batches_stay_within_schedule_bound(tmp_path, schedule):
                                    extra=("--memory-stats", str(stats), "--trace", str(traces)))
     check_traces(plan, traces, steps=2)
     assert plan["pipeline"]["micro_batches"] == MEMORY_MICRO_BATCHES
-    per_stage = plan["pipeline"]["per_stage"]
+    per_stage = compute_lists(plan)
     bounds = {st["index"]: schedule_bound(per_stage[st["index"]]) for st in plan["stages"]}
     assert all(b < MEMORY_MICRO_BATCHES for b in bounds.values()), bounds
     written = sorted(int(f.stem[4:]) for f in stats.glob("rank*.json"))

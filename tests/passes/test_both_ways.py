@@ -20,7 +20,7 @@ from planc.cost.network import Network
 from planc.lang import load
 from planc.lang.errors import PlanError
 from planc.pipeline.schedules import build
-from planc.pipeline.simulate import SimInput, SimTask, SimTransfer, StageCompute, predict
+from planc.pipeline.simulate import SimInput, SimTask, SimTransfer, StageCompute, predict, predict_schedule
 from planc.runtime import nicorder
 from planc.runtime.nicorder import CrossHostSockets, NicOrder, NicOrderError
 
@@ -57,7 +57,7 @@ def test_link_bound_1f1b_pays_both_ways_while_activations_and_gradients_cross(B)
     comp = tuple(StageCompute((1e-15,), (2e-15,), (0.0,), 0.0) for _ in range(2))
     trs = (SimTransfer("t0", 0, 1, (SimTask(0, (1,), N, "send_recv"),), (SimTask(1, (0,), N, "send_recv"),)),)
     sim = SimInput(two_hosts(R, W), ((0,), (1,)), comp, trs)
-    p = predict(sim, build("1f1b", 2, B).per_stage)
+    p = predict_schedule(sim, "1f1b", B)
     assert p.iteration == pytest.approx(2 * N / R + (B - 1) * N / W, rel=1e-9)
 
 

@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
+from schedule_util import compute_lists, set_compute_lists
 from planc.driver.compile import compile_file
 from planc.pipeline.deadlock import Hang, check_rendezvous
 from planc.pipeline.schedules import stage_ops
@@ -90,7 +91,7 @@ def test_arguments_are_checked():
 
 def with_lists(d: dict, *lists) -> planfile.Plan:
     d = copy.deepcopy(d)
-    d["pipeline"]["per_stage"] = [list(x) for x in lists]
+    set_compute_lists(d, [list(x) for x in lists])
     return plan_of(d)
 
 
@@ -113,7 +114,7 @@ def test_forward_orders_that_differ_hang_under_nccl_only():
     of rank 0 -> 2 with the first receive, so rank 2 waits for micro-batch 1 while rank 0 waits for the
     gradient of micro-batch 0."""
     d = doc(bundled("gpt-bench-2x2.plan"))
-    s0, s1 = d["pipeline"]["per_stage"]
+    s0, s1 = compute_lists(d)
     s1 = f1_first(s1)
     plan = with_lists(d, s0, s1)
     assert check_rendezvous(plan, backend="gloo") == []
@@ -199,7 +200,7 @@ def test_reduction_collectives_met_in_different_orders_hang_under_both():
 
 def test_the_hang_names_two_ranks_and_operations():
     d = doc(bundled("unet-skip.plan"))
-    s0, s1, s2 = d["pipeline"]["per_stage"]
+    s0, s1, s2 = compute_lists(d)
     s2 = f1_first(s2)                      # the last stage runs F1 before F0 on every pair
     hangs = check_rendezvous(with_lists(d, s0, s1, s2), backend="nccl", mode="train")
     assert hangs
@@ -222,7 +223,7 @@ def test_ten_thousand_unit_task_operations_in_a_few_seconds():
             for k, task in enumerate(route["tasks"]):
                 task["start"] = float(k)
     d["pipeline"]["micro_batches"] = m
-    d["pipeline"]["per_stage"] = [[f"{k}{i}" for k, i in stage_ops("1f1b", 2, s, m)] for s in range(2)]
+    set_compute_lists(d, [[f"{k}{i}" for k, i in stage_ops("1f1b", 2, s, m)] for s in range(2)])
     plan = plan_of(d)
     for backend in ("nccl", "gloo"):    # (its time is in docs/limits.md; no test times it)
         assert check_rendezvous(plan, backend=backend, mode="train") == []
@@ -314,7 +315,7 @@ def test_allgather_routes(split):
     plan = plan_of(d)
     for backend in ("nccl", "gloo"):
         assert check_rendezvous(plan, backend=backend) == []
-    s0, s1 = d["pipeline"]["per_stage"]
+    s0, s1 = compute_lists(d)
     s1 = f1_first(s1)
     hangs = check_rendezvous(with_lists(d, s0, s1), backend="nccl", mode="train")
     assert hangs
@@ -336,3 +337,24 @@ def test_comm_only_reduction_a_rank_never_runs():
     assert "reduction 'grads' step 0 (allreduce) on communicator group [0, 1, 2, 3, 4]" in text
     assert "rank 4 has not issued it" in text
     assert "rank 4 waits in reduction 'weights' step 0 (allreduce)" in text
+
+
+# ---------------------------------------------------------------- the action list, read as written
+
+def test_a_send_moved_after_a_receive_hangs_as_written():
+    """pipeline.actions is run as written: stage 0's list with its send of micro-batch 0's activations
+    swapped with the receive of that micro-batch's gradient (still after F0 and before B0, so the list
+    reads as valid) makes stage 0 wait for a gradient that needs the activations it has not sent."""
+    d = doc(bundled("gpt-bench-2x2.plan"))
+    assert check_rendezvous(plan_of(d)) == []
+    lst = d["pipeline"]["actions"][0]["list"]
+    send = lst.index(["SEND", 0, 0, "hidden", "forward"])
+    recv = lst.index(["RECV", 0, 0, "hidden", "backward"])
+    lst[send], lst[recv] = lst[recv], lst[send]
+    plan = plan_of(d)                      # the contract's checks pass: the order is legal, it just hangs
+    for backend in ("nccl", "gloo"):
+        hangs = check_rendezvous(plan, backend=backend, mode="train")
+        assert hangs, backend
+        text = "\n".join(map(str, hangs))
+        assert "backward recv of transfer 'hidden' task 0 (micro-batch 0)" in text, text
+        assert "forward recv of transfer 'hidden' task 0 (micro-batch 0)" in text, text

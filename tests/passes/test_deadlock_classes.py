@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
+from schedule_util import compute_lists, set_compute_lists
 from planc.pipeline.deadlock import check_rendezvous
 from planc.pipeline.deadlock.build import Builder
 from planc.pipeline.deadlock.classes import check_mode, classes, components
@@ -82,7 +83,7 @@ def test_every_plan_agrees(path):
 
 def test_forward_orders_that_differ():
     d = doc(bundled("gpt-bench-2x2.plan"))
-    s0, s1 = d["pipeline"]["per_stage"]
+    s0, s1 = compute_lists(d)
     hangs = agree(with_lists(d, s0, f1_first(s1)), same_hangs=True)
     assert {h.ranks for h in hangs if h.backend == "nccl"} == {(0, 2), (1, 3)}   # both replicas named
 
@@ -140,7 +141,7 @@ def test_a_reduction_a_rank_never_runs():
 def test_allgather_routes(split):
     d = _as_allgather(doc(bundled("gpt-2x4.plan")), split)
     assert agree(plan_of(d)) == []
-    s0, s1 = d["pipeline"]["per_stage"]
+    s0, s1 = compute_lists(d)
     assert agree(with_lists(d, s0, f1_first(s1)), same_hangs=True)
 
 

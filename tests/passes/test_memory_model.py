@@ -251,7 +251,7 @@ def test_zero_programs_appear_in_the_timeline():
     sim = sim_input(zero_cluster(bw), [{"index": 0, "devices": [0, 1]}], [], reds, [comp],
                     {"grad_bucket_bytes": 1e12})
     assert [(r.after_step, r.held) for r in sim.reductions] == [(False, (1.0,)), (True, (0.5,))]
-    lists = build("1f1b", 1, 2).per_stage
+    lists = build("1f1b", 1, 2).actions
     pred = predict(sim, lists, timeline=True)
     spans = {}
     for _, a, b, tag in pred.traffic:

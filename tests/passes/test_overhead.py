@@ -12,7 +12,7 @@ from benchmarks.bench import accuracy
 from planc.lang import load
 from planc.lang.errors import PlanError
 from planc.pipeline.schedules import build
-from planc.pipeline.simulate import predict
+from planc.pipeline.simulate import predict, predict_schedule
 
 from test_simulate import chain_input
 
@@ -23,15 +23,15 @@ def test_gpipe_with_the_runtimes_own_time_is_its_closed_form(S, B):
     (B + S - 1)(f + o + b + o) + k, and the bubble of the longer instructions."""
     f, b, o, k = 1.0, 2.0, 0.25, 3.0
     sim = dataclasses.replace(chain_input(S, f, b), op_overhead=o, step_overhead=k)
-    p = predict(sim, build("gpipe", S, B).per_stage)
+    p = predict_schedule(sim, "gpipe", B)
     assert p.iteration == pytest.approx((B + S - 1) * (f + b + 2 * o) + k)
-    plain = predict(chain_input(S, f, b), build("gpipe", S, B).per_stage)
+    plain = predict_schedule(chain_input(S, f, b), "gpipe", B)
     assert plain.iteration == pytest.approx((B + S - 1) * (f + b))
 
 
 def test_1f1b_on_one_stage_pays_it_per_instruction():
     sim = dataclasses.replace(chain_input(1, 1.0, 2.0), op_overhead=0.5, step_overhead=0.75)
-    assert predict(sim, build("1f1b", 1, 6).per_stage).iteration == pytest.approx(6 * (1 + 2 + 2 * 0.5) + 0.75)
+    assert predict_schedule(sim, "1f1b", 6).iteration == pytest.approx(6 * (1 + 2 + 2 * 0.5) + 0.75)
 
 
 YAML = """\
@@ -130,7 +130,7 @@ def test_the_fit_recovers_the_time_that_made_the_measurements(engine_plans, tmp_
     c = read_calibrated(tmp_path / "c.yaml")
     sims = [cal._signal_input(p, substitute(cluster_of(p), c, 25.0)) for p in engine_plans]
     assert all(t.nbytes == 4.0 for s in sims for tr in s.transfers for t in tr.forward + tr.backward)
-    lists = [build("1f1b", 2, p["pipeline"]["micro_batches"]).per_stage for p in engine_plans]
+    lists = [build("1f1b", 2, p["pipeline"]["micro_batches"], s.transfers).actions for p, s in zip(engine_plans, sims)]
     truth = [predict(dataclasses.replace(s, op_overhead=0.003, step_overhead=0.02), ls).iteration
              for s, ls in zip(sims, lists)]
     got = cal.fit_overhead(sims, lists, truth)

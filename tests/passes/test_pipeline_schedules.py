@@ -1,6 +1,7 @@
 """Pipeline schedules: dependencies, deadlock freedom with skips, in-flight bounds."""
 
 import itertools
+from typing import NamedTuple
 
 import pytest
 
@@ -12,6 +13,12 @@ SCHEDULES = ("gpipe", "1f1b", "eager_1f1b")
 
 def chain(n):
     return tuple((i, i + 1) for i in range(n - 1))
+
+
+class T(NamedTuple):   # what build reads of a transfer
+    name: str
+    src_stage: int
+    dst_stage: int
 
 
 def u_shape(n):
@@ -66,10 +73,16 @@ def test_known_lists():
 
 
 def test_json_round_trip_and_contract():
-    plan = build("eager_1f1b", 2, 3, edges=chain(2))
+    plan = build("eager_1f1b", 2, 3, (T("h", 0, 1),))
     data = plan.to_json()
+    # stage 0 sends h after each forward and receives its gradient before each backward; stage 1 the reverse
+    s0 = ([["F", 0, 0], ["SEND", 0, 0, "h", "forward"], ["F", 0, 1], ["SEND", 0, 1, "h", "forward"],
+           ["F", 0, 2], ["SEND", 0, 2, "h", "forward"]] +
+          [x for m in range(3) for x in (["RECV", 0, m, "h", "backward"], ["B", 0, m])] + [["REDUCE", 0]])
+    s1 = [x for m in range(3) for x in (["RECV", 1, m, "h", "forward"], ["F", 1, m], ["B", 1, m],
+                                        ["SEND", 1, m, "h", "backward"])] + [["REDUCE", 1]]
     assert data == {"schedule": "eager_1f1b", "micro_batches": 3,
-                    "per_stage": [["F0", "F1", "F2", "B0", "B1", "B2"], ["F0", "B0", "F1", "B1", "F2", "B2"]],
+                    "actions": [{"stages": [0], "list": s0}, {"stages": [1], "list": s1}],
                     "predicted_iteration": None,
                     "stages": [{"stage": i, "busy": None, "bubble": None, "peak_activation_bytes": None,
                                     "memory": None}
@@ -106,7 +119,7 @@ def test_eager_is_not_slower_with_slow_links():
 
 def test_predicted_figures_round_trip_and_stay_out_of_equality():
     import dataclasses
-    plan = build("1f1b", 2, 3, edges=chain(2))
+    plan = build("1f1b", 2, 3, (T("h", 0, 1),))
     rich = dataclasses.replace(plan, predicted_iteration=1.5, predicted={"flops": 1e12, "stages": []})
     data = rich.to_json()
     assert data["predicted_iteration"] == 1.5 and data["predicted"] == {"flops": 1e12, "stages": []}

@@ -91,7 +91,7 @@ def chain(S, f, b, cores=None, cores_level=None, per_host=1):
 def test_a_pipeline_on_one_core_takes_its_total_work(schedule, S, B):
     """Some stage can always compute (free communication), so one shared core never idles."""
     f, b = 1.0, 2.0
-    lists = build(schedule, S, B).per_stage
+    lists = build(schedule, S, B, chain(S, f, b).transfers).actions
     p = predict(chain(S, f, b, cores=1), lists)
     assert p.iteration == pytest.approx(S * B * (f + b))
     assert p.free_iteration == pytest.approx(S * B * (f + b))
@@ -100,7 +100,7 @@ def test_a_pipeline_on_one_core_takes_its_total_work(schedule, S, B):
 @pytest.mark.parametrize("schedule", SCHEDULES)
 def test_enough_cores_change_nothing_and_per_host_pools_are_separate(schedule):
     S, B, f, b = 3, 6, 1.0, 2.0
-    lists = build(schedule, S, B).per_stage
+    lists = build(schedule, S, B, chain(S, f, b).transfers).actions
     alone = predict(chain(S, f, b), lists).iteration
     if schedule == "gpipe":
         assert alone == pytest.approx((B + S - 1) * (f + b))

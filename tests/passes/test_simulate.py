@@ -10,8 +10,8 @@ import pytest
 from planc import ir
 from planc.cost import events
 from planc.cost.network import Network
-from planc.pipeline.schedules import build, peak_in_flight
-from planc.pipeline.simulate import (SimInput, SimReduction, SimTask, SimTransfer, StageCompute, predict)
+from planc.pipeline.schedules import build, plan_actions, peak_in_flight
+from planc.pipeline.simulate import (SimInput, SimReduction, SimTask, SimTransfer, StageCompute, predict, predict_schedule)
 
 ROOT = Path(__file__).resolve().parents[2]
 SCHEDULES = ("gpipe", "1f1b", "eager_1f1b")
@@ -34,7 +34,7 @@ def chain_input(S, f, b, nbytes=0.0, bw=1e9, act=0.0):
 @pytest.mark.parametrize("S,B", [(2, 4), (3, 5), (4, 8), (5, 3)])
 def test_gpipe_bubble_with_free_communication(S, B):
     f, b = 1.0, 2.0
-    p = predict(chain_input(S, f, b), build("gpipe", S, B).per_stage)
+    p = predict_schedule(chain_input(S, f, b), "gpipe", B)
     assert p.iteration == pytest.approx((B + S - 1) * (f + b))
     for st in p.stages:
         assert st.bubble == pytest.approx((S - 1) / (B + S - 1))
@@ -52,7 +52,7 @@ def reduction_input(grad_bytes, bw, f0=1.0, f1=1.0, b0=2.0, b1=2.0):
 
 def test_reduction_hidden_when_shorter_than_the_overlapped_backward():
     B = 3
-    ops = build("1f1b", 1, B).per_stage
+    ops = build("1f1b", 1, B).actions
     compute = B * (1.0 + 1.0 + 2.0 + 2.0)
     # ring allreduce of S over 2 devices: 2(k-1)/k S / bw = S / bw = 1.5 s < layer 0's backward (2 s)
     p = predict(reduction_input(1.5e9, 1e9), ops)
@@ -73,9 +73,9 @@ def test_link_bound_pipeline_runs_at_bytes_over_rate(B):
     overlaps them, (B + 1) N / R; gpipe sends every gradient after every activation, 2 B N / R."""
     N, R = 4e6, 1e9
     sim = chain_input(2, 1e-15, 2e-15, nbytes=N, bw=R)
-    one = predict(sim, build("1f1b", 2, B).per_stage)
+    one = predict_schedule(sim, "1f1b", B)
     assert one.iteration == pytest.approx((B + 1) * N / R, rel=1e-9)
-    gp = predict(sim, build("gpipe", 2, B).per_stage)
+    gp = predict_schedule(sim, "gpipe", B)
     assert gp.iteration == pytest.approx(2 * B * N / R, rel=1e-9)
     assert one.free_iteration == pytest.approx(0.0, abs=1e-12)
 
@@ -123,7 +123,7 @@ def test_runtime_constants_are_the_simulated_ones():
 def test_schedule_memory_bounds_hold_in_simulation(schedule, S, B):
     act, N = 1000.0, 400.0
     sim = chain_input(S, 1e-3, 2e-3, nbytes=N, bw=1e6, act=act)
-    p = predict(sim, build(schedule, S, B).per_stage)
+    p = predict_schedule(sim, schedule, B)
     for i, st in enumerate(p.stages):
         k = peak_in_flight(schedule, S, i, B)
         assert st.peak_in_flight == k
@@ -137,7 +137,7 @@ def test_every_transfer_and_reduction_moves_its_bytes():
     """Bytes delivered over the links equal the tasks' bytes (independent count over the plan)."""
     N = 1e5
     sim = chain_input(3, 1e-4, 2e-4, nbytes=N, bw=1e9)
-    p = predict(sim, build("eager_1f1b", 3, 4).per_stage, timeline=True)
+    p = predict_schedule(sim, "eager_1f1b", 4, timeline=True)
     host_up = [(link, a, b) for link, a, b, what in p.traffic if link[2] == 0]
     moved = sum((b - a) * 1e9 for _, a, b in host_up)   # each flow alone on its up-link here
     assert moved == pytest.approx(2 * 2 * 4 * N, rel=1e-6)   # 2 transfers x 2 directions x 4 micro-batches
@@ -219,13 +219,12 @@ def test_gantt_chart_has_a_bar_per_interval(tmp_path, unet):
     program, probe = unet
     plan = compile_program(program, probe).plan_json
     sim = plan_input(plan)
-    lists = plan["pipeline"]["per_stage"]
-    p = predict(sim, [[(o[0], int(o[1:])) for o in ops] for ops in lists], timeline=True)
+    p = predict(sim, plan_actions(plan), timeline=True)
     out = tmp_path / "t.png"
     info = draw(p, sim, out, title="unet")
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 1000
     # one bar per stage per operation (the first device of each stage), one per host-link flow
-    assert info["compute_bars"] == sum(len(ops) for ops in lists)
+    assert info["compute_bars"] == sum(len(c.compute()) for c in plan_actions(plan))
     hosts = sim.cluster.host_index
     assert info["traffic_bars"] == sum(1 for link, *_ in p.traffic if link[0] == hosts) > 0
     assert info["transfer_marks"] == 2 * len(plan["transfers"]) * plan["pipeline"]["micro_batches"]

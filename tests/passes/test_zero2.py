@@ -14,7 +14,7 @@ from planc.lang.format import summary, to_text
 from planc.pipeline.memory import GRADIENT_BYTES, ZERO2_WINDOW, StageMemory, saved, whole_tied
 from planc.pipeline.schedules import build
 from planc.pipeline.siminput import StageCompute, sim_input
-from planc.pipeline.simulate import predict
+from planc.pipeline.simulate import predict, predict_schedule
 from planc.runtime.grads_zero2 import WINDOW
 
 from e2e_util import ROOT
@@ -150,7 +150,7 @@ def zero_sim(zero, micro_batches=2, G=8e6, bw=1e9):
                                                "regions": [[0, 2]]}]}}]
     sim = sim_input(cluster, [{"index": 0, "devices": [0, 1]}], [], reds, [comp], {"grad_bucket_bytes": 1e12},
                     zero=zero)
-    return sim, predict(sim, build("1f1b", 1, micro_batches).per_stage, timeline=True)
+    return sim, predict_schedule(sim, "1f1b", micro_batches, timeline=True)
 
 
 def test_the_simulator_prices_a_reduce_scatter_after_every_backward():

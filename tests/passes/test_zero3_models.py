@@ -10,7 +10,7 @@ from planc import ir
 from planc.pipeline.memory import StageMemory, saved
 from planc.pipeline.schedules import build
 from planc.pipeline.siminput import StageCompute, sim_input
-from planc.pipeline.simulate import predict
+from planc.pipeline.simulate import predict, predict_schedule
 from planc.pipeline.zero3price import gather_seconds
 from planc.pipeline.zero3sim import gathers_per_micro_batch
 
@@ -85,7 +85,7 @@ def z3_sim(zero=3, prefetch=True, keep=False, forward=1e-3, layers=4, micro_batc
              "program": prog("all_gather")}]
     sim = sim_input(cluster, [{"index": 0, "devices": [0, 1]}], [], reds, [comp], {"grad_bucket_bytes": 1e12},
                     zero=zero, zero3={"prefetch": prefetch, "keep_gathered": keep}, recompute=[recompute])
-    return sim, predict(sim, build("1f1b", 1, micro_batches).per_stage, timeline=True)
+    return sim, predict_schedule(sim, "1f1b", micro_batches, timeline=True)
 
 
 def gathers(p) -> int:

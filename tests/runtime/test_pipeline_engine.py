@@ -1,4 +1,4 @@
-"""Engine pieces without processes: instruction expansion from the plan's per-stage lists, the
+"""Engine pieces without processes: instruction expansion from the plan's action lists, the
 instruction map, the stage graph of a compiled plan, the probe CLI.
 
 (Which specs a plan may train with is decided by the compiler, ``planc.driver.compile.check_trainable``;
@@ -15,7 +15,7 @@ from deepspeed.runtime.pipe import schedule as ds
 from planc.driver.compile import compile_file
 from planc.runtime import engine as E
 from planc.runtime.engine import PlanEngine, PlanSchedule, StageGraph
-from planc.plan import Plan
+from planc.plan import Action, Direction, Plan, RankClass
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -32,70 +32,101 @@ def unet():
     return Plan.from_json(compile_file(spelled("unet-skip.plan"), probe=False).plan_json)
 
 
-# The engine may open each operation's step with a marker (``BeginOp(index=i)``, which lets its
-# receives run ahead); when it does, the marker must come first and carry the entry's position.
+# The engine opens each turn's step with a marker (``BeginOp(index=i)``, which lets its receives run
+# ahead) where the turn begins: before its first receive, else before its compute.
 BEGIN = getattr(E, "BeginOp", None)
+FWD, BWD = Direction.FORWARD, Direction.BACKWARD
+
+
+def act(kind, stage, m=None, transfer=None, direction=None):
+    return Action(kind, stage, m, transfer, direction)
 
 
 def _expand(sched):
-    """Each step's instructions as (class name, kwargs), the leading BeginOp checked and removed."""
+    """Each step's instructions as (class name, kwargs), its one BeginOp checked (index, place) and removed."""
     out = []
+    turns = sched.rank_class.turns()
     for i, step in enumerate(sched.steps()):
         cmds = [(type(c).__name__, c.kwargs) for c in step]
-        if BEGIN is not None and i < len(sched.ops):
-            assert isinstance(step[0], BEGIN) and cmds[0] == ("BeginOp", {"index": i}), cmds
-            assert not any(isinstance(c, BEGIN) for c in step[1:]), cmds
-            cmds = cmds[1:]
+        if i < len(turns):
+            at = [k for k, c in enumerate(step) if isinstance(c, BEGIN)]
+            assert at == [turns[i].begin] and cmds[at[0]] == ("BeginOp", {"index": i}), cmds
+            del cmds[at[0]]
+        else:
+            assert not any(isinstance(c, BEGIN) for c in step), cmds
         out.append(cmds)
     return out
 
 
-def test_instruction_expansion_follows_plan_lists():
-    sched = PlanSchedule(["F0", "F1", "B0", "B1"], 2, 3, 0, [], ["e2", "e2s", "e1"], True)
-    steps = _expand(sched)
+def _sched(stage, acts, stages=3, micro_batches=2, loads=False):
+    return PlanSchedule(RankClass((stage,), tuple(acts)), micro_batches, stages, stage, loads)
+
+
+def test_instruction_expansion_follows_the_action_list():
+    outs = ["e2", "e2s", "e1"]
+    acts = [act("F", 0, 0)] + [act("SEND", 0, 0, t, FWD) for t in outs] + [act("F", 0, 1)] + \
+        [act("SEND", 0, 1, t, FWD) for t in outs] + \
+        [x for m in (0, 1) for x in [act("RECV", 0, m, t, BWD) for t in outs] + [act("B", 0, m)]] + [act("REDUCE", 0)]
+    steps = _expand(_sched(0, acts, loads=True))
     assert len(steps) == 5
-    assert steps[0] == [("LoadMicroBatch", {"buffer_id": 0}), ("ForwardPass", {"buffer_id": 0}),
-                        ("SendActivation", {"buffer_id": 0, "transfer": "e2"}),
-                        ("SendActivation", {"buffer_id": 0, "transfer": "e2s"}),
-                        ("SendActivation", {"buffer_id": 0, "transfer": "e1"})]
-    assert steps[2] == [("RecvGrad", {"buffer_id": 0, "transfer": "e2"}),
-                        ("RecvGrad", {"buffer_id": 0, "transfer": "e2s"}),
-                        ("RecvGrad", {"buffer_id": 0, "transfer": "e1"}), ("BackwardPass", {"buffer_id": 0})]
+    assert steps[0] == [("LoadMicroBatch", {"buffer_id": 0}), ("ForwardPass", {"buffer_id": 0})]
+    assert steps[1] == [("SendActivation", {"buffer_id": 0, "transfer": t}) for t in outs] + \
+        [("LoadMicroBatch", {"buffer_id": 1}), ("ForwardPass", {"buffer_id": 1})]
+    assert steps[2] == [("SendActivation", {"buffer_id": 1, "transfer": t}) for t in outs] + \
+        [("RecvGrad", {"buffer_id": 0, "transfer": t}) for t in outs] + [("BackwardPass", {"buffer_id": 0})]
+    assert steps[3] == [("RecvGrad", {"buffer_id": 1, "transfer": t}) for t in outs] + \
+        [("BackwardPass", {"buffer_id": 1})]
     assert steps[-1] == [("ReduceGrads", {}), ("OptimizerStep", {})]
-    mid = PlanSchedule(["F0", "B0"], 1, 3, 1, ["a", "b"], ["c"], False)
+    mid = _sched(1, [act("RECV", 1, 0, "a", FWD), act("RECV", 1, 0, "b", FWD), act("F", 1, 0),
+                     act("SEND", 1, 0, "c", FWD), act("RECV", 1, 0, "c", BWD), act("B", 1, 0),
+                     act("SEND", 1, 0, "a", BWD), act("SEND", 1, 0, "b", BWD), act("REDUCE", 1)], micro_batches=1)
     assert _expand(mid) == [
         [("RecvActivation", {"buffer_id": 0, "transfer": "a"}), ("RecvActivation", {"buffer_id": 0, "transfer": "b"}),
-         ("ForwardPass", {"buffer_id": 0}), ("SendActivation", {"buffer_id": 0, "transfer": "c"})],
-        [("RecvGrad", {"buffer_id": 0, "transfer": "c"}), ("BackwardPass", {"buffer_id": 0}),
-         ("SendGrad", {"buffer_id": 0, "transfer": "a"}), ("SendGrad", {"buffer_id": 0, "transfer": "b"})],
-        [("ReduceGrads", {}), ("OptimizerStep", {})]]
+         ("ForwardPass", {"buffer_id": 0})],
+        [("SendActivation", {"buffer_id": 0, "transfer": "c"}), ("RecvGrad", {"buffer_id": 0, "transfer": "c"}),
+         ("BackwardPass", {"buffer_id": 0})],
+        [("SendGrad", {"buffer_id": 0, "transfer": "a"}), ("SendGrad", {"buffer_id": 0, "transfer": "b"}),
+         ("ReduceGrads", {}), ("OptimizerStep", {})]]
     assert (mid.micro_batches, mid.stages, mid.stage_id, mid.num_pipe_buffers()) == (1, 3, 1, 1)
 
 
-def test_compiled_per_stage_lists_expand_one_step_per_entry(unet):
-    """Every stage of the compiled unet-skip plan: one instruction step per entry of its
-    ``per_stage`` list, in that order, receiving and sending the stage's transfers by name."""
-    g = StageGraph(unet)
+def test_the_list_runs_as_written():
+    """A send listed after a receive is issued after that receive's wait; the turn begins at the receive."""
+    sched = _sched(1, [act("RECV", 1, 0, "a", FWD), act("F", 1, 0), act("RECV", 1, 0, "c", BWD),
+                       act("SEND", 1, 0, "c", FWD), act("B", 1, 0), act("SEND", 1, 0, "a", BWD), act("REDUCE", 1)],
+                   micro_batches=1)
+    steps = [[type(c).__name__ for c in step] for step in sched.steps()]
+    assert steps[1] == ["BeginOp", "RecvGrad", "SendActivation", "BackwardPass"]
+
+
+def test_compiled_action_lists_expand_in_their_order(unet):
+    """Every stage of the compiled unet-skip plan: its actions, in order, one instruction each (a forward
+    of the first and last stage loads its micro-batch first; the reduce is the gradient reduction and the
+    optimizer step), and a forward receives exactly the stage's incoming transfers (this file's reading of
+    the plan), a backward its outgoing ones."""
     pipe = unet.pipeline
-    assert pipe.micro_batches == 4 and len(pipe.per_stage) == 3
-    last = g.num_stages - 1
-    for s, ops in enumerate(pipe.per_stage):
+    assert pipe.micro_batches == 4 and len(pipe.actions) == 3
+    name = {("RECV", FWD): "RecvActivation", ("RECV", BWD): "RecvGrad", ("SEND", FWD): "SendActivation",
+            ("SEND", BWD): "SendGrad"}
+    for s, cls in enumerate(pipe.actions):
+        assert cls.stages == (s,)
         ins, outs = [t[0] for t in UNET_TRANSFERS if t[3] == s], [t[0] for t in UNET_TRANSFERS if t[1] == s]
-        steps = _expand(PlanSchedule(ops, pipe.micro_batches, g.num_stages, s, g.incoming(s), g.outgoing(s),
-                                     s in (0, last)))
-        assert len(steps) == len(ops) + 1 and steps[-1] == [("ReduceGrads", {}), ("OptimizerStep", {})]
-        for op, step in zip(ops, steps):
-            m = int(op[1:])
-            if op[0] == "F":
-                want = ([("LoadMicroBatch", {"buffer_id": m})] if s in (0, last) else [])
-                want += [("RecvActivation", {"buffer_id": m, "transfer": n}) for n in ins]
-                want += [("ForwardPass", {"buffer_id": m})]
-                want += [("SendActivation", {"buffer_id": m, "transfer": n}) for n in outs]
+        flat = [c for step in _expand(PlanSchedule(cls, 4, 3, s, s in (0, 2))) for c in step]
+        want = []
+        for a in cls.actions:
+            if a.kind == "F":
+                want += ([("LoadMicroBatch", {"buffer_id": a.micro_batch})] if s in (0, 2) else [])
+                want.append(("ForwardPass", {"buffer_id": a.micro_batch}))
+            elif a.kind == "B":
+                want.append(("BackwardPass", {"buffer_id": a.micro_batch}))
+            elif a.kind == "REDUCE":
+                want += [("ReduceGrads", {}), ("OptimizerStep", {})]
             else:
-                want = [("RecvGrad", {"buffer_id": m, "transfer": n}) for n in outs]
-                want += [("BackwardPass", {"buffer_id": m})]
-                want += [("SendGrad", {"buffer_id": m, "transfer": n}) for n in ins]
-            assert step == want, (s, op)
+                want.append((name[a.kind, a.direction], {"buffer_id": a.micro_batch, "transfer": a.transfer}))
+        assert flat == want, s
+        for t in cls.turns():
+            got = sorted(r.transfer for r in t.recvs)
+            assert got == sorted(ins if t.compute.kind == "F" else outs), (s, t.compute.text())
 
 
 def test_instruction_map_covers_every_instruction(unet):
@@ -116,9 +147,8 @@ def test_instruction_map_covers_every_instruction(unet):
     assert set(PlanEngine._INSTRUCTION_MAP) == set(want)
     # and every instruction a compiled plan's schedules emit has an entry
     g = StageGraph(unet)
-    emitted = {type(c) for s, ops in enumerate(unet.pipeline.per_stage)
-               for step in PlanSchedule(ops, 4, 3, s, g.incoming(s), g.outgoing(s), s in (0, 2)).steps()
-               for c in step}
+    emitted = {type(c) for s, cls in enumerate(unet.pipeline.actions)
+               for step in PlanSchedule(cls, 4, 3, s, s in (0, 2)).steps() for c in step}
     assert emitted == set(want)
     assert emitted <= set(PlanEngine._INSTRUCTION_MAP)
 

@@ -25,7 +25,7 @@ from planc import plan as planfile
 from planc.plan.file import encode  # noqa: E402
 from planc.runtime import dist_util  # noqa: E402
 from planc.runtime import regions as R  # noqa: E402
-from planc.plan import Direction, Pipeline, Plan, PlanFileError, Schedule, TagLayout  # noqa: E402
+from planc.plan import Action, Direction, Pipeline, Plan, PlanFileError, RankClass, Schedule, TagLayout  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 BUNDLED = sorted((ROOT / "plans").glob("*.plan"))
@@ -296,26 +296,48 @@ def c_bad_strategy(d):
 
 
 # model plans
-def m_per_stage_missing_micro_batch(d):
-    d["pipeline"]["per_stage"][1] = [op for op in d["pipeline"]["per_stage"][1] if op[1:] != "3"]
-    return "plan.json: pipeline.per_stage[1]: stage 1 must run F and B of every micro-batch 0..3 once"
+def m_actions_missing_micro_batch(d):
+    lst = d["pipeline"]["actions"][1]["list"]
+    lst[:] = [a for a in lst if not (a[0] in ("F", "B") and a[2] == 3)]
+    return "plan.json: pipeline.actions[1].list: stage 1 must run F of every micro-batch 0..3 once (missing 3)"
 
 
-def m_per_stage_backward_first(d):
-    ops = d["pipeline"]["per_stage"][2]
-    f, b = ops.index("F0"), ops.index("B0")
+def m_actions_backward_first(d):
+    ops = d["pipeline"]["actions"][2]["list"]
+    f, b = ops.index(["F", 2, 0]), ops.index(["B", 2, 0])
     ops[f], ops[b] = ops[b], ops[f]
-    return f"plan.json: pipeline.per_stage[2][{f}]: B0 runs before F0"
+    return f"plan.json: pipeline.actions[2].list[{f}]: B2.0 runs before F2.0"
 
 
-def m_per_stage_micro_batch_beyond(d):
-    d["pipeline"]["per_stage"][0][0] = "F4"
-    return "plan.json: pipeline.per_stage[0][0]: expected F<m> or B<m> with m < 4, got 'F4'"
+def m_actions_micro_batch_beyond(d):
+    d["pipeline"]["actions"][0]["list"][0] = ["F", 0, 4]
+    return "plan.json: pipeline.actions[0].list[0][2]: micro-batch 4 of 4"
 
 
-def m_per_stage_count(d):
-    d["pipeline"]["per_stage"].pop()
-    return "plan.json: pipeline.per_stage: 2 lists for 3 stages"
+def m_actions_count(d):
+    d["pipeline"]["actions"].pop()
+    return "plan.json: pipeline.actions: no list runs stage(s) 2"
+
+
+def m_actions_unknown_kind(d):
+    d["pipeline"]["actions"][0]["list"][0] = ["FWD", 0, 0]
+    return "plan.json: pipeline.actions[0].list[0][0]: unknown action 'FWD' (expected one of F, B, W, SEND, RECV, REDUCE)"
+
+
+def m_actions_receive_after_its_forward(d):
+    lst = d["pipeline"]["actions"][1]["list"]
+    recv = next(a for a in lst if a[0] == "RECV" and a[2] == 0 and a[4] == "forward")
+    lst.remove(recv)
+    at = lst.index(["F", 1, 0]) + 1
+    lst.insert(at, recv)
+    return f"plan.json: pipeline.actions[1].list[{at}]: recv({recv[3]},fwd,0) must come before F1.0"
+
+
+def m_actions_send_of_another_stage(d):
+    lst = d["pipeline"]["actions"][0]["list"]
+    i = next(k for k, a in enumerate(lst) if a[0] == "SEND")
+    lst[i] = ["SEND", 1, lst[i][2], lst[i][3], lst[i][4]]
+    return f"plan.json: pipeline.actions[0].list[{i}]: send({lst[i][3]},fwd,{lst[i][2]}): stage 1 is not one of the class's stages [0]"
 
 
 def m_backward_sender(d):
@@ -374,8 +396,9 @@ COMM_CORRUPTIONS = [c_missing, c_missing_slice, c_wrong_type_list, c_wrong_type_
                     c_region_wrong_rank, c_step_group_not_listed, c_step_regions_not_one_per_group, c_task_group_not_listed, c_stages_out_of_order,
                     c_device_in_two_stages, c_device_outside_cluster, c_bad_dtype, c_hosts_not_a_partition,
                     c_unsorted_group, c_bad_strategy]
-MODEL_CORRUPTIONS = [m_per_stage_missing_micro_batch, m_per_stage_backward_first, m_per_stage_micro_batch_beyond,
-                     m_per_stage_count, m_backward_sender, m_backward_region_missing, m_rows_missing,
+MODEL_CORRUPTIONS = [m_actions_missing_micro_batch, m_actions_backward_first, m_actions_micro_batch_beyond,
+                     m_actions_count, m_actions_unknown_kind, m_actions_receive_after_its_forward,
+                     m_actions_send_of_another_stage, m_backward_sender, m_backward_region_missing, m_rows_missing,
                      m_data_groups_not_a_partition, m_loss_device, m_train_without_pipeline, m_bad_schedule,
                      m_region_outside_shape]
 
@@ -478,7 +501,9 @@ def test_tag_layout_widths_are_minimal_and_sufficient():
     (("F0", "F1", "F2", "B2", "B1", "F3", "B0", "B3"), 3),
 ])
 def test_in_flight_bound_on_known_lists(ops, bound):
-    p = Pipeline(Schedule.GPIPE, 4, (ops, ("F0", "B0", "F1", "B1", "F2", "B2", "F3", "B3")))
+    def cls(s, ops):
+        return RankClass((s,), tuple(Action(op[0], s, int(op[1:])) for op in ops) + (Action("REDUCE", s),))
+    p = Pipeline(Schedule.GPIPE, 4, (cls(0, ops), cls(1, ("F0", "B0", "F1", "B1", "F2", "B2", "F3", "B3"))))
     assert p.in_flight_bound(0) == bound and p.in_flight_bound(1) == 1
 
 

@@ -222,6 +222,7 @@ def _explicit_tensor_coord(device):
 
 def test_context_from_plan_uses_the_tensor_coordinate():
     from planc.plan import Plan
+    from schedule_util import compute_lists, set_compute_lists
     d = _tp_plan_json()
     plan = Plan.from_json(d)
     assert plan.tensor_groups == ((0, 1), (2, 3), (4, 6), (5, 7))
@@ -245,6 +246,7 @@ def test_context_from_plan_uses_the_tensor_coordinate():
     d["tensor_groups"] = [[0, 2], [1, 3], [4, 6], [5, 7]]
     d["groups"] = [list(g) for g in sorted({tuple(g) for g in d["groups"]} | {(0, 2), (1, 3)})]
     d["transfers"] = []
+    set_compute_lists(d, compute_lists(d))   # the actions without the dropped transfers' sends and receives
     permuted = Plan.from_json(d)
     groups = {tuple(g): f"g{list(g)}" for g in d["groups"]}
     tp = context_from_plan(permuted, groups, 0)

@@ -8,18 +8,15 @@ model and how each rule maps to the runtime's code.
 
 The model, per rank:
 
-- the **compute thread** (``engine.PlanEngine``) runs the stage's
-  ``pipeline.per_stage`` list: ``F m`` waits for every incoming transfer's
-  forward receive (``RecvAhead.take``), computes (a tensor-parallel all_reduce
-  when the rank has a tensor group), then issues every outgoing transfer's
-  forward sends (``TransferExecutor.send``, non-blocking); ``B m`` likewise
-  with the outgoing transfers' backward receives and the incoming transfers'
-  backward sends. Then it waits for all its sends (``SendReaper.drain``), runs
+- the **compute thread** (``engine.PlanEngine``) runs its class's ``pipeline.actions`` list in
+  order (``planc.plan.RankClass.turns``): a RECV waits for the receive thread's job
+  (``RecvAhead.take``), a SEND issues the rank's part of the transfer (``TransferExecutor.send``,
+  non-blocking), F and B compute (a tensor-parallel all_reduce when the rank has a tensor group).
+  Then it waits for all its sends (``SendReaper.drain``), runs
   its gradient reduction program, and the world all_reduce of the loss.
   Ranks in no stage only do the all_reduce;
 - the **receive thread** (``comm.RecvAhead``) runs, one after the other, the
-  receive jobs of the list (per op, the transfers it consumes, in declaration
-  order), job ``j`` only once the compute thread has begun the op
+  list's RECVs in list order, those of compute action ``j`` only once the compute thread has begun the turn
   ``planc.plan.gates.post_gates`` names (``j - ahead``, or for ``B m`` this stage's ``F m``
   when earlier; ``advance``), each job being ``TransferExecutor.recv``: per task of the
   route in schedule order, the receive, broadcast or all_gather it posts and

@@ -307,22 +307,22 @@ class Builder:
         if stage is None:
             return [Thread(rank, "compute", compute)]
         s = stage.index
-        ops = plan.pipeline.per_stage[s]
-        incoming = [i for i, t in enumerate(plan.transfers) if t.dst_stage == s]
-        outgoing = [i for i, t in enumerate(plan.transfers) if t.src_stage == s]
+        cls = plan.pipeline.class_of(s)
+        turns = cls.turns()   # plan.json pipeline.actions: the one order
+        ops = [f"{t.compute.kind}{t.compute.micro_batch}" for t in turns]
+        number = {t.name: i for i, t in enumerate(plan.transfers)}
         tp = self.tp_by_rank.get(rank) if self.tp else None
         tp_comm = self._plan_group(tp) if tp is not None and len(tp) > 1 else None
         begun = [Event() for _ in ops]
         done = {}
         receive: list = []
-        gates = post_gates(ops, self.ahead, [bool(incoming if text[0] == "F" else outgoing) for text in ops])
-        for j, text in enumerate(ops):
+        gates = post_gates(ops, self.ahead, [bool(t.recvs) for t in turns])
+        for j, (text, turn) in enumerate(zip(ops, turns)):
             where = f"receiving for stage {s} op {j} ({text})"
             gate = gates[j]
             receive.append((WAIT, begun[gate], where))
-            m = int(text[1:])
-            d = Direction.FORWARD if text[0] == "F" else Direction.BACKWARD
-            for ti in (incoming if d is Direction.FORWARD else outgoing):
+            for a in turn.recvs:
+                ti, d, m = number[a.transfer], a.direction, a.micro_batch
                 self.emit_recv(receive, rank, ti, d, m, where)
                 done[(ti, d, m)] = ev = Event()
                 receive.append((SIGNAL, ev, where))
@@ -330,22 +330,30 @@ class Builder:
         host = self.host_of(rank)
         listed = {(self.index_of[n], Direction(d), m) for r, n, d, m in self.nic.get(host, ()) if r == rank}
         submitted = {k: Event() for k in listed}
-        for j, text in enumerate(ops):
+        def send(a, where):
+            nonlocal sends
+            ti, d, m = number[a.transfer], a.direction, a.micro_batch
+            if (ti, d, m) in submitted:      # handed to the NIC thread: the compute thread goes on
+                compute.append((SIGNAL, submitted[(ti, d, m)], where))
+            else:
+                sends += self.emit_send(compute, rank, ti, d, m, where)
+
+        for j, (text, turn) in enumerate(zip(ops, turns)):   # the list in order, as the compute thread runs it
             where = f"stage {s} op {j} ({text})"
-            compute.append((SIGNAL, begun[j], where))
-            m = int(text[1:])
-            forward = text[0] == "F"
-            d = Direction.FORWARD if forward else Direction.BACKWARD
-            for ti in (incoming if forward else outgoing):
-                compute.append((WAIT, done[(ti, d, m)], where))
+            for k, a in enumerate(turn.before + (None,)):
+                if k == turn.begin:
+                    compute.append((SIGNAL, begun[j], where))
+                if a is None:
+                    break
+                if a.kind == "RECV":
+                    compute.append((WAIT, done[(number[a.transfer], a.direction, a.micro_batch)], where))
+                else:
+                    send(a, where)
             if tp_comm is not None:
                 self.emit_collective(compute, rank, tp_comm, ("tp", text), f"tensor-parallel all_reduce of {text}",
                                      where)
-            for ti in (outgoing if forward else incoming):
-                if (ti, d, m) in submitted:      # handed to the NIC thread: the compute thread goes on
-                    compute.append((SIGNAL, submitted[(ti, d, m)], where))
-                else:
-                    sends += self.emit_send(compute, rank, ti, d, m, where)
+        for a in cls.tail():
+            send(a, f"stage {s} after its last op")
         where = f"stage {s}, waiting for its sends before the gradient reduction"
         for op in sends:
             compute.append((WAIT, op, where))
