@@ -36,6 +36,7 @@ from planc.pipeline.schedules import build
 from planc.pipeline.simulate import predict
 
 DEFAULT_RATE = 100.0                            # Mbit/s, testbed host links
+QUOTA_SAMPLE_PERIODS = 50                       # under CPU quotas a timed compute sample lasts this many periods
 
 
 def run_testbed(hosts: int, per_host: int, rates: list[float], *, repeats: int = 3,
@@ -67,6 +68,8 @@ def run_testbed(hosts: int, per_host: int, rates: list[float], *, repeats: int =
                 for rate in rates:
                     tb.set_link_mbit(rate)
                     spec = microbench_spec(hosts, per_host, rate, repeats, timeout, "gloo", matmul)
+                    if cpus_per_rank is not None:   # each timed sample many periods long: the quota's sustained speed
+                        spec["min_sample_s"] = QUOTA_SAMPLE_PERIODS * quota.quota_of(cpus_per_rank).period_us / 1e6
 
                     def work(on_phase, spec=spec):
                         return tb.launch(out, steps=1, timeout=timeout, launcher="direct",

@@ -230,7 +230,8 @@ def measure_plan(plan_path: str, rates, *, measured: int = MEASURED, timeout: fl
             run["when"] = when
             compute_runs.append(run)
 
-        with benchmarks.testbed.Testbed(len(hosts), rates[0], cpus_per_rank=None if share is None else share.cpus) as tb, \
+        cpus = None if share is None else share.cpus
+        with benchmarks.testbed.Testbed(len(hosts), rates[0], cpus_per_rank=cpus) as tb, \
                 ui.bar(f"{plan['name']} steps", steps) as bar:
             compute_only(tb, "before", bar)
             runs: dict[str, list[dict]] = {}

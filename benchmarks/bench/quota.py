@@ -148,7 +148,8 @@ def markdown(rows: list[dict], took: float, version: int) -> str:
              f"{ITERS} products of {N}x{N} fp32 matrices while the other {RANKS - 1} sleep or run the same products; "
              f"cell: its seconds (÷ no quota, the others asleep; its CPU time ÷ wall, cpuacct). Machine: "
              f"{os.cpu_count()} CPU cores ({platform.machine()}), Python {platform.python_version()}, torch "
-             f"{torch.__version__}; 1-minute load {os.getloadavg()[0]:.1f} at the end; the bench took {took:.0f} s.", "",
+             f"{torch.__version__}; 1-minute load {os.getloadavg()[0]:.1f} at the end; the bench took {took:.0f} s.",
+             "",
              "| the other 3 ranks | " + " | ".join(head(c) for c in settings) + " |",
              "|---|" + "---|" * len(settings)]
     for others in ("sleeping", "computing"):
@@ -162,7 +163,8 @@ def run(cpus_per_rank: float | None = None) -> str:
 
     why = quota.available()
     if why:
-        return f"_Skipped: {why}. CPU quotas need root and a cgroup hierarchy with the cpu controller; see docs/testbed.md._\n"
+        return (f"_Skipped: {why}. CPU quotas need root and a cgroup hierarchy with the cpu controller; "
+                "see docs/testbed.md._\n")
     t0 = time.monotonic()
     rows = measure((cpus_per_rank,) if cpus_per_rank is not None else DEFAULT_SHARES)
     return markdown(rows, time.monotonic() - t0, quota.detect().version)

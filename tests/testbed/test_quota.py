@@ -139,7 +139,7 @@ def test_stale_cgroups_of_a_dead_owner_are_removed_live_ones_kept():
         with quota.RankQuotas(quota.quota_of(0.5), [0]) as live:
             removed = quota.cleanup_stale()
             assert _exists(live)                          # its owner (this process) is alive
-        assert sorted(removed) == sorted(str(d) for d in stale)
+        assert {str(d) for d in stale} <= set(removed)    # (and any other dead testbed's on this machine)
         assert not any(d.exists() for d in stale)
     finally:
         for d in stale:
