@@ -271,3 +271,40 @@ def test_bad_cpus_per_rank_is_exit_2_before_any_testbed(tmp_path, capsys, value,
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
     assert not (tmp_path / "t.yaml").exists()
+
+
+def test_under_quotas_each_compute_sample_lasts_many_periods(monkeypatch):
+    """A call shorter than its quota runs at full speed: under quotas the microbenchmarks' compute
+    samples last 50 periods (``min_sample_s``); without quotas the spec is as before."""
+    import json
+
+    import benchmarks.calibrate as lab
+    from benchmarks.testbed import quota
+    from benchmarks.testbed.result import LaunchResult
+
+    made, specs = [], []
+
+    class Fake:
+        def __init__(self, hosts, rate, cpus_per_rank=None):
+            made.append(cpus_per_rank)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def set_link_mbit(self, rate):
+            pass
+
+        def launch(self, out, args, **_):
+            specs.append(json.loads(args[1]))
+            return LaunchResult(0, cal.MARK + "{}\n")
+
+    monkeypatch.setattr(lab, "available", lambda: None)
+    monkeypatch.setattr(lab, "Testbed", Fake)
+    lab.run_testbed(2, 2, [100.0], engine=False, cpus_per_rank=0.5)
+    lab.run_testbed(2, 2, [100.0], engine=False)
+    assert made == [0.5, None]
+    assert specs[0]["min_sample_s"] == pytest.approx(50 * quota.quota_of(0.5).period_us / 1e6)
+    assert "min_sample_s" not in specs[1]
