@@ -5,7 +5,9 @@ The ranks of ``planc/calibrate/microbench.py`` run in the emulated hosts of ``be
 calibration (``planc.calibrate``: the same fit, the same cluster file). With two hosts or more the
 training runtime's own time is measured too (:func:`run_engine`: a built-in plan's steps with
 one-element transfers) and fitted as ``op_overhead`` and ``step_overhead`` under the links and flops
-just measured (:func:`engine_fit`; docs/calibrate.md).
+just measured (:func:`engine_fit`; docs/calibrate.md). ``--cpus-per-rank`` runs every rank under a CPU
+quota (benchmarks/testbed/quota.py): the device figures are then a quota'd rank's, and the file has no
+``cores`` (the ranks do not share cores; :func:`under_quota`).
 """
 
 from __future__ import annotations
@@ -21,10 +23,10 @@ from pathlib import Path
 import yaml
 
 from benchmarks.bench.accuracy import read_calibrated, substitute
-from benchmarks.testbed import Testbed, TestbedError, available
+from benchmarks.testbed import Testbed, TestbedError, available, quota
 from benchmarks.variant import variant
-from planc.calibrate import (DEFAULT_TIMEOUT, MATMUL, MICROBENCH, CalibrateError, check_output, cluster_doc, fit,
-                             samples_record, write_yaml)
+from planc.calibrate import (DEFAULT_TIMEOUT, MATMUL, MICROBENCH, CalibrateError, check_output, cluster_doc,
+                             cores_available, fit, samples_record, write_yaml)
 from planc.calibrate.ranks import microbench_spec, phase_list, read_result, with_progress
 from planc.output.codegen import write_output
 from planc.driver.compile import compile_file
@@ -34,13 +36,15 @@ from planc.pipeline.schedules import build
 from planc.pipeline.simulate import predict
 
 DEFAULT_RATE = 100.0                            # Mbit/s, testbed host links
+QUOTA_SAMPLE_PERIODS = 50                       # under CPU quotas a timed compute sample lasts this many periods
 
 
 def run_testbed(hosts: int, per_host: int, rates: list[float], *, repeats: int = 3,
-                timeout: float = DEFAULT_TIMEOUT, matmul=MATMUL, engine: bool = True) -> tuple[list[dict], dict | None]:
+                timeout: float = DEFAULT_TIMEOUT, matmul=MATMUL, engine: bool = True,
+                cpus_per_rank: float | None = None) -> tuple[list[dict], dict | None]:
     """One testbed of ``hosts`` x ``per_host`` ranks; the microbenchmarks once per rate (Mbit/s), then
     (``engine``, two hosts or more) the training runtime's own time at the first rate (:func:`run_engine`):
-    ``(raws, engine)``."""
+    ``(raws, engine)``. ``cpus_per_rank``: every rank under that CPU quota (``Testbed(cpus_per_rank=)``)."""
     why = available()
     if why:
         raise CalibrateError(f"benchmarks calibrate --on testbed: {why}; see docs/testbed.md")
@@ -60,10 +64,12 @@ def run_testbed(hosts: int, per_host: int, rates: list[float], *, repeats: int =
         compiled = compile_file(src, probe=False, verify=False)
         write_output(compiled.plan_json, compiled.program, out)
         try:
-            with Testbed(hosts, rates[0]) as tb:
+            with Testbed(hosts, rates[0], cpus_per_rank=cpus_per_rank) as tb:
                 for rate in rates:
                     tb.set_link_mbit(rate)
                     spec = microbench_spec(hosts, per_host, rate, repeats, timeout, "gloo", matmul)
+                    if cpus_per_rank is not None:   # each timed sample many periods long: the quota's sustained speed
+                        spec["min_sample_s"] = QUOTA_SAMPLE_PERIODS * quota.quota_of(cpus_per_rank).period_us / 1e6
 
                     def work(on_phase, spec=spec):
                         return tb.launch(out, steps=1, timeout=timeout, launcher="direct",
@@ -270,12 +276,22 @@ def _with_overhead(doc: dict, op: float, step: float) -> dict:
 
 
 
+def under_quota(doc: dict, share: quota.Quota) -> dict:
+    """``doc`` measured with every rank under ``share``: the record says so, and ``cores`` goes (each rank
+    is a device of fixed speed, its figures measured at that speed; no two share a core)."""
+    out = {k: v for k, v in doc.items() if k not in ("cores", "cores_per")}
+    out["calibration"] = dict(doc["calibration"], cpus_per_rank=float(f"{share.cpus:.6g}"),
+                              cpu_quota=f"{share.quota_us} us per {share.period_us} us period, no burst")
+    return out
+
+
 def calibrate_testbed(out: str, *, hosts: int = 2, per_host: int = 2, rates: list[float] | None = None,
                       repeats: int = 3, timeout: float = DEFAULT_TIMEOUT,
                       command: str = "python -m benchmarks calibrate --on testbed", matmul=MATMUL,
-                      engine: bool = True) -> dict:
+                      engine: bool = True, cpus_per_rank: float | str | None = None) -> dict:
     """Measure on a testbed of ``hosts`` x ``per_host`` ranks at every rate, fit and write OUT.yaml;
-    returns the document written (CalibrateError on a bad input or a failed run)."""
+    returns the document written (CalibrateError on a bad input or a failed run). ``cpus_per_rank``
+    (a share of one core, or ``'auto'``): every rank under that CPU quota, recorded in the file."""
     path = check_output(out)
     if repeats < 1 or timeout <= 0:
         raise CalibrateError("benchmarks calibrate: --repeats must be >= 1 and --timeout positive")
@@ -285,9 +301,19 @@ def calibrate_testbed(out: str, *, hosts: int = 2, per_host: int = 2, rates: lis
     if not (1 <= hosts <= 250) or per_host < 1 or hosts * per_host < 2:
         raise CalibrateError(f"benchmarks calibrate: --hosts {hosts} x --ranks-per-host {per_host}: need 1..250 "
                              f"hosts, at least 1 rank each and 2 ranks in all")
+    share = None
+    if cpus_per_rank is not None:
+        try:
+            share = quota.quota_of(quota.share_for(cpus_per_rank, hosts * per_host, cores_available()))
+        except quota.QuotaError as e:
+            raise CalibrateError(f"benchmarks calibrate: {e}") from None
+        if why := quota.available():
+            raise CalibrateError(f"benchmarks calibrate: --cpus-per-rank: {why}")
     raws, measured = run_testbed(hosts, per_host, rates, repeats=repeats, timeout=timeout, matmul=matmul,
-                                 engine=engine)
+                                 engine=engine, cpus_per_rank=None if share is None else share.cpus)
     doc = cluster_doc([fit(r) for r in raws], "testbed", rates, repeats)
+    if share is not None:
+        doc = under_quota(doc, share)
     if measured is not None:   # the runtime's own time, fitted under the links and flops just measured
         got = engine_fit(measured, doc)
         doc = _with_overhead(doc, got["op_overhead"], got["step_overhead"])

@@ -28,13 +28,25 @@ from benchmarks.bench.accuracy import AccuracyError
 from benchmarks.bench.iteration import ReportError
 from benchmarks.bench.nic import NicBenchError
 from benchmarks.calibrate import DEFAULT_RATE, calibrate_testbed
-from benchmarks.testbed import Testbed, available, cleanup_stale, scaled_link_mbit
+from benchmarks.testbed import Testbed, available, cleanup_stale, quota, scaled_link_mbit
 from benchmarks.testbed.linkcheck import gloo_rates, tcp_rates
 from planc import __version__
 from planc.commands import ui
-from planc.calibrate import CalibrateError, summary
+from planc.calibrate import CalibrateError, cores_available, summary
 from planc.commands.cli import EXIT_USER, run_command
 from planc.driver.compile import compile_file
+
+
+def _cpus_per_rank(value: str | None, ranks: int | None = None) -> tuple[float | str | None, str | None]:
+    """``--cpus-per-rank`` as given (None, ``'auto'`` or a share of one core) and None, or None and why it
+    is refused: not a share, or (``ranks`` given) quotas adding up to more than this machine's cores."""
+    try:
+        cpus = quota.cpus_option(value)
+        if cpus is not None and ranks is not None:
+            quota.share_for(cpus, ranks, cores_available())
+    except quota.QuotaError as e:
+        return None, str(e)
+    return cpus, None
 
 
 def _cmd_bench(args) -> int:
@@ -56,6 +68,20 @@ def _cmd_bench(args) -> int:
         if value is not None and value < 1:
             print(f"benchmarks bench iteration: {flag} {value}: must be at least 1", file=sys.stderr)
             return EXIT_USER
+    cpus = None
+    if args.cpus_per_rank is not None:
+        if args.what not in ("iteration", "quota"):
+            print(f"benchmarks bench {args.what}: takes no --cpus-per-rank (only iteration and quota do)",
+                  file=sys.stderr)
+            return EXIT_USER
+        cpus, bad = _cpus_per_rank(args.cpus_per_rank)
+        if bad:
+            print(f"benchmarks bench {args.what}: {bad}", file=sys.stderr)
+            return EXIT_USER
+        if args.what == "quota" and cpus == "auto":
+            print("benchmarks bench quota: --cpus-per-rank takes a share of one core here (its 4 ranks: at most "
+                  "the cores ÷ 4)", file=sys.stderr)
+            return EXIT_USER
     if args.from_json and args.what != "iteration":
         print(f"benchmarks bench {args.what}: takes no --from-json (only iteration does)", file=sys.stderr)
         return EXIT_USER
@@ -74,9 +100,10 @@ def _cmd_bench(args) -> int:
                   file=sys.stderr)
             return EXIT_USER
         options = dict(plans=args.plans or None, json_path=args.json_path, chart=args.chart, rates=rates,
-                       cluster=args.cluster, rounds=args.rounds, measured=args.measured)
+                       cluster=args.cluster, rounds=args.rounds, measured=args.measured, cpus_per_rank=cpus)
         if args.from_json:
-            if args.plans or args.rates or args.json_path or args.chart or args.rounds or args.measured or args.plot:
+            if (args.plans or args.rates or args.json_path or args.chart or args.rounds or args.measured or args.plot
+                    or cpus is not None):
                 print("benchmarks bench iteration: --from-json reports a stored run again: it takes only --cluster "
                       "and --write", file=sys.stderr)
                 return EXIT_USER
@@ -115,6 +142,8 @@ def _cmd_bench(args) -> int:
     elif args.plans or args.rates or args.json_path or args.chart:
         print(f"benchmarks bench {args.what}: takes no PLAN, --rates, --json or --chart", file=sys.stderr)
         return EXIT_USER
+    elif args.what == "quota":
+        options = dict(cpus_per_rank=cpus)
     if args.cluster and args.what not in ("accuracy", "nic", "iteration"):
         print(f"benchmarks bench {args.what}: takes no --cluster (only iteration, accuracy and nic do)", file=sys.stderr)
         return EXIT_USER
@@ -131,6 +160,9 @@ def _cmd_bench(args) -> int:
         text = bench.run_bench(args.what, write=args.write, section=args.section, **options)
     except (AccuracyError, NicBenchError, ReportError) as e:
         print(e, file=sys.stderr)
+        return EXIT_USER
+    except quota.QuotaError as e:
+        print(f"benchmarks bench {args.what}: {e}", file=sys.stderr)
         return EXIT_USER
     print(text)
     if args.plot and args.what != "iteration":
@@ -174,7 +206,8 @@ def _testbed_check(args) -> int:
 def _cmd_testbed(args) -> int:
     if args.action == "down":
         removed = cleanup_stale()
-        print(f"removed {len(removed)} stale testbed namespace(s)" + (": " + " ".join(removed) if removed else ""))
+        print(f"removed {len(removed)} stale testbed namespace(s) and CPU cgroup(s)"
+              + (": " + " ".join(removed) if removed else ""))
         return 0
     if args.link_mbit is not None and not args.link_mbit > 0:
         print(f"benchmarks testbed: --link-mbit must be positive, not {args.link_mbit:g}", file=sys.stderr)
@@ -209,11 +242,16 @@ def _cmd_testbed(args) -> int:
     if problem:
         print(f"benchmarks testbed: {problem}", file=sys.stderr)
         return EXIT_USER
+    cpus, bad = _cpus_per_rank(args.cpus_per_rank, sum(len(h) for h in plan["cluster"]["hosts"]))   # before building
+    if bad:
+        print(f"benchmarks testbed: {bad}", file=sys.stderr)
+        return EXIT_USER
     mbit = args.link_mbit or scaled_link_mbit(plan)
-    with Testbed(hosts, mbit, loss=args.loss) as tb:
+    with Testbed(hosts, mbit, loss=args.loss, cpus_per_rank=cpus) as tb:
         print(f"testbed: {hosts} host namespace(s) {' '.join(tb.namespaces)} on bridge {tb.bridge_ns}, "
               f"{tb.subnet}, host links {mbit:g} Mbit/s"
-              + (f", dropping {args.loss * 100:g}% of each host link's packets" if args.loss else ""), flush=True)
+              + (f", dropping {args.loss * 100:g}% of each host link's packets" if args.loss else "")
+              + (f", each rank under a CPU quota ({cpus} core)" if cpus is not None else ""), flush=True)
         if args.action == "up":
             print("run a command in host h: ip netns exec NAMESPACE ...; Ctrl-C removes everything", flush=True)
             try:
@@ -260,6 +298,10 @@ def _cmd_calibrate(args) -> int:
     except ValueError:
         print(f"benchmarks calibrate: --rate {args.rate!r} is not a comma-separated list of Mbit/s", file=sys.stderr)
         return EXIT_USER
+    cpus, bad = _cpus_per_rank(args.cpus_per_rank)
+    if bad:
+        print(f"benchmarks calibrate: {bad}", file=sys.stderr)
+        return EXIT_USER
     try:
         doc = calibrate_testbed(args.out, hosts=2 if args.hosts is None else args.hosts,
                                 per_host=2 if args.ranks_per_host is None else args.ranks_per_host, rates=rates,
@@ -267,11 +309,14 @@ def _cmd_calibrate(args) -> int:
                                 command=f"python -m benchmarks calibrate --on testbed {args.out}"
                                 + "".join(f" --{k.replace('_', '-')} {v}" for k, v in (
                                     ("rate", args.rate), ("hosts", args.hosts),
-                                    ("ranks_per_host", args.ranks_per_host)) if v is not None))
+                                    ("ranks_per_host", args.ranks_per_host), ("cpus_per_rank", args.cpus_per_rank))
+                                    if v is not None), cpus_per_rank=cpus)
     except CalibrateError as e:
         print(e, file=sys.stderr)
         return e.code
-    print(f"wrote {args.out}:\n{summary(doc)}")
+    rec = doc["calibration"]
+    print(f"wrote {args.out}:\n{summary(doc)}" + (f"\n  ranks: each under a CPU quota of {rec['cpus_per_rank']:g} core "
+                                                  f"({rec['cpu_quota']})" if "cpus_per_rank" in rec else ""))
     return 0
 
 
@@ -300,6 +345,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="iteration: launch every program K times, round-robin, and pool their steps (default 1)")
     c.add_argument("--measured", type=int, default=None, metavar="N",
                    help="iteration: measured steps per rate and launch, after one discarded (default 5)")
+    c.add_argument("--cpus-per-rank", default=None, metavar="CORES|auto",
+                   help="iteration: run every rank in its own CPU cgroup with this share of one core (docs/testbed.md, "
+                        "\"Devices of fixed speed\"; auto: the cores split over the plan's ranks; default no quota); "
+                        "quota: the one share to compare with no quota (default 0.5 and 0.25)")
     c.add_argument("--write", metavar="FILE", help="also write the table into FILE (e.g. docs/benchmarks.md)")
     c.add_argument("--section", metavar="NAME", help="--write between the markers of NAME, not the bench's own "
                                                      "(a second run of one bench, e.g. iteration-bf16)")
@@ -320,6 +369,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--ranks-per-host", type=int, default=None, help="ranks per host (default 2)")
     c.add_argument("--repeats", type=int, default=3, help="timed repeats per message size (median)")
     c.add_argument("--timeout", type=float, default=300.0, help="seconds before every rank is killed")
+    c.add_argument("--cpus-per-rank", default=None, metavar="CORES|auto",
+                   help="run every rank in its own CPU cgroup with this share of one core (docs/testbed.md, "
+                        "\"Devices of fixed speed\"; auto: the cores split over the ranks); default: no quota")
     c.set_defaults(func=_cmd_calibrate)
 
     c = sub.add_parser("testbed", help="emulated cluster: network namespaces + tc shaping (root; docs/testbed.md)")
@@ -339,6 +391,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run: take a host's link down this long after rank 0's first step")
     c.add_argument("--link-down-host", type=int, default=None, metavar="H",
                    help="the host whose link --link-down-after takes down (default: the last)")
+    c.add_argument("--cpus-per-rank", default=None, metavar="CORES|auto",
+                   help="run: every rank in its own CPU cgroup with this share of one core (docs/testbed.md)")
     c.add_argument("--trace", metavar="DIR", default=None,
                    help="run --train: every rank records its timeline into DIR (train.py --trace; `planc trace DIR`)")
     c.set_defaults(func=_cmd_testbed)

@@ -59,7 +59,7 @@ LONG_FIRST = (
     "test_checkpoint.py", "test_e2e_zero3_ckpt.py", "test_e2e_zero2.py", "test_e2e_zero3.py", "test_bench_zero3.py",
     "test_hf_gpt2.py", "test_hf_tp.py", "test_e2e_unequal.py", "test_e2e.py",
     "test_checkpoint_cli.py", "test_testbed_faults.py", "test_testbed_failures.py", "test_testbed.py",
-    "test_testbed_watch.py", "test_calibrate.py", "test_user_mistakes.py", "test_comm_only.py",
+    "test_testbed_watch.py", "test_quota.py", "test_calibrate.py", "test_user_mistakes.py", "test_comm_only.py",
     "test_bench_iteration.py", "test_e2e_nic_order.py", "test_chain_default.py", "test_packaging.py",
     "test_runtime_reduce.py", "test_runtime_reduce_zero.py", "test_runtime_reshard.py", "test_runtime_harness.py",
 )

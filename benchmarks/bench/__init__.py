@@ -6,7 +6,8 @@ Each benchmark module has ``run() -> str`` (a markdown section). With
 second run of one bench, e.g. ``iteration-bf16``).
 ``run_bench(name, write, **options)`` passes ``options`` to ``run`` (``iteration``:
 ``plans``, ``rates``, ``json_path``, ``chart``; ``accuracy``: ``measured``, ``cluster``,
-``json_path``; ``nic``: ``plans``, ``cluster``, ``rates``, ``json_path``).
+``json_path``; ``nic``: ``plans``, ``cluster``, ``rates``, ``json_path``; ``iteration`` and ``quota``:
+``cpus_per_rank``).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import importlib
 from pathlib import Path
 
 BENCHES = ("synthesis", "resharding", "testbed", "iteration", "fuzz", "accuracy", "cut", "nic", "verify", "scale", "zero", "regime",
-           "checkpoint", "build", "startup", "zero3")
+           "checkpoint", "build", "startup", "zero3", "quota")
 
 
 def run_bench(name: str, write: str | None = None, section: str | None = None, **options) -> str:

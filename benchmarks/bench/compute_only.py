@@ -101,6 +101,8 @@ def compute_worker(argv) -> int:
 
     world = dist.get_world_size()
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if os.environ.get("PLANC_CPUS_PER_RANK"):   # each rank under its own CPU quota: no core is shared
+        cores = world
     for step in range(args.steps):
         # one rank at a time, the others waiting in a barrier: each rank's work alone on the CPUs
         mine = 0.0

@@ -49,6 +49,11 @@ first segment, the program's first step) is discarded and the median of the
 next ``measured`` steps is reported. Peak memory is each rank's VmHWM read from
 /proc by the testbed while it runs (over the whole run, all rates).
 
+``cpus_per_rank`` (``--cpus-per-rank CORES|auto``): every launch's ranks run under that CPU quota
+(``Testbed(cpus_per_rank=)``, docs/testbed.md): a rank's idle time is not another rank's compute, so
+bubbles cost time; the quota is in the section's header and the JSON (``cpus_per_rank``, ``cpu_quota``).
+Without it (default) nothing changes.
+
 ``python benchmarks/bench/compute_only.py --compute-only --out OUT`` is the
 compute-only worker (launched by the bench inside the testbed; standard
 library, torch and OUT's own runtime only).
@@ -69,6 +74,7 @@ import time
 from pathlib import Path
 
 import benchmarks.testbed
+from benchmarks.testbed import quota
 from benchmarks.bench import compute_only as worker  # the worker the bench launches in the testbed
 from benchmarks.bench import replace_section
 from benchmarks.bench.accuracy import read_calibrated, substitute
@@ -80,6 +86,7 @@ from benchmarks.variant import variant
 from benchmarks.bench.linkbound import (DTYPE_BYTES, _both, _carry_time, _window_carry,  # noqa: F401
                                         calibrated_rates, link_bytes, link_seconds, pipeline_link_bound)
 from planc import ir
+from planc.calibrate.clusterfile import cores_available
 from planc.commands import ui
 from planc.output.codegen import write_output
 from planc.driver.compile import compile_program
@@ -178,7 +185,8 @@ def stock_reason(plan: dict) -> str | None:
 # ---------------------------------------------------------------- measuring
 
 def measure_plan(plan_path: str, rates, *, measured: int = MEASURED, timeout: float = 600,
-                 log=lambda *a: None, cluster: str | None = None, rounds: int = 1) -> dict:
+                 log=lambda *a: None, cluster: str | None = None, rounds: int = 1,
+                 cpus_per_rank: float | str | None = None) -> dict:
 
     rates = [float(x) for x in rates]
     with tempfile.TemporaryDirectory(prefix="planc-bench-iteration-") as tmp:
@@ -198,6 +206,10 @@ def measure_plan(plan_path: str, rates, *, measured: int = MEASURED, timeout: fl
                   "stages": [len(s["devices"]) for s in plan["stages"]],
                   "micro_batch": plan["train"]["micro_batch"], "micro_batches": plan["train"]["micro_batches"],
                   "link": link_bytes(plan), "compile_s": round(time.monotonic() - t0, 1), "programs": {}}
+        share = None
+        if cpus_per_rank is not None:   # refused here, before any launch, when the quotas exceed the cores
+            share = quota.quota_of(quota.share_for(cpus_per_rank, int(plan["cluster"]["devices"]), cores_available()))
+            result.update(cpus_per_rank=share.cpus, cpu_quota=share.describe())
         if cluster is not None:   # the calibrated rate a direction keeps while the other is busy
             cal = read_calibrated(cluster)
             result.update(calibrated_rates(cal, rates))
@@ -218,7 +230,9 @@ def measure_plan(plan_path: str, rates, *, measured: int = MEASURED, timeout: fl
             run["when"] = when
             compute_runs.append(run)
 
-        with benchmarks.testbed.Testbed(len(hosts), rates[0]) as tb, ui.bar(f"{plan['name']} steps", steps) as bar:
+        cpus = None if share is None else share.cpus
+        with benchmarks.testbed.Testbed(len(hosts), rates[0], cpus_per_rank=cpus) as tb, \
+                ui.bar(f"{plan['name']} steps", steps) as bar:
             compute_only(tb, "before", bar)
             runs: dict[str, list[dict]] = {}
             for k in range(rounds):
@@ -303,19 +317,22 @@ def report(json_path: str, cluster: str | None = None) -> str:
             result["one_way"] = rated["one_way"]
             result.setdefault("both_ways", rated["both_ways"])
         rates_arg = (",".join(f"{x:g}" for x in rates) + (f" --cluster {cluster}" if cluster else "")
-                     + (f" --rounds {doc['rounds']}" if doc.get("rounds", 1) > 1 else ""))
+                     + (f" --rounds {doc['rounds']}" if doc.get("rounds", 1) > 1 else "")
+                     + (f" --cpus-per-rank {doc['cpus_per_rank']}" if doc.get("cpus_per_rank") is not None else ""))
         texts.append(markdown(result, rates_arg))
     return (f"Reported again from `{Path(json_path).name}` (`python -m benchmarks bench iteration --from-json "
             f"{Path(json_path).name}" + (f" --cluster {cluster}" if cluster else "") + "`; measured "
-            f"{doc.get('seconds', '?')} s on {doc.get('machine', '?')}).\n\n" + "\n".join(texts))
+            f"{doc.get('seconds', '?')} s on {doc.get('machine', '?')}).{quota_note(doc['plans'])}\n\n"
+            + "\n".join(texts))
 
 
 def run(plans=None, rates=None, *, json_path: str | None = None, chart: str | None = None,
         measured: int = MEASURED, timeout: float = 600, verbose: bool = True, cluster: str | None = None,
-        rounds: int = 1, from_json: str | None = None) -> str:
+        rounds: int = 1, from_json: str | None = None, cpus_per_rank: float | str | None = None) -> str:
     """Measure ``plans`` (default: gpt-bench-2x2 and unet-skip) at ``rates`` (Mbit/s) and return markdown;
     ``cluster``: compile under that calibrated cluster file once per rate (``compile_variants``), each
-    rate's programs launched on their own. ``from_json``: report that stored run instead (:func:`report`)."""
+    rate's programs launched on their own. ``from_json``: report that stored run instead (:func:`report`).
+    ``cpus_per_rank``: every rank under that CPU quota (module docstring)."""
     if from_json is not None:
         return report(from_json, cluster)
     if rounds < 1 or measured < 1:
@@ -329,7 +346,8 @@ def run(plans=None, rates=None, *, json_path: str | None = None, chart: str | No
     rates = [float(x) for x in (rates or DEFAULT_RATES)]
     rates_arg = (",".join(f"{x:g}" for x in rates) + (f" --cluster {cluster}" if cluster else "")
                  + (f" --rounds {rounds}" if rounds > 1 else "")
-                 + (f" --measured {measured}" if measured != MEASURED else ""))
+                 + (f" --measured {measured}" if measured != MEASURED else "")
+                 + (f" --cpus-per-rank {cpus_per_rank}" if cpus_per_rank is not None else ""))
 
     def log(*a):
         if verbose:
@@ -341,7 +359,7 @@ def run(plans=None, rates=None, *, json_path: str | None = None, chart: str | No
     for p in plans:
         path = Path(p) if Path(p).exists() else ROOT / p
         results.append(measure_plan(str(path), rates, measured=measured, timeout=timeout, log=log, cluster=cluster,
-                                    rounds=rounds))
+                                    rounds=rounds, cpus_per_rank=cpus_per_rank))
         results[-1]["plan"] = p
     took = time.monotonic() - t0
     load = (load0, os.getloadavg()[0])
@@ -349,7 +367,7 @@ def run(plans=None, rates=None, *, json_path: str | None = None, chart: str | No
     machine = (f"{os.cpu_count()} CPU cores ({platform.machine()}), Python {platform.python_version()}, "
                f"torch {torch.__version__}, DeepSpeed {deepspeed.__version__}")
     doc = {"machine": machine, "load_average": load, "rates_mbit": rates, "warmup": WARMUP, "measured": measured,
-           "rounds": rounds,
+           "rounds": rounds, **({"cpus_per_rank": cpus_per_rank} if cpus_per_rank is not None else {}),
            "seconds": round(took, 1), "plans": results}
     notes = []
     if json_path:
@@ -366,8 +384,15 @@ def run(plans=None, rates=None, *, json_path: str | None = None, chart: str | No
             + f"after {WARMUP} discarded (the rate changes while a program runs; see benchmarks/bench/iteration.py); "
             f"bound = max(signal send/recv, link); ratios > 1 are slower. Machine: {machine}; 1-minute load average "
             f"{load[0]:.1f} at the start, {load[1]:.1f} at the end (other jobs share the CPUs: compare within a "
-            f"run, expect noise); the whole bench took {took:.0f} s. " + "; ".join(notes) + ".")
+            f"run, expect noise); the whole bench took {took:.0f} s. " + "; ".join(notes) + "." + quota_note(results))
     return head + "\n\n" + "\n".join(markdown(r, rates_arg) for r in results)
+
+
+def quota_note(results: list[dict]) -> str:
+    """The header's sentence on CPU quotas ('' without them)."""
+    return "".join(f" Ranks of `{r['name']}` under CPU quotas: {r['cpu_quota']} (docs/testbed.md: a rank's idle "
+                   f"time is not another's compute, so bubbles cost time; the quota also charges a rank's host-side "
+                   f"communication work)." for r in results if r.get("cpu_quota"))
 
 
 def _has(module: str) -> bool:
@@ -391,6 +416,8 @@ def main(argv=None) -> int:
     p.add_argument("--write", metavar="FILE", help="also write the section into FILE (e.g. docs/benchmarks.md)")
     p.add_argument("--cluster", metavar="YAML", help="compile under this `planc calibrate` file, once per rate (each rate's programs launched on their own)")
     p.add_argument("--from-json", metavar="FILE", help="report a stored run (--json) again; launches nothing")
+    p.add_argument("--cpus-per-rank", default=None, type=quota.cpus_option, metavar="CORES|auto",
+                   help="run every rank under this CPU quota (docs/testbed.md)")
     args = p.parse_args(argv)
     if args.from_json:
         if args.plans or args.json_path or args.chart or args.rounds != 1 or args.measured != MEASURED \
@@ -409,7 +436,7 @@ def main(argv=None) -> int:
     if args.rounds < 1 or args.measured < 1:
         p.error(f"--rounds {args.rounds} --measured {args.measured}: each must be at least 1")
     text = run(args.plans or None, rates, json_path=args.json_path, chart=args.chart, measured=args.measured,
-               cluster=args.cluster, rounds=args.rounds)
+               cluster=args.cluster, rounds=args.rounds, cpus_per_rank=args.cpus_per_rank)
     text = text.rstrip() + "\n"
     if args.write:
         replace_section(Path(args.write), "iteration", text)

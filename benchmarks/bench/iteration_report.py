@@ -124,6 +124,9 @@ def markdown(result: dict, rates_arg: str) -> str:
     parts = compute_parts(result.get("compute_only") or {})
     parts_text = (f" = max(slowest rank alone {parts[0]:.3f} s, all ranks' work ÷ {parts[2]} cores {parts[1]:.3f} s)"
                   if parts else "")
+    if parts and result.get("cpus_per_rank"):   # quota'd ranks share no core: the slowest rank is the figure
+        parts_text = f" = slowest rank alone under its {result['cpus_per_rank']:g}-core quota {parts[0]:.3f} s"
+
     hosts = " + ".join(str(h) for h in result["hosts"])
     lines = [f"### `{result['plan']}` ({result['name']}: {len(result['hosts'])} hosts of {hosts} ranks, "
              f"stages of {result['stages']} devices, {result['micro_batches']} micro-batches of "

@@ -2,8 +2,11 @@
 
 Public API::
 
-    Testbed(hosts, link_mbit, *, subnet=None, burst_kb=None, latency_ms=50, prefix=None, loss=0.0)
-        context manager (root only). ``__enter__`` creates, ``__exit__`` removes
+    Testbed(hosts, link_mbit, *, subnet=None, burst_kb=None, latency_ms=50, prefix=None, loss=0.0,
+            cpus_per_rank=None)
+        context manager (root only).  cpus_per_rank (a share of one core, or 'auto'): every rank of a
+        launch in its own CPU cgroup with that quota (benchmarks/testbed/quota.py; refused when the
+        quotas add up to more than the machine's cores). ``__enter__`` creates, ``__exit__`` removes
         everything it created, also when the body raises or is interrupted.
         .namespaces     host namespace names, host h → namespaces[h]
         .bridge_ns      the namespace holding the bridge
@@ -31,17 +34,26 @@ Public API::
                         step_times, losses, peak_rss_kb (VmHWM per rank), timed_out,
                         failure (which rank failed first and how, every rank's last words, the faults),
                         rank_exits, rank_ended_s, host_exits, killed, events, dropped_packets,
-                        collective_timeout_s, shm_removed
+                        collective_timeout_s, shm_removed, cpu_quota (Quota or None), cpu_stats (rank ->
+                        usage_s, nr_periods, nr_throttled, throttled_s)
     available() -> str | None      why a testbed cannot be built here (None: it can)
-    cleanup_stale() -> list[str]   remove testbed namespaces left by processes that died
+    cleanup_stale() -> list[str]   remove testbed namespaces and rank cgroups left by processes that died
     scaled_link_mbit(plan, intra_bytes_per_s=3e9) -> float
                         the host-link rate that keeps the plan's host/in-host bandwidth ratio
 
 See docs/testbed.md.
 """
 
-from benchmarks.testbed.netns import IFNAME, Testbed, available, cleanup_stale, scaled_link_mbit
+from benchmarks.testbed import namespaces, quota
+from benchmarks.testbed.netns import IFNAME, Testbed, available, scaled_link_mbit
 from benchmarks.testbed.result import LaunchResult, TestbedError
+
+
+def cleanup_stale() -> list[str]:
+    """Remove what testbeds whose process died left: their namespaces (``planc<pid>t<n>h<i>``, ``...br``,
+    and what still runs inside) and their ranks' CPU cgroups (``planc<pid>t<n>-cpu<k>``, quota.py)."""
+    return namespaces.cleanup_stale() + quota.cleanup_stale()
+
 
 __all__ = ["Testbed", "TestbedError", "LaunchResult", "IFNAME", "available", "cleanup_stale",
            "scaled_link_mbit"]

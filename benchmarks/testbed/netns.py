@@ -27,6 +27,7 @@ from typing import Callable
 
 from planc.plan import DEFAULT_TIMEOUT_S
 
+from benchmarks.testbed import quota
 from benchmarks.testbed.faults import FaultsMixin, check_loss
 from benchmarks.testbed.namespaces import (BRIDGE, IFNAME, NAME_RE, available, cleanup_stale,  # noqa: F401
                                            delete_netns, netns_list, pick_subnet, run)
@@ -64,13 +65,15 @@ class Testbed(FaultsMixin):
     Faults (benchmarks/testbed/faults.py, docs/testbed.md "Faults"): ``loss`` (a fraction, or
     {host: fraction}) drops that share of each host link's packets from the start,
     ``set_loss``, ``link_down``/``link_up`` and ``kill_rank`` apply them while a job runs.
+    ``cpus_per_rank`` (quota.py; a share of one core, or ``'auto'``: the cores ÷ the ranks): every rank of a
+    launch in its own CPU cgroup under that quota (refused, ``quota.QuotaError``, beyond the cores).
     """
 
     __test__ = False   # not a pytest class
 
     def __init__(self, hosts: int, link_mbit: float, *, subnet: str | None = None,
                  burst_kb: float | None = None, latency_ms: float = 50.0, prefix: str | None = None,
-                 loss: float | dict[int, float] = 0.0):
+                 loss: float | dict[int, float] = 0.0, cpus_per_rank: float | str | None = None):
         if hosts < 1 or hosts > 250:
             raise ValueError(f"hosts must be 1..250, not {hosts}")
         if link_mbit <= 0:
@@ -101,6 +104,9 @@ class Testbed(FaultsMixin):
         self._events: list[tuple[float, str]] = []
         self._tracker: RankTracker | None = None  # the running launch's ranks (kill_rank)
         self._host_of: dict[int, int] = {}
+        self.cpus_per_rank = quota.cpus_option(cpus_per_rank)
+        self._quotas: list[quota.RankQuotas] = []  # the running launch's cgroups (close() removes them)
+        self._quota_launches = itertools.count()
 
     def _burst(self, mbit: float) -> int:
         return int((self._burst_kb * 1024) if self._burst_kb else max(64 * 1024, mbit * 1e6 / 8 * 0.002))
@@ -110,6 +116,9 @@ class Testbed(FaultsMixin):
         why = available()
         if why:
             raise TestbedError(f"cannot build a testbed: {why}")
+        why = quota.available() if self.cpus_per_rank is not None else None
+        if why:
+            raise TestbedError(f"cannot run ranks under CPU quotas (cpus_per_rank={self.cpus_per_rank!r}): {why}")
         atexit.register(self.close)
         if threading.current_thread() is threading.main_thread():
             # SIGTERM → SystemExit, so __exit__ (and the cleanup) runs
@@ -164,6 +173,9 @@ class Testbed(FaultsMixin):
             for p in self._procs:
                 _killpg(p)
             self._procs.clear()
+            for q in self._quotas:
+                q.close()
+            self._quotas.clear()
             for ns in reversed(self._created):
                 try:
                     delete_netns(ns)
@@ -252,6 +264,8 @@ class Testbed(FaultsMixin):
         ``node<h>`` (``unshare --uts``, when it works), as on separate machines. ``progress``: a bar
         of rank 0's steps on stderr (``planc.commands.ui.progress``); None: when stderr is a terminal. What
         DeepSpeed's ranks leave in /dev/shm for this launch is removed afterwards (``shm_removed``).
+        ``cpus_per_rank``: each rank joins its cgroup (``<prefix>-cpu<k>/rank<r>``) through quota_exec.sh,
+        then execs the command it runs without quotas (``cpu_quota``, ``cpu_stats``; docs/testbed.md).
         """
         kwargs = dict(steps=steps, timeout=timeout, comm_only=comm_only, extra_args=extra_args, args=args,
                       script=script, launcher=launcher, env=env, python=python, grace=grace, memory=memory,
@@ -283,6 +297,8 @@ class Testbed(FaultsMixin):
             world = sum(counts)
         if any(not (isinstance(h, int) and 0 <= h < len(hosts)) for h in (host_outs or {})):
             raise ValueError(f"host_outs: hosts must be among the plan's 0..{len(hosts) - 1}, not {sorted(host_outs)}")
+        # the ranks' CPU cgroups, refused before anything starts when the quotas add up to more than the cores
+        quotas = quota.for_launch(self.cpus_per_rank, world, f"{self.prefix}-cpu{next(self._quota_launches)}")
         planned = (plan.get("train") or {}).get("timeout") or (plan.get("runtime") or {}).get("timeout")
         asked, collective_timeout = collective_timeout, collective_timeout or planned or DEFAULT_TIMEOUT_S
         if collective_timeout <= 0:
@@ -324,12 +340,18 @@ class Testbed(FaultsMixin):
         dropped_before = self.dropped_packets()
         shm_before = set(shm_buffers(self.addresses[0], port))
         bar = StepBar(steps, f"testbed: {out.name}", progress)
+        cpu_stats: dict[int, dict] = {}
 
         def step_seen(n: int, seconds: float) -> None:
             bar.step(n)
             if on_step is not None:
                 on_step(n, seconds)
         try:
+            if quotas is not None:   # each rank joins its cgroup through quota_exec.sh before it runs anything
+                with self._lock:
+                    self._quotas.append(quotas)
+                quotas.create()
+                base.update(quotas.environ())
             if launcher == "deepspeed":
                 first = 0
                 for h, ranks in enumerate(hosts):
@@ -344,7 +366,8 @@ class Testbed(FaultsMixin):
                     cmd = [*deepspeed_command(python), f"--hostfile={hostfile}", "--no_ssh", f"--node_rank={h}",
                            f"--num_nodes={len(hosts)}", *([f"--num_gpus={len(ranks)}"] if uniform else []),
                            f"--master_addr={self.addresses[0]}", f"--master_port={port}",
-                           f"--enable_each_rank_log={logdir / f'host{h}'}", str(scripts[h]), *argv]
+                           f"--enable_each_rank_log={logdir / f'host{h}'}",
+                           *(["--no_python", str(quota.WRAPPER), python] if quotas else []), str(scripts[h]), *argv]
                     f = open(logdir / f"host{h}.log", "w")
                     files.append(f)
                     procs[f"host{h}"] = subprocess.Popen(
@@ -361,8 +384,8 @@ class Testbed(FaultsMixin):
                         f = open(logdir / f"rank{rank}.log", "w")
                         files.append(f)
                         procs[f"rank{rank}"] = subprocess.Popen(
-                            ["ip", "netns", "exec", self.namespaces[h], *uts_wrapper(f"node{h}"), python,
-                             str(scripts[h]), *argv],
+                            ["ip", "netns", "exec", self.namespaces[h], *uts_wrapper(f"node{h}"),
+                             *quota.command(quotas, [python, str(scripts[h]), *argv])],
                             env=e, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                             cwd=str(outs[h]), start_new_session=True)
                         with self._lock:
@@ -407,8 +430,12 @@ class Testbed(FaultsMixin):
                     pass
             for f in files:
                 f.close()
+            if quotas is not None:
+                cpu_stats = quotas.stats()
+                quotas.close()
             with self._lock:
                 self._procs = [p for p in self._procs if p not in procs.values()]
+                self._quotas = [q for q in self._quotas if q is not quotas]
             bar.close()
             # DeepSpeed's CPU ranks each map /dev/shm/deepspeed_allreduce_buffer_<uid>_<addr>_<port>_<rank>
             # (~69 MB) when all ranks are on one node and never unlink it: remove what this launch left
@@ -451,6 +478,7 @@ class Testbed(FaultsMixin):
                             killed=killed_at is not None, events=events,
                             dropped_packets={h: n - dropped_before.get(h, 0) for h, n in dropped_after.items()},
                             collective_timeout_s=float(collective_timeout), shm_removed=shm_removed,
+                            cpu_quota=quotas.quota if quotas else None, cpu_stats=cpu_stats,
                             host_exits={int(k[4:]): p.returncode for k, p in procs.items() if k.startswith("host")})
 
 

@@ -31,6 +31,8 @@ class LaunchResult:
     collective_timeout_s: float = 0.0     # the collective timeout of the plan the ranks ran
     host_exits: dict[int, int | None] = field(default_factory=dict)   # host -> its DeepSpeed launcher's returncode
     shm_removed: list[str] = field(default_factory=list)  # DeepSpeed /dev/shm buffers its ranks left, removed
+    cpu_quota: object = None              # benchmarks.testbed.quota.Quota (cpus, quota_us, period_us); None: no quota
+    cpu_stats: dict[int, dict] = field(default_factory=dict)   # rank -> usage_s, nr_periods, nr_throttled, throttled_s
 
     def check(self) -> "LaunchResult":
         if self.returncode != 0 and self.failure:

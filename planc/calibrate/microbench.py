@@ -62,10 +62,18 @@ def _sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _timed(fn, repeats: int, device, alone: bool) -> float:
-    """Median seconds of ``fn()`` on this rank; ``alone``: the ranks take turns (one at a time)."""
+def _timed(fn, repeats: int, device, alone: bool, min_s: float = 0.0) -> float:
+    """Median seconds of ``fn()`` on this rank; ``alone``: the ranks take turns (one at a time);
+    ``min_s``: each sample calls ``fn`` often enough to last that long (a rank under a CPU quota runs a
+    call shorter than its period at full speed, on the quota it saved while waiting)."""
     fn()   # warm-up (allocations, kernels)
     _sync(device)
+    calls = 1
+    if min_s > 0:
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        calls = max(1, round(min_s / max(time.perf_counter() - t0, 1e-6)))
     rank, world = dist.get_rank(), dist.get_world_size()
     times = []
     for turn in range(world if alone else 1):
@@ -74,24 +82,25 @@ def _timed(fn, repeats: int, device, alone: bool) -> float:
             continue
         for _ in range(repeats):
             t0 = time.perf_counter()
-            fn()
+            for _ in range(calls):
+                fn()
             _sync(device)
-            times.append(time.perf_counter() - t0)
+            times.append((time.perf_counter() - t0) / calls)
     dist.barrier()
     return statistics.median(times)
 
 
-def _matmul(ns, repeats: int, device, alone: bool) -> list[dict]:
+def _matmul(ns, repeats: int, device, alone: bool, min_s: float = 0.0) -> list[dict]:
     out = []
     for n in ns:
         a = torch.rand(n, n, device=device)
         b = torch.rand(n, n, device=device)
         out.append({"n": n, "flop": 2.0 * n ** 3, "seconds": _timed(lambda: torch.matmul(a, b), repeats, device,
-                                                                    alone)})
+                                                                    alone, min_s)})
     return out
 
 
-def _block(shapes, repeats: int, device, alone: bool) -> list[dict]:
+def _block(shapes, repeats: int, device, alone: bool, min_s: float = 0.0) -> list[dict]:
     from torch.utils.flop_counter import FlopCounterMode
 
     out = []
@@ -107,7 +116,7 @@ def _block(shapes, repeats: int, device, alone: bool) -> list[dict]:
         with FlopCounterMode(display=False) as counter:
             step()
         out.append({"h": h, "seq": seq, "batch": batch, "flop": float(counter.get_total_flops()),
-                    "seconds": _timed(step, repeats, device, alone)})
+                    "seconds": _timed(step, repeats, device, alone, min_s)})
     return out
 
 
@@ -230,10 +239,11 @@ def run(spec: dict) -> dict | None:
 
     alone = device.type == "cpu"
     t0 = time.perf_counter()
-    mm = _matmul(spec.get("matmul", [256, 512]), repeats, device, alone)
+    min_s = float(spec.get("min_sample_s", 0.0))   # the lab's calibration under CPU quotas sets it
+    mm = _matmul(spec.get("matmul", [256, 512]), repeats, device, alone, min_s)
     done("matmul", t0)
     t0 = time.perf_counter()
-    blocks = _block(spec.get("block", BLOCK), repeats, device, alone)
+    blocks = _block(spec.get("block", BLOCK), repeats, device, alone, min_s)
     done("block", t0)
     inner_group = [dist.new_group(list(range(h * per_host, (h + 1) * per_host))) for h in range(hosts)]
     leaders = list(range(0, world, per_host))

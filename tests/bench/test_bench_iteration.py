@@ -453,3 +453,37 @@ def test_from_json_bad_inputs_are_named_without_a_traceback(tmp_path, capsys):
     assert "takes no --from-json (only iteration does)" in capsys.readouterr().err
     assert main(["bench", "iteration", "--from-json", str(f)]) == 2
     assert "not a stored run of `python -m benchmarks bench iteration --json` (KeyError" in capsys.readouterr().err
+
+
+def test_cpus_per_rank_reaches_every_launch_and_the_header(monkeypatch, tmp_path, gpt_plan):
+    """``--cpus-per-rank``: the testbed runs every rank under that quota, the result and the header say
+    which; quotas over the machine's cores are refused before any launch; without it nothing changes."""
+    made = []
+
+    class Quotad(_Testbed):
+        def __init__(self, *_a, **k):
+            super().__init__()
+            made.append(k.get("cpus_per_rank"))
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+    def variants(plan_path, tmp, cluster, rate):
+        return {s: {"out": tmp_path, "plan": gpt_plan} for s in iteration.SCHEDULES}
+
+    monkeypatch.setattr("benchmarks.testbed.Testbed", Quotad)
+    monkeypatch.setattr(iteration, "compile_variants", variants)
+    monkeypatch.setattr(iteration, "variant", lambda out, *a, **k: out)
+    monkeypatch.setattr(iteration, "cores_available", lambda: 2)
+    res = iteration.measure_plan("plans/gpt-bench-2x2.plan", [100.0], measured=1, cpus_per_rank="auto")
+    assert made == [0.5] and res["cpus_per_rank"] == 0.5
+    note = iteration.quota_note([res])
+    assert note.startswith(" Ranks of `gpt_bench_2x2` under CPU quotas: 0.5 CPU per rank (")
+    with pytest.raises(iteration.quota.QuotaError, match="= 4 cores of quota, more than the 2 cores"):
+        iteration.measure_plan("plans/gpt-bench-2x2.plan", [100.0], measured=1, cpus_per_rank=1.0)
+    assert made == [0.5]                                   # refused before a testbed was made
+    plain = iteration.measure_plan("plans/gpt-bench-2x2.plan", [100.0], measured=1)
+    assert made == [0.5, None] and "cpus_per_rank" not in plain and iteration.quota_note([plain]) == ""

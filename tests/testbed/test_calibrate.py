@@ -243,3 +243,68 @@ def test_calibrate_on_the_testbed_then_predict(tmp_path, capsys):
     cases = [{"kind": "transfer", "case": name, "what": "send_recv", "measured": 1.0} for name in testbed.TRANSFERS]
     rows = accuracy.testbed_cases(cases, accuracy.read_calibrated(out), "x", 400)
     assert all(r["predicted"] > 0 for r in rows)
+
+
+def test_a_calibration_under_quotas_says_so_and_has_no_shared_cores(tmp_path):
+    from benchmarks.calibrate import under_quota
+    from benchmarks.testbed import quota
+
+    doc = cal.cluster_doc([cal.fit(_raw())], "testbed", [100.0], 3)
+    assert doc["cores_per"] == "cluster"
+    q = quota.quota_of(0.5, tick_us=4000)
+    got = under_quota(doc, q)
+    assert "cores" not in got and "cores_per" not in got          # each rank computes at its own fixed speed
+    assert got["calibration"]["cpus_per_rank"] == 0.5
+    assert got["calibration"]["cpu_quota"] == "2000 us per 4000 us period, no burst"
+    assert list(got)[-1] == "calibration" and got["levels"] == doc["levels"]
+    cal.write_yaml(got, tmp_path / "q.yaml", "python -m benchmarks calibrate --on testbed q.yaml --cpus-per-rank 0.5")
+    (tmp_path / "p.plan").write_text('cluster "q.yaml"\nparallel { data = 4 }\n')
+    assert load(tmp_path / "p.plan").cluster.flops == pytest.approx(40e9, rel=1e-5)
+
+
+@pytest.mark.parametrize("value, message", [
+    ("lots", "--cpus-per-rank 'lots': a share of one core (e.g. 0.25) or 'auto'"),
+    ("3", "cpus_per_rank 3 x 4 ranks = 12 cores of quota, more than the"),
+])
+def test_bad_cpus_per_rank_is_exit_2_before_any_testbed(tmp_path, capsys, value, message):
+    assert lab_main(["calibrate", "--on", "testbed", str(tmp_path / "t.yaml"), "--cpus-per-rank", value]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+    assert not (tmp_path / "t.yaml").exists()
+
+
+def test_under_quotas_each_compute_sample_lasts_many_periods(monkeypatch):
+    """A call shorter than its quota runs at full speed: under quotas the microbenchmarks' compute
+    samples last 50 periods (``min_sample_s``); without quotas the spec is as before."""
+    import json
+
+    import benchmarks.calibrate as lab
+    from benchmarks.testbed import quota
+    from benchmarks.testbed.result import LaunchResult
+
+    made, specs = [], []
+
+    class Fake:
+        def __init__(self, hosts, rate, cpus_per_rank=None):
+            made.append(cpus_per_rank)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def set_link_mbit(self, rate):
+            pass
+
+        def launch(self, out, args, **_):
+            specs.append(json.loads(args[1]))
+            return LaunchResult(0, cal.MARK + "{}\n")
+
+    monkeypatch.setattr(lab, "available", lambda: None)
+    monkeypatch.setattr(lab, "Testbed", Fake)
+    lab.run_testbed(2, 2, [100.0], engine=False, cpus_per_rank=0.5)
+    lab.run_testbed(2, 2, [100.0], engine=False)
+    assert made == [0.5, None]
+    assert specs[0]["min_sample_s"] == pytest.approx(50 * quota.quota_of(0.5).period_us / 1e6)
+    assert "min_sample_s" not in specs[1]
