@@ -15,7 +15,7 @@ import importlib
 from pathlib import Path
 
 BENCHES = ("synthesis", "resharding", "testbed", "iteration", "fuzz", "accuracy", "cut", "nic", "verify", "scale", "zero", "regime",
-           "checkpoint", "build", "startup", "zero3")
+           "checkpoint", "build", "startup", "zero3", "bwsplit")
 
 
 def run_bench(name: str, write: str | None = None, section: str | None = None, **options) -> str:
