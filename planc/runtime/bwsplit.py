@@ -46,7 +46,7 @@ from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 from .dataflow import EngineError
 
-__all__ = ["BackwardSplit"]
+__all__ = ["BackwardSplit", "distinct_outputs"]
 
 # which node a saved tensor belongs to (private torch functions; without them B frees nothing): the node
 # whose backward unpacks it, and the sequence number the forward was at when it was packed (its node's + 1)
@@ -134,7 +134,7 @@ class BackwardSplit:
         held = self._boxes.pop(m, [])
         boxes = held[:]
         held.clear()   # the list every saved variable's pack hook holds: no box is kept alive by it
-        outs, sums = _distinct(outputs, grads)
+        outs, sums = distinct_outputs(outputs, grads)
         leaves = [x for x in inputs if torch.is_tensor(x) and x.requires_grad]
         roots = [get_gradient_edge(t) for t in outs]
         ins = {get_gradient_edge(x).node: x for x in leaves}
@@ -335,8 +335,10 @@ def _keep(kept, node):
     return hook
 
 
-def _distinct(outputs, grads):
-    """Distinct outputs that require grad, each with its gradients summed (``grads`` None: a scalar loss)."""
+def distinct_outputs(outputs, grads):
+    """The distinct outputs that require grad, each with its gradients summed (one output may feed several
+    transfers: a skip and the main path); ``grads`` None: a scalar loss, gradient 1. What a fused backward
+    over a stage's outputs differentiates too (engine.py's loop, which this can replace)."""
     outs, sums = [], []
     for i, t in enumerate(outputs):
         if not (torch.is_tensor(t) and t.requires_grad):
