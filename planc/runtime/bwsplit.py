@@ -17,8 +17,9 @@ norm's input and output gradient would.
 
 What B keeps for W: the cut gradients, the vector gradients, and the saved tensors of the cut and
 weight-side nodes (a linear's input). Under ``saving(m)`` the forward's saved tensors are boxed and B
-empties those only input-path nodes read (attention, GELU, norms); without it they live until the graph
-is dropped. W's calls release what they read (``retain_graph=False``), so after W nothing of m is left.
+empties those of an input-path node W will not run (attention, GELU, norms) as soon as that node has run,
+as a fused backward frees them; without it they live until the graph is dropped. W's calls release what
+they read (``retain_graph=False``), so after W nothing of m is left.
 
 W accumulates as ``AccumulateGrad`` does (in place into an existing ``.grad``, a view into planc's
 buckets; else a fresh tensor laid out like the parameter), then runs the parameter's post-accumulate hooks:
@@ -58,25 +59,32 @@ _exec_group = getattr(torch.utils.checkpoint, "GraphExecGroup", None)   # torch 
 class _Box:
     """A tensor autograd saved, boxed so that B can drop it. Its owner is the node that unpacks it in B if
     that node's sequence number is the one current when it was packed: a tensor unpacked on another's
-    behalf (checkpoint's saved inputs, read when a node's unpack starts the recompute) has none."""
+    behalf (checkpoint's saved inputs, read when a node's unpack starts the recompute) has none. During B
+    ``owners`` (node -> its boxes) collects the boxes as their nodes unpack them."""
 
-    __slots__ = ("tensor", "node", "seq", "m", "__weakref__")
+    __slots__ = ("tensor", "node", "seq", "m", "owners", "__weakref__")
 
     def __init__(self, tensor, m):
-        self.tensor, self.node, self.m = tensor, None, m
+        self.tensor, self.node, self.m, self.owners = tensor, None, m, None
         self.seq = _next_sequence_nr() - 1 if _next_sequence_nr is not None else None
-
-    def owner(self):
-        n = self.node
-        return n if n is not None and n._sequence_nr() == self.seq else None
 
     def unpack(self):
         if self.tensor is None:
             raise EngineError(f"micro-batch {self.m}: a tensor its forward saved was freed after B (the input "
                               "gradients) but a later backward reads it")
         if self.node is None and _current_node is not None:
-            self.node = _current_node()
+            n = self.node = _current_node()
+            if self.owners is not None and n is not None and n._sequence_nr() == self.seq:
+                self.owners.setdefault(n, []).append(self)
         return self.tensor
+
+
+def _release(owners, node):
+    """A post-hook of an input-path node W will not run: once it has run in B, its saved tensors go."""
+    def hook(_grad_inputs, _grad_outputs):
+        for box in owners.pop(node, ()):
+            box.tensor = None
+    return hook
 
 
 @dataclass(slots=True)
@@ -90,6 +98,15 @@ class _Call:
     runs: set = field(default_factory=set)       # the input-path nodes it runs: its cuts (and, merged, between)
     ready: list | None = None                    # vector parameters: their gradients, computed in B
     order: int = 0                               # the latest-created root first, as autograd runs
+
+    def take(self, kept) -> None:
+        """After B: the gradients B's pre-hooks kept at this call's input-path cuts become its roots."""
+        self.clamps = [(c, kept[c]) for c, _ in self.clamps if c in kept]
+        for c, gs in self.clamps:
+            for i, g in enumerate(gs):
+                if g is not None:
+                    self.edges.append(GradientEdge(c, i))
+                    self.grads.append(g)
 
 
 @dataclass(slots=True)
@@ -149,15 +166,22 @@ class BackwardSplit:
             root_grads.setdefault(e.node, []).append((e.output_nr, g))
         calls = self._calls(parents, path, root_grads)
         early = [c for c in calls if all(p.dim() < 2 for p in c.params)]
-        calls = [c for c in calls if not any(c is e for e in early)]
+        calls = self._merge_stacked([c for c in calls if not any(c is e for e in early)], parents, path)
+        runs = set().union(*(c.runs for c in calls))
         kept: dict = {}
+        owners: dict = {}   # saved tensors only the input path reads, dropped as soon as their node has run
+        for box in boxes:
+            box.owners = owners
         handles = [c.register_prehook(_keep(kept, c)) for call in calls for c, _ in call.clamps]
+        handles += [n.register_hook(_release(owners, n)) for n in (path - runs if boxes else ())]
         try:
             got = torch.autograd.grad(outs, leaves + [p for c in early for p in c.params], sums,
                                       retain_graph=True, allow_unused=True)
         finally:
             for h in handles:
                 h.remove()
+            for box in boxes:
+                box.owners = None
         for x, g in zip(leaves, got):   # as AccumulateGrad: g itself unless it is an output's gradient
             if g is not None:
                 if x.grad is None:
@@ -168,20 +192,8 @@ class BackwardSplit:
         for c in early:
             c.ready = [(p, g) for p in c.params if (g := next(got)) is not None]
         for call in calls:
-            call.clamps = [(c, kept[c]) for c, _ in call.clamps if c in kept]
-            for c, gs in call.clamps:
-                for i, g in enumerate(gs):
-                    if g is not None:
-                        call.edges.append(GradientEdge(c, i))
-                        call.grads.append(g)
-            call.runs = call.cuts & path
-        calls = self._merge_stacked(calls, parents, path) + early
-        runs = set().union(*(c.runs for c in calls))
-        for box in boxes:   # saved tensors only the input path read: dropped now
-            n = box.owner()
-            if n is not None and n in path and n not in runs:
-                box.tensor = None
-        self._pending[m] = _Pending(sorted(calls, key=lambda c: -c.order), None, _weak(boxes))
+            call.take(kept)
+        self._pending[m] = _Pending(sorted(calls + early, key=lambda c: -c.order), None, _weak(boxes))
 
     def _calls(self, parents, path, root_grads) -> list[_Call]:
         """The groups of parameters W computes together: those reaching a shared cut."""
@@ -205,6 +217,7 @@ class BackwardSplit:
         for call in calls:
             call.params.sort(key=lambda p: index[id(p)])
             call.order = max(c._sequence_nr() for c in call.cuts)
+            call.runs = call.cuts & path
             for c in sorted(call.cuts, key=lambda c: -c._sequence_nr()):
                 if c in path:
                     call.clamps.append((c, None))

@@ -448,7 +448,10 @@ def test_b_keeps_only_what_w_reads_and_w_leaves_nothing(drop_outputs):
     with bw.saving(0):
         y = stage(x)
     assert _alive(stage) == ["fc2 input", "gelu input"]
+    in_b = []   # x's gradient comes last in B: the GELU, which ran before, has dropped its input already
+    x.register_hook(lambda g: in_b.append(_alive(stage)))
     bw.backward_input(0, [y], [torch.ones_like(y)], [x])
+    assert in_b == [["fc2 input"]]
     if drop_outputs:
         del y
     assert _alive(stage) == ["fc2 input"]      # the GELU's saved input is the input path's only
