@@ -11,9 +11,9 @@ path. Parameters sharing a cut form a group. B runs autograd from the outputs (o
 with a pre-hook on every cut keeping the gradients flowing into it. W runs, per group, autograd from those
 kept gradients to the group's parameters: each cut node runs again computing only its weight side
 (autograd computes only the outputs a call needs) and nothing of the input path runs twice, unlike a
-second pass from the outputs (1.44x a fused backward). Groups of vectors only (norms' scales and shifts)
-are computed in B, where they cost a reduction, and their gradients kept until W: that holds less than a
-norm's input and output gradient would.
+second pass from the outputs (as dear as the whole fused backward). Groups of vectors only (norms'
+scales and shifts) are computed in B, where they cost a reduction, and their gradients kept until W:
+that holds less than a norm's input and output gradient would.
 
 What B keeps for W: the cut gradients, the vector gradients, and the saved tensors of the cut and
 weight-side nodes (a linear's input). Under ``saving(m)`` the forward's saved tensors are boxed and B
