@@ -17,6 +17,7 @@ frozen for the garbage collector (``gc.freeze``), as the runtime freezes its imp
 """
 from __future__ import annotations
 
+import contextlib
 import gc
 import importlib.util
 import os
@@ -93,7 +94,7 @@ def measure_stage(stage, width: int, repeats: int = REPEATS) -> dict:
 
     def forward(recompute=False, m=None):
         x = x0.clone().requires_grad_(True)
-        with bw.saving(m) if m is not None else _Nothing():
+        with bw.saving(m) if m is not None else contextlib.nullcontext():
             y = checkpoint(stage, x, use_reentrant=False) if recompute else stage(x)
         return x, y
 
@@ -155,14 +156,6 @@ def _verify(stage, params, fused, split) -> None:
     for name, a, b in pairs:
         if b is None or (b - a).abs().max() > 1e-4 * a.abs().max().clamp_min(1e-12):
             raise BenchFailed(f"bench bwsplit: {name} after B and W differs from the fused backward's")
-
-
-class _Nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 def table(rows: dict, head: str) -> str:
