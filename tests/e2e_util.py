@@ -127,6 +127,15 @@ def compare_dumps(dump_dir: Path, ranks, ref_state: dict, rtol: float, atol: flo
     return {k: layout for k, (layout, _) in shards.items()}
 
 
+def load_example(name: str):
+    """``examples/NAME.py`` imported as a module of its own (the examples are no package)."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location(f"planc_test_{name}", ROOT / "examples" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 # ---------------------------------------------------------------- an independent reference
 
 def _load_callable(folder: Path, entry: dict):

@@ -16,7 +16,7 @@ import importlib
 from pathlib import Path
 
 BENCHES = ("synthesis", "resharding", "testbed", "iteration", "fuzz", "accuracy", "cut", "nic", "verify", "scale", "zero", "regime",
-           "checkpoint", "build", "startup", "zero3", "quota")
+           "checkpoint", "build", "startup", "zero3", "quota", "bwsplit")
 
 
 def run_bench(name: str, write: str | None = None, section: str | None = None, **options) -> str:

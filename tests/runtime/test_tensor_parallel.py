@@ -3,7 +3,6 @@ full layers, the compiler's tensor_groups, and the runtime's choice of calling a
 without ``tensor_parallel``."""
 
 import copy
-import importlib.util
 import threading
 
 import pytest
@@ -12,14 +11,7 @@ import torch
 from planc.runtime.main import accepts_tensor_parallel, build_layers
 from planc.runtime.tensor_parallel import TensorParallel, context_from_plan, shard_info, shard_of
 
-from e2e_util import ROOT
-
-
-def load_example(name):
-    spec = importlib.util.spec_from_file_location(f"planc_test_{name}", ROOT / "examples" / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+from e2e_util import ROOT, load_example
 
 
 gpt = load_example("gpt")
