@@ -24,10 +24,14 @@ class BeginOp(ds_schedule.PipeInstruction):
     """Marks the start of operation ``index`` of the stage's list (lets receives run ahead of it)."""
 
 
+class WeightPass(ds_schedule.BufferOpInstruction):
+    """A split backward's weight gradients of micro-batch ``buffer_id`` (``W``; bwsplit.py)."""
+
+
 class PlanSchedule(ds_schedule.PipeSchedule):
     """DeepSpeed instructions for one stage, from its rank class's plan.json ``pipeline.actions`` list, in
     its order: per turn (``planc.plan.RankClass.turns``) its receives (a wait) and sends (issued) as listed,
-    ``BeginOp`` where the turn begins, the compute; the sends after the last compute, then the reduce and
+    ``BeginOp`` where the turn begins, the compute (``W``: ``WeightPass``); the sends after the last compute, then the reduce and
     the optimizer step."""
 
     _RECV = {Direction.FORWARD: ds_schedule.RecvActivation, Direction.BACKWARD: ds_schedule.RecvGrad}
@@ -48,8 +52,8 @@ class PlanSchedule(ds_schedule.PipeSchedule):
             cmds.insert(turn.begin, BeginOp(index=index))
             if a.kind == "F" and self.loads_data:
                 cmds.append(ds_schedule.LoadMicroBatch(buffer_id=a.micro_batch))
-            cmds.append(ds_schedule.ForwardPass(buffer_id=a.micro_batch) if a.kind == "F" else
-                        ds_schedule.BackwardPass(buffer_id=a.micro_batch))
+            cmds.append({"F": ds_schedule.ForwardPass, "B": ds_schedule.BackwardPass,
+                         "W": WeightPass}[a.kind](buffer_id=a.micro_batch))
             yield cmds
         yield [self._move(x) for x in self.rank_class.tail()] + [ds_schedule.ReduceGrads(), ds_schedule.OptimizerStep()]
 
@@ -98,3 +102,30 @@ def check_ds_config(cfg: dict) -> None:
     if on:
         raise EngineError(f"ds_config.json switches on DeepSpeed's {', '.join(on)}; planc's engine runs the "
                           f"precision, ZeRO and clipping plan.json train says (recompile the output)")
+
+
+def named_instruction(instruction: str, fn):
+    """An instruction whose communication failure (a dead or hung peer, the collective timeout)
+    is reported naming this rank, its stage, the instruction and what it was waiting for."""
+    import functools
+
+    @functools.wraps(fn)
+    def run(self, **kwargs):
+        try:
+            if self.tracer is None or instruction == "BeginOp":
+                return fn(self, **kwargs)
+            with self.tracer.span(instruction, "compute", micro_batch=kwargs.get("buffer_id"),
+                                  transfer=kwargs.get("transfer")):
+                return fn(self, **kwargs)
+        except (RuntimeError, EngineError) as e:
+            if getattr(e, "planc_named", False):
+                raise
+            what = ", ".join(f"{'micro-batch' if k == 'buffer_id' else k} {v!r}" for k, v in kwargs.items())
+            peers = self._peers(instruction, kwargs.get("transfer"))
+            err = EngineError(f"rank {self.rank} (stage {self.stage_id}) failed in {instruction}"
+                              f"{f' ({what})' if what else ''}"
+                              f"{f' with ranks {peers}' if peers else ''}: "
+                              f"{str(e).splitlines()[0] if str(e) else type(e).__name__}")
+            err.planc_named = True
+            raise err from e
+    return run

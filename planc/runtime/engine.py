@@ -43,7 +43,8 @@ from .stage_regime import build_regime
 from .zero3 import zero3_for
 from .reshard import DTYPES, TransferExecutor
 from .comm import RecvAhead, receive_jobs
-from .dsplan import BeginOp, PlanSchedule, check_ds_config, deepspeed_on_plan
+from .dsplan import BeginOp, PlanSchedule, WeightPass, check_ds_config, deepspeed_on_plan, named_instruction as _named
+from .bwsplit import BackwardSplit, distinct_outputs
 from .grads import GroupAllReduce
 from .grads_zero2 import make_buckets
 from .tied import TiedGradients
@@ -155,7 +156,12 @@ class PlanEngine(PipelineEngine):
             raise EngineError(f"rank {rank}: its gradient reduction group {list(red.group_of(rank))} is not its "
                               f"stage's data group {self.grid.get_data_parallel_group_ranks()}")
         self.held = {k: {} for k in ("inputs", "outputs", "labels", "losses", "grads", "grads_sent")}
-        self.last_backward = int(next(op for op in reversed(self.ops) if op[0] == "B")[1:])
+        # zero-bubble lists split the backward: B the input gradients, W the weight gradients (bwsplit.py)
+        splits = any(t.compute.kind == "W" and t.compute.stage == self.stage_id for t in self.turns)
+        self.split = BackwardSplit(self.module.parameters()) if splits else None
+        # the action whose backward produces the step's last parameter gradients: buckets released as they fill
+        self.last_backward = next(t.compute.micro_batch for t in reversed(self.turns)
+                                  if t.compute.kind == ("W" if splits else "B"))
         self.grads = make_buckets(plan, self.stage_id, self.tied.others(self.module.parameters()), self.reduction,
                                   self.device, tracer=tracer, layers=self.module.forward_funcs)   # grads_zero2.py
         self.regime = self._regime(plan, groups, red, initial)
@@ -244,7 +250,7 @@ class PlanEngine(PipelineEngine):
         held = self.held["inputs"][buffer_id]
         inputs = [held["x"]] if self.is_first_stage() else self.boundary.inputs(self.incoming, [held[n] for n in self.incoming])
         taps = {self.graph.src_layer(self.graph.by_name[n]) for n in self.outgoing}
-        with self._saved_bytes(buffer_id):
+        with self.split.saving(buffer_id) if self.split else contextlib.nullcontext(), self._saved_bytes(buffer_id):
             if self.recompute:   # keeps only the inputs; the forward reruns in backward
                 order = sorted(taps)
 
@@ -337,30 +343,30 @@ class PlanEngine(PipelineEngine):
         self._note()
 
     def _exec_backward_pass(self, buffer_id):
-        self.grads.arm(last=buffer_id == self.last_backward)   # last: reduce buckets as they fill (zero 2: each)
+        if self.split is None:
+            self.grads.arm(last=buffer_id == self.last_backward)   # last: reduce buckets as they fill (zero 2: each)
         if self.is_last_stage():
             # DeepSpeedEngine.backward (PipelineEngine.backward raises): loss / gradient_accumulation_steps
             self.loss = self.held["losses"][buffer_id]
             scale = self.regime.loss_scale    # fp16's dynamic loss scale (1 otherwise)
-            DeepSpeedEngine.backward(self, self.loss * scale if scale != 1.0 else self.loss)
+            loss = self.loss * scale if scale != 1.0 else self.loss
+            if self.split is None:
+                DeepSpeedEngine.backward(self, loss)
+                tensors = None
+            else:
+                tensors, sums = [loss / self.gradient_accumulation_steps()], None
         else:
-            # one output may feed several transfers (a skip and the main path): sum its gradients
+            # one output may feed several transfers (a skip and the main path): its gradients summed; an output
+            # that needs no gradient (the stage's input sent on as a skip) skipped
             outs, grads = self.held["outputs"][buffer_id], self.held["grads"][buffer_id]
-            tensors, sums = [], []
-            for n in self.outgoing:
-                out, g = outs[n], grads[n]
-                if not out.requires_grad:   # e.g. the stage's input sent on as a skip: nothing here to differentiate
-                    continue
-                for i, t in enumerate(tensors):
-                    if t is out:
-                        sums[i] = sums[i] + g
-                        break
-                else:
-                    tensors.append(out)
-                    sums.append(g)
+            tensors, sums = distinct_outputs([outs[n] for n in self.outgoing], [grads[n] for n in self.outgoing])
+        if tensors is not None:
             self._running_engine_backward = True
             try:
-                if tensors:
+                if self.split is not None:   # B: the input gradients only, what W needs kept
+                    inputs = [t for t in self.held["inputs"][buffer_id].values() if t.requires_grad]
+                    self.split.backward_input(buffer_id, tensors, sums, inputs)
+                elif tensors:
                     torch.autograd.backward(tensors, sums)
             finally:
                 self._running_engine_backward = False
@@ -369,6 +375,15 @@ class PlanEngine(PipelineEngine):
         if self.is_first_stage():
             self._drop(buffer_id, "inputs")
         self._note()
+
+    def _exec_weight_pass(self, buffer_id):
+        """W: the weight gradients of micro-batch ``buffer_id`` from what its B kept (bwsplit.py)."""
+        self.grads.arm(last=buffer_id == self.last_backward)   # the parameters' gradients arrive now
+        self._running_engine_backward = True
+        try:
+            self.split.backward_weight(buffer_id)
+        finally:
+            self._running_engine_backward = False
 
     def _exec_send_grads(self, buffer_id, transfer):
         t = self.held["inputs"][buffer_id][transfer]
@@ -447,33 +462,6 @@ class PlanEngine(PipelineEngine):
                            for k, v in self.module.named_parameters(remove_duplicate=False))
 
 
-def _named(instruction: str, fn):
-    """An instruction whose communication failure (a dead or hung peer, the collective timeout)
-    is reported naming this rank, its stage, the instruction and what it was waiting for."""
-    import functools
-
-    @functools.wraps(fn)
-    def run(self, **kwargs):
-        try:
-            if self.tracer is None or instruction == "BeginOp":
-                return fn(self, **kwargs)
-            with self.tracer.span(instruction, "compute", micro_batch=kwargs.get("buffer_id"),
-                                  transfer=kwargs.get("transfer")):
-                return fn(self, **kwargs)
-        except (RuntimeError, EngineError) as e:
-            if getattr(e, "planc_named", False):
-                raise
-            what = ", ".join(f"{'micro-batch' if k == 'buffer_id' else k} {v!r}" for k, v in kwargs.items())
-            peers = self._peers(instruction, kwargs.get("transfer"))
-            err = EngineError(f"rank {self.rank} (stage {self.stage_id}) failed in {instruction}"
-                              f"{f' ({what})' if what else ''}"
-                              f"{f' with ranks {peers}' if peers else ''}: "
-                              f"{str(e).splitlines()[0] if str(e) else type(e).__name__}")
-            err.planc_named = True
-            raise err from e
-    return run
-
-
 PlanEngine._INSTRUCTION_MAP = {cls: _named(cls.__name__, fn) for cls, fn in {
     BeginOp: PlanEngine._exec_begin_op,
     ds_schedule.LoadMicroBatch: PlanEngine._exec_load_micro_batch,
@@ -482,6 +470,7 @@ PlanEngine._INSTRUCTION_MAP = {cls: _named(cls.__name__, fn) for cls, fn in {
     ds_schedule.SendActivation: PlanEngine._exec_send_activations,
     ds_schedule.RecvGrad: PlanEngine._exec_recv_grads,
     ds_schedule.BackwardPass: PlanEngine._exec_backward_pass,
+    WeightPass: PlanEngine._exec_weight_pass,
     ds_schedule.SendGrad: PlanEngine._exec_send_grads,
     ds_schedule.ReduceGrads: PlanEngine._exec_reduce_grads,
     ds_schedule.OptimizerStep: PlanEngine._exec_optimizer_step,

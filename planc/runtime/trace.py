@@ -35,7 +35,7 @@ __all__ = ["Tracer", "summarise", "stalls", "WAITS", "COMPUTE"]
 # instruction names whose duration is the compute thread waiting for a peer's data
 WAITS = ("RecvActivation", "RecvGrad")
 # instruction names that are the stage's own computation
-COMPUTE = ("ForwardPass", "BackwardPass", "OptimizerStep")
+COMPUTE = ("ForwardPass", "BackwardPass", "WeightPass", "OptimizerStep")
 
 
 def _now_us() -> float:

@@ -136,6 +136,7 @@ def test_instruction_map_covers_every_instruction(unet):
             ds.SendActivation: PlanEngine._exec_send_activations,
             ds.RecvGrad: PlanEngine._exec_recv_grads,
             ds.BackwardPass: PlanEngine._exec_backward_pass,
+            E.WeightPass: PlanEngine._exec_weight_pass,
             ds.SendGrad: PlanEngine._exec_send_grads,
             ds.ReduceGrads: PlanEngine._exec_reduce_grads,
             ds.OptimizerStep: PlanEngine._exec_optimizer_step}   # the plan's regime (regime.py), not DeepSpeed's
@@ -149,7 +150,7 @@ def test_instruction_map_covers_every_instruction(unet):
     g = StageGraph(unet)
     emitted = {type(c) for s, cls in enumerate(unet.pipeline.actions)
                for step in PlanSchedule(cls, 4, 3, s, s in (0, 2)).steps() for c in step}
-    assert emitted == set(want)
+    assert emitted == set(want) - {E.WeightPass}     # no W in eager_1f1b
     assert emitted <= set(PlanEngine._INSTRUCTION_MAP)
 
 
