@@ -73,3 +73,14 @@ def test_deferred_weight_gradients_train_the_reference(tmp_path, name):
         for i, (k, m) in enumerate(ran):
             if k == "W":
                 assert ("B", m) in ran[:i], (rank, ran)
+
+
+@pytest.mark.parametrize("zero", [2, 3])
+def test_deferred_weight_gradients_under_zero(tmp_path, zero):
+    """ZeRO-2 reduce-scatters each micro-batch's gradients at the end of its W; ZeRO-3 gathers each layer for
+    B (W of a linear reads no weight)."""
+    from test_e2e_zero2 import run_and_compare, train_settings, variant
+    src, out, plan = variant(tmp_path, "mlp-data2-to-data4.plan", train_settings(zero))
+    deferred_weights(plan["pipeline"]["actions"])
+    (out / "plan.json").write_text(json.dumps(plan))
+    run_and_compare(tmp_path, src, out, plan, STEPS)
