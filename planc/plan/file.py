@@ -254,12 +254,18 @@ class Plan:
         own = next(s for s in self.stages if s.index == stage).zero
         return own if own is not None else (self.train.zero if self.train is not None else 0)
 
-    def gradient_reduction(self, device: int) -> Reduction | None:
-        """The ``gradients`` entry whose groups hold ``device`` (one per stage when stages differ)."""
-        for r in self.reductions:
-            if r.name == "gradients" and r.group_of(device) is not None:
-                return r
-        return None
+    def gradient_reduction(self, device: int, stage: int | None = None) -> Reduction | None:
+        """The ``gradients`` entry whose groups hold ``device`` (one per stage when stages differ); ``stage``:
+        of that stage (a device may run several stages that share a mesh): its own entry, else one for
+        every stage (no ``stage``)."""
+        found = [r for r in self.reductions if r.name == "gradients" and r.group_of(device) is not None]
+        if stage is not None:
+            found = [r for r in found if r.stage == stage] or [r for r in found if r.stage is None]
+        return found[0] if found else None
+
+    def stages_of(self, device: int) -> tuple[Stage, ...]:
+        """Every stage ``device`` runs, in index order (several where stages share a mesh)."""
+        return tuple(s for s in self.stages if device in s.devices)
 
     def tag_layout(self) -> TagLayout:
         most = max((len(r.tasks) for t in self.transfers for r in (t.forward, t.backward) if r is not None),

@@ -131,7 +131,7 @@ def run_reference(layers, plan: Plan, loss_fn, data_iter, micro_batches: int, st
     return losses
 
 
-def check_stage_shapes(plan: Plan, rank: int, layers, sample_x, device=None) -> list[str]:
+def check_stage_shapes(plan: Plan, rank: int, layers, sample_x, device=None, stage=None) -> list[str]:
     """Start-up check: the tensors this rank's stage produces against its transfers' regions.
 
     Runs the stage's layers once without gradients on inputs of the planned
@@ -140,7 +140,7 @@ def check_stage_shapes(plan: Plan, rank: int, layers, sample_x, device=None) -> 
     """
     device = device or torch.device("cpu")
     graph = StageGraph(plan)
-    stage = plan.stage_of(rank)
+    stage = stage if stage is not None else plan.stage_of(rank)
     first, _ = graph.layers(stage.index)
     incoming, outgoing = graph.incoming(stage.index), graph.outgoing(stage.index)
     if stage.index == 0:

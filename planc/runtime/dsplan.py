@@ -38,31 +38,42 @@ class PlanSchedule(ds_schedule.PipeSchedule):
     _SEND = {Direction.FORWARD: ds_schedule.SendActivation, Direction.BACKWARD: ds_schedule.SendGrad}
 
     def __init__(self, rank_class, micro_batches, stages, stage_id, loads_data):
+        """``loads_data``: whether the stage's forwards load their micro-batch (the first and last stage), or
+        for a class of several stages the set of those that do."""
         super().__init__(micro_batches, stages, stage_id)
-        self.rank_class, self.loads_data = rank_class, loads_data
+        self.rank_class = rank_class
+        self.loads = (set(loads_data) if isinstance(loads_data, (set, frozenset)) else
+                      set(rank_class.stages) if loads_data else set())
+
+    @staticmethod
+    def _tag(cmd, stage: int):
+        cmd.planc_stage = stage   # which stage's engine runs it (classrun.py: a rank of several stages)
+        return cmd
 
     def _move(self, a):
         table = self._RECV if a.kind == "RECV" else self._SEND
-        return table[a.direction](buffer_id=a.micro_batch, transfer=a.transfer)
+        return self._tag(table[a.direction](buffer_id=a.micro_batch, transfer=a.transfer), a.stage)
 
     def steps(self):
         for index, turn in enumerate(self.rank_class.turns()):
             a = turn.compute
             cmds = [self._move(x) for x in turn.before]
             cmds.insert(turn.begin, BeginOp(index=index))
-            if a.kind == "F" and self.loads_data:
-                cmds.append(ds_schedule.LoadMicroBatch(buffer_id=a.micro_batch))
-            cmds.append({"F": ds_schedule.ForwardPass, "B": ds_schedule.BackwardPass,
-                         "W": WeightPass}[a.kind](buffer_id=a.micro_batch))
+            if a.kind == "F" and a.stage in self.loads:
+                cmds.append(self._tag(ds_schedule.LoadMicroBatch(buffer_id=a.micro_batch), a.stage))
+            cmds.append(self._tag({"F": ds_schedule.ForwardPass, "B": ds_schedule.BackwardPass,
+                                   "W": WeightPass}[a.kind](buffer_id=a.micro_batch), a.stage))
             yield cmds
-        yield [self._move(x) for x in self.rank_class.tail()] + [ds_schedule.ReduceGrads(), ds_schedule.OptimizerStep()]
+        yield [self._move(x) for x in self.rank_class.tail()] + [
+            self._tag(cmd, r.stage) for r in self.rank_class.reduces()
+            for cmd in (ds_schedule.ReduceGrads(), ds_schedule.OptimizerStep())]
 
     def num_pipe_buffers(self):
         return 1    # the engine keeps its own per-micro-batch buffers and frees each one early
 
 
 @contextlib.contextmanager
-def deepspeed_on_plan(plan: Plan, rank: int, groups: dict, timeout):
+def deepspeed_on_plan(plan: Plan, rank: int, groups: dict, timeout, stage=None):
     """While DeepSpeed builds the module and engine: its grid is the plan's, its groups are the plan's.
 
     - ``PipelineParallelGrid`` (which would create a world-spanning pipe x data x
@@ -73,7 +84,7 @@ def deepspeed_on_plan(plan: Plan, rank: int, groups: dict, timeout):
     - the engine's start-up p2p handshake between neighbouring stages is skipped:
       planc's transfers are not neighbour-only and need no warm-up.
     """
-    grid = PlanGrid(plan, rank, groups)
+    grid = PlanGrid(plan, rank, groups, stage)
     world = tuple(range(dist.get_world_size()))
     saved = (ds_module.PipelineParallelGrid, dist.new_group, ds_p2p.send, ds_p2p.recv)
 

@@ -43,6 +43,7 @@ from .stage_regime import build_regime
 from .zero3 import zero3_for
 from .reshard import DTYPES, TransferExecutor
 from .comm import RecvAhead, receive_jobs
+from .classrun import local_routes
 from .dsplan import BeginOp, PlanSchedule, WeightPass, check_ds_config, deepspeed_on_plan, named_instruction as _named
 from .bwsplit import BackwardSplit, distinct_outputs
 from .grads import GroupAllReduce
@@ -65,14 +66,14 @@ class PlanPipelineModule(PipelineModule):
     convention and returns ``(last output, {tapped layer: output})``.
     """
 
-    def __init__(self, plan: Plan, layers, loss_fn=None):
+    def __init__(self, plan: Plan, layers, loss_fn=None, stage=None):
         graph = StageGraph(plan)
         bounds = [graph.layers(s)[0] for s in range(graph.num_stages)] + [graph.layers(graph.num_stages - 1)[1]]
         if bounds[0] != 0 or bounds[-1] != len(layers):
             raise EngineError(f"the stages cover layers {bounds[0]}..{bounds[-1]} but the model has "
                               f"{len(layers)} layers")
         object.__setattr__(self, "_plan_bounds", bounds)
-        super().__init__(layers=list(layers), topology=StageTopology(plan), loss_fn=loss_fn, partition_method="plan",
+        super().__init__(layers=list(layers), topology=StageTopology(plan, stage), loss_fn=loss_fn, partition_method="plan",
                          base_seed=plan.train.seed)   # the plan's seed (DeepSpeed prints it: BASE_SEED)
 
     def _partition_layers(self, method="plan"):
@@ -102,13 +103,14 @@ class PlanEngine(PipelineEngine):
     with sends in flight.
     """
 
-    def __init__(self, *ds_args, plan: Plan, groups: dict, data_iter=None, tracer=None, initial=None, **ds_kwargs):
+    def __init__(self, *ds_args, plan: Plan, groups: dict, data_iter=None, tracer=None, initial=None, stage=None,
+                 **ds_kwargs):
         super().__init__(*ds_args, **ds_kwargs)
         self.tracer = tracer
         rank = self.global_rank
         self.plan, self.plan_groups, self.rank = plan, groups, rank
         self.graph = StageGraph(plan)
-        self.stage: Stage = plan.stage_of(rank)
+        self.stage: Stage = stage if stage is not None else plan.stage_of(rank)
         self.rank_class = plan.pipeline.class_of(self.stage_id)   # plan.json pipeline.actions: the order
         self.turns = self.rank_class.turns()
         self.ops = [f"{t.compute.kind}{t.compute.micro_batch}" for t in self.turns]
@@ -124,13 +126,16 @@ class PlanEngine(PipelineEngine):
         self.data_iterator = data_iter if (self.is_first_stage() or self.is_last_stage()) else None
         tags = plan.tag_layout()
         self.executors = {}
+        self.local = local_routes(plan)   # (transfer, direction) handed over on the rank (classrun.py)
         for i, t in enumerate(plan.transfers):
             if t.name in self.incoming + self.outgoing:
                 for direction in Direction:
+                    if (t.name, direction) in self.local:
+                        continue
                     self.executors[(t.name, direction)] = TransferExecutor(
                         t, direction, rank, groups, tags, index=i, device=self.device,
                         signal=plan.runtime.signal_transfers)
-        red = plan.gradient_reduction(rank)
+        red = plan.gradient_reduction(rank, self.stage_id)
         self.reduction = None
         self.dtype = param_dtype(plan.train.precision)
         low = self.dtype != torch.float32
@@ -157,11 +162,11 @@ class PlanEngine(PipelineEngine):
                               f"stage's data group {self.grid.get_data_parallel_group_ranks()}")
         self.held = {k: {} for k in ("inputs", "outputs", "labels", "losses", "grads", "grads_sent")}
         # zero-bubble lists split the backward: B the input gradients, W the weight gradients (bwsplit.py)
-        splits = any(t.compute.kind == "W" and t.compute.stage == self.stage_id for t in self.turns)
+        mine = [t.compute for t in self.turns if t.compute.stage == self.stage_id]
+        splits = any(a.kind == "W" for a in mine)
         self.split = BackwardSplit(self.module.parameters()) if splits else None
         # the action whose backward produces the step's last parameter gradients: buckets released as they fill
-        self.last_backward = next(t.compute.micro_batch for t in reversed(self.turns)
-                                  if t.compute.kind == ("W" if splits else "B"))
+        self.last_backward = next(a.micro_batch for a in reversed(mine) if a.kind == ("W" if splits else "B"))
         self.grads = make_buckets(plan, self.stage_id, self.tied.others(self.module.parameters()), self.reduction,
                                   self.device, tracer=tracer, layers=self.module.forward_funcs)   # grads_zero2.py
         self.regime = self._regime(plan, groups, red, initial)
@@ -172,14 +177,17 @@ class PlanEngine(PipelineEngine):
         self.sends = SendReaper(tracer=tracer)
         self.nic = None   # the host NIC order (nicorder.py): attach_nic, when the plan has one for this host
         self.nic_bytes: dict = {}   # (transfer, direction) -> bytes this rank sends off its host per micro-batch
-        self.recvs = RecvAhead(self.executors, receive_jobs(self.turns),
-                               ahead=plan.runtime.recv_ahead, tracer=tracer, ops=self.ops)
+        # a rank of several stages: one receive thread for all of them, and stage-to-stage handovers on the
+        # rank itself (classrun.py sets both); else this stage's own
+        self.local_box: dict | None = None
+        self.recvs = None if len(self.rank_class.stages) > 1 else RecvAhead(
+            self.executors, receive_jobs(self.turns), ahead=plan.runtime.recv_ahead, tracer=tracer, ops=self.ops)
         self.stats = {"stage": self.stage_id, "peak_live_micro_batches": 0, "peak_pending_sends": 0}
         self.saved = None   # --memory-stats: per micro-batch in flight, the bytes autograd saved in its forward
 
     @classmethod
     def build(cls, plan: Plan, groups: dict, layers, loss_fn, data_iter, ds_config: dict, timeout=None, tracer=None,
-              initial=None):
+              initial=None, stage=None):
         """Construct the engine the way ``deepspeed.initialize`` does for a ``PipelineModule``
         (module, mpu = module.mpu(), DeepSpeedConfig), on the plan's grid and groups. ``initial``: the
         stage's fp32 weights from before ``regime.cast_stage`` (bf16/fp16 plans), the masters' start."""
@@ -188,15 +196,15 @@ class PlanEngine(PipelineEngine):
         from .dist_util import collective_timeout
         timeout = timeout or collective_timeout(plan)
         rank = dist.get_rank()
-        stage = plan.stage_of(rank)
+        stage = stage if stage is not None else plan.stage_of(rank)
         a, b = stage.rows_of(rank)
         cfg = dict(ds_config, train_micro_batch_size_per_gpu=b - a, gradient_accumulation_steps=plan.pipeline.micro_batches,
                    train_batch_size=(b - a) * plan.pipeline.micro_batches * len(stage.group_of("data", rank)))
         check_ds_config(cfg)
         cfg.pop("optimizer", None)   # the optimizer is plan.json's (regime.py), never ds_config's
         deepspeed.init_distributed(dist_backend=dist.get_backend(), dist_init_required=False, timeout=timeout)
-        with deepspeed_on_plan(plan, rank, groups, timeout):
-            module = PlanPipelineModule(plan, layers, loss_fn=loss_fn)
+        with deepspeed_on_plan(plan, rank, groups, timeout, stage):
+            module = PlanPipelineModule(plan, layers, loss_fn=loss_fn, stage=stage)
             # a placeholder: DeepSpeed needs an optimizer to build the engine; the engine's own (over the
             # master weights, regime.py) replaces it once the gradient buckets exist
             optimizer = make_optimizer(plan.train.optimizer, [])
@@ -205,7 +213,7 @@ class PlanEngine(PipelineEngine):
             engine = cls(args=None, model=module, optimizer=optimizer, model_parameters=None,
                          training_data=None, lr_scheduler=None, mpu=mpu, dist_init_required=False,
                          collate_fn=None, config=cfg, config_class=config_class,
-                         plan=plan, groups=groups, data_iter=data_iter, tracer=tracer, initial=initial)
+                         plan=plan, groups=groups, data_iter=data_iter, tracer=tracer, initial=initial, stage=stage)
         return engine
 
     def _regime(self, plan: Plan, groups: dict, red, initial) -> Regime:
@@ -239,8 +247,15 @@ class PlanEngine(PipelineEngine):
     def _exec_begin_op(self, index):
         self.recvs.advance(index)
 
+    def _take(self, transfer: str, direction: Direction, m: int):
+        """What the receive thread received, or, for a transfer between two stages of this rank's mesh that
+        moves nothing (plan.json ``local``), this rank's region of what its other stage handed over."""
+        if (transfer, direction) in self.local:
+            return self.local_box.take(transfer, direction, m)
+        return self.recvs.take(transfer, direction, m)
+
     def _exec_recv_activations(self, buffer_id, transfer):
-        t = self.recvs.take(transfer, Direction.FORWARD, buffer_id)
+        t = self._take(transfer, Direction.FORWARD, buffer_id)
         if t.is_floating_point():
             t.requires_grad_(True)
         self.held["inputs"].setdefault(buffer_id, {})[transfer] = t
@@ -324,6 +339,9 @@ class PlanEngine(PipelineEngine):
     def _send(self, transfer: str, direction: Direction, m: int, tensor) -> None:
         """Start one transfer direction's sends of micro-batch ``m``: at once, or, when the host's NIC
         order lists it, by the NIC thread at its turn (the compute thread never waits for either)."""
+        if (transfer, direction) in self.local:   # to this rank's other stage: nothing leaves the rank
+            self.local_box.put(transfer, direction, m, tensor)
+            return
         ex = self.executors[(transfer, direction)]
         what = f"send {transfer} {direction} m{m}"
         if self.nic is not None and self.nic.gated(transfer, str(direction), m):
@@ -338,7 +356,7 @@ class PlanEngine(PipelineEngine):
         self._note()
 
     def _exec_recv_grads(self, buffer_id, transfer):
-        g = self.recvs.take(transfer, Direction.BACKWARD, buffer_id)
+        g = self._take(transfer, Direction.BACKWARD, buffer_id)
         self.held["grads"].setdefault(buffer_id, {})[transfer] = g
         self._note()
 
@@ -428,7 +446,7 @@ class PlanEngine(PipelineEngine):
             ex = self.executors.get((transfer, direction))
             return ex.peers() if ex is not None else []
         if instruction == "ReduceGrads":
-            red = self.plan.gradient_reduction(self.rank)
+            red = self.plan.gradient_reduction(self.rank, self.stage_id)
             return [d for d in (red.group_of(self.rank) if red else ()) if d != self.rank]
         return []
 

@@ -120,7 +120,7 @@ def _main(argv=None, out_dir: str | None = None) -> int:
     if args.comm_only or plan.train is None:
         comm_only(plan, groups, rank, steps)
         return _close()
-    model = build(plan, out_dir, groups, rank, clock)
+    model = build(plan, out_dir, groups, rank, clock, args)
     if args.build_only:   # docs/memory.md, "Checking the model"
         build_only(rank, model.stage, model.layers if model.stage else None, model.initial, model.build_stats, plan)
         return _close()

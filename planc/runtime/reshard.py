@@ -73,12 +73,15 @@ class _Task:
             self.parts = None
 
 
-def _transfer_groups(groups: dict, direction: Direction) -> dict:
-    """The groups as one direction's transfers see them: their own communicators first
-    (``("transfer", direction, *members)``), then the direction's, then the plan's."""
+def _transfer_groups(groups: dict, direction: Direction, name: str | None = None) -> dict:
+    """The groups as one direction's transfers see them: the transfer's own communicators first, where the
+    plan gives each transfer its own (``("transfer", direction, name, *members)``, plan.json
+    ``runtime.p2p_per_transfer``), then the direction's (``("transfer", direction, *members)``), then the
+    plan's."""
     view = direction_groups(groups, str(direction))
     prefix = ("transfer", str(direction))
-    view.update({k[2:]: v for k, v in groups.items() if k[:2] == prefix})
+    view.update({k[2:]: v for k, v in groups.items() if k[:2] == prefix and len(k) > 2 and isinstance(k[2], int)})
+    view.update({k[3:]: v for k, v in groups.items() if k[:3] == prefix + (name,)})
     return view
 
 
@@ -91,8 +94,10 @@ class TransferExecutor:
         self.name = transfer.name
         self.direction = Direction(direction)
         self.rank = int(rank)
-        self.groups = _transfer_groups(groups, self.direction)
-        self.p2p = groups.get(("p2p", str(self.direction)))   # None: the default group
+        self.groups = _transfer_groups(groups, self.direction, self.name)
+        # its own point-to-point communicator where the plan gives each transfer one, else the direction's
+        # (None: the default group)
+        self.p2p = groups.get(("p2p", str(self.direction), self.name), groups.get(("p2p", str(self.direction))))
         self.index = int(index)
         self.tags = tags
         self.dtype = DTYPES[transfer.dtype]

@@ -54,6 +54,11 @@ def create_groups(plan: Plan, timeout=None) -> dict:
         for d in Direction:
             families.append(((P2P, str(d)), [world]))
             families.append(((TRANSFER, str(d)), route_groups(plan, d)))
+        if getattr(plan.runtime, "p2p_per_transfer", False):   # each direction of each transfer on its own
+            for t in plan.transfers:
+                for d in Direction:
+                    families.append(((P2P, str(d), t.name), [world]))
+                    families.append(((TRANSFER, str(d), t.name), route_groups(plan, d, (t,))))
     for prefix, lists in families:
         for members in lists:
             key = prefix + tuple(members)
@@ -78,11 +83,12 @@ def gather_groups(groups: dict) -> dict:
     return {k[1:]: v for k, v in groups.items() if k and k[0] == GATHER}
 
 
-def route_groups(plan: Plan, direction: Direction) -> list[tuple[int, ...]]:
+def route_groups(plan: Plan, direction: Direction, transfers=None) -> list[tuple[int, ...]]:
     """The member sets one direction's tasks run collectives on, in first-use order: broadcast
-    groups ({sender} ∪ receivers) and allgather parts; one-member sets left out."""
+    groups ({sender} ∪ receivers) and allgather parts; one-member sets left out. ``transfers``: of these
+    only (default: the plan's)."""
     seen: dict[tuple[int, ...], None] = {}
-    for t in plan.transfers:
+    for t in plan.transfers if transfers is None else transfers:
         route = t.forward if direction is Direction.FORWARD else t.backward
         if route is None:
             continue
@@ -98,10 +104,13 @@ class StageTopology(ProcessTopology):
 
     AXES = ("pipe", "data", "model")
 
-    def __init__(self, plan: Plan):
+    def __init__(self, plan: Plan, stage=None):
+        """``stage``: the stage this process builds an engine for, where its device runs several (stages
+        that share a mesh: a device's coordinate is that stage's; else the first stage holding it)."""
         coords = {}
         dims = [len(plan.stages), 1, 1]
-        for st in plan.stages:
+        # the given stage first: its devices take its coordinates
+        for st in sorted(plan.stages, key=lambda st: stage is not None and st.index != stage.index):
             k = st.mesh_axes.index("data") if "data" in st.mesh_axes else None
             for d in st.mesh_devices:
                 pos = st.position(d)
@@ -110,7 +119,7 @@ class StageTopology(ProcessTopology):
                     if i != k:
                         m = m * n + pos[i]
                 c = (st.index, pos[k] if k is not None else 0, m)
-                coords[d] = c
+                coords.setdefault(d, c)
                 dims[1], dims[2] = max(dims[1], c[1] + 1), max(dims[2], c[2] + 1)
         super().__init__(axes=list(self.AXES), dims=dims)
         self.mapping = {self.ProcessCoord(*c): r for r, c in sorted(coords.items())}
@@ -137,11 +146,11 @@ class PlanGrid(PipelineParallelGrid):
     loss itself, DeepSpeed's pipe-wide collectives are not used.
     """
 
-    def __init__(self, plan: Plan, rank: int, groups: dict):
-        st = plan.stage_of(rank)
+    def __init__(self, plan: Plan, rank: int, groups: dict, stage=None):
+        st = stage if stage is not None else plan.stage_of(rank)
         if st is None:
             raise PlanFileError(f"rank {rank} is in no stage; an idle rank builds no engine")
-        self._topo = StageTopology(plan)
+        self._topo = StageTopology(plan, stage)
         self.global_rank = rank
         self.world_size = dist.get_world_size()
         self.stage = st

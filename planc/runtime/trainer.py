@@ -28,6 +28,7 @@ from . import lazydynamo, nicorder
 from .checkpoint import CountingIterator
 from .dist_util import backend_device, collective_timeout, devices_line
 from .dsops import preload_built_op
+from .classrun import ClassRun, several_stages_unsupported
 from .engine import EngineError, PlanEngine, check_stage_shapes
 from .hf_vocab import loss_for as vocab_loss
 from .regime import cast_stage, param_dtype
@@ -60,14 +61,16 @@ def fail_together(problems: list[str], headline: str = "the plan cannot train") 
         raise error
 
 
-def dump_params(engine, directory: str, rank: int) -> None:
+def dump_params(engines, directory: str, rank: int) -> None:
     """DIR/rank<R>.pt: name -> tensor; DIR/rank<R>.shards.json: name -> [dim, index, parts, blocks]
     for each tensor-parallel shard (replicated parameters are not listed), and a fifth entry, the real
-    length of the split dimension, for a padded one (a vocabulary table: its padding rows are dumped)."""
+    length of the split dimension, for a padded one (a vocabulary table: its padding rows are dumped).
+    ``engines``: the rank's (one per stage it runs)."""
     os.makedirs(directory, exist_ok=True)
-    torch.save(dict(engine.plan_named_parameters()), os.path.join(directory, f"rank{rank}.pt"))
+    torch.save({k: v for e in engines for k, v in e.plan_named_parameters().items()},
+               os.path.join(directory, f"rank{rank}.pt"))
     shards = {f"layers.{k}": list(info) + ([p.planc_shard_size] if hasattr(p, "planc_shard_size") else [])
-              for k, p in engine.module.named_parameters() if (info := shard_info(p)) is not None}
+              for e in engines for k, p in e.module.named_parameters() if (info := shard_info(p)) is not None}
     with open(os.path.join(directory, f"rank{rank}.shards.json"), "w") as f:
         json.dump(shards, f, indent=1, sort_keys=True)
 
@@ -115,9 +118,10 @@ class StageModel:
     initial: object = None              # the stage's fp32 weights before the cast (bf16/fp16), or None
     build_stats: dict | None = None     # the build's resident peak (share.Peak.report)
     peak: Peak | None = field(default=None, repr=False)
+    more: list = field(default_factory=list)   # the rank's other stages (a mesh several stages share): theirs
 
 
-def build(plan, out_dir: str, groups: dict, rank: int, clock) -> StageModel:
+def build(plan, out_dir: str, groups: dict, rank: int, clock, args=None) -> StageModel:
     """Collective: DeepSpeed's communication backend, then this rank's stage of the model; every rank's
     problems gathered (``fail_together``)."""
     if not plan.train.trainable:   # decided by the compiler; the same on every rank
@@ -132,8 +136,13 @@ def build(plan, out_dir: str, groups: dict, rank: int, clock) -> StageModel:
     deepspeed.init_distributed(dist_backend=dist.get_backend(), dist_init_required=False,
                                timeout=collective_timeout(plan))
     clock.mark("deepspeed init")
-    model = StageModel(plan.stage_of(rank))
-    problems = _build_stage(model, plan, out_dir, groups, rank) if model.stage is not None else []
+    stages = plan.stages_of(rank)
+    model = StageModel(stages[0] if stages else None, more=[StageModel(st) for st in stages[1:]])
+    problems = []
+    for m in [model] + model.more if model.stage is not None else []:
+        problems += _build_stage(m, plan, out_dir, groups, rank)
+    if model.more:
+        problems += several_stages_unsupported(plan, rank, args)
     fail_together(problems)
     clock.mark("model build")
     return model
@@ -176,7 +185,7 @@ def _build_stage(model: StageModel, plan, out_dir: str, groups: dict, rank: int)
         x = x[a:b]
         if x.is_floating_point():   # float inputs enter stage 0 in the plan's precision
             x = x.to(param_dtype(t.precision))
-        return check_stage_shapes(plan, rank, layers[lo:hi], x)
+        return check_stage_shapes(plan, rank, layers[lo:hi], x, stage=stage)
     except (EngineError, ValueError, KeyError) as e:
         return [f"rank {rank}: {e}"]
 
@@ -191,6 +200,8 @@ class Trainer:
         self.out_dir, self.args = out_dir, args
         self.stage = model.stage
         self.engine = self.data = self.device = None
+        self.engines: dict = {}   # stage -> its PlanEngine (several where the rank runs several stages)
+        self.run = None           # what runs a step: the engine, or a ClassRun of the rank's engines
         self.tracer = Tracer(rank, self.stage.index if self.stage is not None else None) if args.trace else None
 
     def build_engine(self, ds_config: dict) -> None:
@@ -211,7 +222,15 @@ class Trainer:
             if t.recomputes(stage.index):   # torch.utils.checkpoint reads torch._dynamo.config: now, not in step 0
                 lazydynamo.load()
             self.engine = engine = PlanEngine.build(plan, self.groups, model.layers, model.loss_fn, self.data,
-                                                    ds_config, tracer=tracer, initial=model.initial)
+                                                    ds_config, tracer=tracer, initial=model.initial, stage=stage)
+            self.engines = {stage.index: engine}
+            for other in model.more:   # the rank's other stages: each its own engine, its own draw of the data
+                other_data = CountingIterator(other.batches(t.micro_batch, t.seed, **data_arguments(t)))
+                self.engines[other.stage.index] = PlanEngine.build(
+                    plan, self.groups, other.layers, other.loss_fn, other_data, ds_config, tracer=tracer,
+                    initial=other.initial, stage=other.stage)
+                other.initial = None
+            self.run = ClassRun(self.engines, plan, rank, tracer) if model.more else engine
             if self.args.memory_stats:   # training's resident peak counted from here (share.Peak)
                 engine.saved, model.peak = {}, Peak()
             model.initial = None
@@ -219,7 +238,7 @@ class Trainer:
             order = plan.pipeline.nic_order_of(host)
             if counter is not None and any(k[0] == rank for k in order):
                 timeout = collective_timeout(plan).total_seconds()
-                engine.attach_nic(nicorder.NicOrder(rank, host, order, counter, timeout, hold_rate, tracer=tracer,
+                self.run.attach_nic(nicorder.NicOrder(rank, host, order, counter, timeout, hold_rate, tracer=tracer,
                                                     drain=plan.runtime.nic_drain))
         if rank == 0 and counter is not None:
             held = (f"each turn held for its bytes at {hold_rate / 1e6:g} MB/s, the host link the plan was compiled "
@@ -258,7 +277,7 @@ class Trainer:
                 loss_fn.new_step()
                 with user_step(step, stage.index, self.model.layers[lo:hi], lo, [self.out_dir],
                                data_drawn=lambda: data.drawn):
-                    share = engine.train_batch()
+                    share = self.run.train_batch()
             else:
                 share = 0.0   # idle ranks only add nothing
             report = step_vector(share, engine, rank == reporter, self.device)
@@ -296,13 +315,17 @@ class Trainer:
         from .startup import profile_table, rank_line
         args, engine, rank, model = self.args, self.engine, self.rank, self.model
         if engine is not None and args.dump_params:
-            dump_params(engine, args.dump_params, rank)
+            dump_params(list(self.engines.values()), args.dump_params, rank)
         if self.tracer is not None:
             self.tracer.dump(args.trace)
         if engine is not None and args.memory_stats:
             os.makedirs(args.memory_stats, exist_ok=True)
+            report = engine.memory_report()
+            for other in list(self.engines.values())[1:]:   # the rank's other stages: their bytes added
+                report = {k: (v + other.memory_report().get(k, 0) if isinstance(v, (int, float)) and k != "stage"
+                              else v) for k, v in report.items()}
             with open(os.path.join(args.memory_stats, f"rank{rank}.json"), "w") as f:
-                json.dump(dict(engine.memory_report(), build=model.build_stats, rss_after_build=model.peak.base,
+                json.dump(dict(report, build=model.build_stats, rss_after_build=model.peak.base,
                                rss_training_peak=model.peak.hwm()), f, sort_keys=True)
         if args.profile_startup:   # after the last step: the gather changes nothing the steps did
             print(rank_line(rank, clock.record()), flush=True)
