@@ -48,17 +48,21 @@ class SchedulerKind(StrEnum):
 
 class PipeSchedule(StrEnum):
     """``auto`` is a request, not a schedule: ``planc.pipeline.choose.choose_schedule`` replaces it by
-    one of the three before the pipeline lists are built (plan.json never holds ``auto``)."""
+    a concrete one before the pipeline lists are built (plan.json never holds ``auto``).
+    ``interleaved_1f1b`` carries its virtual degree in ``Train.virtual``."""
 
     GPIPE = "gpipe"
     ONE_F_ONE_B = "1f1b"
     EAGER_1F1B = "eager_1f1b"
+    INTERLEAVED_1F1B = "interleaved_1f1b"
+    ZB_H1 = "zb_h1"
+    ZBV = "zbv"
     AUTO = "auto"
 
     @classmethod
     def concrete(cls) -> tuple["PipeSchedule", ...]:
         """The schedules that can be built (every member but ``auto``)."""
-        return (cls.GPIPE, cls.ONE_F_ONE_B, cls.EAGER_1F1B)
+        return tuple(s for s in cls if s is not cls.AUTO)
 
 
 DTYPE_BYTES: dict[str, int] = {
@@ -420,6 +424,7 @@ class Train:
     micro_batches: int = 4
     steps: int = 10
     schedule: PipeSchedule = PipeSchedule.ONE_F_ONE_B
+    virtual: int = 1                 # interleaved_1f1b(virtual = V): stages per pipe coordinate (else 1)
     optimizer: Optimizer = Optimizer()
     precision: Precision = Precision.FP32
     seed: int = 1234

@@ -58,10 +58,13 @@ def assemble(decisions, ctx) -> planfile.Plan:
 
 def _runtime(program: ir.Program, train) -> planfile.Runtime:
     """plan.json ``runtime``: the train block's runtime settings; and its ``timeout`` where no train record
-    holds it (a plan without a model: its communication-only run ends within it too)."""
+    holds it (a plan without a model: its communication-only run ends within it too); under interleaved_1f1b
+    and zbv each transfer on communicators of its own (``p2p_per_transfer``)."""
     runtime = program.train.runtime
     if train is None and program.train.timeout is not None:
         runtime = dataclasses.replace(runtime, timeout=program.train.timeout)
+    if train is not None and planfile.stages_per_class(str(program.train.schedule), program.train.virtual) > 1:
+        runtime = dataclasses.replace(runtime, p2p_per_transfer=True)   # a pipe that comes back to a mesh
     return runtime
 
 
@@ -101,7 +104,7 @@ def train_record(program: ir.Program, probe: ModelProbe | None, stages, untraina
     recompute = tuple(s.recompute if s.recompute is not None else t.recompute is ir.Recompute.FULL
                       for s in by_index)
     fp16 = t.precision is ir.Precision.FP16
-    norm_group = (tuple(sorted(dv for s in stages for dv in s.devices))
+    norm_group = (tuple(sorted({dv for s in stages for dv in s.devices}))
                   if t.clip is not None or fp16 else ())
     if isinstance(m, ir.HfModel):   # a Hugging Face model: its record, and its causal-LM loss by default
         model, loss = hfmodel.model_record(program, probe), hfmodel.loss_record(program)

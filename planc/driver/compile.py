@@ -244,7 +244,8 @@ def _simulated(program: ir.Program, ctx: Context, reductions, routes, nic: bool 
     if not ctx.training or ctx.untrainable or ctx.probe is None:
         return None
     sim, rate = compiled_input(program, ctx.placement.stages, ctx.probe, reductions, routes)
-    runs = simulate_schedules(sim, len(ctx.placement.stages), program.train.micro_batches, program.transfers, nic=nic)
+    runs = simulate_schedules(sim, len(ctx.placement.stages), program.train.micro_batches, program.transfers, nic=nic,
+                              schedule=program.train.schedule, virtual=program.train.virtual)
     return (runs, sim, rate) if runs is not None else None
 
 
@@ -254,7 +255,8 @@ def pipeline_pass(value, ctx: Context):
     if not ctx.training:
         return None
     S, B = len(ctx.placement.stages), program.train.micro_batches
-    plan = build_pipeline(program.train.schedule, S, B, program.transfers, check=not ctx.untrainable)
+    plan = build_pipeline(program.train.schedule, S, B, program.transfers, check=not ctx.untrainable,
+                          virtual=program.train.virtual)
     if ctx.probe is not None:   # the memory model's bytes per device by part (docs/memory.md)
         memory = stage_memory(program, ctx.placement.stages, ctx.probe)
         lists = plan.record()   # micro-batches in flight per stage: read from the action lists

@@ -38,8 +38,16 @@ def _inferred(program: ir.Program, _ctx) -> list[str]:
 
 
 def _placed(placement, ctx) -> list[str]:
+    """Stage meshes of the right size inside the cluster, disjoint but where the schedule runs several stages
+    on one mesh (interleaved_1f1b, zbv: ``planc.plan.class_stages``), which then have the same mesh."""
     out, seen = [], {}
     n = ctx.program.cluster.devices
+    t = ctx.program.train
+    mates: dict[int, tuple] = {}
+    if t is not None and planfile.stages_per_class(str(t.schedule), t.virtual) > 1 and ctx.program.model is not None:
+        for cls in planfile.class_stages(str(t.schedule), len(placement.stages), t.virtual):
+            mates.update((s, cls) for s in cls)
+    mesh = {st.index: (st.devices, st.shape) for st in placement.stages}
     for st in placement.stages:
         size = 1
         for s in st.shape:
@@ -49,7 +57,7 @@ def _placed(placement, ctx) -> list[str]:
         for d in st.devices:
             if not 0 <= d < n:
                 out.append(f"stage {st.index} uses device {d}, the cluster has {n}")
-            if d in seen:
+            if d in seen and (seen[d] not in mates.get(st.index, ()) or mesh[seen[d]] != mesh[st.index]):
                 out.append(f"device {d} is in stages {seen[d]} and {st.index}")
             seen[d] = st.index
     return out
@@ -175,10 +183,13 @@ def _scheduled(pipeline, ctx) -> list[str]:
     for s, ops in enumerate(pipeline.per_stage):
         f = [i for k, i in ops if k == "F"]
         b = [i for k, i in ops if k == "B"]
-        if sorted(f) != list(range(m)) or sorted(b) != list(range(m)):
-            out.append(f"stage {s} does not run F and B of every micro-batch once")
+        w = [i for k, i in ops if k == "W"]
+        if sorted(f) != list(range(m)) or sorted(b) != list(range(m)) or (w and sorted(w) != list(range(m))):
+            out.append(f"stage {s} does not run F and B (and W, if any) of every micro-batch once")
         elif any(ops.index(("B", i)) < ops.index(("F", i)) for i in range(m)):
             out.append(f"stage {s} runs a backward before its forward")
+        elif w and any(ops.index(("W", i)) < ops.index(("B", i)) for i in range(m)):
+            out.append(f"stage {s} runs a weight-gradient pass before its backward")
     return out
 
 

@@ -154,7 +154,8 @@ def to_text(p: ir.Program) -> str:
     opt_args = ", ".join([f"lr = {_num(t.optimizer.lr)}"] + [f"{k} = {_arg(v)}" for k, v in t.optimizer.params])
     out.append("  train {")
     out.append(f"    micro_batch = {t.micro_batch}, micro_batches = {t.micro_batches}, steps = {t.steps}")
-    out.append(f"    schedule = {t.schedule}, optimizer = {t.optimizer.name}({opt_args})")
+    sched = f"interleaved_1f1b(virtual = {t.virtual})" if t.schedule == "interleaved_1f1b" else str(t.schedule)
+    out.append(f"    schedule = {sched}, optimizer = {t.optimizer.name}({opt_args})")
     ls = t.lr_schedule
     out.append("    lr_schedule = " + (str(ls.name) if ls.name == "constant" else
                                        f"{ls.name}(warmup = {ls.warmup}, total = {ls.total}, "

@@ -12,7 +12,7 @@ from lark import Token
 
 from planc.lang import units
 from planc.lang.errors import Diagnostic, PlanError, did_you_mean
-from planc.lang.vocabulary import ENUM_SETTINGS
+from planc.lang.vocabulary import ENUM_FORMS, ENUM_SETTINGS
 from planc.span import Span
 
 __all__ = ["unit_typo", "enum_typo", "keyword_hint"]
@@ -67,7 +67,8 @@ def enum_typo(text: str, line: int, column: int, file: str) -> PlanError | None:
             continue
         near = [c for c in choices if c.lower() == value.lower()]
         hint = f"did you mean '{near[0]}'? (spellings are lower case)" if near else did_you_mean(value, choices)
-        return PlanError([Diagnostic(f"'{value}' is not a {key}: {key} must be one of {', '.join(choices)}",
+        return PlanError([Diagnostic(f"'{value}' is not a {key}: {key} must be one of "
+                                     f"{ENUM_FORMS.get(key, ', '.join(choices))}",
                                      Span(line, m.start(2) + 1, line, m.end(2) + 1, file), hint)])
     return None
 

@@ -31,6 +31,7 @@ from planc.pipeline.fit import bytes_text as _bytes_text, fits, no_fit, worst
 from planc.pipeline.memory import PRECISION_BYTES, stage_memory  # noqa: F401  (PRECISION_BYTES: named here too)
 from planc.pipeline.schedules import build
 from planc.pipeline.simulate import predict
+from planc.plan import stages_per_class
 
 __all__ = ["choose_schedule", "choose_by_prediction", "check_pinned", "stage_memory", "OVERLAP", "FALLBACK"]
 
@@ -42,7 +43,7 @@ def _span(program: ir.Program, memory, schedule):
     """Where a memory error points: the schedule as written, else the stage that needs the most."""
     if program.train.schedule_span.line > 0:
         return program.train.schedule_span
-    stage = worst(memory, schedule, program.train.micro_batches).stage
+    stage = worst(memory, schedule, program.train.micro_batches, program.train.virtual).stage
     return program.stage(stage).span
 
 
@@ -82,13 +83,15 @@ def check_pinned(program: ir.Program, stages, probe, more_stages=None) -> None:
     if limit is None or probe is None or schedule is ir.PipeSchedule.AUTO:
         return
     memory = stage_memory(program, stages, probe)
-    if not fits(memory, schedule, program.train.micro_batches, limit):
+    if not fits(memory, schedule, program.train.micro_batches, limit, program.train.virtual):
         raise no_fit(program, memory, (schedule,), _span(program, memory, schedule), more_stages)
 
 
 # ---------------------------------------------------------------- the simulator's predictions
 
-CANDIDATES = (ir.PipeSchedule.EAGER_1F1B, ir.PipeSchedule.ONE_F_ONE_B, ir.PipeSchedule.GPIPE)   # tie order
+# tie order; ``auto`` weighs those whose stages sit one per mesh (the plan's placement): interleaved_1f1b and
+# zbv need other stages, so a plan names them
+CANDIDATES = (ir.PipeSchedule.EAGER_1F1B, ir.PipeSchedule.ONE_F_ONE_B, ir.PipeSchedule.ZB_H1, ir.PipeSchedule.GPIPE)
 
 
 MAX_EVENTS = 60_000   # simulated operations per schedule above which the compiler predicts nothing
@@ -103,16 +106,21 @@ def sim_size(sim, micro_batches: int) -> int:
     return ops + layered + 2 * micro_batches * sum(len(t.forward) + len(t.backward) for t in sim.transfers)
 
 
-def simulate_schedules(sim, num_stages: int, micro_batches: int, transfers=(), nic: bool = True) -> dict | None:
-    """Per concrete schedule: ``(PipelinePlan, Prediction)`` of its lists on ``sim``; None when the
+def simulate_schedules(sim, num_stages: int, micro_batches: int, transfers=(), nic: bool = True,
+                       schedule=None, virtual: int = 1) -> dict | None:
+    """Per schedule the plan can run: ``(PipelinePlan, Prediction)`` of its lists on ``sim``; None when the
     simulation would be larger than :data:`MAX_EVENTS` (it would slow the compiler by seconds).
-    ``nic`` False: no host NIC order is tried (the compiler's retry when one could hang the lists)."""
+    ``nic`` False: no host NIC order is tried (the compiler's retry when one could hang the lists).
+    ``schedule``: the plan's; one that runs several stages per mesh (interleaved_1f1b with ``virtual``, zbv)
+    is the only one its placement can run, else every schedule of :data:`CANDIDATES` is simulated."""
     if sim_size(sim, micro_batches) > MAX_EVENTS:
         return None
+    shared = schedule is not None and stages_per_class(str(schedule), virtual) > 1
     out = {}
-    for schedule in (ir.PipeSchedule.GPIPE, ir.PipeSchedule.ONE_F_ONE_B, ir.PipeSchedule.EAGER_1F1B):
-        plan = build(schedule, num_stages, micro_batches, transfers)
-        out[schedule] = (plan, predict(sim, plan.actions, nic=nic))
+    for s in ((ir.PipeSchedule(schedule),) if shared else (ir.PipeSchedule.GPIPE, ir.PipeSchedule.ONE_F_ONE_B,
+                                                              ir.PipeSchedule.EAGER_1F1B, ir.PipeSchedule.ZB_H1)):
+        plan = build(s, num_stages, micro_batches, transfers, virtual=virtual if shared else 1)
+        out[s] = (plan, predict(sim, plan.actions, nic=nic))
     return out
 
 
@@ -137,8 +145,8 @@ def choose_by_prediction(program: ir.Program, stages, probe, runs: dict, more_st
     limit = program.cluster.memory
     memory = stage_memory(program, stages, probe)
     B = program.train.micro_batches
-    times = ", ".join(f"{s} {_time_text(runs[s][1].iteration)}" for s in CANDIDATES)
-    fitting = [s for s in CANDIDATES if fits(memory, s, B, limit)]
+    times = ", ".join(f"{s} {_time_text(runs[s][1].iteration)}" for s in CANDIDATES if s in runs)
+    fitting = [s for s in CANDIDATES if s in runs and fits(memory, s, B, limit)]
     if not fitting:
         raise no_fit(program, memory, CANDIDATES, _span(program, memory, FALLBACK), more_stages)
     best = min(fitting, key=lambda s: runs[s][1].iteration)   # min keeps the first of equal ones: the tie order

@@ -37,28 +37,39 @@ from dataclasses import dataclass, field
 
 from planc import plan as planfile
 from planc.ir import PipeSchedule
+from planc.pipeline.orders import class_orders
 
 Op = tuple[str, int]   # ("F" | "B", micro-batch)
 
 
 def warmup(schedule: PipeSchedule | str, num_stages: int, stage: int, micro_batches: int) -> int:
-    """Forwards stage ``stage`` runs before its first backward."""
+    """Forwards stage ``stage`` runs before its first backward (gpipe, 1f1b, eager_1f1b; zb_h1's is 1f1b's)."""
     schedule = PipeSchedule(schedule)
     remaining = num_stages - stage
     if schedule is PipeSchedule.GPIPE:
         return micro_batches
-    if schedule is PipeSchedule.ONE_F_ONE_B:
+    if schedule in (PipeSchedule.ONE_F_ONE_B, PipeSchedule.ZB_H1):
         return min(micro_batches, remaining - 1)
-    return min(micro_batches, 2 * (remaining - 1))
+    if schedule is PipeSchedule.EAGER_1F1B:
+        return min(micro_batches, 2 * (remaining - 1))
+    raise ValueError(f"{schedule} runs several stages per mesh: see planc.pipeline.orders")
 
 
-def peak_in_flight(schedule: PipeSchedule | str, num_stages: int, stage: int, micro_batches: int) -> int:
-    """The exact peak number of in-flight micro-batches the schedule gives stage ``stage``."""
-    return min(micro_batches, warmup(schedule, num_stages, stage, micro_batches) + 1)
+def peak_in_flight(schedule: PipeSchedule | str, num_stages: int, stage: int, micro_batches: int,
+                   virtual: int = 1) -> int:
+    """The exact peak number of in-flight micro-batches the schedule gives stage ``stage``: from its ``F``
+    to its ``B``, or with a split backward (zb_h1, zbv) to its ``W`` (``planc.plan.in_flight``)."""
+    schedule = PipeSchedule(schedule)
+    if schedule in (PipeSchedule.GPIPE, PipeSchedule.ONE_F_ONE_B, PipeSchedule.EAGER_1F1B):
+        return min(micro_batches, warmup(schedule, num_stages, stage, micro_batches) + 1)
+    for stages, ops in class_orders(str(schedule), num_stages, micro_batches, virtual):
+        if stage in stages:
+            return planfile.in_flight([(k, m) for k, s, m in ops if s == stage])
+    raise ValueError(f"no stage {stage} of {num_stages}")
 
 
 def stage_ops(schedule: PipeSchedule | str, num_stages: int, stage: int, micro_batches: int) -> tuple[Op, ...]:
-    """The instruction order of one stage."""
+    """The instruction order of one stage (the schedules of one stage per mesh and no W)."""
     w = warmup(schedule, num_stages, stage, micro_batches)
     ops: list[Op] = [("F", m) for m in range(w)]
     for k in range(micro_batches - w):        # steady state: one forward, one backward
@@ -68,24 +79,49 @@ def stage_ops(schedule: PipeSchedule | str, num_stages: int, stage: int, micro_b
     return tuple(ops)
 
 
+def orders(schedule: PipeSchedule | str, num_stages: int, micro_batches: int, virtual: int = 1):
+    """Per rank class ``(stages, compute order)``, the order as ``(kind, stage, micro-batch)``: gpipe, 1f1b and
+    eager_1f1b one class per stage (:func:`stage_ops`); interleaved_1f1b, zb_h1 and zbv as
+    ``planc.pipeline.orders`` generates them."""
+    schedule = PipeSchedule(schedule)
+    if schedule in (PipeSchedule.GPIPE, PipeSchedule.ONE_F_ONE_B, PipeSchedule.EAGER_1F1B):
+        return tuple(((s,), tuple((k, s, m) for k, m in stage_ops(schedule, num_stages, s, micro_batches)))
+                     for s in range(num_stages))
+    return class_orders(str(schedule), num_stages, micro_batches, virtual)
+
+
 def actions_of(per_stage, transfers=()) -> tuple[planfile.RankClass, ...]:
-    """plan.json ``pipeline.actions`` for per-stage compute orders: one rank class per stage (each stage
-    on its own mesh), its compute with each transfer's receives before the action that consumes them and
-    its sends after the one that produced them, then the stage's reduce. ``transfers``: the plan's, in
-    declaration order (anything with ``name``, ``src_stage`` and ``dst_stage``)."""
+    """plan.json ``pipeline.actions`` for per-stage compute orders (each stage on its own mesh: a list of
+    ``(kind, m)`` per stage): :func:`class_actions` of one class per stage."""
+    return class_actions(tuple(((s,), tuple((k, s, m) for k, m in ops)) for s, ops in enumerate(per_stage)),
+                         transfers)
+
+
+def class_actions(classes, transfers=()) -> tuple[planfile.RankClass, ...]:
+    """plan.json ``pipeline.actions`` for per-class compute orders (``(stages, ((kind, stage, m), ...))``, as
+    :func:`orders` gives them): each class's compute with each transfer's receives before the action that
+    consumes them and its sends after the one that produced them (a transfer between two stages of the
+    class: both in its list, the send first), then one reduce per stage, in the order the stages finish.
+    ``transfers``: the plan's, in declaration order (anything with ``name``, ``src_stage`` and
+    ``dst_stage``). ``W`` moves nothing."""
     fwd, bwd = planfile.Direction.FORWARD, planfile.Direction.BACKWARD
     out = []
-    for s, ops in enumerate(per_stage):
-        incoming = [t.name for t in transfers if t.dst_stage == s]
-        outgoing = [t.name for t in transfers if t.src_stage == s]
+    for stages, ops in classes:
+        incoming = {s: [t.name for t in transfers if t.dst_stage == s] for s in stages}
+        outgoing = {s: [t.name for t in transfers if t.src_stage == s] for s in stages}
         acts = []
-        for kind, m in ops:
-            waits, sends, d = (incoming, outgoing, fwd) if kind == "F" else (outgoing, incoming, bwd)
+        last = {}
+        for i, (kind, s, m) in enumerate(ops):
+            last[s] = i
+            if kind == "W":
+                acts.append(planfile.Action(kind, s, m))
+                continue
+            waits, sends, d = (incoming[s], outgoing[s], fwd) if kind == "F" else (outgoing[s], incoming[s], bwd)
             acts += [planfile.Action("RECV", s, m, t, d) for t in waits]
             acts.append(planfile.Action(kind, s, m))
             acts += [planfile.Action("SEND", s, m, t, d) for t in sends]
-        acts.append(planfile.Action("REDUCE", s))
-        out.append(planfile.RankClass((s,), tuple(acts)))
+        acts += [planfile.Action("REDUCE", s) for s in sorted(stages, key=lambda s: last.get(s, -1))]
+        out.append(planfile.RankClass(tuple(stages), tuple(acts)))
     return tuple(out)
 
 
@@ -119,20 +155,21 @@ class PipelinePlan:
     nic_order: tuple = ()
     # per stage (index order) the memory model's bytes per device by part (planc.pipeline.memory); None: no probe
     memory: tuple | None = field(default=None, compare=False)
+    virtual: int = 1                                   # interleaved_1f1b's V (plan.json pipeline.virtual)
 
     def __post_init__(self):
         if self.micro_batches < 1:
             raise ValueError("micro_batches must be at least 1")
-        want = {(k, m) for k in "FB" for m in range(self.micro_batches)}
         for i, ops in enumerate(self.per_stage):
+            kinds = "FBW" if any(k == "W" for k, _ in ops) else "FB"
+            want = {(k, m) for k in kinds for m in range(self.micro_batches)}
             if len(ops) != len(want) or set(ops) != want:
-                raise ValueError(f"stage {i}: every micro-batch must run F and B exactly once")
-            seen: set[int] = set()
+                raise ValueError(f"stage {i}: every micro-batch must run {', '.join(kinds)} exactly once")
+            seen: set[tuple] = set()
             for kind, m in ops:
-                if kind == "F":
-                    seen.add(m)
-                elif m not in seen:
-                    raise ValueError(f"stage {i}: B{m} before F{m}")
+                if kind != "F" and ("FB"[kinds.index(kind) - 1], m) not in seen:
+                    raise ValueError(f"stage {i}: {kind}{m} before {'FB'[kinds.index(kind) - 1]}{m}")
+                seen.add((kind, m))
 
     @property
     def num_stages(self) -> int:
@@ -142,6 +179,7 @@ class PipelinePlan:
         return {
             "schedule": str(self.schedule),
             "micro_batches": self.micro_batches,
+            **({"virtual": self.virtual} if self.schedule is PipeSchedule.INTERLEAVED_1F1B else {}),
             "actions": [c.to_json() for c in self.actions],
             "predicted_iteration": self.predicted_iteration,
             "stages": self._stage_figures(),
@@ -157,7 +195,8 @@ class PipelinePlan:
         if self.predicted is not None:
             extra += (("predicted", self.predicted),)
         return planfile.Pipeline(planfile.Schedule(str(self.schedule)), self.micro_batches, self.actions, extra,
-                                 tuple((h, tuple(tuple(k) for k in keys)) for h, keys in self.nic_order))
+                                 tuple((h, tuple(tuple(k) for k in keys)) for h, keys in self.nic_order),
+                                 self.virtual)
 
     def _stage_figures(self) -> list[dict]:
         """PLAN_FORMAT.md's ``pipeline.stages``: per stage the simulated ``busy``, ``bubble`` and
@@ -182,10 +221,12 @@ class PipelinePlan:
         m = int(data["micro_batches"])
         actions = tuple(planfile.RankClass.read(planfile.At(c, f"actions[{i}]"), m)
                         for i, c in enumerate(data["actions"]))
+        stages = sorted(s for c in actions for s in c.stages)
         return PipelinePlan(
             schedule=PipeSchedule(data["schedule"]),
             micro_batches=m,
-            per_stage=tuple(tuple((a.kind, a.micro_batch) for a in c.compute()) for c in actions),
+            per_stage=tuple(tuple((a.kind, a.micro_batch) for c in actions for a in c.compute(s)) for s in stages),
+            virtual=int(data.get("virtual", 1)),
             actions=actions,
             predicted_iteration=data.get("predicted_iteration"),
             predicted=data.get("predicted"),
@@ -199,9 +240,10 @@ class PipelinePlan:
 
 
 def build(schedule: PipeSchedule | str, num_stages: int, micro_batches: int, transfers=(),
-          check: bool = True) -> PipelinePlan:
-    """``schedule``'s compute orders and action lists (:func:`actions_of` with ``transfers``: the plan's,
-    anything with ``name``, ``src_stage`` and ``dst_stage``).
+          check: bool = True, virtual: int = 1) -> PipelinePlan:
+    """``schedule``'s compute orders and action lists (:func:`orders`, :func:`class_actions` with
+    ``transfers``: the plan's, anything with ``name``, ``src_stage`` and ``dst_stage``); ``virtual``:
+    interleaved_1f1b's V.
 
     ``check``: the compute orders are run in the event simulation over the transfers' edges first: a
     plan whose lists would deadlock is rejected here, not on the cluster.
@@ -210,11 +252,14 @@ def build(schedule: PipeSchedule | str, num_stages: int, micro_batches: int, tra
         raise ValueError("num_stages must be at least 1")
     if str(schedule) == "auto":
         raise ValueError("schedule = auto must be resolved (planc.pipeline.choose) before the lists are built")
-    per_stage = tuple(stage_ops(schedule, num_stages, i, micro_batches) for i in range(num_stages))
+    classes = orders(schedule, num_stages, micro_batches, virtual)
     if check:
-        simulate(per_stage, tuple((t.src_stage, t.dst_stage) for t in transfers))   # raises DeadlockError
+        simulate(classes, tuple((t.src_stage, t.dst_stage) for t in transfers))   # raises DeadlockError
+    per_stage = tuple(tuple((k, m) for stages, ops in classes if s in stages for k, t, m in ops if t == s)
+                      for s in range(num_stages))
     return PipelinePlan(schedule=PipeSchedule(schedule), micro_batches=micro_batches, per_stage=per_stage,
-                        actions=actions_of(per_stage, transfers))
+                        actions=class_actions(classes, transfers),
+                        virtual=virtual if PipeSchedule(schedule) is PipeSchedule.INTERLEAVED_1F1B else 1)
 
 
 # ---------------------------------------------------------------- the lists' own deadlock check
@@ -231,53 +276,65 @@ class Timeline:
     peak_in_flight: tuple[int, ...]   # per stage
 
 
-def simulate(per_stage, edges, forward: float = 1.0, backward: float = 2.0, comm: float = 0.0) -> Timeline:
-    """Run every stage's list; times are in units of ``forward``.
+def simulate(lists, edges, forward: float = 1.0, backward: float = 2.0, comm: float = 0.0,
+             weight: float | None = None) -> Timeline:
+    """Run every rank class's list; times are in units of ``forward``.
 
-    The abstract simulation :func:`build` checks the lists with: each stage runs its list in order;
-    sends are buffered (a stage never waits for its receiver); receives block. ``F(s, m)`` needs
-    ``F(src, m)`` for every transfer ``src -> s``; ``B(s, m)`` needs ``B(dst, m)`` for every transfer
-    ``s -> dst`` (the gradient of each output comes back over the same transfer). Skip transfers to
-    non-adjacent stages are ordinary edges. Lists that can never finish raise :class:`DeadlockError`
-    naming the blocked instructions."""
-    n = len(per_stage)
+    ``lists``: per stage its order of ``(kind, m)`` (each stage its own class), or per class
+    ``(stages, ((kind, stage, m), ...))`` (:func:`orders`). The abstract simulation :func:`build` checks
+    the lists with: each class runs its list in order on one clock (its stages share the devices); sends
+    are buffered (a class never waits for its receiver); receives block. ``F(s, m)`` needs ``F(src, m)``
+    for every transfer ``src -> s``; ``B(s, m)`` needs ``B(dst, m)`` for every transfer ``s -> dst`` (the
+    gradient of each output comes back over the same transfer) and ``F(s, m)``; ``W(s, m)`` needs
+    ``B(s, m)``. ``backward`` is a whole backward; where a stage splits it, its ``W`` takes ``weight``
+    (default half of it) and its ``B`` the rest. Transfers between stages of one class cost no ``comm``.
+    Skip transfers to non-adjacent stages are ordinary edges. Lists that can never finish raise
+    :class:`DeadlockError` naming the blocked instructions. ``start`` and ``finish`` are keyed by
+    ``(stage, (kind, m))``."""
+    if lists and not (isinstance(lists[0], tuple) and len(lists[0]) == 2 and isinstance(lists[0][0], tuple)
+                      and (not lists[0][0] or isinstance(lists[0][0][0], int))):
+        lists = tuple(((s,), tuple((k, s, m) for k, m in ops)) for s, ops in enumerate(lists))
+    n = sum(len(stages) for stages, _ in lists)
+    class_of = {s: c for c, (stages, _) in enumerate(lists) for s in stages}
+    if sorted(class_of) != list(range(n)):
+        raise ValueError(f"the classes run stages {sorted(class_of)}, not 0..{n - 1}")
     inputs = {s: sorted({a for a, b in edges if b == s}) for s in range(n)}
     outputs = {s: sorted({b for a, b in edges if a == s}) for s in range(n)}
     for a, b in edges:
         if not (0 <= a < n and 0 <= b < n) or a == b:
             raise ValueError(f"bad transfer edge {a} -> {b} for {n} stages")
-    pos = [0] * n
-    clock = [0.0] * n
+    split = {s for _, ops in lists for k, s, _ in ops if k == "W"}
+    w = backward / 2 if weight is None else weight
+    cost = {"F": lambda s: forward, "B": lambda s: backward - w if s in split else backward, "W": lambda s: w}
+    pos = [0] * len(lists)
+    clock = [0.0] * len(lists)
     start: dict = {}
     finish: dict = {}
-    total = sum(len(ops) for ops in per_stage)
+    total = sum(len(ops) for _, ops in lists)
     while len(finish) < total:
         progressed = False
-        for s in range(n):
-            while pos[s] < len(per_stage[s]):
-                kind, m = per_stage[s][pos[s]]
+        for c, (_, ops) in enumerate(lists):
+            while pos[c] < len(ops):
+                kind, s, m = ops[pos[c]]
                 if kind == "F":
                     deps = [(src, ("F", m)) for src in inputs[s]]
-                    cost = forward
-                else:
+                elif kind == "B":
                     deps = [(dst, ("B", m)) for dst in outputs[s]] + [(s, ("F", m))]
-                    cost = backward
+                else:
+                    deps = [(s, ("B", m))]
                 if any(d not in finish for d in deps):
                     break
-                ready = max([clock[s]] + [finish[d] + (comm if d[0] != s else 0.0) for d in deps])
+                ready = max([clock[c]] + [finish[d] + (comm if class_of[d[0]] != c else 0.0) for d in deps])
                 start[(s, (kind, m))] = ready
-                finish[(s, (kind, m))] = clock[s] = ready + cost
-                pos[s] += 1
+                finish[(s, (kind, m))] = clock[c] = ready + cost[kind](s)
+                pos[c] += 1
                 progressed = True
         if not progressed:
-            blocked = ", ".join(f"stage {s}: {k}{m}" for s in range(n) if pos[s] < len(per_stage[s])
-                                for k, m in [per_stage[s][pos[s]]])
+            blocked = ", ".join(f"class {list(stages)}: {k}{s}.{m}" for c, (stages, ops) in enumerate(lists)
+                                if pos[c] < len(ops) for k, s, m in [ops[pos[c]]])
             raise DeadlockError(f"pipeline lists deadlock; blocked at {blocked}")
-    peaks = []
-    for ops in per_stage:
-        live = peak = 0
-        for kind, _ in ops:
-            live += 1 if kind == "F" else -1
-            peak = max(peak, live)
-        peaks.append(peak)
+    peaks = [0] * n
+    for _, ops in lists:
+        for s in {t for _, t, _ in ops}:
+            peaks[s] = planfile.in_flight([(k, m) for k, t, m in ops if t == s])
     return Timeline(start, finish, max(finish.values(), default=0.0), tuple(peaks))

@@ -29,7 +29,9 @@ class StageCompute:
     fp32), in layer order; the activation bytes one micro-batch holds from its forward until its backward
     ends (a recomputing stage: only its inputs), the bytes its backward holds on top while it recomputes
     (``recompute_bytes``), and each layer's parameter bytes in the plan's precision (what ZeRO-1's
-    all-gather moves; empty: as ``grad_bytes``)."""
+    all-gather moves; empty: as ``grad_bytes``). ``weight``: per layer the part of its backward seconds that
+    computes the weight gradients (a split backward's ``W``; its ``B`` runs the rest); empty: half of each
+    layer's backward (dX and dW of a matmul are equal FLOPs)."""
 
     forward: tuple[float, ...]
     backward: tuple[float, ...]
@@ -37,17 +39,24 @@ class StageCompute:
     activation_bytes: float = 0.0
     recompute_bytes: float = 0.0
     param_bytes: tuple[float, ...] = ()
+    weight: tuple[float, ...] = ()
+
+    def weights(self) -> tuple[float, ...]:
+        """Per layer its ``W`` seconds (``weight``, or half of its backward)."""
+        return self.weight or tuple(b / 2 for b in self.backward)
 
     def to_json(self) -> dict:
         return {"layer_forward": list(self.forward), "layer_backward": list(self.backward),
                 "layer_grad_bytes": list(self.grad_bytes), "activation_bytes": self.activation_bytes,
-                "recompute_bytes": self.recompute_bytes, "layer_param_bytes": list(self.param_bytes)}
+                "recompute_bytes": self.recompute_bytes, "layer_param_bytes": list(self.param_bytes),
+                "layer_weight": list(self.weights())}
 
     @staticmethod
     def from_json(d: dict) -> "StageCompute":
         return StageCompute(tuple(map(float, d["layer_forward"])), tuple(map(float, d["layer_backward"])),
                             tuple(map(float, d["layer_grad_bytes"])), float(d.get("activation_bytes", 0.0)),
-                            float(d.get("recompute_bytes", 0.0)), tuple(map(float, d.get("layer_param_bytes", ()))))
+                            float(d.get("recompute_bytes", 0.0)), tuple(map(float, d.get("layer_param_bytes", ()))),
+                            tuple(map(float, d.get("layer_weight", ()))))
 
 
 def stage_compute(program: ir.Program, stages, probe) -> tuple[tuple[StageCompute, ...], float]:
@@ -63,6 +72,11 @@ def stage_compute(program: ir.Program, stages, probe) -> tuple[tuple[StageComput
     A tensor-parallel stage whose all-reduces the probe measured (``probe.tensor_traffic``) adds their
     ring all-reduce times over its tensor groups (``planc.cost.collectives``), spread over its layers
     in proportion to their compute.
+
+    The weight-gradient part of a layer's backward (``StageCompute.weight``, what a split backward's ``W``
+    computes): half of its backward FLOPs (without the recompute) when the layer has parameters (for a
+    matmul ``Y = XW`` the input gradient ``dY W^T`` and the weight gradient ``X^T dY`` are the same FLOPs),
+    none when it has none; the tensor-parallel all-reduces stay with ``B`` (docs/simulator.md).
     """
     precision = program.train.precision
     rate = float(program.cluster.flops_for(precision) or DEFAULT_FLOPS)
@@ -81,7 +95,7 @@ def stage_compute(program: ir.Program, stages, probe) -> tuple[tuple[StageComput
         except KeyError:
             params = probe.layer_params
         mem = memory[st.index]
-        fwd, bwd, grads, pbytes = [], [], [], []
+        fwd, bwd, grads, pbytes, wgt = [], [], [], [], []
         for i in range(a, min(b, n)):
             f = probe.layer_flops[i] if i < len(probe.layer_flops) else None
             if f is not None and f[0] > 0:
@@ -93,6 +107,7 @@ def stage_compute(program: ir.Program, stages, probe) -> tuple[tuple[StageComput
                 bf = 2 * ff
             fwd.append(ff / share / rate)
             bwd.append((bf + (ff if mem.recompute else 0)) / share / rate)
+            wgt.append(bf / 2 / share / rate if params[i] else 0.0)
             grads.append(float(params[i] * GRADIENT_BYTES))
             pbytes.append(float(params[i] * PRECISION_BYTES[precision]))
         tp = traffic.get(st.index)
@@ -102,7 +117,7 @@ def stage_compute(program: ir.Program, stages, probe) -> tuple[tuple[StageComput
             fwd, bwd = _spread(fwd, extra[0]), _spread(bwd, extra[1] + (extra[0] if mem.recompute else 0.0))
         held = mem.slice_inputs + (0 if mem.recompute else mem.slice_outputs)
         out.append(StageCompute(tuple(fwd), tuple(bwd), tuple(grads), float(held),
-                                float(mem.slice_outputs if mem.recompute else 0), tuple(pbytes)))
+                                float(mem.slice_outputs if mem.recompute else 0), tuple(pbytes), tuple(wgt)))
     return tuple(out), rate
 
 
@@ -138,11 +153,14 @@ class SimTask:
 
 @dataclass(frozen=True, slots=True)
 class SimTransfer:
+    """``local``: between two stages of one mesh whose regions need no exchange (plan.json ``local``):
+    nothing moves, its receive takes the sender's output on the same device."""
     name: str
     src_stage: int
     dst_stage: int
     forward: tuple[SimTask, ...]
     backward: tuple[SimTask, ...]
+    local: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -213,7 +231,7 @@ def sim_input(cluster: ir.Cluster, stages: list[dict], transfers: list[dict], re
     for t in transfers:
         size = ir.DTYPE_BYTES.get(t.get("dtype"), 4)
         trs.append(SimTransfer(t["name"], t["src"]["stage"], t["dst"]["stage"], _tasks(t, size, cluster),
-                               _tasks(t.get("backward"), size, cluster)))
+                               _tasks(t.get("backward"), size, cluster), bool(t.get("local", False))))
     reds = []
     for r in reductions:
         gather = str(r.get("target", "allreduce")) == "all_gather"

@@ -25,7 +25,8 @@ from planc.cost.collectives import held_after, ring_flows, step_coefficients
 from planc.cost.network import Network
 from planc.plan.gates import post_gates
 from planc.pipeline.schedules import DeadlockError, Timeline, build, simulate
-from planc.pipeline.zero3sim import layered_ops
+from planc.pipeline.simfigures import Prediction, StageFigures, figures
+from planc.pipeline.zero3sim import layered_op
 from planc.pipeline.siminput import (
     BUCKET_BYTES, DEFAULT_FLOPS, RECV_AHEAD, SimInput, SimReduction, SimTask, SimTransfer, StageCompute,
     sim_input, stage_compute,
@@ -42,40 +43,6 @@ NIC_ORDER_GAIN = 0.02   # the predicted gain below which the compiler keeps no h
 
 
 # ---------------------------------------------------------------- the iteration simulator
-
-@dataclass(frozen=True, slots=True)
-class StageFigures:
-    stage: int
-    busy: float                  # fraction of the iteration its devices compute
-    bubble: float                # 1 - busy
-    exposed_communication: float  # seconds its compute waits on communication (not on compute upstream)
-    peak_activation_bytes: float  # one device: in-flight activations + received, not yet consumed inputs
-    peak_in_flight: int
-
-    def to_json(self) -> dict:
-        return {"stage": self.stage, "busy": self.busy, "bubble": self.bubble,
-                "exposed_communication": self.exposed_communication,
-                "peak_activation_bytes": self.peak_activation_bytes, "peak_in_flight": self.peak_in_flight}
-
-
-@dataclass(frozen=True, slots=True)
-class Prediction:
-    iteration: float
-    free_iteration: float         # the same lists with free communication
-    stages: tuple[StageFigures, ...]
-    compute: tuple = ()           # (stage, device, kind, micro-batch, start, end) of every compute interval
-    traffic: tuple = ()           # (link id, start, end, what) of every flow, what = (kind, name, micro-batch)
-    transfers: tuple = ()         # (name, direction, micro-batch, start, end) of every transfer instance
-    # the host NIC order the iteration ran under: ((host, ((sender, transfer, direction, micro-batch), ...)), ...)
-    # (empty: sends share the links as they come); see :func:`predict`
-    nic_order: tuple = ()
-    unordered_iteration: float | None = None   # the same lists without the NIC order (None: not simulated)
-    ready: tuple = ()             # (start, send key) of every cross-host send, in the order its host became ready
-
-    @property
-    def exposed_communication(self) -> float:
-        return max(0.0, self.iteration - self.free_iteration)
-
 
 def predict(sim: SimInput, actions, timeline: bool = False, nic: bool = False) -> Prediction:
     """Simulate one iteration of ``actions`` (plan.json ``pipeline.actions``: the rank classes' lists,
@@ -106,29 +73,28 @@ def predict(sim: SimInput, actions, timeline: bool = False, nic: bool = False) -
 
 
 def _turns(actions, stages: int) -> list:
-    """Per stage the turns of its class's list (``planc.plan.RankClass.turns``: each compute action with
-    the receives it waits for and the sends it issues after): the only order the simulator runs."""
-    out: list = [None] * stages
+    """Per rank class ``(stages, turns, tail)``: its list's turns (``planc.plan.RankClass.turns``: each compute
+    action with the receives it waits for and the sends it issues after) and the sends after its last
+    compute action: the only order the simulator runs. The devices of a class compute every stage of it on
+    one compute stream, in list order."""
+    out, seen = [], set()
     for c in actions:
-        if len(c.stages) != 1:
-            raise ValueError(f"the simulator runs one stage per rank class; pipeline.actions has a class of "
-                             f"stages {list(c.stages)}")
-        if c.stages[0] >= stages:
-            raise ValueError(f"pipeline.actions runs stage {c.stages[0]} of {stages}")
-        turns = c.turns()
-        if any(t.compute.kind == "W" for t in turns):
-            raise ValueError(f"stage {c.stages[0]}: the simulator does not time a split backward (W) yet")
-        out[c.stages[0]] = (turns, c.tail())
-    if None in out:
-        raise ValueError(f"pipeline.actions runs no list for stage {out.index(None)}")
+        for s in c.stages:
+            if s >= stages:
+                raise ValueError(f"pipeline.actions runs stage {s} of {stages}")
+            seen.add(s)
+        out.append((tuple(c.stages), c.turns(), c.tail()))
+    missing = sorted(set(range(stages)) - seen)
+    if missing:
+        raise ValueError(f"pipeline.actions runs no list for stage {missing[0]}")
     return out
 
 
-def predict_schedule(sim: SimInput, schedule, micro_batches: int, **kw) -> Prediction:
+def predict_schedule(sim: SimInput, schedule, micro_batches: int, virtual: int = 1, **kw) -> Prediction:
     """:func:`predict` of ``schedule``'s generated lists (``planc.pipeline.schedules.build``) for the stages
-    and transfers of ``sim``."""
-    return predict(sim, build(schedule, len(sim.stage_devices), micro_batches, sim.transfers, check=False).actions,
-                   **kw)
+    and transfers of ``sim`` (``virtual``: interleaved_1f1b's V)."""
+    return predict(sim, build(schedule, len(sim.stage_devices), micro_batches, sim.transfers, check=False,
+                              virtual=virtual).actions, **kw)
 
 
 def nic_order_from(ready, sim: SimInput) -> tuple:
@@ -159,34 +125,42 @@ def ingress_order_from(ready, sim: SimInput) -> tuple:
 
 
 def _simulate(sim: SimInput, lists, free: bool, keep: bool, nic_order: tuple = ()) -> Prediction:
-    """One iteration of ``lists`` (per stage its class's turns and tail, :func:`_turns`)."""
+    """One iteration of ``lists`` (per rank class its stages, turns and tail, :func:`_turns`)."""
     S = len(sim.stage_devices)
-    if len(lists) != S or len(sim.compute) != S:
-        raise ValueError(f"{len(lists)} lists and {len(sim.compute)} compute models for {S} stages")
-    turns, tails = [ts for ts, _ in lists], [tail for _, tail in lists]
+    if len(sim.compute) != S:
+        raise ValueError(f"{len(sim.compute)} compute models for {S} stages")
     net = Network(sim.cluster)
     g = events.Graph()
-    per_stage = [[(t.compute.kind, t.compute.micro_batch) for t in ts] for ts in turns]
+    # per class its compute actions (kind, stage, micro-batch) in list order, and its devices
+    ops_of = [[(t.compute.kind, t.compute.stage, t.compute.micro_batch) for t in ts] for _, ts, _ in lists]
+    devs_of = [sim.stage_devices[stages[0]] for stages, _, _ in lists]
+    for (stages, _, _), devs in zip(lists, devs_of):
+        if any(sim.stage_devices[x] != devs for x in stages):
+            raise ValueError(f"the stages {list(stages)} of one rank class are on different devices")
     number = {t.name: i for i, t in enumerate(sim.transfers)}
-    unknown = [a for ts, tail in lists for a in [x for t in ts for x in t.before] + list(tail)
+    unknown = [a for _, ts, tail in lists for a in [x for t in ts for x in t.before] + list(tail)
                if a.transfer not in number]
     if unknown:
         raise ValueError(f"pipeline.actions: {unknown[0].text()}: the plan has no transfer {unknown[0].transfer!r}")
-    # per stage and compute action, the receives it waits for: (transfer index, direction, micro-batch)
-    jobs_of = [[[(number[a.transfer], str(a.direction), a.micro_batch) for a in t.recvs] for t in ts] for ts in turns]
+    local = {t.name for t in sim.transfers if t.local}   # between stages of one class: nothing moves
+    # per class and compute action, the receives it waits for: (transfer index, direction, micro-batch)
+    jobs_of = [[[(number[a.transfer], str(a.direction), a.micro_batch) for a in t.recvs if a.transfer not in local]
+                for t in ts] for _, ts, _ in lists]
     # (transfer, direction, micro-batch) -> (the compute action its send follows, the receives the compute
     # thread waits for between that action and the send): the list's order, as the runtime runs it
     sent_after = {}
-    for ts, tail in zip(turns, tails):
+    for _, ts, tail in lists:
         for i, before in enumerate([t.before for t in ts[1:]] + [tail]):
             waited = []
             for a in before:
                 if a.kind == "RECV":
-                    waited.append((number[a.transfer], str(a.direction), a.micro_batch))
+                    if a.transfer not in local:
+                        waited.append((number[a.transfer], str(a.direction), a.micro_batch))
                 else:
                     sent_after[a.transfer, str(a.direction), a.micro_batch] = (i, tuple(waited))
-    micro_batches = max((m for ops in per_stage for _, m in ops), default=-1) + 1
-    stage_of = {d: s for s, devs in enumerate(sim.stage_devices) for d in devs}
+    micro_batches = max((m for ops in ops_of for _, _, m in ops), default=-1) + 1
+    stage_of = {d: s for s, devs in enumerate(sim.stage_devices) for d in devs}   # (a class: its first stage)
+    split = {s for ops in ops_of for k, s, _ in ops if k == "W"}   # stages whose backward is split
 
     def comm(deps, tag, fl, lat):
         """A node moving ``fl`` (free: nothing, at once)."""
@@ -201,43 +175,49 @@ def _simulate(sim: SimInput, lists, free: bool, keep: bool, nic_order: tuple = (
     comp_nodes = []            # (node, stage, device, kind, m)
     op_cost = sim.op_overhead   # the runtime's own time per instruction (cluster op_overhead), on the compute stream
     layered = {r.stage: r for r in sim.reductions if r.per_layer}   # ZeRO-3: gathered layer by layer
-    for s, devs in enumerate(sim.stage_devices):
-        c = sim.compute[s]
-        if s in layered:
-            layered_ops(g, net, comm, _program, sim, s, per_stage[s], layered[s], pool_of.get, op_cost, begin,
-                        comp_end, layer_end, comp_nodes)
-            continue
-        last_b = max(i for i, op in enumerate(per_stage[s]) if op[0] == "B") if per_stage[s] else -1
-        for d in devs:
-            prev = None
-            pool = pool_of.get(d)
-            for i, (kind, m) in enumerate(per_stage[s]):
-                b = g.add([prev], tag=("begin", s, d, i))
-                begin[d, i] = b
-                if kind == "F":
-                    prev = g.add([b], duration=sum(c.forward) + op_cost, tag=("F", s, d, m), pool=pool)
-                    comp_nodes.append((prev, s, d, "F", m))
-                elif i == last_b:   # per layer, last layer first: gradient buckets are released as they fill
-                    prev = b
+    # per stage, the position in its class's list of its last gradient action (the last W where it splits
+    # the backward, else the last B): it runs layer by layer, releasing the gradient buckets as they fill
+    grads_done = {s: max(i for i, (k, t, _) in enumerate(ops) if t == s and k == ("W" if s in split else "B"))
+                  for ops in ops_of for s in {t for _, t, _ in ops}}
+    for c, ops in enumerate(ops_of):
+        devs = devs_of[c]
+        prev = dict.fromkeys(devs)
+        stream: dict = {}          # ZeRO-3: each device's last gather (one stream)
+        for i, (kind, s, m) in enumerate(ops):
+            cm = sim.compute[s]
+            if s in layered:
+                layered_op(g, net, comm, _program, sim, s, i, (kind, m), layered[s], pool_of.get, op_cost, begin,
+                           comp_end, layer_end, comp_nodes, prev, stream, first=i == min(
+                               j for j, (k, t, _) in enumerate(ops) if t == s and k == "F"),
+                           last=i == grads_done[s], split=s in split)
+                continue
+            weight = sum(cm.weights()) if s in split else 0.0
+            for d in devs:
+                pool = pool_of.get(d)
+                b = begin[d, i] = g.add([prev[d]], tag=("begin", s, d, i))
+                if i == grads_done[s]:   # per layer, last layer first: gradient buckets are released as they fill
+                    node = b
                     if op_cost > 0:   # the instruction's own time, before its first layer
-                        prev = g.add([prev], duration=op_cost, tag=("B", s, d, m, "op"), pool=pool)
-                        comp_nodes.append((prev, s, d, "B", m))
-                    for j in range(len(c.backward) - 1, -1, -1):
-                        prev = layer_end[d, j] = g.add([prev], duration=c.backward[j], tag=("B", s, d, m, j),
-                                                       pool=pool)
-                        comp_nodes.append((prev, s, d, "B", m))
+                        node = g.add([node], duration=op_cost, tag=(kind, s, d, m, "op"), pool=pool)
+                        comp_nodes.append((node, s, d, kind, m))
+                    times = cm.weights() if kind == "W" else cm.backward
+                    for j in range(len(times) - 1, -1, -1):
+                        node = layer_end[d, s, j] = g.add([node], duration=times[j], tag=(kind, s, d, m, j), pool=pool)
+                        comp_nodes.append((node, s, d, kind, m))
                 else:
-                    prev = g.add([b], duration=sum(c.backward) + op_cost, tag=("B", s, d, m), pool=pool)
-                    comp_nodes.append((prev, s, d, "B", m))
-                comp_end[d, i] = prev
+                    cost = sum(cm.forward) if kind == "F" else weight if kind == "W" else sum(cm.backward) - weight
+                    node = g.add([b], duration=cost + op_cost, tag=(kind, s, d, m), pool=pool)
+                    comp_nodes.append((node, s, d, kind, m))
+                comp_end[d, i] = prev[d] = node
     # the receive thread of every device: its receives in list order, posted at planc.plan.gates.post_gates
     posted, recv_job, recv_sources, begin_jobs = {}, {}, {}, {}
     before = {}     # the receive finished before this one on the same device (relays and gathers wait for it)
-    for s, devs in enumerate(sim.stage_devices):
-        gates = post_gates(per_stage[s], sim.ahead, [bool(j) for j in jobs_of[s]])
-        for d in devs:
+    for c, ops in enumerate(ops_of):
+        gates = post_gates(ops, sim.ahead, [bool(j) for j in jobs_of[c]])
+        for d in devs_of[c]:
             prev = None
-            for i, jobs in enumerate(jobs_of[s]):
+            for i, jobs in enumerate(jobs_of[c]):
+                s = ops[i][1]
                 for t, direction, m in jobs:   # posted when queued (never blocks), finished in queue order
                     post = g.add([begin[d, gates[i]] if gates[i] > 0 else None],
                                  tag=("post", s, d, t, direction, m))
@@ -259,7 +239,7 @@ def _simulate(sim: SimInput, lists, free: bool, keep: bool, nic_order: tuple = (
                 gather_prev: dict[int, int] = {}
                 ends = []
                 for task in tasks:
-                    if stage_of.get(task.sender) != src:
+                    if task.sender not in sim.stage_devices[src]:
                         raise ValueError(f"transfer {tr.name!r} ({direction}): sender {task.sender} is not in "
                                          f"stage {src}")
                     at = sent_after.get((tr.name, direction, m))
@@ -314,24 +294,26 @@ def _simulate(sim: SimInput, lists, free: bool, keep: bool, nic_order: tuple = (
                         recv_sources.setdefault(job, []).append(ready)
                     ends.extend(done.values())
                 marks.append((ti, direction, m, ends))
-    # gradient reductions: buckets in backward order, released as the stage's last backward fills them
+    # gradient reductions: buckets in backward order, released as the stage's last gradient action (its
+    # last W where it splits the backward, else its last B) fills them
     red_last: dict[int, int] = {}
+    class_of = {s: c for c, (stages, _, _) in enumerate(lists) for s in stages}
     for red in sim.reductions:
         if red.after_step or red.per_layer:
             continue
-        c = sim.compute[red.stage]
-        last = {d: comp_end[d, len(per_stage[red.stage]) - 1] for d in sim.stage_devices[red.stage]}
-        if red.every_micro_batch:   # ZeRO-2: every earlier backward's gradient reduce-scattered as it ends
-            ops = per_stage[red.stage]
-            final = max(i for i, op in enumerate(ops) if op[0] == "B")
-            for i, (kind, m) in enumerate(ops):
-                if kind == "B" and i != final:
+        c, s = sim.compute[red.stage], red.stage
+        ops = ops_of[class_of[s]]
+        final = grads_done[s]
+        last = {d: comp_end[d, max(i for i, op in enumerate(ops) if op[1] == s)] for d in sim.stage_devices[s]}
+        if red.every_micro_batch:   # ZeRO-2: every earlier gradient of the stage reduce-scattered as it ends
+            for i, (kind, t, m) in enumerate(ops):
+                if t == s and kind == ops[final][0] and i != final:
                     ready = {d: comp_end[d, i] for d in last}
                     for bi, (nbytes, _) in enumerate(_buckets(c.grad_bytes, sim.bucket_bytes)):
-                        _program(g, net, comm, red, nbytes, ready, red_last, ("reduce", red.stage, m, bi))
+                        _program(g, net, comm, red, nbytes, ready, red_last, ("reduce", s, m, bi))
         for bi, (nbytes, j) in enumerate(_buckets(c.grad_bytes, sim.bucket_bytes)):
-            ready = {d: layer_end[d, j] if red.overlapped and (d, j) in layer_end else last[d] for d in last}
-            _program(g, net, comm, red, nbytes, ready, red_last, ("reduce", red.stage, bi))
+            ready = {d: layer_end[d, s, j] if red.overlapped and (d, s, j) in layer_end else last[d] for d in last}
+            _program(g, net, comm, red, nbytes, ready, red_last, ("reduce", s, bi))
     # the host NIC order: a host's send k starts when its send k - 1 has finished (all its tasks)
     for _, keys in nic_order:
         for prev, key in zip(keys, keys[1:]):
@@ -340,9 +322,10 @@ def _simulate(sim: SimInput, lists, free: bool, keep: bool, nic_order: tuple = (
             for node in items[key]:
                 g.nodes[node].deps.extend(items[prev])
     ends = {}
-    for s, devs in enumerate(sim.stage_devices):
+    for c, ((stages, _, _), devs) in enumerate(zip(lists, devs_of)):
+        s = stages[0]
         for d in devs:
-            last = comp_end[d, len(per_stage[s]) - 1] if per_stage[s] else None
+            last = comp_end[d, len(ops_of[c]) - 1] if ops_of[c] else None
             ends[d] = g.add([last, red_last.get(d)] + sends.get(d, []), tag=("end", s, d))
             if sim.step_overhead > 0:   # the optimizer and the step's own time, after the reductions
                 ends[d] = g.add([ends[d]], duration=sim.step_overhead, tag=("step", s, d), pool=pool_of.get(d))
@@ -361,8 +344,8 @@ def _simulate(sim: SimInput, lists, free: bool, keep: bool, nic_order: tuple = (
     ready = tuple(sorted((min(trace.start[n] for n in nodes), key) for key, nodes in items.items()))
     iteration = max((trace.finish[e] for e in ends.values()), default=0.0)
     return dataclasses.replace(
-        _figures(sim, per_stage, g, trace, iteration, begin, comp_end, comp_nodes, begin_jobs, recv_sources,
-                 ends, marks, keep), ready=ready)
+        figures(sim, lists, ops_of, devs_of, g, trace, iteration, begin, comp_end, comp_nodes, begin_jobs,
+                recv_sources, ends, marks, keep), ready=ready)
 
 
 def _buckets(layer_bytes, bucket: float) -> list[tuple[float, int]]:
@@ -401,62 +384,3 @@ def _program(g, net, comm, red: SimReduction, nbytes: float, ready: dict, last: 
                 last[d] = node
         if not red.held:
             held = held_after(coll, max(len(x) for x in groups), held)
-
-
-def _figures(sim, per_stage, g, trace, iteration, begin, comp_end, comp_nodes, begin_jobs, recv_sources, ends,
-             marks, keep) -> Prediction:
-    st, fin = trace.start, trace.finish
-    busy: dict[int, float] = {}
-    for node, s, d, kind, m in comp_nodes:
-        busy[d] = busy.get(d, 0.0) + fin[node] - st[node]
-    figures = []
-    for s, devs in enumerate(sim.stage_devices):
-        c = sim.compute[s]
-        ops = per_stage[s]
-        worst_busy, worst_wait, worst_mem, worst_k = 1.0, 0.0, 0.0, 0
-        for d in devs:
-            wait = 0.0
-            events_ = []      # (time, order, bytes, in-flight delta): order 0 frees before 1 holds
-            for i, (kind, m) in enumerate(ops):
-                b = begin[d, i]
-                prev = fin[comp_end[d, i - 1]] if i else 0.0
-                ready = max([prev] + [fin[r] for j in begin_jobs.get((d, i), ()) for r in recv_sources.get(j, ())])
-                wait += max(0.0, st[b] - ready)
-                if kind == "F":
-                    events_.append((st[b], 1, c.activation_bytes, 1))
-                    for j in begin_jobs.get((d, i), ()):     # received ahead, held until consumed
-                        got = _job_bytes(g, j, d)
-                        events_.append((fin[j], 1, got, 0))
-                        events_.append((st[b], 0, -got, 0))
-                else:   # a recomputing stage holds the micro-batch's activations again while it runs backward
-                    if c.recompute_bytes:
-                        events_.append((st[b], 1, c.recompute_bytes, 0))
-                    events_.append((fin[comp_end[d, i]], 0, -c.activation_bytes - c.recompute_bytes, -1))
-            if ops:
-                wait += fin[ends[d]] - fin[comp_end[d, len(ops) - 1]]
-            held = k = peak = peak_k = 0.0
-            for _, _, x, dk in sorted(events_, key=lambda e: (e[0], e[1])):
-                held += x
-                k += dk
-                peak, peak_k = max(peak, held), max(peak_k, k)
-            frac = busy.get(d, 0.0) / iteration if iteration > 0 else 1.0
-            worst_busy = min(worst_busy, frac)
-            worst_wait, worst_mem, worst_k = max(worst_wait, wait), max(worst_mem, peak), max(worst_k, int(peak_k))
-        figures.append(StageFigures(s, worst_busy, 1.0 - worst_busy, worst_wait, worst_mem, worst_k))
-    compute = traffic = transfers = ()
-    if keep:
-        compute = tuple((s, d, kind, m, st[n], fin[n]) for n, s, d, kind, m in comp_nodes)
-        traffic = tuple((link, a, b, g.nodes[n].tag) for n, a, b, links, _ in trace.flows for link in links)
-        transfers = tuple((sim.transfers[ti].name, direction, m, min((st[e] for e in nodes), default=0.0),
-                           max((fin[e] for e in nodes), default=0.0)) for ti, direction, m, nodes in marks)
-    return Prediction(iteration, iteration, tuple(figures), compute, traffic, transfers)
-
-
-def _job_bytes(g, job: int, device: int) -> float:
-    """Bytes a receive job delivers to ``device`` (what its tasks' flows bring it)."""
-    total = 0.0
-    for dep in g.nodes[job].deps:
-        for a, b, x in g.nodes[dep].flows:
-            if b == device:
-                total += x
-    return total

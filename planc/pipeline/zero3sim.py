@@ -22,7 +22,7 @@ gathers alone and both ``zero_keep_gathered`` settings: what ``planc explain`` s
 from __future__ import annotations
 
 
-__all__ = ["layered_ops", "gathers_per_micro_batch", "layer_param_bytes"]
+__all__ = ["layered_op", "gathers_per_micro_batch", "layer_param_bytes"]
 
 
 def gathers_per_micro_batch(layers: int, recompute: bool, keep_gathered: bool) -> int:
@@ -37,44 +37,48 @@ def layer_param_bytes(c) -> tuple[float, ...]:
     return c.param_bytes or c.grad_bytes
 
 
-def layered_ops(g, net, comm, program, sim, s: int, ops, red, pool, op_cost: float, begin: dict, comp_end: dict,
-                layer_end: dict, comp_nodes: list) -> None:
-    """Stage ``s``'s operations ``ops`` on all its devices, layer by layer with ZeRO-3's gathers (module
-    docstring); fills ``begin``, ``comp_end``, ``layer_end`` (the last backward's layers) and ``comp_nodes``
-    as ``planc.pipeline.simulate._simulate`` does for the other stages. ``program`` runs one gather:
+def layered_op(g, net, comm, program, sim, s: int, i: int, op, red, pool, op_cost: float, begin: dict,
+               comp_end: dict, layer_end: dict, comp_nodes: list, prev: dict, stream: dict, first: bool, last: bool,
+               split: bool = False) -> None:
+    """Compute action ``i`` (``op`` = ``(kind, m)``) of zero-3 stage ``s``'s class list on all the stage's devices,
+    layer by layer with ZeRO-3's gathers (module docstring); fills ``begin``, ``comp_end``, ``layer_end`` (the
+    stage's last gradient action's layers, keyed ``(device, stage, layer)``) and ``comp_nodes`` as
+    ``planc.pipeline.simulate._simulate`` does for the other stages. ``prev``: each device's compute chain
+    (the class's, updated), ``stream``: each device's last gather (one stream); ``first``: the stage's first
+    forward (``keep_gathered`` gathers there only); ``last``: its last gradient action; ``split``: the stage's
+    backward is split, ``B`` running the input gradients and ``W`` the weight gradients (``W`` gathers
+    nothing: ``X^T dY`` needs no parameter). ``program`` runs one gather:
     ``program(g, net, comm, red, nbytes, ready, last, tag)``; ``pool(d)``: device ``d``'s core pool."""
+    kind, m = op
     c = sim.compute[s]
     devs = sim.stage_devices[s]
     nbytes = layer_param_bytes(c)
     L = len(c.forward)
-    last_b = max((i for i, op in enumerate(ops) if op[0] == "B"), default=-1)
-    first_f = min((i for i, op in enumerate(ops) if op[0] == "F"), default=-1)
-    prev: dict = {d: None for d in devs}      # each device's compute chain
-    stream: dict = {}                         # each device's last gather (one stream)
-    for i, (kind, m) in enumerate(ops):
-        cur = {}
+    cur = {}
+    for d in devs:
+        begin[d, i] = cur[d] = g.add([prev[d]], tag=("begin", s, d, i))
+        if op_cost > 0:   # the instruction's own time, before its first layer
+            cur[d] = g.add([cur[d]], duration=op_cost, tag=(kind, s, d, m, "op"), pool=pool(d))
+            comp_nodes.append((cur[d], s, d, kind, m))
+    gathers = kind != "W" and (not sim.keep_gathered or first)
+    weights = c.weights()
+    times = (c.forward if kind == "F" else weights if kind == "W" else
+             tuple(b - w for b, w in zip(c.backward, weights)) if split else c.backward)
+    again = kind == "B" and red.recompute and not sim.keep_gathered   # the recompute's gathers
+    issue = {d: (prev[d] if sim.prefetch else cur[d]) for d in devs}
+    for j in (range(L) if kind == "F" else range(L - 1, -1, -1)):
+        got = {}
+        if gathers:
+            for r in range(2 if again and j != L - 1 else 1):
+                program(g, net, comm, red, nbytes[j], issue, stream, ("gather", s, m, j, kind, r))
+            got = dict(stream)
         for d in devs:
-            begin[d, i] = cur[d] = g.add([prev[d]], tag=("begin", s, d, i))
-            if op_cost > 0:   # the instruction's own time, before its first layer
-                cur[d] = g.add([cur[d]], duration=op_cost, tag=(kind, s, d, m, "op"), pool=pool(d))
-                comp_nodes.append((cur[d], s, d, kind, m))
-        gathers = not sim.keep_gathered or i == first_f
-        times = c.forward if kind == "F" else c.backward
-        again = kind == "B" and red.recompute and not sim.keep_gathered   # the recompute's gathers
-        issue = {d: (prev[d] if sim.prefetch else cur[d]) for d in devs}
-        for j in (range(L) if kind == "F" else range(L - 1, -1, -1)):
-            got = {}
-            if gathers:
-                for r in range(2 if again and j != L - 1 else 1):
-                    program(g, net, comm, red, nbytes[j], issue, stream, ("gather", s, m, j, kind, r))
-                got = dict(stream)
-            for d in devs:
-                start = g.add([cur[d], got.get(d)], tag=(kind, s, d, m, j, "start"))
-                node = g.add([start], duration=times[j], tag=(kind, s, d, m, j), pool=pool(d))
-                comp_nodes.append((node, s, d, kind, m))
-                issue[d] = start if sim.prefetch else node
-                cur[d] = node
-                if i == last_b:
-                    layer_end[d, j] = node
-        for d in devs:
-            comp_end[d, i] = prev[d] = cur[d]
+            start = g.add([cur[d], got.get(d)], tag=(kind, s, d, m, j, "start"))
+            node = g.add([start], duration=times[j], tag=(kind, s, d, m, j), pool=pool(d))
+            comp_nodes.append((node, s, d, kind, m))
+            issue[d] = start if sim.prefetch else node
+            cur[d] = node
+            if last:
+                layer_end[d, s, j] = node
+    for d in devs:
+        comp_end[d, i] = prev[d] = cur[d]

@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from planc import ir
 from planc.cost import Network
 from planc.cost.collectives import _edge_bytes_and_rounds
+from planc.placement.mapping import stage_coordinate
 
 __all__ = ["repeated_sum", "axis_digits", "stage_indices", "transfer_time", "tensor_coefficients",
            "tensor_predictions", "applies"]
@@ -85,15 +86,16 @@ def transfer_time(program: ir.Program, net: Network, matrix: Sequence[Sequence[i
     free = [fan[j] // matrix[p][j] for j in range(len(fan))]   # per level: units a stage spans inside one
     total = 0.0
     for tr in program.transfers:
-        if tr.src_stage not in present or tr.dst_stage not in present or not 0 <= tr.src_stage < size_p:
+        a, b = stage_coordinate(program, tr.src_stage), stage_coordinate(program, tr.dst_stage)
+        if tr.src_stage not in present or tr.dst_stage not in present or not 0 <= a < size_p:
             continue   # no layout, or a source stage without devices
-        if tr.src_stage == tr.dst_stage:
+        if a == b:     # inside one mesh (one stage, or two on one coordinate): the device walk decides
             return None
         region = region_of(tr)
-        if not 0 <= tr.dst_stage < size_p or not region > 0:
+        if not 0 <= b < size_p or not region > 0:
             t = 0.0    # no flows
         else:
-            sigma, tau = axis_digits(matrix, p, tr.src_stage), axis_digits(matrix, p, tr.dst_stage)
+            sigma, tau = axis_digits(matrix, p, a), axis_digits(matrix, p, b)
             k = next(j for j in range(len(fan)) if sigma[j] != tau[j])
             up = repeated_sum(region, math.prod(free[k:]))
             bandwidth = 0.0
@@ -155,7 +157,7 @@ def tensor_predictions(program: ir.Program, net: Network, traffic, matrix: Seque
     for s, (fwd, bwd) in sorted((traffic or {}).items()):
         if s not in present:
             continue
-        if t is None or not 0 <= s < size_p:
+        if t is None or not 0 <= stage_coordinate(program, s) < size_p:
             a, b = 0.0, 0.0    # no tensor groups
         else:
             if coeffs is None:   # every stage's groups look alike: same counts per unit

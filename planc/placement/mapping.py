@@ -17,6 +17,7 @@ from planc import ir
 from planc.cost import Network
 from planc.cost.collectives import _RING, _edge_bytes_and_rounds   # the step model counted in closed form
 from planc.ir import level_coords
+from planc.plan import class_stages, stages_per_class
 from planc.reduction import FLAT_ALLREDUCE, Hierarchy, program_coefficients, resolve, synthesize
 
 Coords = tuple[tuple[int, ...], ...]
@@ -50,6 +51,19 @@ def device_of(coords: Coords) -> dict[tuple[int, ...], int]:
     return {c: d for d, c in enumerate(coords)}
 
 
+def stage_coordinate(program: ir.Program, index: int) -> int:
+    """The ``pipe`` coordinate of derived stage ``index``: the index, but under the schedules that run
+    several stages on one coordinate (``planc.plan.class_stages``: interleaved_1f1b's ``p + kP``, zbv's V)."""
+    t = program.train
+    schedule = str(t.schedule) if t is not None else ""
+    per = stages_per_class(schedule, t.virtual if t is not None else 1)
+    if per == 1:
+        return index
+    n = max(len(program.stages), index + 1)
+    n += -n % per
+    return next(c for c, members in enumerate(class_stages(schedule, n, t.virtual)) if index in members)
+
+
 def _explicit_layout(stage: ir.Stage) -> ir.StageLayout:
     shape, axes = ir.stage_mesh(stage, None) or ((), tuple(stage.mesh_axes))
     return ir.StageLayout(stage.index, stage.layers, shape, axes, stage.explicit_devices or ())
@@ -60,7 +74,7 @@ def stage_layouts(program: ir.Program, coords: Coords) -> tuple[ir.StageLayout, 
 
     Explicit stages use their written device ranges (``mesh[i][j] = C + i·M2 + j``).
     Derived stages: stage ``I`` holds the devices whose ``pipe`` coordinate is
-    ``I``, as a mesh over the other axes in declared order, listed row-major by
+    ``I`` (:func:`stage_coordinate`: under interleaved_1f1b and zbv several stages share one), as a mesh over the other axes in declared order, listed row-major by
     those coordinates; without a ``pipe`` axis there is one stage, index 0, on
     every device. Without a ``parallel`` block (and derived stages) the single
     stage is a flat mesh ``m0`` over all devices.
@@ -77,10 +91,10 @@ def stage_layouts(program: ir.Program, coords: Coords) -> tuple[ir.StageLayout, 
     names = program.parallel.axis_names()
     shape, axes = ir.derived_mesh(program.parallel)
     pipe = program.pipe_axis
-    if pipe is None:
-        layers = declared[0].layers if 0 in declared else None
-        order = sorted(range(len(coords)), key=lambda d: coords[d])
-        return (ir.StageLayout(0, layers, shape, axes, tuple(order)),)
+    if pipe is None:   # one pipe coordinate: every stage on every device (more than one: interleaved, zbv)
+        order = tuple(sorted(range(len(coords)), key=lambda d: coords[d]))
+        return tuple(ir.StageLayout(i, declared[i].layers if i in declared else None, shape, axes, order)
+                     for i in (sorted(declared) or [0]))
 
     p = names.index(pipe)
     rest = tuple(k for k in range(len(names)) if k != p)
@@ -91,8 +105,8 @@ def stage_layouts(program: ir.Program, coords: Coords) -> tuple[ir.StageLayout, 
         by_stage.setdefault(c[p], []).append(d)
     out = []
     for index in indices:
-        members = by_stage.get(index, [])
-        members.sort(key=lambda d: tuple(coords[d][k] for k in rest))
+        members = sorted(by_stage.get(stage_coordinate(program, index), []), key=lambda d: tuple(coords[d][k]
+                                                                                                for k in rest))
         layers = declared[index].layers if index in declared else None
         out.append(ir.StageLayout(index, layers, shape, axes, tuple(members)))
     return tuple(out)

@@ -34,11 +34,32 @@ from dataclasses import dataclass
 from .jsonpath import At, PlanFileError
 from .vocab import Direction
 
-__all__ = ["Action", "Turn", "RankClass", "COMPUTE", "KINDS"]
+__all__ = ["Action", "Turn", "RankClass", "COMPUTE", "KINDS", "SHARED_MESH", "stages_per_class", "class_stages"]
 
 COMPUTE = ("F", "B", "W")
 KINDS = COMPUTE + ("SEND", "RECV", "REDUCE")
 _SHORT = {Direction.FORWARD: "fwd", Direction.BACKWARD: "bwd"}
+SHARED_MESH = ("interleaved_1f1b", "zbv")   # the schedules whose rank classes run several stages on one mesh
+
+
+def stages_per_class(schedule: str, virtual: int = 1) -> int:
+    """How many stages each rank class (each mesh) runs under ``schedule``: ``virtual`` under
+    interleaved_1f1b, 2 under zbv, else 1."""
+    return {"interleaved_1f1b": virtual, "zbv": 2}.get(str(schedule), 1)
+
+
+def class_stages(schedule: str, num_stages: int, virtual: int = 1) -> tuple[tuple[int, ...], ...]:
+    """The stages of each rank class, class ``p`` on pipe coordinate (mesh) ``p`` of ``P = num_stages /
+    stages_per_class``: interleaved_1f1b ``(p, p + P, p + 2P, ...)`` (Megatron's virtual pipeline), zbv
+    ``(p, 2P - 1 - p)`` (the V: the first mesh runs the first and the last stage), else ``(p,)``. A
+    ``ValueError`` when the stages do not divide into the classes."""
+    per = stages_per_class(schedule, virtual)
+    if per < 1 or num_stages % per:
+        raise ValueError(f"{schedule} runs {per} stages per mesh; {num_stages} stages do not divide into them")
+    P = num_stages // per
+    if str(schedule) == "zbv":
+        return tuple((p, 2 * P - 1 - p) for p in range(P))
+    return tuple(tuple(p + k * P for k in range(per)) for p in range(P))
 
 
 @dataclass(frozen=True, slots=True)

@@ -137,6 +137,7 @@ class Plan:
                         if len(g) > 1 and g not in pool:
                             raise PlanFileError(f"plan.json: transfers[{i}]{where}.tasks[{k}]: group {list(g)} "
                                                 "is not listed in groups")
+        _check_shared(self.stages, self.pipeline)
         if self.pipeline is not None:
             check_transfers(self.pipeline.actions, self.transfers, [st.devices for st in self.stages],
                             self.pipeline.micro_batches)
@@ -302,19 +303,43 @@ class Plan:
 
 
 def _check_stages(cluster: Cluster, stages: tuple[Stage, ...]) -> None:
-    """Stage indices 0..n-1 in order; every device of the cluster in at most one stage."""
+    """Stage indices 0..n-1 in order; every device of the cluster in at most one mesh: stages that share a
+    device share their whole mesh (the same devices, shape and axes; :func:`_check_shared` then asks the
+    pipeline to run them in one rank class)."""
     if [s.index for s in stages] != list(range(len(stages))):
         raise PlanFileError(f"plan.json: stages: stage indices must be 0..{len(stages) - 1} in order, got "
                             f"{[s.index for s in stages]}")
-    seen: dict[int, int] = {}
+    seen: dict[int, Stage] = {}
     for s in stages:
         for d in s.devices:
             if d >= cluster.devices:
                 raise PlanFileError(f"plan.json: stages: stage {s.index} uses device {d}, the cluster has "
                                     f"{cluster.devices}")
-            if d in seen:
-                raise PlanFileError(f"plan.json: stages: device {d} is in stages {seen[d]} and {s.index}")
-            seen[d] = s.index
+            other = seen.get(d)
+            if other is not None and _mesh(other) != _mesh(s):
+                raise PlanFileError(f"plan.json: stages: device {d} is in stages {other.index} and {s.index}, whose "
+                                    "meshes differ (stages share a mesh whole or not at all)")
+            seen[d] = s
+
+
+def _mesh(s: Stage) -> tuple:
+    return s.mesh_devices, s.mesh_shape, s.mesh_axes
+
+
+def _check_shared(stages: tuple[Stage, ...], pipeline: Pipeline | None) -> None:
+    """Stages on one mesh run in one rank class of ``pipeline.actions`` (interleaved_1f1b, zbv); a plan
+    without a pipeline has disjoint meshes."""
+    first: dict[tuple, int] = {}
+    for s in stages:
+        k = first.setdefault(_mesh(s), s.index)
+        if k == s.index:
+            continue
+        if pipeline is None:
+            raise PlanFileError(f"plan.json: stages: stages {k} and {s.index} share a mesh, which only a pipeline "
+                                "running them in one rank class may do")
+        if s.index not in pipeline.class_of(k).stages:
+            raise PlanFileError(f"plan.json: stages: stages {k} and {s.index} share a mesh but pipeline.actions runs "
+                                "them in different rank classes")
 
 
 def dumps(plan: Plan) -> str:

@@ -14,11 +14,12 @@ DEFAULT_AHEAD = DEFAULT_RECV_AHEAD    # the contract's default (plan.json runtim
 
 
 def post_gates(ops, ahead: int, receives=None) -> list[int]:
-    """Per operation ``j`` of a stage's list (``"F3"``, ``"B0"`` or ``("F", 3)``), the operation whose
-    beginning lets the receive thread post ``j``'s receives.
+    """Per operation ``j`` of a rank class's compute list (``"F3"``, ``"B0"``, ``("F", 3)``, or with the
+    stage, for a class of several stages, ``("F", stage, 3)``; ``W`` too), the operation whose beginning
+    lets the receive thread post ``j``'s receives.
 
-    - ``F m``: the operation ``ahead`` before it (0 for the first ``ahead`` operations);
-    - ``B m``: that, or the stage's ``F m`` when earlier: the output gradients of micro-batch ``m``
+    - ``F m`` (and ``W m``): the operation ``ahead`` before it (0 for the first ``ahead`` operations);
+    - ``B m``: that, or the same stage's ``F m`` when earlier: the output gradients of micro-batch ``m``
       cannot arrive before its forward ran here, and are posted from then on;
     - receives are queued (and finished) in list order, so each gate is at least the gate of
       every earlier operation that receives anything (``receives[j]``: whether op ``j`` does;
@@ -27,14 +28,15 @@ def post_gates(ops, ahead: int, receives=None) -> list[int]:
 
     The runtime (``RecvAhead``), the simulator and the deadlock check all use this one rule.
     """
-    ops = [(op[0], int(op[1:])) if isinstance(op, str) else (op[0], int(op[1])) for op in ops]
+    ops = [(op[0], None, int(op[1:])) if isinstance(op, str) else (op[0], None, int(op[1])) if len(op) == 2
+           else (op[0], op[1], int(op[2])) for op in ops]
     receives = [True] * len(ops) if receives is None else list(receives)
-    forward_at = {m: j for j, (kind, m) in enumerate(ops) if kind == "F"}
+    forward_at = {(s, m): j for j, (kind, s, m) in enumerate(ops) if kind == "F"}
     gates, floor = [], 0
-    for j, (kind, m) in enumerate(ops):
+    for j, (kind, s, m) in enumerate(ops):
         g = max(0, j - max(0, int(ahead)))
-        if kind == "B" and forward_at.get(m, j) < g:
-            g = forward_at[m]
+        if kind == "B" and forward_at.get((s, m), j) < g:
+            g = forward_at[s, m]
         if receives[j]:
             floor = max(floor, g)
         gates.append(floor)      # an operation with nothing to receive never holds back the next ones

@@ -42,9 +42,14 @@ class Runtime:
     # to hold it: a communication-only plan); a plan with a model keeps it in train.timeout
     timeout: float | None = None
     extra: tuple = ()
+    # each transfer direction of each transfer on communicators of its own (its point-to-point one and its
+    # broadcast and all-gather groups), not one per direction shared by every transfer: where two ranks send
+    # each other activations (interleaved_1f1b, zbv: a pipe that comes back to a mesh), a receive posted
+    # ahead on a shared pair communicator would stand before the send the peer waits for (written when true)
+    p2p_per_transfer: bool = False
 
     KEYS = ("backend", "recv_ahead", "grad_bucket_bytes", "reduce_bucket_bytes", "in_host", "shm_slot_bytes",
-            "nic_drain", "signal_transfers", "timeout")
+            "nic_drain", "signal_transfers", "timeout", "p2p_per_transfer")
 
     @staticmethod
     def read(at: At) -> "Runtime":
@@ -60,14 +65,15 @@ class Runtime:
                        at.key("signal_transfers", d.signal_transfers).bool(),
                        at.key("shm_slot_bytes", d.shm_slot_bytes).int(1),
                        positive_seconds(at.key("timeout", None)),
-                       extra(at, Runtime.KEYS))
+                       extra(at, Runtime.KEYS), at.key("p2p_per_transfer", False).bool())
 
     def to_json(self) -> dict:
         return with_extra({"backend": str(self.backend), "recv_ahead": self.recv_ahead,
                            "grad_bucket_bytes": self.grad_bucket_bytes,
                            "reduce_bucket_bytes": self.reduce_bucket_bytes, "in_host": str(self.in_host),
                            "shm_slot_bytes": self.shm_slot_bytes, "nic_drain": self.nic_drain, "signal_transfers": self.signal_transfers,
-                           **({"timeout": self.timeout} if self.timeout is not None else {})},
+                           **({"timeout": self.timeout} if self.timeout is not None else {}),
+                           **({"p2p_per_transfer": True} if self.p2p_per_transfer else {})},
                           self.extra)
 
 

@@ -7,13 +7,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from .actions import RankClass
+from .actions import RankClass, class_stages
 from .jsonpath import At, PlanFileError, extra, with_extra
 from .optim import LossScale, LrSchedule, Optimizer, Zero3
 from .runtime import positive_seconds
 from .vocab import Direction, Precision, Schedule
 
-__all__ = ["Pipeline", "CodeRef", "HfModel", "VocabSplit", "padded_vocab", "vocab_rows", "Train", "TagLayout"]
+__all__ = ["Pipeline", "in_flight", "CodeRef", "HfModel", "VocabSplit", "padded_vocab", "vocab_rows", "Train", "TagLayout"]
 
 
 # ---------------------------------------------------------------- pipeline and training
@@ -27,13 +27,30 @@ class Pipeline:
     # per host (index), its cross-host sends in the order its NIC runs them, one at a time:
     # ((host, ((rank, transfer, direction, micro-batch), ...)), ...); empty: sends go as they come
     nic_order: tuple = ()
+    virtual: int = 1     # interleaved_1f1b: stages per mesh (plan.json ``virtual``, written for it only)
 
-    KEYS = ("schedule", "micro_batches", "actions", "nic_order")
+    KEYS = ("schedule", "micro_batches", "virtual", "actions", "nic_order")
 
     @staticmethod
     def read(at: At, stages: int) -> "Pipeline":
         m = at.key("micro_batches").int(1)
+        schedule = at.key("schedule").enum(Schedule)
+        interleaved = schedule is Schedule.INTERLEAVED_1F1B
+        v = at.key("virtual", None)
+        if interleaved and v.value is None:
+            v.fail("interleaved_1f1b needs its virtual degree (stages per mesh)")
+        if not interleaved and v.value is not None:
+            v.fail(f"only interleaved_1f1b has a virtual degree, the schedule is {schedule}")
+        virtual = v.int(2) if interleaved else 1
         classes = tuple(RankClass.read(c, m) for c in at.key("actions").items())
+        try:
+            want = class_stages(schedule, stages, virtual)
+        except ValueError as e:
+            at.key("actions").fail(str(e))
+        got = sorted(tuple(sorted(c.stages)) for c in classes)
+        if got != sorted(tuple(sorted(c)) for c in want):
+            at.key("actions").fail(f"{schedule} runs the stages in classes {[list(c) for c in want]}, the lists run "
+                                   f"{[list(c.stages) for c in classes]}")
         nic, hosts = [], set()
         for e in at.key("nic_order", []).items():
             h = e.key("host").int(0)
@@ -55,7 +72,7 @@ class Pipeline:
                 seen.add(key)
                 sends.append(key)
             nic.append((h, tuple(sends)))
-        return Pipeline(at.key("schedule").enum(Schedule), m, classes, extra(at, Pipeline.KEYS), tuple(nic))
+        return Pipeline(schedule, m, classes, extra(at, Pipeline.KEYS), tuple(nic), virtual)
 
     def class_of(self, stage: int) -> RankClass:
         """The rank class that runs ``stage``."""
@@ -74,16 +91,16 @@ class Pipeline:
         return tuple(tuple(out.get(s, ())) for s in range(max(out, default=-1) + 1))
 
     def in_flight_bound(self, stage: int) -> int:
-        """Most micro-batches whose forward ran and backward did not, at any point of the stage's list."""
-        live = peak = 0
-        for op in self.per_stage[stage]:
-            live += 1 if op[0] == "F" else -1
-            peak = max(peak, live)
-        return peak
+        """Most micro-batches whose forward ran and that still hold activations, at any point of the
+        stage's list: until their backward, or with a split backward until their ``W`` (what ``B`` keeps
+        for the weight gradients is held until then)."""
+        return in_flight(self.class_of(stage).compute(stage))
 
     def to_json(self) -> dict:
-        out = {"schedule": str(self.schedule), "micro_batches": self.micro_batches,
-               "actions": [c.to_json() for c in self.actions]}
+        out = {"schedule": str(self.schedule), "micro_batches": self.micro_batches}
+        if self.schedule is Schedule.INTERLEAVED_1F1B:
+            out["virtual"] = self.virtual
+        out["actions"] = [c.to_json() for c in self.actions]
         if self.nic_order:
             out["nic_order"] = [{"host": h, "sends": [list(k) for k in keys]} for h, keys in self.nic_order]
         return with_extra(out, self.extra)
@@ -91,6 +108,18 @@ class Pipeline:
     def nic_order_of(self, host: int) -> tuple:
         """Host ``host``'s send order (empty when it has none)."""
         return next((keys for h, keys in self.nic_order if h == host), ())
+
+
+def in_flight(compute) -> int:
+    """The peak of micro-batches in flight over one stage's compute actions (``Action`` records, or
+    ``(kind, m)`` pairs): from ``F`` until ``W`` where the list splits the backward, else until ``B``."""
+    ops = [(a.kind, a.micro_batch) if hasattr(a, "kind") else (a[0], a[1]) for a in compute]
+    end = "W" if any(k == "W" for k, _ in ops) else "B"
+    live = peak = 0
+    for kind, _ in ops:
+        live += 1 if kind == "F" else -1 if kind == end else 0
+        peak = max(peak, live)
+    return peak
 
 
 # functions of the runtime a plan may name instead of the user's (``{"builtin": NAME}``)

@@ -64,6 +64,12 @@ class Route:
 
     Forward: ``src`` = the source stage's devices, ``dst`` = the destination's.
     Backward (gradients): ``src`` = the forward destination, ``dst`` = the forward source.
+
+    ``local`` (plan.json ``"local": true``, written only then): a transfer between two stages of one mesh
+    (interleaved_1f1b, zbv) in which every device's ``dst`` region lies inside its own ``src`` region: it
+    moves nothing between devices, ``tasks`` is empty and each device takes its region from what it holds.
+    Between two stages of one mesh that is not local, a device receives only what it does not hold: its
+    region is the tasks' slices it receives and its own ``src`` region's part of it.
     """
 
     strategy: Strategy
@@ -73,8 +79,9 @@ class Route:
     src_regions: tuple[tuple[int, Region], ...]
     dst_regions: tuple[tuple[int, Region], ...]
     extra: tuple = ()
+    local: bool = False
 
-    KEYS = ("strategy", "chunks", "scheduler", "tasks", "regions")
+    KEYS = ("strategy", "chunks", "scheduler", "local", "tasks", "regions")
 
     @staticmethod
     def read(at: At, ndim: int, known=()) -> "Route":
@@ -82,9 +89,20 @@ class Route:
         sides = {}
         for side in ("src", "dst"):
             sides[side] = tuple(sorted((device_key(r, k), r.region(ndim)) for k, r in regions.key(side).mapping()))
-        return Route(at.key("strategy").enum(Strategy), at.key("chunks", 1).int(1), at.key("scheduler", "naive").str(),
-                     tuple(Task.read(t, ndim) for t in at.key("tasks").items()), sides["src"], sides["dst"],
-                     extra(at, Route.KEYS + tuple(known)))
+        route = Route(at.key("strategy").enum(Strategy), at.key("chunks", 1).int(1),
+                      at.key("scheduler", "naive").str(), tuple(Task.read(t, ndim) for t in at.key("tasks").items()),
+                      sides["src"], sides["dst"], extra(at, Route.KEYS + tuple(known)), at.key("local", False).bool())
+        if route.local:
+            if route.tasks:
+                at.key("tasks").fail("a local transfer has no tasks (each device keeps its own region)")
+            if [d for d, _ in route.src_regions] != [d for d, _ in route.dst_regions]:
+                at.key("local").fail("a local transfer's two sides are the same devices (one mesh)")
+            for (d, have), (_, need) in zip(route.src_regions, route.dst_regions):
+                if not inside(need, have):
+                    regions.key("dst").key(str(d)).fail(
+                        f"a local transfer: device {d} needs {[list(r) for r in need]} but holds "
+                        f"{[list(r) for r in have]}")
+        return route
 
     def region(self, side: str, device: int) -> Region | None:
         regions = self.src_regions if side == "src" else self.dst_regions
@@ -101,8 +119,10 @@ class Route:
         return tuple(sorted(enumerate(self.tasks), key=lambda it: (it[1].start, it[0])))
 
     def body(self) -> dict:
-        out = {"strategy": str(self.strategy), "chunks": self.chunks, "scheduler": self.scheduler,
-               "tasks": [t.to_json() for t in self.tasks]}
+        out = {"strategy": str(self.strategy), "chunks": self.chunks, "scheduler": self.scheduler}
+        if self.local:
+            out["local"] = True
+        out["tasks"] = [t.to_json() for t in self.tasks]
         return out
 
     def regions_json(self) -> dict:

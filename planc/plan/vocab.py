@@ -43,6 +43,9 @@ class Schedule(StrEnum):
     GPIPE = "gpipe"
     ONE_F_ONE_B = "1f1b"
     EAGER_1F1B = "eager_1f1b"
+    INTERLEAVED_1F1B = "interleaved_1f1b"   # pipeline.virtual stages per mesh (Megatron's virtual pipeline)
+    ZB_H1 = "zb_h1"                         # 1F1B with the backward split into B and W (zero bubble, H1)
+    ZBV = "zbv"                             # two stages per mesh in a V, with the B/W split
 
 
 class StageMode(StrEnum):

@@ -59,10 +59,13 @@ class TransferPlan:
     makespan: float
     lower_bound: float
     naive_makespan: float
+    local: bool = False   # between two stages of one mesh, every device holding what it needs: no tasks
 
     def __post_init__(self) -> None:
         if self.strategy is Strategy.AUTO:
             raise ValueError("a planned transfer has a concrete strategy")
+        if self.local and self.tasks:
+            raise ValueError("a local transfer has no tasks")
         end = max((t.start + t.duration for t in self.tasks), default=0.0)
         if end != self.makespan:
             raise ValueError("makespan must be the end of the last task")
@@ -72,6 +75,7 @@ class TransferPlan:
                 "src": {"stage": self.src_stage, "spec": self.src_spec},
                 "dst": {"stage": self.dst_stage, "spec": self.dst_spec},
                 "strategy": str(self.strategy), "chunks": self.chunks, "scheduler": str(self.scheduler),
+                **({"local": True} if self.local else {}),
                 "tasks": [t.to_json() for t in self.tasks],
                 "makespan": self.makespan, "lower_bound": self.lower_bound,
                 "naive_makespan": self.naive_makespan}
@@ -89,7 +93,7 @@ class TransferPlan:
                               _regions(self.shape, src, src_spec, regions),
                               _regions(self.shape, dst, dst_spec, regions),
                               (("makespan", self.makespan), ("lower_bound", self.lower_bound),
-                               ("naive_makespan", self.naive_makespan)))
+                               ("naive_makespan", self.naive_makespan)), self.local)
 
 
 def _parts(strategy: planfile.Strategy, receivers: tuple[int, ...], cluster: Cluster) -> tuple[tuple[int, ...], ...]:
@@ -151,6 +155,7 @@ def transfer_estimate(transfer: Transfer, src: StageLayout, dst: StageLayout, cl
 def plan_group(transfers: Sequence[Transfer], layouts: Sequence[tuple[StageLayout, StageLayout]],
                cluster: Cluster, config: ir.Resharding) -> tuple[TransferPlan, ...]:
     """Plan transfers that share one NIC timeline (same source stage)."""
+    lays_of = list(layouts)
     all_tasks: list[UnitTask] = []
     all_jobs: list[Job] = []
     owner: list[int] = []
@@ -167,7 +172,9 @@ def plan_group(transfers: Sequence[Transfer], layouts: Sequence[tuple[StageLayou
         tasks = unit_tasks(tr.shape, src, tr.src_spec, dst, tr.dst_spec)
         itemsize = ir.DTYPE_BYTES[tr.dtype]
         strategy = config.strategy
-        if strategy is Strategy.AUTO:
+        if not tasks:   # between two stages of one mesh, each device holding its region: nothing to move
+            strategy, jobs = (Strategy.SEND_RECV if strategy is Strategy.AUTO else strategy), []
+        elif strategy is Strategy.AUTO:
             strategy, jobs = choose_strategy_jobs(tasks, itemsize, cluster, config.chunks)
         else:
             jobs = build_jobs(tasks, itemsize, strategy, cluster, config.chunks)
@@ -191,7 +198,7 @@ def plan_group(transfers: Sequence[Transfer], layouts: Sequence[tuple[StageLayou
             tr.name, tr.dtype, tuple(tr.shape), tr.src_stage, str(tr.src_spec), tr.dst_stage, str(tr.dst_spec),
             strategies[i], config.chunks, config.scheduler, tuple(task_plans),
             max((t.start + t.duration for t in task_plans), default=0.0), bounds[i],
-            _end(all_jobs, naive_sched, mine)))
+            _end(all_jobs, naive_sched, mine), not task_plans and set(lays_of[i][0].devices) == set(lays_of[i][1].devices)))
     return tuple(plans)
 
 

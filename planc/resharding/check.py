@@ -212,7 +212,10 @@ class _Holding:
 
 
 def check_transfer(entry: dict, plan: dict, memo: dict | None = None) -> list[str]:
-    """Errors of one ``transfers`` entry, given the plan's ``cluster`` and ``stages``. ``memo``: a dict
+    """Errors of one ``transfers`` entry, given the plan's ``cluster`` and ``stages``. Between two stages of
+    one mesh (the same mesh: interleaved_1f1b, zbv) a device keeps its own part of its region and receives
+    the rest, never a slice it holds; with nothing to receive anywhere the entry has no tasks and is
+    ``"local": true`` (and only then). ``memo``: a dict
     kept across the entries of one plan (``check_plan``), so each stage's regions under a spec and the
     device-to-host map are computed once, not once per entry."""
     errors: list[str] = []
@@ -235,8 +238,12 @@ def check_transfer(entry: dict, plan: dict, memo: dict | None = None) -> list[st
         dst = regions(entry["dst"])
     except (KeyError, ValueError) as e:
         return [f"transfer {name}: {e}"]
-    if set(src) & set(dst):
+    same = stages[entry["src"]["stage"]].get("mesh") == stages[entry["dst"]["stage"]].get("mesh") and set(src) == set(dst)
+    if set(src) & set(dst) and not same:
         err("source and destination meshes overlap")
+    if bool(entry.get("local", False)) != (same and not entry["tasks"]):
+        err("a transfer between two stages of one mesh with no tasks is local (\"local\": true), and only it"
+            if same else "a local transfer is between two stages of one mesh")
     if "host_of" not in memo:
         memo["host_of"] = {d: h for h, devs in enumerate(plan["cluster"]["hosts"]) for d in devs}
     host_of = memo["host_of"]
@@ -260,6 +267,8 @@ def check_transfer(entry: dict, plan: dict, memo: dict | None = None) -> list[st
         for r in t["receivers"]:
             if r not in dst:
                 err(f"task {i}: receiver {r} is not a destination device")
+            elif same and _inside(box, src[r]):
+                err(f"task {i}: receiver {r} holds the slice already (one mesh)")
             elif not _inside(box, dst[r]):
                 err(f"task {i}: slice not inside receiver {r}'s region")
             else:
@@ -274,6 +283,10 @@ def check_transfer(entry: dict, plan: dict, memo: dict | None = None) -> list[st
             nic_use.setdefault(h, []).append((t["start"], t["start"] + t["duration"]))
         end = max(end, t["start"] + t["duration"])
     for d, boxes in received.items():
+        if same:   # one mesh: a device keeps its own part of what it needs
+            own = [(max(a0, b0), min(a1, b1)) for (a0, a1), (b0, b1) in zip(dst[d], src[d])]
+            if all(lo < hi for lo, hi in own):
+                boxes = boxes + [own]
         if sum(_volume(b) for b in boxes) != _volume(dst[d]):
             err(f"device {d} receives {sum(_volume(b) for b in boxes)} elements, needs {_volume(dst[d])}")
         for a, b in itertools.combinations(boxes, 2):

@@ -120,10 +120,13 @@ def _dim_cells(n: int, src_parts: int, dst_parts: int) -> list[tuple[tuple[int, 
 
 def unit_tasks(shape: tuple[int, ...], src: StageLayout, src_spec: ShardingSpec,
                dst: StageLayout, dst_spec: ShardingSpec) -> tuple[UnitTask, ...]:
-    """All unit tasks of resharding a tensor of ``shape``, ordered by slice."""
+    """All unit tasks of resharding a tensor of ``shape``, ordered by slice. Between two stages of one
+    mesh (interleaved_1f1b, zbv: the same devices) a device that holds a slice keeps it: it is no receiver
+    of it, and a slice every receiver holds is no task (equal specs: none at all, the transfer is local)."""
     _check_spec(shape, src, src_spec)
     _check_spec(shape, dst, dst_spec)
-    if set(src.devices) & set(dst.devices):
+    shared = set(src.devices) & set(dst.devices)
+    if shared and (set(src.devices) != set(dst.devices) or src.shape != dst.shape):
         raise ValueError("source and destination meshes overlap")
     s_counts = parts_per_dim(src.shape, src_spec)
     d_counts = parts_per_dim(dst.shape, dst_spec)
@@ -134,7 +137,9 @@ def unit_tasks(shape: tuple[int, ...], src: StageLayout, src_spec: ShardingSpec,
     for combo in itertools.product(*per_dim):
         box = tuple(c[0] for c in combo)
         holders = s_groups[tuple(c[1] for c in combo)]
-        receivers = d_groups[tuple(c[2] for c in combo)]
+        receivers = [r for r in d_groups[tuple(c[2] for c in combo)] if r not in shared or r not in holders]
+        if not receivers:
+            continue
         tasks.append(UnitTask(box, tuple(sorted(holders)), tuple(sorted(receivers)),
                               math.prod(hi - lo for lo, hi in box)))
     return tuple(tasks)

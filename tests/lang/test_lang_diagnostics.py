@@ -148,13 +148,16 @@ def test_a_misspelt_keyword_or_block_name_gets_did_you_mean(wrong, right):
     assert d.hint == f"did you mean '{right}'?"
 
 
+SCHEDULES = "gpipe, 1f1b, eager_1f1b, interleaved_1f1b(virtual = V), zb_h1, zbv or auto"
+
+
 @pytest.mark.parametrize("setting, message, hint", [
-    ("schedule = 1F1B", "'1F1B' is not a schedule: schedule must be one of gpipe, 1f1b, eager_1f1b, auto",
+    ("schedule = 1F1B", f"'1F1B' is not a schedule: schedule must be one of {SCHEDULES}",
      "did you mean '1f1b'? (spellings are lower case)"),
     ("precision = FP32", "precision must be one of fp32, fp16, bf16", "did you mean 'fp32'? (spellings are lower case)"),
-    ("schedule = GPIPE", "schedule must be one of gpipe, 1f1b, eager_1f1b, auto",
+    ("schedule = GPIPE", f"schedule must be one of {SCHEDULES}",
      "did you mean 'gpipe'? (spellings are lower case)"),
-    ("schedule = 2f1b", "'2f1b' is not a schedule: schedule must be one of gpipe, 1f1b, eager_1f1b, auto",
+    ("schedule = 2f1b", f"'2f1b' is not a schedule: schedule must be one of {SCHEDULES}",
      "did you mean '1f1b'?"),
 ])
 def test_a_closed_settings_value_in_another_case_is_answered_with_its_spellings(setting, message, hint):

@@ -23,6 +23,7 @@ from planc.lang.check.cluster import MAX_DEVICES, check_cluster
 from planc.lang.check.code import check_code
 from planc.lang.check.parallel import check_parallel
 from planc.lang.check.reductions import check_reductions
+from planc.lang.check.schedule import check_schedule
 from planc.lang.check.settings import (MAX_DFS_BUDGET_S, MAX_MICRO_BATCHES, MAX_TRIALS, check_deepspeed,
                                        check_resharding, check_synthesis, check_train)
 from planc.lang.check.stages import check_stages
@@ -62,12 +63,13 @@ def check(tree: ast.PlanFile, path: str, text: str, inputs: PlanInputs | None = 
         for what, ref in (("loss", loss), ("data", data)):
             if ref is None and not (what == "loss" and isinstance(model, ir.HfModel)):   # HF: its causal-LM loss
                 errs.add(f"a plan with a model needs a '{what} \"file.py:function\"' line", first("model").span)
+    choice = check_schedule(errs, _setting(first("train"), "schedule"))   # before the stages it places
     if "parallel" in by_kind and parallel is None and not any(d.devices is not None for d in by_kind.get(
             "StageDecl", [])):   # a broken parallel block, said already: its stages cannot be checked
         stage_mode, stages = ir.StageMode.PIPE_AXIS, ()
     else:
         stage_mode, stages = check_stages(errs, by_kind.get("StageDecl", []), cluster, parallel, model is not None,
-                                          tree.span, first("stages"))
+                                          tree.span, first("stages"), choice)
     # stages that could not be made (an error said why): what refers to them is checked once they are
     lost = errs.found and not stages and bool(by_kind.get("StageDecl") or first("stages"))
     transfers = () if lost else check_transfers(errs, by_kind.get("TransferDecl", []), stages, parallel,
@@ -76,7 +78,7 @@ def check(tree: ast.PlanFile, path: str, text: str, inputs: PlanInputs | None = 
                                                   stage_mode, "model" in by_kind)
     resharding = check_resharding(errs, first("resharding"))
     synthesis = check_synthesis(errs, first("synthesis"))
-    train = check_train(errs, first("train"), parallel, stages, model is not None)
+    train = check_train(errs, first("train"), parallel, stages, model is not None, choice)
     deepspeed = check_deepspeed(errs, first("deepspeed"), inputs.deepspeed_file)
 
     if errs.found or cluster is None:
@@ -128,6 +130,14 @@ def _statements(errs: Diagnostics, tree: ast.PlanFile) -> dict[str, list[ast.Sta
                 seen[kind] = st.span
         by_kind.setdefault(kind, []).append(st)
     return by_kind
+
+
+def _setting(block, key: str):
+    """The first ``key = value`` of a settings block (None: no block, or not set); the block's own check
+    reports repeats and unknown keys."""
+    if not isinstance(block, ast.SettingsBlock):
+        return None
+    return next((kv for kv in block.items if kv.key.value == key), None)
 
 
 def _name_from_path(path: str) -> str:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from planc import budget, ir
 from planc.lang import ast
+from planc.lang.check.schedule import Choice, check_micro_batches
 from planc.lang.check.training import check_clip, check_lr_schedule, check_optimizer, check_zero
 from planc.lang.check.values import Diagnostics, did_you_mean, int_of, quantity
 from planc.lang.units import SIZE, TIME
@@ -182,19 +183,24 @@ def check_synthesis(errs: Diagnostics, block: ast.SettingsBlock | None) -> ir.Sy
 
 
 def check_train(errs: Diagnostics, block: ast.SettingsBlock | None, parallel: ir.Parallel | None,
-                stages: tuple[ir.Stage, ...], has_model: bool = False) -> ir.Train:
-    """Training settings; ``micro_batch`` must divide over every stage's data axis."""
+                stages: tuple[ir.Stage, ...], has_model: bool = False, choice: Choice | None = None) -> ir.Train:
+    """Training settings; ``micro_batch`` must divide over every stage's data axis. ``choice``: the schedule,
+    read already (``planc.lang.check.schedule.check_schedule``, before the stages); None: read it here."""
     s = _settings(errs, block, ["micro_batch", "micro_batches", "steps", "schedule", "optimizer", "lr_schedule",
                                 "precision", "zero", "zero_prefetch", "zero_keep_gathered", "recompute", "clip", "seed",
                                 "save_every", "timeout",
                                 "sequence_parallel", *RUNTIME_KEYS])
+    if choice is None:
+        from planc.lang.check.schedule import check_schedule
+        choice = check_schedule(errs, s.get("schedule"))
     seed = _int_setting(errs, s.get("seed"), 1234, minimum=0)
     steps = _int_setting(errs, s.get("steps"), 10)
     train = ir.Train(
         micro_batch=_int_setting(errs, s.get("micro_batch"), 8),
         micro_batches=_int_setting(errs, s.get("micro_batches"), 4),
         steps=steps,
-        schedule=_enum_value(errs, s.get("schedule"), ir.PipeSchedule, ir.PipeSchedule.ONE_F_ONE_B),
+        schedule=choice.schedule,
+        virtual=choice.virtual,
         optimizer=check_optimizer(errs, s.get("optimizer")),
         precision=_enum_value(errs, s.get("precision"), ir.Precision, ir.Precision.FP32),
         seed=seed,
@@ -217,6 +223,12 @@ def check_train(errs: Diagnostics, block: ast.SettingsBlock | None, parallel: ir
     else:
         pipe = next((a.size for a in parallel.axes if a.name == ir.MeshAxis.PIPE), 1) if parallel else 1
         ops = 2 * max(len(stages), pipe, 1) * train.micro_batches
+        if stages and choice.shares:
+            meshes = len({(st.first_device, st.mesh_shape) for st in stages}) if stages[0].first_device is not None \
+                else pipe
+            check_micro_batches(errs, choice, train.micro_batches, meshes, s["micro_batches"].value.span
+                                if "micro_batches" in s else choice.span if choice.span.line else
+                                block.span if block else ir.Train().schedule_span)
         over = budget.exceeded("pipeline_ops", ops, f"{max(len(stages), pipe, 1)} stages x "
                                f"{train.micro_batches} micro-batches make", s["micro_batches"].value.span
                                if "micro_batches" in s else block.span if block else ir.Train().schedule_span)

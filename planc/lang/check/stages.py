@@ -6,6 +6,7 @@ import math
 
 from planc import ir
 from planc.lang import ast
+from planc.lang.check.schedule import Choice, check_meshes
 from planc.lang.check.training import zero_degree
 from planc.lang.check.values import Diagnostics, int_of
 from planc.span import Span
@@ -15,9 +16,12 @@ __all__ = ["check_stages"]
 
 def check_stages(errs: Diagnostics, decls: list[ast.StageDecl], cluster: ir.Cluster | None,
                  parallel: ir.Parallel | None, has_model: bool, plan_span: Span,
-                 auto: ast.StagesAuto | None = None) -> tuple[ir.StageMode, tuple[ir.Stage, ...]]:
+                 auto: ast.StagesAuto | None = None, choice: Choice = Choice()
+                 ) -> tuple[ir.StageMode, tuple[ir.Stage, ...]]:
     """The stage mode and the stages, numbered 0..S-1 with contiguous layers (and, explicit,
-    disjoint meshes). Without declarations, the ``pipe`` axis implies one stage per coordinate.
+    disjoint meshes, or meshes shared as ``choice``, the schedule, runs them: ``check_meshes``). Without
+    declarations, the ``pipe`` axis implies ``choice.per`` stages per coordinate (one but for
+    interleaved_1f1b and zbv).
     ``auto`` (``stages = auto(N)``) or ``layers auto`` on every stage leaves the layer ranges to
     the compiler (``ir.Stage.auto_layers``; their checks wait until the model is cut)."""
     explicit = [d for d in decls if d.devices is not None]
@@ -91,22 +95,38 @@ def check_stages(errs: Diagnostics, decls: list[ast.StageDecl], cluster: ir.Clus
                      auto.count.span)
     if mode is ir.StageMode.PIPE_AXIS and parallel is not None:
         pipe = parallel.size_of(ir.MeshAxis.PIPE, 1)
-        if out and len(out) != pipe:
-            errs.add(f"the 'pipe' axis has size {pipe} but {len(out)} stages are declared; "
-                     "declare one stage per pipe coordinate", out[-1].span if len(out) > pipe else decls[0].span)
+        need = pipe * choice.per
+        if out and len(out) != need and not choice.broken:
+            if choice.shares:
+                errs.add(f"schedule = {choice.text()} runs {choice.per} stages on each pipe coordinate: the 'pipe' "
+                         f"axis of size {pipe} needs {need} stages, {len(out)} are declared",
+                         out[-1].span if len(out) > need else decls[0].span)
+            else:
+                errs.add(f"the 'pipe' axis has size {pipe} but {len(out)} stages are declared; declare one stage per "
+                         "pipe coordinate" + _sharing_hint(len(out), pipe), out[-1].span if len(out) > pipe
+                         else decls[0].span)
         if not out and auto is not None:
-            return mode, _pipe_auto(errs, auto, parallel, pipe)
-        if not out and pipe > 1 and has_model:
+            return mode, _pipe_auto(errs, auto, parallel, pipe, choice)
+        if not out and need > 1 and has_model:
             errs.add(f"the 'pipe' axis has size {pipe}; declare each stage's layers ('stage 0 : layers 0..4') "
-                     f"or let planc cut them ('stages = auto({pipe})')", parallel.span)
+                     f"or let planc cut them ('stages = auto({need})')", parallel.span)
         if not out:
             axes = ir.derived_mesh(parallel)[1]
-            out = [ir.Stage(i, None, None, None, axes, parallel.span) for i in range(pipe)]
+            out = [ir.Stage(i, None, None, None, axes, parallel.span) for i in range(need)]
     if not cut:
         _check_layers(errs, out)
     if mode is ir.StageMode.EXPLICIT:
-        _check_disjoint(errs, out)
+        check_meshes(errs, out, choice, has_model)
     return mode, tuple(out)
+
+
+def _sharing_hint(stages: int, pipe: int) -> str:
+    """A plan with a multiple of the pipe size in stages may mean a schedule that shares the meshes."""
+    if pipe < 1 or stages <= pipe or stages % pipe:
+        return ""
+    v = stages // pipe
+    also = " or schedule = zbv" if v == 2 else ""
+    return f" (or run {v} on each: schedule = interleaved_1f1b(virtual = {v}){also})"
 
 
 def _auto_ok(errs: Diagnostics, decls: list[ast.StageDecl], auto: ast.StagesAuto | None, has_model: bool) -> bool:
@@ -135,19 +155,30 @@ def _auto_ok(errs: Diagnostics, decls: list[ast.StageDecl], auto: ast.StagesAuto
     return ok
 
 
-def _pipe_auto(errs: Diagnostics, auto: ast.StagesAuto, parallel: ir.Parallel, pipe: int) -> tuple[ir.Stage, ...]:
-    """``stages = auto(N)`` without stage lines: one stage per coordinate of a ``pipe`` axis of size N."""
-    n = pipe
-    if auto.count is not None:
+def _pipe_auto(errs: Diagnostics, auto: ast.StagesAuto, parallel: ir.Parallel, pipe: int,
+               choice: Choice = Choice()) -> tuple[ir.Stage, ...]:
+    """``stages = auto(N)`` without stage lines: ``choice.per`` stages per coordinate of a ``pipe`` axis of
+    size P (N = P, or P x V under interleaved_1f1b(virtual = V), 2P under zbv)."""
+    need = n = pipe * choice.per
+    if auto.count is not None and choice.broken:   # the schedule is wrong (said): its stage count is unknown
+        n = int_of(errs, auto.count, "the number of stages in auto(N)") or need
+    elif auto.count is not None:
         n = int_of(errs, auto.count, "the number of stages in auto(N)")
         if n is None:
             return ()
-        if ir.MeshAxis.PIPE not in parallel.axis_names() and n > 1:
-            errs.add(f"stages = auto({n}) needs a 'pipe' axis of size {n} in the 'parallel' block (it has none), "
-                     "or explicit stage meshes ('stage I on devices C..D as (M1, M2)')", auto.count.span)
-        elif n != pipe:   # reported; the stages of the pipe axis go on to the other checks
+        if ir.MeshAxis.PIPE not in parallel.axis_names() and n > choice.per:
+            errs.add(f"stages = auto({n}) needs a 'pipe' axis of size {n // choice.per} in the 'parallel' block "
+                     "(it has none), or explicit stage meshes ('stage I on devices C..D as (M1, M2)')",
+                     auto.count.span)
+            n = need
+        elif n != need and choice.shares:
+            errs.add(f"stages = auto({n}) but schedule = {choice.text()} runs {choice.per} stages on each pipe "
+                     f"coordinate: the 'pipe' axis of size {pipe} needs stages = auto({need})", auto.count.span)
+            n = need
+        elif n != need:   # reported; the stages of the pipe axis go on to the other checks
             errs.add(f"stages = auto({n}) but the 'pipe' axis has size {pipe}; the stages are the pipe "
-                     f"coordinates, so write 'stages = auto({pipe})' or 'pipe = {n}'", auto.count.span)
+                     f"coordinates, so write 'stages = auto({pipe})' or 'pipe = {n}'" + _sharing_hint(n, pipe),
+                     auto.count.span)
             n = pipe
     axes = ir.derived_mesh(parallel)[1]
     return tuple(ir.Stage(i, None, None, None, axes, auto.span, auto_layers=True) for i in range(n))
@@ -203,17 +234,3 @@ def _check_layers(errs: Diagnostics, stages: list[ir.Stage]) -> None:
             errs.add(f"stage {s.index} layers start at {a} but the previous stage ends at {expect}; "
                      f"layer ranges must be contiguous", s.span)
         expect = b
-
-
-def _check_disjoint(errs: Diagnostics, stages: list[ir.Stage]) -> None:
-    owner: dict[int, int] = {}
-    for s in stages:
-        devs = s.explicit_devices
-        if devs is None:
-            continue
-        clash = sorted({owner[d] for d in devs if d in owner})
-        if clash:
-            errs.add(f"stage {s.index} devices {devs[0]}..{devs[-1] + 1} overlap stage {clash[0]}'s; "
-                     "stage meshes must be disjoint", s.span)
-        for d in devs:
-            owner.setdefault(d, s.index)

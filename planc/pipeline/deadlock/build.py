@@ -40,12 +40,12 @@ def _lookups(plan: planfile.Plan) -> tuple:
     for g in plan.tensor_groups:
         for dev in g:
             tp_by_rank.setdefault(dev, g)
-    gradients_of: dict = {}
+    gradients_of: dict = {}   # (rank, stage) -> (its gradients reduction, its group there); stage None: any
     for red in plan.reductions:
         if red.name == "gradients":
             for g in red.groups:
                 for dev in g:
-                    gradients_of.setdefault(dev, (red, g))
+                    gradients_of.setdefault((dev, red.stage), (red, g))
     destinations = [frozenset(dev for dev, _ in t.forward.dst_regions) for t in plan.transfers]
     return (index_of, ordered, sending, receiving, stage_by_rank, host_by_rank, tp_by_rank, gradients_of,
             destinations)
@@ -58,6 +58,7 @@ class Builder:
                  shared: dict | None = None):
         self.plan, self.backend, self.ahead, self.tp = plan, backend, ahead, tensor_parallel
         self.nccl = backend == "nccl"
+        self.per_transfer = plan.runtime.p2p_per_transfer   # each transfer on communicators of its own
         self.comms: dict = {}
         self.invalid: list[tuple[int, str]] = []
         self._holding: dict = {}
@@ -66,6 +67,9 @@ class Builder:
         # the host NIC order (plan.json pipeline.nic_order), as the runtime runs it: on gloo only
         self.nic = {h: keys for h, keys in (plan.pipeline.nic_order if plan.pipeline is not None else ())} \
             if backend == "gloo" else {}
+        # per transfer: its route moves nothing (two stages of one mesh, each device holding its region)
+        self.local = {(i, d): t.route(d).local for i, t in enumerate(plan.transfers) for d in Direction
+                      if d is Direction.FORWARD or t.backward is not None}
         self.turns: dict = {}
         # the per-rank lookups read the plan alone (no backend, no mode, never written after): one set per
         # plan, kept in ``shared`` (planc.pipeline.deadlock.check_rendezvous's) for the next Builder
@@ -78,15 +82,18 @@ class Builder:
          self.tp_by_rank, self.gradients_of, self.destinations) = hit[1]
 
     # ---- communicators
-    def _p2p(self, d: Direction, a: int, b: int):
-        label = f"p2p/{d}"
+    def _p2p(self, d: Direction, a: int, b: int, ti: int | None = None):
+        """The point-to-point communicator of a pair of ranks in direction ``d`` (with
+        ``runtime.p2p_per_transfer``: of transfer ``ti``'s direction ``d``)."""
+        own = self.per_transfer and ti is not None
+        label = f"p2p/{d}" + (f"/{self.plan.transfers[ti].name}" if own else "")
         if not self.nccl or a == b:
-            key = ("tag", str(d))
+            key = ("tag", str(d)) + ((ti,) if own else ())
             if key not in self.comms:
                 self.comms[key] = Tagged(label)
             return self.comms[key]
         lo, hi = min(a, b), max(a, b)
-        key = ("p2p", str(d), lo, hi)
+        key = ("p2p", str(d), lo, hi) + ((ti,) if own else ())
         c = self.comms.get(key)
         if c is None:
             c = self.comms[key] = Pair(label, lo, hi)
@@ -98,9 +105,11 @@ class Builder:
             c = self.comms[key] = Group(label, tuple(members))
         return c
 
-    def _transfer_group(self, d: Direction, members):
+    def _transfer_group(self, d: Direction, members, ti: int | None = None):
         members = tuple(sorted(members))
-        return self._group(("transfer", str(d), members), members, f"transfer/{d}/{list(members)}")
+        own = (ti,) if self.per_transfer and ti is not None else ()
+        return self._group(("transfer", str(d), members) + own, members, f"transfer/{d}/{list(members)}"
+                           + (f"/{self.plan.transfers[ti].name}" if own else ""))
 
     def _plan_group(self, members):
         # the same group object comes back once per member: look it up by identity first, so a
@@ -122,10 +131,10 @@ class Builder:
 
     # ---- operations
     def send(self, rank, d, peer, key, what):
-        return Op(rank, self._p2p(d, rank, peer), SEND, key, peer, what)
+        return Op(rank, self._p2p(d, rank, peer, key[0]), SEND, key, peer, what)
 
     def recv(self, rank, d, peer, key, what):
-        return Op(rank, self._p2p(d, peer, rank), RECV, key, peer, what)
+        return Op(rank, self._p2p(d, peer, rank, key[0]), RECV, key, peer, what)
 
     def coll(self, rank, comm, key, what):
         if rank not in comm.q:
@@ -148,7 +157,7 @@ class Builder:
             if strategy is Strategy.BROADCAST:
                 if self.nccl:
                     members = task.group or tuple(sorted({task.sender, *task.receivers}))
-                    op = self.coll(rank, self._transfer_group(d, members), ("bcast",) + key,
+                    op = self.coll(rank, self._transfer_group(d, members, ti), ("bcast",) + key,
                                    ("task", "broadcast", d, t.name, k, m))
                     ops = [op] if op is not None else []
                 else:
@@ -178,7 +187,7 @@ class Builder:
                 key = (ti, d, m, k)
                 if strategy is Strategy.BROADCAST:
                     members = task.group or tuple(sorted({task.sender, *task.receivers}))
-                    op = self.coll(rank, self._transfer_group(d, members), ("bcast",) + key,
+                    op = self.coll(rank, self._transfer_group(d, members, ti), ("bcast",) + key,
                                    ("task", "broadcast", d, name, k, m))
                     if op is not None:
                         prog.append((ISSUE, op, where))
@@ -226,7 +235,8 @@ class Builder:
             prog.append((WAIT, op, where))
 
     def _gather(self, prog, rank, d, part, key, name, k, m, where):
-        op = self.coll(rank, self._transfer_group(d, part), ("allgather",) + key, ("task", "all_gather", d, name, k, m))
+        op = self.coll(rank, self._transfer_group(d, part, key[0]), ("allgather",) + key,
+                       ("task", "all_gather", d, name, k, m))
         if op is not None:
             prog.append((ISSUE, op, where))
             prog.append((WAIT, op, where))
@@ -251,12 +261,14 @@ class Builder:
             self._keep.append(groups)    # the id stays valid while the map is used
         return by_rank
 
-    def emit_steps(self, prog, rank, red: planfile.Reduction, label: str, where) -> None:
-        """``ReductionExecutor.run`` (one bucket): each step's group holding the rank, if it has peers."""
+    def emit_steps(self, prog, rank, red: planfile.Reduction, label: str, where, stage: int | None = None) -> None:
+        """``ReductionExecutor.run`` (one bucket): each step's group holding the rank, if it has peers
+        (``stage``: the REDUCE it runs for, where one reduction serves several stages of the rank)."""
         for i, step in enumerate(red.steps):
             g = self.group_holding(step.groups, rank)
             if g is not None and len(g) > 1:
-                self.emit_collective(prog, rank, self._plan_group(g), ("reduce", red.name, red.stage, i),
+                self.emit_collective(prog, rank, self._plan_group(g), ("reduce", red.name,
+                                                                        red.stage if stage is None else stage, i),
                                      f"{label} step {i} ({step.collective})", where)
 
     def host_of(self, rank: int) -> int:
@@ -307,18 +319,23 @@ class Builder:
         if stage is None:
             return [Thread(rank, "compute", compute)]
         s = stage.index
-        cls = plan.pipeline.class_of(s)
+        cls = plan.pipeline.class_of(s)   # the rank runs its class's whole list (every stage of its mesh)
         turns = cls.turns()   # plan.json pipeline.actions: the one order
-        ops = [f"{t.compute.kind}{t.compute.micro_batch}" for t in turns]
+        several = len(cls.stages) > 1
+        ops = [f"{t.compute.kind}{t.compute.stage}.{t.compute.micro_batch}" if several else
+               f"{t.compute.kind}{t.compute.micro_batch}" for t in turns]
         number = {t.name: i for i, t in enumerate(plan.transfers)}
         tp = self.tp_by_rank.get(rank) if self.tp else None
         tp_comm = self._plan_group(tp) if tp is not None and len(tp) > 1 else None
         begun = [Event() for _ in ops]
         done = {}
         receive: list = []
-        gates = post_gates(ops, self.ahead, [bool(t.recvs) for t in turns])
+        # a local transfer (two stages of this mesh, nothing to move) posts nothing and gates nothing
+        gates = post_gates([(t.compute.kind, t.compute.stage, t.compute.micro_batch) for t in turns], self.ahead,
+                           [any(not self.local.get((number[a.transfer], a.direction)) for a in t.recvs)
+                            for t in turns])
         for j, (text, turn) in enumerate(zip(ops, turns)):
-            where = f"receiving for stage {s} op {j} ({text})"
+            where = f"receiving for stage {turn.compute.stage} op {j} ({text})"
             gate = gates[j]
             receive.append((WAIT, begun[gate], where))
             for a in turn.recvs:
@@ -339,7 +356,7 @@ class Builder:
                 sends += self.emit_send(compute, rank, ti, d, m, where)
 
         for j, (text, turn) in enumerate(zip(ops, turns)):   # the list in order, as the compute thread runs it
-            where = f"stage {s} op {j} ({text})"
+            where = f"stage {turn.compute.stage} op {j} ({text})"
             for k, a in enumerate(turn.before + (None,)):
                 if k == turn.begin:
                     compute.append((SIGNAL, begun[j], where))
@@ -349,7 +366,7 @@ class Builder:
                     compute.append((WAIT, done[(number[a.transfer], a.direction, a.micro_batch)], where))
                 else:
                     send(a, where)
-            if tp_comm is not None:
+            if tp_comm is not None:   # F, B and W alike: a tensor-parallel W all-gathers (docs/deadlock.md)
                 self.emit_collective(compute, rank, tp_comm, ("tp", text), f"tensor-parallel all_reduce of {text}",
                                      where)
         for a in cls.tail():
@@ -372,16 +389,33 @@ class Builder:
             self.emit_collective(compute, rank, world, ("loss",), "loss all_reduce", "after its step (idle rank)")
             return
         s = stage.index
-        red, g = self.gradients_of.get(rank, (None, None))
-        where = f"stage {s} gradient reduction"
-        if red is not None and red.mode is planfile.ReductionMode.ALLREDUCE:
-            if len(g) > 1:   # DeepSpeed's data-parallel all-reduce on the grid group (the plan's if listed)
-                comm = self._plan_group(g) if g in plan.groups else self._group(("grid", g), g, f"grid {list(g)}")
-                self.emit_collective(compute, rank, comm, ("deepspeed", g), "DeepSpeed's data-parallel all_reduce",
-                                     where)
-        elif red is not None:
-            self.emit_steps(compute, rank, red, "gradient reduction", where)
+        for k, red, g in self.reductions_of(rank):
+            where = f"stage {s if k is None else k} gradient reduction"
+            if red.mode is planfile.ReductionMode.ALLREDUCE:
+                if len(g) > 1:   # DeepSpeed's data-parallel all-reduce on the grid group (the plan's if listed)
+                    comm = self._plan_group(g) if g in plan.groups else self._group(("grid", g), g, f"grid {list(g)}")
+                    self.emit_collective(compute, rank, comm, ("deepspeed", g, k), "DeepSpeed's data-parallel "
+                                         "all_reduce", where)
+            else:
+                self.emit_steps(compute, rank, red, "gradient reduction", where, k)
         self.emit_collective(compute, rank, world, ("loss",), "loss all_reduce", f"stage {s}, after its step")
+
+    def reductions_of(self, rank: int) -> list:
+        """``(stage, reduction, its group holding rank)`` of the rank's gradient reductions, one per REDUCE of
+        its class's list, in list order (a pipe-axis plan's one reduction serves every stage); ``stage`` is
+        None for a class of one stage (its keys then name the reduction alone, so data replicas of
+        different stages look alike to the tails' classes)."""
+        stage = self.stage_by_rank.get(rank)
+        if stage is None:
+            return []
+        pipe = self.plan.pipeline
+        reduces = [a.stage for a in pipe.class_of(stage.index).reduces()] if pipe is not None else [stage.index]
+        out = []
+        for k in reduces:
+            red, g = self.gradients_of.get((rank, k)) or self.gradients_of.get((rank, None)) or (None, None)
+            if red is not None:
+                out.append((k if len(reduces) > 1 else None, red, g))
+        return out
 
     # ---- one rank, --comm-only step
     def comm_only_threads(self, rank: int) -> list[Thread]:

@@ -104,9 +104,9 @@ def signatures(b: Builder, mode: str, comps: list[list[int]]) -> list[tuple]:
         ranks = []
         for r in c:
             st = b.stage_by_rank.get(r)
-            if mode == "train":
+            if mode == "train":   # the stages of its rank class (the list it runs)
                 tp = b.tp_by_rank.get(r) if b.tp and st is not None else None
-                ranks.append((None if st is None else st.index, rename(tp)))
+                ranks.append((None if st is None else b.plan.pipeline.class_of(st.index).stages, rename(tp)))
             else:
                 ranks.append(tuple(r in dst for dst in b.destinations))
         out.append((tuple(ranks), tuple(tasks[i]), tuple(nic[i])))

@@ -49,11 +49,12 @@ def _sequences(b: Builder, mode: str):
             members.append(key)
         return cid
 
-    def steps(red, ranks) -> None:
-        """``Builder.emit_steps`` for every rank of ``ranks`` (a map or set): each step's group holding it."""
+    def steps(red, ranks, stage=None) -> None:
+        """``Builder.emit_steps`` for every rank of ``ranks`` (a map or set): each step's group holding it
+        (``stage``: the REDUCE it runs for)."""
         for i, step in enumerate(red.steps):
             holding = b.holding(step.groups)
-            key = ("reduce", red.name, red.stage, i)
+            key = ("reduce", red.name, red.stage if stage is None else stage, i)
             for g in step.groups:
                 if len(g) > 1:
                     cid = plan_group(g)
@@ -65,16 +66,15 @@ def _sequences(b: Builder, mode: str):
     if mode == "train":     # Builder.train_tail, less the loss all_reduce: the staged ranks' gradient reduction
         listed = set(plan.groups)
         by_red: dict = {}
-        for rank, (red, g) in b.gradients_of.items():
-            if b.stage_by_rank.get(rank) is None:
-                continue
-            if red.mode is planfile.ReductionMode.ALLREDUCE:
-                if len(g) > 1:
-                    seqs[rank].append((plan_group(g) if g in listed else grid(g), ("deepspeed", g)))
-            else:
-                by_red.setdefault(id(red), (red, set()))[1].add(rank)
-        for red, ranks in by_red.values():
-            steps(red, ranks)
+        for rank in range(plan.cluster.devices):   # one reduction per REDUCE of its class, in list order
+            for k, red, g in b.reductions_of(rank):
+                if red.mode is planfile.ReductionMode.ALLREDUCE:
+                    if len(g) > 1:
+                        seqs[rank].append((plan_group(g) if g in listed else grid(g), ("deepspeed", g, k)))
+                else:   # a stage's reduction runs on its class's ranks only, so the order per rank holds
+                    by_red.setdefault((id(red), k), (red, k, set()))[2].add(rank)
+        for red, k, ranks in by_red.values():
+            steps(red, ranks, k)
     else:                   # Builder.comm_only_tail, less the barrier and all_gather_object
         for red in plan.reductions:
             steps(red, b.holding(red.groups))
@@ -120,7 +120,7 @@ def tail_classes(b: Builder, mode: str) -> list[list[list[int]]]:
                     kind, ms = members[cid]
                     ren = renamed[cid] = (kind, tuple(lam[m] for m in ms))
                 if key[0] == "deepspeed":
-                    key = ("deepspeed", tuple(lam[m] for m in key[1]))
+                    key = ("deepspeed", tuple(lam[m] for m in key[1])) + key[2:]
                 row.append((ren, key))
             sig.append(tuple(row))
         by_sig.setdefault(tuple(sig), []).append(comp)
