@@ -371,8 +371,8 @@ def assert_controls_fail(compare, plan: dict, model_dir: Path, steps: int, *, so
 # ---------------------------------------------------------------- plan.json queries
 
 def stage_ranks(plan: dict) -> list[int]:
-    """The ranks (= device numbers) that are in some stage, sorted."""
-    return sorted(d for st in plan["stages"] for d in st["devices"])
+    """The ranks (= device numbers) that are in some stage, sorted (once each: stages may share a mesh)."""
+    return sorted({d for st in plan["stages"] for d in st["devices"]})
 
 
 def stage_gradient_program(plan: dict, stage: int) -> tuple[list[list[int]], dict]:

@@ -150,7 +150,7 @@ class PlanEngine(PipelineEngine):
             self.reduce_description = "data-parallel all-reduce of the fp32 gradient buckets"
         else:
             self.reduce_description = f"planc program {red.text}, bucketed, overlapped with the last backward"
-            self.reduction = ReductionExecutor.for_plan(plan, red, reduce_groups(groups), rank)
+            self.reduction = ReductionExecutor.for_plan(plan, red, reduce_groups(groups, self.stage_id), rank)
             if self.reduction.shm_groups:
                 self.reduce_description += "; in-host steps through shared memory"
             elif self.reduction.shm_fallback:

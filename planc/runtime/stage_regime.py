@@ -31,7 +31,7 @@ def build_regime(engine, plan: Plan, groups: dict, red, initial) -> Regime:
         if params is None or params.group_of(rank) != red.group_of(rank):
             raise EngineError(f"rank {rank}: zero = {zero} but plan.json has no parameters "
                               f"all-gather over its gradient group {list(red.group_of(rank))}")
-        gather = ReductionExecutor.for_plan(plan, params, gather_groups(groups) if zero == 3 else groups, rank)
+        gather = ReductionExecutor.for_plan(plan, params, gather_groups(groups, engine.stage_id) if zero == 3 else groups, rank)
         engine.reduce_description += (f"; ZeRO-{zero}: fp32 master weights and optimizer "
                                       f"state sharded over the data group, parameters all-gathered by {params.text}")
         if zero == 3:

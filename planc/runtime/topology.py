@@ -50,6 +50,15 @@ def create_groups(plan: Plan, timeout=None) -> dict:
     if plan.train is not None and plan.train.zero3 is not None:   # zero 3's per-layer gathers (zero3.py)
         families.append(((GATHER,), [g for r in plan.reductions if r.name == "parameters" and (r.stage is None
                                      or plan.zero_of(r.stage) == 3) for s in r.steps for g in s.groups]))
+    # a mesh that runs several stages: each stage's reduction thread (and zero 3's gather thread) on
+    # communicators of its own, so the stages' threads never share one (their orders would interleave)
+    for stages in [c.stages for c in plan.pipeline.actions if len(c.stages) > 1] if plan.pipeline else ():
+        for s in stages:
+            mine = set(plan.stages[s].devices)
+            for name, family in (("gradients", REDUCE), ("parameters", GATHER)):
+                families.append(((family, "stage", s), [g for r in plan.reductions if r.name == name
+                                                        and r.stage in (None, s) for st in r.steps
+                                                        for g in st.groups if set(g) <= mine]))
     if plan.transfers:   # the transfers' own communicators, used by nothing else (see comm.py)
         for d in Direction:
             families.append(((P2P, str(d)), [world]))
@@ -72,15 +81,23 @@ def create_groups(plan: Plan, timeout=None) -> dict:
     return out
 
 
-def reduce_groups(groups: dict) -> dict:
-    """The groups as the gradient reduction thread sees them: its own communicators by members."""
-    return {k[1:]: v for k, v in groups.items() if k and k[0] == REDUCE}
+def _own(groups: dict, family: str, stage: int | None) -> dict:
+    out = {k[1:]: v for k, v in groups.items() if k and k[0] == family and (len(k) < 2 or k[1] != "stage")}
+    if stage is not None:   # a stage of a mesh that runs several: its own
+        out.update({k[3:]: v for k, v in groups.items() if k[:3] == (family, "stage", stage)})
+    return out
 
 
-def gather_groups(groups: dict) -> dict:
+def reduce_groups(groups: dict, stage: int | None = None) -> dict:
+    """The groups as the gradient reduction thread sees them: its own communicators by members (``stage``:
+    that stage's own, where its mesh runs several stages)."""
+    return _own(groups, REDUCE, stage)
+
+
+def gather_groups(groups: dict, stage: int | None = None) -> dict:
     """The groups as zero 3's parameter gathers see them (compute thread or gather thread, never both at
-    once): their own communicators by members."""
-    return {k[1:]: v for k, v in groups.items() if k and k[0] == GATHER}
+    once): their own communicators by members (``stage``: as ``reduce_groups``)."""
+    return _own(groups, GATHER, stage)
 
 
 def route_groups(plan: Plan, direction: Direction, transfers=None) -> list[tuple[int, ...]]:
