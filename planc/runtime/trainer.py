@@ -251,12 +251,13 @@ class Trainer:
         engine, rank = self.engine, self.rank
         self.device = engine.device if engine is not None else backend_device()   # an idle rank's: its backend's
         described = [None] * dist.get_world_size()
-        dist.all_gather_object(described, ((self.stage.index, engine.reduce_description) if engine is not None
-                                           else None, f"{dist.get_backend()} {self.device}"))
+        dist.all_gather_object(described, ([(s, e.reduce_description) for s, e in self.engines.items()],
+                                           f"{dist.get_backend()} {self.device}"))
         if rank == 0:
             if threads_line:
                 print(threads_line, flush=True)
-            print(f"gradients: {gradient_summary([d for d, _ in described])}\n{devices_line(described)}", flush=True)
+            stages = [d for ds, _ in described for d in ds] or [None]
+            print(f"gradients: {gradient_summary(stages)}\n{devices_line(described)}", flush=True)
 
     def train(self, first: int, steps: int, checkpoints, clock) -> None:
         """Steps ``first`` to ``steps``: each one world all-reduce of the step's figures, rank 0's line, then
