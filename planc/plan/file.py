@@ -310,9 +310,8 @@ def _check_stages(cluster: Cluster, stages: tuple[Stage, ...]) -> None:
                 raise PlanFileError(f"plan.json: stages: stage {s.index} uses device {d}, the cluster has "
                                     f"{cluster.devices}")
             other = seen.get(d)
-            if other is not None and _mesh(other) != _mesh(s):
-                raise PlanFileError(f"plan.json: stages: device {d} is in stages {other.index} and {s.index}, whose "
-                                    "meshes differ (stages share a mesh whole or not at all)")
+            if other is not None and _mesh(other) != _mesh(s):   # (stages share a mesh whole or not at all)
+                raise PlanFileError(f"plan.json: stages: device {d} is in stages {other.index} and {s.index}")
             seen[d] = s
 
 
