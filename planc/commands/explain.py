@@ -214,6 +214,9 @@ def _memory_lines(mem: dict, tty: bool) -> list:
                "optimizer step's temporary; what a rank allocates at start (building its share) and at the step:")
     out.append(ui.table([Col("stage", "right"), Col("optimizer step", "right"), Col("at start (build)", "right")],
                         transient, tty=tty))
+    mesh = [f"stage {st['stage']}: {_bytes(st['mesh_total'])}" for st in mem["stages"] if "mesh_total" in st]
+    notes += [f"  a device holds every stage of its mesh at once, in all (docs/memory.md): {', '.join(mesh)}"] \
+        if mesh else []
     return out + notes + (["  (rc: the stage recomputes; it keeps only its inputs per micro-batch in flight)"]
                           if any(st["recompute"] for st in mem["stages"]) else [])
 

@@ -245,10 +245,16 @@ class Plan:
 
     # ---- questions the runtime asks
     def stage_of(self, device: int) -> Stage | None:
+        """The (first) stage on ``device``; under interleaved_1f1b and zbv a device runs several:
+        :meth:`stages_of`."""
         for s in self.stages:
             if device in s.devices:
                 return s
         return None
+
+    def stages_of(self, device: int) -> tuple[Stage, ...]:
+        """Every stage on ``device`` (its rank class's, one mesh), in index order."""
+        return tuple(s for s in self.stages if device in s.devices)
 
     def zero_of(self, stage: int) -> int:
         """Stage ``stage``'s ZeRO degree: its own (``stages[i].zero``) or the train block's."""
