@@ -26,7 +26,7 @@ DTYPE_BYTES = {"f64": 8, "f32": 4, "f16": 2, "bf16": 2, "i64": 8, "i32": 4, "i16
 STRATEGIES = {"send_recv", "local_allgather", "global_allgather", "broadcast"}
 SCHEDULERS = {"naive", "load_balance", "dfs", "randomized_greedy"}
 COLLECTIVES = {"allreduce", "reduce_scatter", "all_gather", "reduce", "broadcast"}
-PIPELINE_SCHEDULES = {"gpipe", "1f1b", "eager_1f1b"}
+PIPELINE_SCHEDULES = {"gpipe", "1f1b", "eager_1f1b", "interleaved_1f1b", "zb_h1", "zbv"}
 SPEC_ENTRIES = {"R": (), "S0": (0,), "S1": (1,), "S01": (0, 1)}   # mesh dimensions, major first
 NUMBER = (int, float)
 TIME_EPS = 1e-12   # seconds: float noise between one task's end and the next one's start
@@ -102,6 +102,7 @@ class _Facts:
     stage_mode: str | None = None
     stages: dict[int, _Stage] = field(default_factory=dict)
     has_model: bool = False
+    shared: list[tuple[int, int]] = field(default_factory=list)   # (stage, the first stage on its mesh)
 
 
 def _check_plan(doc: dict, plan_file: Path | None, report: _Report) -> None:
@@ -304,7 +305,7 @@ def _check_stages(doc: dict, facts: _Facts, report: _Report) -> None:
     stages = report.need(doc, "stages", list, "plan") or []
     if [s.get("index") for s in stages] != list(range(len(stages))):
         report.bad(f"stages are not indexed 0..{len(stages) - 1} in order: {[s.get('index') for s in stages]}")
-    used: set[int] = set()
+    used: dict[int, dict] = {}
     for s in stages:
         where = f"stages[{s.get('index')}]"
         report.need(s, "layers", (list, type(None)), where)
@@ -314,14 +315,18 @@ def _check_stages(doc: dict, facts: _Facts, report: _Report) -> None:
         position, shape = _mesh_positions(mesh)
         if sorted(position) != sorted(devices):
             report.bad(f"{where}: mesh devices {sorted(position)} are not its devices {devices}")
-        if set(devices) & used:
-            report.bad(f"{where}: devices {sorted(set(devices) & used)} are on another stage too")
-        used |= set(devices)
+        other = {used[d]["index"] for d in devices if d in used}
+        mate = next((t for t in stages if t.get("index") in other), None)
+        if other and (len(other) > 1 or (mate.get("mesh"), mate.get("mesh_axes")) != (mesh, mesh_axes)):
+            report.bad(f"{where}: devices {sorted(d for d in devices if d in used)} are on another stage too")
+        elif other:   # LANGUAGE.md: interleaved_1f1b and zbv run several stages on one whole mesh
+            facts.shared.append((s.get("index"), mate.get("index")))
+        used.update((d, s) for d in devices if d not in used)
         if len(shape) != len(mesh_axes):
             report.bad(f"{where}: a {len(shape)}-dimensional mesh with mesh_axes {mesh_axes}")
         facts.stages[s["index"]] = _Stage(sorted(devices), position, shape, mesh_axes)
         if mode == "pipe_axis" and facts.coords is not None:
-            _check_pipe_axis_stage(s["index"], facts, report)
+            _check_pipe_axis_stage(s["index"], facts, report, _coordinate(doc, s["index"], len(stages)))
         elif mode == "explicit":
             row_major = sorted(position, key=position.get)
             first = min(row_major, default=0)
@@ -330,23 +335,41 @@ def _check_stages(doc: dict, facts: _Facts, report: _Report) -> None:
     if mode == "pipe_axis" and facts.axis_names is not None:
         pipe = facts.axis_names.index("pipe") if "pipe" in facts.axis_names else None
         n = max(c[pipe] for c in facts.coords) + 1 if pipe is not None and facts.coords else 1
-        if len(stages) != n:
-            report.bad(f"{len(stages)} stages for a pipe axis of size {n}")
+        if len(stages) != n * _per_mesh(doc):
+            report.bad(f"{len(stages)} stages for a pipe axis of size {n} ({_per_mesh(doc)} per coordinate)")
     facts.has_model = any(s.get("layers") is not None for s in stages)
     _check_layers([s.get("layers") for s in stages], report)
 
 
-def _check_pipe_axis_stage(index: int, facts: _Facts, report: _Report) -> None:
-    """LANGUAGE.md: the devices whose pipe coordinate is the index, as a mesh over the non-pipe axes."""
+def _per_mesh(doc: dict) -> int:
+    """LANGUAGE.md "Pipeline schedules": stages per pipe coordinate (V of interleaved_1f1b, 2 for zbv)."""
+    pipe = doc.get("pipeline") or {}
+    return {"interleaved_1f1b": pipe.get("virtual", 1), "zbv": 2}.get(pipe.get("schedule"), 1)
+
+
+def _coordinate(doc: dict, index: int, n: int) -> int:
+    """The pipe coordinate of stage ``index`` of ``n`` (LANGUAGE.md): p + kP under interleaved_1f1b, the V
+    (I for I < P, else 2P - 1 - I) under zbv, else the index."""
+    per = _per_mesh(doc)
+    P = max(1, n // max(per, 1))
+    if (doc.get("pipeline") or {}).get("schedule") == "zbv":
+        return index if index < P else 2 * P - 1 - index
+    return index % P if per > 1 else index
+
+
+def _check_pipe_axis_stage(index: int, facts: _Facts, report: _Report, coordinate: int | None = None) -> None:
+    """LANGUAGE.md: the devices whose pipe coordinate is the stage's (its index, but under interleaved_1f1b and
+    zbv), as a mesh over the non-pipe axes."""
+    coordinate = index if coordinate is None else coordinate
     stage, names = facts.stages[index], facts.axis_names
     where = f"stages[{index}]"
     pipe = names.index("pipe") if "pipe" in names else None
     others = [i for i in range(len(names)) if i != pipe]
     if stage.mesh_axes != [names[i] for i in others]:
         report.bad(f"{where}: mesh_axes {stage.mesh_axes} are not the non-pipe axes {[names[i] for i in others]}")
-    want = [d for d in range(facts.devices) if pipe is None or facts.coords[d][pipe] == index]
+    want = [d for d in range(facts.devices) if pipe is None or facts.coords[d][pipe] == coordinate]
     if stage.devices != want:
-        report.bad(f"{where}: devices {stage.devices} are not those with pipe coordinate {index}: {want}")
+        report.bad(f"{where}: devices {stage.devices} are not those with pipe coordinate {coordinate}: {want}")
     for d in want:
         at = tuple(facts.coords[d][i] for i in others)
         if stage.position.get(d) != at:
@@ -738,24 +761,29 @@ def _check_transfer(t: dict, facts: _Facts, report: _Report) -> None:
         report.bad(f"{where}: stages {src.get('stage')!r} -> {dst.get('stage')!r} are not both stages of the plan")
         return
     src_stage, dst_stage = facts.stages[src["stage"]], facts.stages[dst["stage"]]
-    if set(src_stage.devices) & set(dst_stage.devices):
+    same = src_stage.devices == dst_stage.devices and src_stage.position == dst_stage.position
+    if set(src_stage.devices) & set(dst_stage.devices) and not same:
         report.bad(f"{where}: source and destination meshes share devices")
     src_regions = spec_regions(src.get("spec"), shape, src_stage, f"{where}.src", report)
     dst_regions = spec_regions(dst.get("spec"), shape, dst_stage, f"{where}.dst", report)
     if src_regions is None or dst_regions is None:
         return
     element = DTYPE_BYTES.get(dtype, 1)
-    _check_route(t, where, src_regions, dst_regions, element, facts, report, forward=True)
+    _check_route(t, where, src_regions, dst_regions, element, facts, report, forward=True, same=same)
     if isinstance(t.get("backward"), dict):   # the gradient: destination to source, planned like the forward
         route = dict(t["backward"])
         route.setdefault("strategy", t.get("strategy"))
-        _check_route(route, f"{where}.backward", dst_regions, src_regions, element, facts, report, forward=False)
+        _check_route(route, f"{where}.backward", dst_regions, src_regions, element, facts, report, forward=False,
+                     same=same)
 
 
 def _check_route(route: dict, where: str, src_regions: dict, dst_regions: dict, element: int, facts: _Facts,
-                 report: _Report, forward: bool) -> None:
+                 report: _Report, forward: bool, same: bool = False) -> None:
     """One direction of a transfer: its regions, tasks, NIC schedule and bounds (the contract's
-    example gives the backward only tasks and makespan: its other keys are checked where present)."""
+    example gives the backward only tasks and makespan: its other keys are checked where present).
+    ``same``: between two stages of one mesh (interleaved_1f1b, zbv): a device keeps its own part of its
+    region and receives only the rest; with nothing to receive the route has no tasks and is
+    ``"local": true``, and only then."""
     strategy = route.get("strategy")
     if strategy not in STRATEGIES:
         report.bad(f"{where}: strategy {strategy!r} is not one of {sorted(STRATEGIES)}")
@@ -800,6 +828,8 @@ def _check_route(route: dict, where: str, src_regions: dict, dst_regions: dict, 
         for d in receivers:
             if d not in dst_regions:
                 report.bad(f"{tw}: receiver {d} is not on the destination mesh")
+            elif same and _inside(piece, src_regions[d]):
+                report.bad(f"{tw}: receiver {d} holds {piece} already (both stages are on its mesh)")
             elif not _inside(piece, dst_regions[d]):
                 report.bad(f"{tw}: slice {piece} is not inside receiver {d}'s region {dst_regions[d]}")
             else:
@@ -818,7 +848,14 @@ def _check_route(route: dict, where: str, src_regions: dict, dst_regions: dict, 
         last_end = max(last_end, start + duration)
         for host in _nics_used(sender, receivers, facts.host_of):
             nic_busy.setdefault(host, []).append((start, start + duration, i))
+    if bool(route.get("local", False)) != (same and not tasks):
+        report.bad(f"{where}: local is {bool(route.get('local', False))}, but " + (
+            "it moves nothing between two stages of one mesh" if same and not tasks else
+            "only a route between two stages of one mesh without tasks is local"))
     for d, region in dst_regions.items():
+        own = [[max(a0, b0), min(a1, b1)] for (a0, a1), (b0, b1) in zip(region, src_regions[d])] if same else None
+        if own and all(a < b for a, b in own):
+            received[d].append(own)   # one mesh: the device keeps its own part
         why = _cover(region, received[d])
         if why:
             report.bad(f"{where}: receiver {d} {why}")
@@ -996,4 +1033,36 @@ def _check_pipeline(doc: dict, facts: _Facts, report: _Report) -> None:
         report.warn(f"pipeline: {len(unsimulated)} predictions are null (not simulated), e.g. {unsimulated[0]}")
     if len(stages) != n_stages:
         report.bad(f"pipeline: {len(stages)} stages figures for {n_stages} stages")
+    _check_classes(pipeline, classes, facts, n_stages, report)
     _check_actions(doc, classes, micro_batches, n_stages, report)
+
+
+def _check_classes(pipeline: dict, classes: list, facts: _Facts, n_stages: int, report: _Report) -> None:
+    """LANGUAGE.md "Pipeline schedules": interleaved_1f1b(virtual = V) (plan.json ``virtual``, V >= 2) runs
+    stages p, p + P, ... on one mesh, zbv stages p and 2P - 1 - p, every other schedule one stage per mesh;
+    a class's stages share one mesh, and stages on one mesh are one class."""
+    schedule = pipeline.get("schedule")
+    virtual = pipeline.get("virtual")
+    if (schedule == "interleaved_1f1b") != (virtual is not None):
+        report.bad(f"pipeline.virtual {virtual!r} with schedule {schedule!r} (written for interleaved_1f1b only)")
+    elif virtual is not None and not (isinstance(virtual, int) and virtual >= 2):
+        report.bad(f"pipeline.virtual {virtual!r} is not a whole number of 2 or more")
+    per = {"interleaved_1f1b": virtual if isinstance(virtual, int) else 1, "zbv": 2}.get(schedule, 1)
+    P = n_stages // per if per and n_stages % per == 0 else None
+    if P is None:
+        report.bad(f"pipeline: {n_stages} stages do not divide into {per} per mesh")
+        return
+    want = sorted(tuple(sorted((p, 2 * P - 1 - p))) if schedule == "zbv" else tuple(p + k * P for k in range(per))
+                  for p in range(P))
+    got = sorted(tuple(sorted(c.get("stages", []))) for c in classes)
+    if got != want:
+        report.bad(f"pipeline.actions: classes {got}, but {schedule} runs the stages as {want}")
+    class_of = {s: tuple(sorted(c.get("stages", []))) for c in classes for s in c.get("stages", [])}
+    for s, mate in facts.shared:
+        if s not in class_of.get(mate, ()):
+            report.bad(f"stages {mate} and {s} share a mesh but are not one class of pipeline.actions")
+    for c in got:
+        meshes = {(tuple(facts.stages[s].devices), tuple(sorted(facts.stages[s].position.items())))
+                  for s in c if s in facts.stages}
+        if len(meshes) > 1:
+            report.bad(f"pipeline.actions: the stages {list(c)} of one class are on different meshes")

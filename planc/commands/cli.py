@@ -107,8 +107,7 @@ def _cmd_explain(args) -> int:
         try:
             check_drawable(args.draw)
         except DrawError as e:
-            print(f"planc explain --draw: {e}", file=sys.stderr)
-            return EXIT_USER
+            return _fail(f"planc explain --draw: {e}")
     with ui.status(f"planc explain {Path(args.plan).name}") as progress:   # a spinner on a terminal only
         compiled = compile_file(Path(args.plan), probe=not args.no_probe, progress=progress,
                                 cache=not args.no_cache)
@@ -118,8 +117,7 @@ def _cmd_explain(args) -> int:
         try:
             text = schedule_csv(plan)
         except ScheduleCsvError as e:
-            print(f"planc explain --schedule-csv: {args.plan}: {e}", file=sys.stderr)
-            return EXIT_USER
+            return _fail(f"planc explain --schedule-csv: {args.plan}: {e}")
         Path(args.schedule_csv).write_text(text, newline="")
         print(f"wrote {args.schedule_csv} ({text.count(chr(10))} pipeline ranks; torch: "
               "PipelineScheduleMulti._load_csv)", file=sys.stderr)
@@ -128,8 +126,7 @@ def _cmd_explain(args) -> int:
         try:
             data = explain_as_data(plan, args.as_)
         except ExplainAsError as e:
-            print(f"planc explain: {e}", file=sys.stderr)
-            return EXIT_USER
+            return _fail(f"planc explain: {e}")
         render = explain_as_renderables
     else:
         data = explain_data(plan)
@@ -156,46 +153,55 @@ def _overhead_line(sim) -> str:
             "own time\")")
 
 
+SIMULATED = ("gpipe", "1f1b", "eager_1f1b", "zb_h1")   # the schedules of one stage per mesh
+
+
+def _fail(message: str) -> int:
+    print(message, file=sys.stderr)
+    return EXIT_USER
+
+
 def _cmd_simulate(args) -> int:
     import json
 
     from planc.pipeline.gantt import draw, plan_input, table
     from planc.pipeline.schedules import build
     from planc.pipeline.simulate import predict
+    from planc.plan import stages_per_class
 
     src = Path(args.plan)
     if args.output and Path(args.output).suffix.lower() not in (".png", ".svg"):
-        print(f"planc simulate: -o {args.output}: the timeline is written as .png or .svg", file=sys.stderr)
-        return EXIT_USER
+        return _fail(f"planc simulate: -o {args.output}: the timeline is written as .png or .svg")
     if src.is_dir() or src.suffix == ".json":   # a compiled output folder, or its plan.json
         path = src / "plan.json" if src.is_dir() else src
         try:
             plan = json.loads(path.read_text())
         except (OSError, ValueError) as e:
-            print(f"planc simulate: cannot read {path}: {getattr(e, 'strerror', None) or e}", file=sys.stderr)
-            return EXIT_USER
+            return _fail(f"planc simulate: cannot read {path}: {getattr(e, 'strerror', None) or e}")
     else:
         from planc.driver.compile import compile_file
         plan = compile_file(src).plan_json
     if plan.get("pipeline") is None:
-        print(f"planc simulate: {src} is not a training plan (it has no pipeline to simulate)", file=sys.stderr)
-        return EXIT_USER
+        return _fail(f"planc simulate: {src} is not a training plan (it has no pipeline to simulate)")
     try:
         sim = plan_input(plan)
     except ValueError as e:
-        print(f"planc simulate: {src}: {e}", file=sys.stderr)
-        return EXIT_USER
+        return _fail(f"planc simulate: {src}: {e}")
     pipe = plan["pipeline"]
     if pipe.get("predicted") is not None and not pipe["predicted"].get("flops_given"):   # rows of bubble only
-        print(f"planc simulate: {src}: the cluster gives no device throughput, so no stage's compute can be "
-              "predicted (every schedule would be all bubble); add 'flops = 312 TFLOP/s' (your devices' rate) to "
-              "the plan's cluster block, or measure it: planc calibrate --on cluster OUT.yaml, then "
-              "cluster \"OUT.yaml\" (docs/calibrate.md), and compile again", file=sys.stderr)
-        return EXIT_USER
+        return _fail(f"planc simulate: {src}: the cluster gives no device throughput, so no stage's compute can "
+                     "be predicted (every schedule would be all bubble); add 'flops = 312 TFLOP/s' (your devices' "
+                     "rate) to the plan's cluster block, or measure it: planc calibrate --on cluster OUT.yaml, then "
+                     "cluster \"OUT.yaml\" (docs/calibrate.md), and compile again")
     shown = args.schedule or pipe["schedule"]
+    virtual = pipe.get("virtual", 1)   # several stages per mesh: only the plan's own schedule can run them
+    runs = (pipe["schedule"],) if stages_per_class(pipe["schedule"], virtual) > 1 else SIMULATED
+    if shown not in runs:
+        return _fail(f"planc simulate: {src}: the plan's stages run {' or '.join(runs)}, not {shown}")
     rows, chart = [], None
-    for name in ("gpipe", "1f1b", "eager_1f1b"):
-        lists = build(name, len(plan["stages"]), pipe["micro_batches"], sim.transfers, check=False).actions
+    for name in runs:
+        lists = build(name, len(plan["stages"]), pipe["micro_batches"], sim.transfers, check=False,
+                      virtual=virtual).actions
         p = predict(sim, lists, timeline=name == shown)
         rows.append((name, p))
         chart = p if name == shown else chart
@@ -217,11 +223,9 @@ def _cmd_simulate(args) -> int:
         try:
             info = draw(chart, sim, args.output, title=f"{plan['name']} ({shown})")
         except ValueError as e:
-            print(f"planc simulate: {e}", file=sys.stderr)
-            return EXIT_USER
+            return _fail(f"planc simulate: {e}")
         except ImportError:
-            print("planc simulate: -o needs matplotlib (pip install 'planc[plot]')", file=sys.stderr)
-            return EXIT_USER
+            return _fail("planc simulate: -o needs matplotlib (pip install 'planc[plot]')")
         print(f"wrote {args.output} ({shown}: {info['compute_bars']} compute bars, {info['traffic_bars']} "
               f"host-link flows, {info['transfer_marks']} transfer arrivals)")
     return 0
@@ -415,7 +419,7 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("simulate", help="predict one iteration of every schedule; draw the plan's as a Gantt chart")
     c.add_argument("plan", help="a .plan file, a compiled output folder or its plan.json")
     c.add_argument("-o", "--output", metavar="TIMELINE", help="write the Gantt chart (.png or .svg)")
-    c.add_argument("--schedule", choices=["gpipe", "1f1b", "eager_1f1b"],
+    c.add_argument("--schedule", choices=[*SIMULATED, "interleaved_1f1b", "zbv"],
                    help="the schedule to draw (default: the plan's)")
     c.set_defaults(func=_cmd_simulate)
 

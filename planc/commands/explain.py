@@ -61,7 +61,7 @@ def _transfer_data(t: planfile.Transfer, notes: planfile.TransferNotes, host_of:
     out = {
         "name": t.name, "dtype": t.dtype, "shape": list(t.shape),
         "src": {"stage": t.src_stage, "spec": t.src_spec}, "dst": {"stage": t.dst_stage, "spec": t.dst_spec},
-        "tasks": len(fwd.tasks), "strategy": str(fwd.strategy),
+        "tasks": len(fwd.tasks), "strategy": str(fwd.strategy), "local": fwd.local,
         "chunks": fwd.chunks if fwd.strategy is planfile.Strategy.BROADCAST else None,
         "scheduler": fwd.scheduler, "makespan": notes.makespan, "lower_bound": lb,
         "ratio": notes.makespan / lb if lb else None, "naive_makespan": notes.naive_makespan,
@@ -136,8 +136,8 @@ def explain_data(plan: planfile.Plan | dict) -> dict:
                          for t, n in zip(plan.transfers, notes.transfers)]
     pipe = plan.pipeline
     data["pipeline"] = None if pipe is None else {
-        "schedule": str(pipe.schedule), "micro_batches": pipe.micro_batches,
-        "predicted_iteration": notes.pipeline.predicted_iteration,
+        "schedule": str(pipe.schedule) + (f"(virtual = {pipe.virtual})" if pipe.virtual > 1 else ""),
+        "micro_batches": pipe.micro_batches, "predicted_iteration": notes.pipeline.predicted_iteration,
         "actions": [{"stages": list(c.stages), "list": [a.text() for a in c.actions]} for c in pipe.actions],
         "nic_order": _nic_data(pipe, notes.pipeline), "memory": _memory_data(plan, notes)}
     data["choices"] = dict(notes.choices)       # what `auto` became, and why
@@ -214,6 +214,9 @@ def _memory_lines(mem: dict, tty: bool) -> list:
                "optimizer step's temporary; what a rank allocates at start (building its share) and at the step:")
     out.append(ui.table([Col("stage", "right"), Col("optimizer step", "right"), Col("at start (build)", "right")],
                         transient, tty=tty))
+    mesh = [f"stage {st['stage']}: {_bytes(st['mesh_total'])}" for st in mem["stages"] if "mesh_total" in st]
+    notes += [f"  a device holds every stage of its mesh at once, in all (docs/memory.md): {', '.join(mesh)}"] \
+        if mesh else []
     return out + notes + (["  (rc: the stage recomputes; it keeps only its inputs per micro-batch in flight)"]
                           if any(st["recompute"] for st in mem["stages"]) else [])
 
@@ -380,7 +383,8 @@ def _transfer(t: dict, tty: bool) -> list:
     i, j = t["src"]["stage"], t["dst"]["stage"]
     ratio = f"{t['ratio']:.2f}x" if t["ratio"] is not None else "no bytes cross hosts"
     out = [f"transfer {t['name']}: {t['dtype']}{t['shape']} stage {i} ({t['src']['spec']}) -> stage {j} ({t['dst']['spec']})",
-           f"  {t['tasks']} unit task(s), strategy {t['strategy']}"
+           "  local: both stages on one mesh, every device keeps its own region (nothing moves)" if t.get("local")
+           else f"  {t['tasks']} unit task(s), strategy {t['strategy']}"
            + (f" in {t['chunks']} chunks" if t["chunks"] is not None else "") + f", scheduled by {t['scheduler']}",
            f"  makespan {_t(t['makespan'])}; lower bound {_t(t['lower_bound'])} "
            f"({ratio}; the bound counts NIC bytes, not latency); naive schedule {_t(t['naive_makespan'])}"]
@@ -468,7 +472,8 @@ def compile_summary(plan: planfile.Plan | dict, tty: bool = False) -> list:
                      r["program"] or "nothing to reduce", _t(r["predicted"])])
     for t in d["transfers"]:
         how = t["strategy"] + (f" in {t['chunks']} chunks" if t["chunks"] is not None else "")
-        rows.append([f"transfer {t['name']}", f"{how}, {t['tasks']} unit task(s)", _t(t["makespan"])])
+        rows.append([f"transfer {t['name']}", "local (one mesh): nothing moves" if t.get("local") else
+                     f"{how}, {t['tasks']} unit task(s)", _t(t["makespan"])])
     if d["pipeline"]:
         p = d["pipeline"]
         rows.append(["pipeline", f"{p['schedule']}, {p['micro_batches']} micro-batches", _t(p["predicted_iteration"])])

@@ -31,6 +31,7 @@ from planc.diagnostics import Diagnostic, PlanError
 from planc.pipeline.choose import (check_pinned, choose_by_prediction, choose_schedule, predicted_record,
                                    simulate_schedules)
 from planc.pipeline.cut import apply_auto_stages, more_stages_fit
+from planc.pipeline.fit import needs
 from planc.pipeline.memory import saved, stage_memory
 from planc.pipeline.deadlock import check_rendezvous
 from planc.pipeline.schedules import PipelinePlan, build as build_pipeline
@@ -262,8 +263,12 @@ def pipeline_pass(value, ctx: Context):
         lists = plan.record()   # micro-batches in flight per stage: read from the action lists
         flights = [lists.in_flight_bound(k) for k in range(S)]
         z3 = zero3_notes(memory, flights, *((runs[1], plan.actions) if runs is not None else ()))
+        # a mesh of several stages (interleaved_1f1b, zbv): what its devices hold for all of them at once
+        mesh = {n.stage: n.total for n in needs(memory, program.train.schedule, B, program.train.virtual)
+                if n.mates} if any(len(c.stages) > 1 for c in plan.actions) else {}
         plan = dataclasses.replace(plan, memory=tuple(
-            dict(m.parts(f), **({"saved": saved(m, f)} if saved(m, f) else {}), **({"zero3": z} if z else {}))
+            dict(m.parts(f), **({"mesh_total": mesh[m.stage]} if m.stage in mesh else {}),
+                 **({"saved": saved(m, f)} if saved(m, f) else {}), **({"zero3": z} if z else {}))
             for m, f, z in zip(memory, flights, z3)))
     if runs is None:
         return plan

@@ -35,6 +35,7 @@ from planc.diagnostics import Diagnostic, PlanError
 from planc.pipeline.memory import (StageMemory, grad_bucket, layer_bytes, optimizer_states, recomputes,
                                    whole_tied, zero3_settings, zero_of)
 from planc.pipeline.schedules import peak_in_flight
+from planc.plan import stages_per_class
 
 __all__ = ["cut_layers", "layer_costs", "stage_speeds", "apply_auto_stages", "memory_allowed", "cut_memory",
            "more_stages_fit"]
@@ -251,7 +252,7 @@ def memory_allowed(program: ir.Program, probe, n: int, meshes=None):
         if key not in cache:
             stages = [(0, 0)] * s + [(a, b)]
             m = cut_memory(program, probe, stages, meshes)[s] if meshes else _one(program, probe, s, a, b)
-            cache[key] = m.total(peak_in_flight(schedule, n, s, B)) <= limit
+            cache[key] = m.total(peak_in_flight(schedule, n, s, B, program.train.virtual)) <= limit
         return cache[key]
     return allowed
 
@@ -268,7 +269,8 @@ def more_stages_fit(program: ir.Program, probe):
     devices, ``data`` scaled to ``data x N / N'`` (a whole number), hold a cut that fits the limit and
     that ``ok`` (a predicate on the cut's memory, ``planc.pipeline.fit``) accepts; None otherwise."""
     if (probe is None or program.cluster.memory is None or program.train is None
-            or not program.stages or not all(s.auto_layers for s in program.stages)):
+            or not program.stages or not all(s.auto_layers for s in program.stages)
+            or stages_per_class(str(program.train.schedule), program.train.virtual) > 1):   # counts fixed by P
         return None
     meshes = [program.stage_mesh(s.index) for s in program.stages]
     if meshes[0] is None or len(set(meshes)) != 1 or ir.MeshAxis.DATA not in meshes[0][1]:

@@ -134,9 +134,14 @@ def _simulate(sim: SimInput, lists, free: bool, keep: bool, nic_order: tuple = (
     # per class its compute actions (kind, stage, micro-batch) in list order, and its devices
     ops_of = [[(t.compute.kind, t.compute.stage, t.compute.micro_batch) for t in ts] for _, ts, _ in lists]
     devs_of = [sim.stage_devices[stages[0]] for stages, _, _ in lists]
+    owner: dict[int, tuple] = {}
     for (stages, _, _), devs in zip(lists, devs_of):
         if any(sim.stage_devices[x] != devs for x in stages):
             raise ValueError(f"the stages {list(stages)} of one rank class are on different devices")
+        for d in devs:
+            if owner.setdefault(d, stages) != stages:
+                raise ValueError(f"rank classes {list(owner[d])} and {list(stages)} run on the same devices "
+                                 f"(device {d}): one list per device")
     number = {t.name: i for i, t in enumerate(sim.transfers)}
     unknown = [a for _, ts, tail in lists for a in [x for t in ts for x in t.before] + list(tail)
                if a.transfer not in number]

@@ -1,7 +1,8 @@
 """The schedule as one action list: plan.json ``pipeline.actions`` (stdlib only; the contract package).
 
-Per rank class (the ranks that run the same stages: today one stage's mesh) the ordered actions
-that rank runs in one training step. The hang check, the simulator, the memory model and the
+Per rank class (the ranks that run the same stages: one mesh; one stage per class, but under
+interleaved_1f1b and zbv, :func:`class_stages`) the ordered actions that rank runs in one training step,
+every stage of the class on one compute stream. The hang check, the simulator, the memory model and the
 runtime's engine read them; nothing else derives an order (DESIGN.md, "Schedules as one action
 list"). JSON, one array per action:
 
@@ -21,7 +22,10 @@ receive thread posts the RECVs in list order ahead of the compute thread, gated 
 turns, each compute action with the actions listed between it and the compute action before it, and
 says where in them the turn *begins* (its first RECV, else its compute), the point the gates count.
 The SENDs after the last compute action end the list with the REDUCEs, one per stage, which run after
-every send has completed.
+every send has completed. A transfer between two stages of one class has both its SEND and its RECV in the
+list, the SEND first; when its route is ``local`` (plan.json ``transfers[].local``) nothing moves: the
+SEND hands the output over on the device, the receive thread posts nothing and the RECV does not count for
+the gates.
 
 ZeRO-3's layer gathers and ZeRO-2/3's per-micro-batch reduce-scatters are issued by the layers' hooks
 inside ``F`` and ``B`` in layer order, on communicators of their own: their order is the compute
@@ -259,6 +263,15 @@ def check_transfers(classes, transfers, stage_devices, micro_batches: int) -> No
                         raise PlanFileError(
                             f"plan.json: pipeline.actions[{c}].list[{at}]: {a.text()} must come "
                             f"{'before' if before else 'after'} {compute}{stage}.{m}")
+        for t in transfers:   # a transfer between two stages of this class: its SEND before its RECV
+            if t.src_stage in cls.stages and t.dst_stage in cls.stages:
+                for a in cls.actions:
+                    if a.kind == "RECV" and a.transfer == t.name:
+                        send = position.get(("SEND",) + ((t.src_stage if a.direction is Direction.FORWARD
+                                                          else t.dst_stage),) + a.key)
+                        if send is not None and send > position[(a.kind, a.stage) + a.key]:
+                            raise PlanFileError(f"plan.json: pipeline.actions[{c}].list[{send}]: the send of "
+                                                f"{a.text()} comes after it in the same list: it would wait forever")
         extra = [a for a in cls.actions if a.transfer is not None
                  and not any(a.transfer == t.name and a.stage == (t.src_stage if (a.kind == "SEND") ==
                                                                   (a.direction is Direction.FORWARD) else t.dst_stage)

@@ -245,10 +245,16 @@ class Plan:
 
     # ---- questions the runtime asks
     def stage_of(self, device: int) -> Stage | None:
+        """The (first) stage on ``device``; under interleaved_1f1b and zbv a device runs several:
+        :meth:`stages_of`."""
         for s in self.stages:
             if device in s.devices:
                 return s
         return None
+
+    def stages_of(self, device: int) -> tuple[Stage, ...]:
+        """Every stage on ``device`` (its rank class's, one mesh), in index order."""
+        return tuple(s for s in self.stages if device in s.devices)
 
     def zero_of(self, stage: int) -> int:
         """Stage ``stage``'s ZeRO degree: its own (``stages[i].zero``) or the train block's."""
@@ -316,9 +322,8 @@ def _check_stages(cluster: Cluster, stages: tuple[Stage, ...]) -> None:
                 raise PlanFileError(f"plan.json: stages: stage {s.index} uses device {d}, the cluster has "
                                     f"{cluster.devices}")
             other = seen.get(d)
-            if other is not None and _mesh(other) != _mesh(s):
-                raise PlanFileError(f"plan.json: stages: device {d} is in stages {other.index} and {s.index}, whose "
-                                    "meshes differ (stages share a mesh whole or not at all)")
+            if other is not None and _mesh(other) != _mesh(s):   # (stages share a mesh whole or not at all)
+                raise PlanFileError(f"plan.json: stages: device {d} is in stages {other.index} and {s.index}")
             seen[d] = s
 
 

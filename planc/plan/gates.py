@@ -23,7 +23,7 @@ def post_gates(ops, ahead: int, receives=None) -> list[int]:
       cannot arrive before its forward ran here, and are posted from then on;
     - receives are queued (and finished) in list order, so each gate is at least the gate of
       every earlier operation that receives anything (``receives[j]``: whether op ``j`` does;
-      default every op), and an operation with nothing to receive gets the gate before it: the
+      default every op; a RECV of a ``local`` route, two stages of one mesh, receives nothing), and an operation with nothing to receive gets the gate before it: the
       result never decreases, and every gate is at most its own operation.
 
     The runtime (``RecvAhead``), the simulator and the deadlock check all use this one rule.

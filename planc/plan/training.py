@@ -48,7 +48,8 @@ class Pipeline:
         except ValueError as e:
             at.key("actions").fail(str(e))
         got = sorted(tuple(sorted(c.stages)) for c in classes)
-        if got != sorted(tuple(sorted(c)) for c in want):
+        covered = sorted(x for c in got for x in c) == list(range(stages))   # else check_transfers names the gap
+        if covered and got != sorted(tuple(sorted(c)) for c in want):
             at.key("actions").fail(f"{schedule} runs the stages in classes {[list(c) for c in want]}, the lists run "
                                    f"{[list(c.stages) for c in classes]}")
         nic, hosts = [], set()

@@ -198,7 +198,7 @@ def plan_group(transfers: Sequence[Transfer], layouts: Sequence[tuple[StageLayou
             tr.name, tr.dtype, tuple(tr.shape), tr.src_stage, str(tr.src_spec), tr.dst_stage, str(tr.dst_spec),
             strategies[i], config.chunks, config.scheduler, tuple(task_plans),
             max((t.start + t.duration for t in task_plans), default=0.0), bounds[i],
-            _end(all_jobs, naive_sched, mine), not task_plans and set(lays_of[i][0].devices) == set(lays_of[i][1].devices)))
+            _end(all_jobs, naive_sched, mine), not task_plans and lays_of[i][0].devices == lays_of[i][1].devices))
     return tuple(plans)
 
 

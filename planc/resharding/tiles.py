@@ -126,7 +126,7 @@ def unit_tasks(shape: tuple[int, ...], src: StageLayout, src_spec: ShardingSpec,
     _check_spec(shape, src, src_spec)
     _check_spec(shape, dst, dst_spec)
     shared = set(src.devices) & set(dst.devices)
-    if shared and (set(src.devices) != set(dst.devices) or src.shape != dst.shape):
+    if shared and (tuple(src.devices) != tuple(dst.devices) or src.shape != dst.shape):   # one mesh, or none
         raise ValueError("source and destination meshes overlap")
     s_counts = parts_per_dim(src.shape, src_spec)
     d_counts = parts_per_dim(dst.shape, dst_spec)

@@ -199,7 +199,7 @@ def test_train_timeout_units(written, seconds):
 def test_train_defaults_for_new_settings():
     p = ok(CLUSTER)
     assert (p.train.timeout, p.train.save_every) == (None, None)
-    assert ir.PipeSchedule.AUTO not in ir.PipeSchedule.concrete() and len(ir.PipeSchedule.concrete()) == 3
+    assert ir.PipeSchedule.AUTO not in ir.PipeSchedule.concrete() and len(ir.PipeSchedule.concrete()) == 6
 
 
 @pytest.mark.parametrize("setting, needle", [
@@ -211,7 +211,8 @@ def test_train_defaults_for_new_settings():
     ("save_every = -2", "save_every must be at least 1, got -2"),
     ("save_every = 2.5", "save_every must be a whole number, got 2.5"),
     ("save_every = 10 s", "save_every must be a whole number"),
-    ("schedule = automatic", "schedule must be one of gpipe, 1f1b, eager_1f1b, auto"),
+    ("schedule = automatic", "schedule must be one of gpipe, 1f1b, eager_1f1b, interleaved_1f1b(virtual = V), "
+                             "zb_h1, zbv or auto"),
 ])
 def test_train_new_setting_errors_are_located(setting, needle):
     out = err(CLUSTER + f"train {{ {setting} }}\n")
@@ -553,16 +554,19 @@ def test_a_model_that_needs_skip_inputs_cannot_be_cut(tmp_path):
 # ---------------------------------------------------------------- choose_schedule
 
 def test_peak_in_flight_is_the_lists_bound():
-    for schedule in ir.PipeSchedule.concrete():
-        for S in range(1, 5):
-            for B in range(1, 9):
-                lists = build(schedule, S, B).per_stage   # the compute orders
-                for i, ops in enumerate(lists):
-                    live = peak = 0
-                    for kind, _ in ops:
-                        live += 1 if kind == "F" else -1
-                        peak = max(peak, live)
-                    assert peak == peak_in_flight(schedule, S, i, B)
+    """From F until B, or until W where the schedule splits the backward (zb_h1, zbv)."""
+    cases = [(s, S, B, 1) for s in ("gpipe", "1f1b", "eager_1f1b", "zb_h1") for S in range(1, 5) for B in range(1, 9)]
+    cases += [("zbv", S, B, 1) for S in (2, 4, 6) for B in range(1, 9)]
+    cases += [("interleaved_1f1b", P * V, B, V) for P in (1, 2, 3) for V in (2, 3) for B in range(P, 9, P)]
+    for schedule, S, B, V in cases:
+        lists = build(schedule, S, B, virtual=V).per_stage   # the compute orders
+        for i, ops in enumerate(lists):
+            end = "W" if any(k == "W" for k, _ in ops) else "B"
+            live = peak = 0
+            for kind, _ in ops:
+                live += 1 if kind == "F" else -1 if kind == end else 0
+                peak = max(peak, live)
+            assert peak == peak_in_flight(schedule, S, i, B, V), (schedule, S, B, V, i)
 
 
 def _with_memory(memory, micro_batches=8, optimizer="adam(lr = 1e-3)"):

@@ -233,6 +233,20 @@ def test_recompute_adds_the_forward_to_the_backward(probe):
     assert redo["stages"][1]["recompute_bytes"] == m["activations"] - ROWS // DATA * HIDDEN * 4
 
 
+def test_the_weight_gradients_are_half_the_backward_without_the_recompute(probe):
+    """StageCompute.weight (a split backward's W, docs/simulator.md): half of each layer's backward FLOPs for
+    a layer with parameters (dX and dW of a matmul are equal FLOPs), the recompute's forward left in B."""
+    for recompute in ((False, False), (False, True)):
+        p = program(recompute=recompute)
+        compute, _ = stage_compute(p, p.stages, probe)
+        for c, redo in zip(compute, recompute):
+            for f, b, w in zip(c.forward, c.backward, c.weight):
+                assert w == pytest.approx((b - (f if redo else 0.0)) / 2)
+    zb = compile_program(program("zb_h1"), probe).plan_json["pipeline"]
+    assert zb["predicted"]["stages"][0]["layer_weight"] == [b / 2 for b in zb["predicted"]["stages"][0]["layer_backward"]]
+    assert zb["predicted_iteration"] == zb["predicted"]["schedules"]["zb_h1"]["iteration"]
+
+
 def zero_cluster(bw=1e9):
     return ir.Cluster((ir.Level("node", 2, bw, 0.0),), "node", flops=1e12)
 

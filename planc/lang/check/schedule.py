@@ -121,13 +121,13 @@ def check_meshes(errs: Diagnostics, stages: list[ir.Stage], choice: Choice, has_
                          "that share devices must name the same devices and mesh "
                          f"('on devices {other.first_device}..{other.first_device + len(other.explicit_devices)} "
                          f"as {_shape(other)}')", s.span)
+            elif not has_model:
+                errs.add(f"stage {s.index} is on stage {clash[0]}'s mesh; stages share a mesh only in a training "
+                         "pipeline, and this plan has no model", s.span)
             elif not choice.shares:
                 errs.add(f"stage {s.index} is on stage {clash[0]}'s mesh; stage meshes must be disjoint under "
                          f"schedule = {choice.text()} (only interleaved_1f1b(virtual = V) and zbv run several "
                          "stages on one mesh)", s.span)
-            elif not has_model:
-                errs.add(f"stage {s.index} is on stage {clash[0]}'s mesh; stages share a mesh only in a training "
-                         "pipeline, and this plan has no model", s.span)
             else:
                 meshes[of[clash[0]]].append(s)
                 of[s.index] = of[clash[0]]
@@ -136,7 +136,7 @@ def check_meshes(errs: Diagnostics, stages: list[ir.Stage], choice: Choice, has_
             owner[d] = s
         of[s.index] = len(meshes)
         meshes.append([s])
-    if errs.found or choice.broken or not choice.shares or not meshes or len(of) != len(stages):
+    if errs.found or choice.broken or not choice.shares or not has_model or not meshes or len(of) != len(stages):
         return
     _check_pattern(errs, stages, meshes, of, choice)
 

@@ -223,7 +223,7 @@ def check_train(errs: Diagnostics, block: ast.SettingsBlock | None, parallel: ir
     else:
         pipe = next((a.size for a in parallel.axes if a.name == ir.MeshAxis.PIPE), 1) if parallel else 1
         ops = 2 * max(len(stages), pipe, 1) * train.micro_batches
-        if stages and choice.shares:
+        if stages and choice.shares and has_model:
             meshes = len({(st.first_device, st.mesh_shape) for st in stages}) if stages[0].first_device is not None \
                 else pipe
             check_micro_batches(errs, choice, train.micro_batches, meshes, s["micro_batches"].value.span

@@ -30,6 +30,8 @@ def check_stages(errs: Diagnostics, decls: list[ast.StageDecl], cluster: ir.Clus
         errs.add("either every stage names its devices ('on devices C..D as (M1, M2)') or none does", derived.span)
         return ir.StageMode.EXPLICIT, ()
     mode = ir.StageMode.EXPLICIT if explicit else ir.StageMode.PIPE_AXIS
+    if not has_model and mode is ir.StageMode.PIPE_AXIS:   # no pipeline to run: one stage per coordinate
+        choice = Choice()
     cut = auto is not None or any(d.auto is not None for d in decls)   # planc cuts the layers
     if cut and not _auto_ok(errs, decls, auto, has_model):
         return mode, ()

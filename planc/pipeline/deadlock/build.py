@@ -340,6 +340,9 @@ class Builder:
             receive.append((WAIT, begun[gate], where))
             for a in turn.recvs:
                 ti, d, m = number[a.transfer], a.direction, a.micro_batch
+                if self.local.get((ti, d)):   # on this mesh: the compute thread's own SEND hands it over
+                    done.setdefault((ti, d, m), Event())
+                    continue
                 self.emit_recv(receive, rank, ti, d, m, where)
                 done[(ti, d, m)] = ev = Event()
                 receive.append((SIGNAL, ev, where))
@@ -350,7 +353,9 @@ class Builder:
         def send(a, where):
             nonlocal sends
             ti, d, m = number[a.transfer], a.direction, a.micro_batch
-            if (ti, d, m) in submitted:      # handed to the NIC thread: the compute thread goes on
+            if self.local.get((ti, d)):      # a local transfer: its RECV, later in this list, may go on
+                compute.append((SIGNAL, done.setdefault((ti, d, m), Event()), where))
+            elif (ti, d, m) in submitted:      # handed to the NIC thread: the compute thread goes on
                 compute.append((SIGNAL, submitted[(ti, d, m)], where))
             else:
                 sends += self.emit_send(compute, rank, ti, d, m, where)
