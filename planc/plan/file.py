@@ -270,10 +270,6 @@ class Plan:
             found = [r for r in found if r.stage == stage] or [r for r in found if r.stage is None]
         return found[0] if found else None
 
-    def stages_of(self, device: int) -> tuple[Stage, ...]:
-        """Every stage ``device`` runs, in index order (several where stages share a mesh)."""
-        return tuple(s for s in self.stages if device in s.devices)
-
     def tag_layout(self) -> TagLayout:
         most = max((len(r.tasks) for t in self.transfers for r in (t.forward, t.backward) if r is not None),
                    default=1)

@@ -387,7 +387,8 @@ def m_region_outside_shape(d):
 
 def m_bad_schedule(d):
     d["train"]["schedule"] = "zero_bubble"
-    return "plan.json: train.schedule: 'zero_bubble' is not one of ['gpipe', '1f1b', 'eager_1f1b']"
+    return ("plan.json: train.schedule: 'zero_bubble' is not one of ['gpipe', '1f1b', 'eager_1f1b', 'interleaved_1f1b', "
+            "'zb_h1', 'zbv']")
 
 
 COMM_CORRUPTIONS = [c_missing, c_missing_slice, c_wrong_type_list, c_wrong_type_bool, c_wrong_type_float,
