@@ -46,6 +46,14 @@ def check_trainable(program: ir.Program, stages: tuple[ir.StageLayout, ...]) -> 
         if s.index < last and not any(t.src_stage == s.index for t in program.transfers):
             errs.append(Diagnostic(f"stage {s.index} sends no activation to a later stage; only the last stage "
                                    "may end the model", s.span))
+    shared = str(program.train.schedule) in ("interleaved_1f1b", "zbv")
+    if shared and (program.train.clip is not None or str(program.train.precision) == "fp16"):
+        what = "clip" if program.train.clip is not None else "precision = fp16"
+        errs.append(Diagnostic(f"{what} needs one gradient norm over every stage a device runs, and under "
+                               f"{program.train.schedule} a device runs several stages: not supported yet; drop "
+                               "clip, use bf16, or another schedule",
+                               program.train.span_of("clip" if program.train.clip is not None else "precision",
+                                                     program.train.span_of("schedule", ordered[-1].span))))
     return tuple(errs)
 
 
