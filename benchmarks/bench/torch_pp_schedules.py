@@ -15,19 +15,18 @@ rows and count, the layer cut, the optimizer of ds_config.json) and then does wh
   of the mean loss over the micro-batches, as planc's (an SGD test holds it to the reference).
 
 Rank 0 prints ``step N loss X time T s S samples/s`` (the loss: the mean over micro-batches, from the
-rank of the last stage).
+rank of the last stage; ``torch_fsdp_pp.timed_steps``, the loop both torch baselines run).
 """
 from __future__ import annotations
 
 import argparse
 import os
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from benchmarks.bench.stock_deepspeed import (_load_function, _optimizer, print_step, print_total,  # noqa: E402
-                                               read_output)
+from benchmarks.bench.stock_deepspeed import _load_function, _optimizer, read_output  # noqa: E402
+from benchmarks.bench.torch_fsdp_pp import refuses, timed_steps  # noqa: E402
 
 SCHEDULES = {"interleaved": "ScheduleInterleaved1F1B", "zbv": "ScheduleZBVZeroBubble"}
 
@@ -62,10 +61,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
 
     out, plan, ds_config, train, steps, seed, micro_batch, micro_batches = read_output(args.out, args.steps)
-    why = layout_error(plan, args.schedule)
-    if why:
-        if os.environ.get("RANK", "0") == "0":
-            print(f"torch_pp_schedules: {why}", file=sys.stderr, flush=True)
+    if refuses(layout_error(plan, args.schedule), "torch_pp_schedules"):
         return 2
 
     import torch
@@ -89,29 +85,10 @@ def main(argv=None) -> int:
     schedule = kind(stages, n_microbatches=micro_batches, loss_fn=loss_fn, scale_grads=True)
     optimizer = _optimizer([q for m in modules for q in m.parameters() if q.requires_grad], ds_config)
     batches = _load_function(out, train["data"])(micro_batch, seed, **model_args)
-    first, last = 0 in mine, S - 1 in mine
-    samples = micro_batch * micro_batches
-    total = 0.0
     if rank == 0:
         print(f"torch pipelining: {kind.__name__}, {P} ranks x stages {mine} (rank 0)", flush=True)
-    for step in range(steps):
-        xs, ys = zip(*(next(batches) for _ in range(micro_batches)))
-        x, y = torch.cat(xs), torch.cat(ys)
-        t0 = time.perf_counter()
-        optimizer.zero_grad(set_to_none=True)
-        losses: list = []
-        schedule.step(*((x,) if first else ()), **(dict(target=y, losses=losses) if last else {}))
-        optimizer.step()
-        elapsed = time.perf_counter() - t0
-        total += elapsed
-        # the step's loss (the mean over the micro-batches) from the last stage's rank to rank 0
-        loss = torch.tensor([float(sum(v.detach() for v in losses)) / micro_batches if losses else 0.0],
-                            dtype=torch.float64)
-        dist.all_reduce(loss)
-        if rank == 0:
-            print_step(step, loss.item(), elapsed, samples)
-    if rank == 0:
-        print_total(steps, total, samples)
+    timed_steps(schedule, optimizer, batches, steps=steps, micro_batches=micro_batches,
+                samples=micro_batch * micro_batches, first=0 in mine, last=S - 1 in mine)
     dist.barrier()
     dist.destroy_process_group()
     return 0

@@ -4,15 +4,11 @@ name with the stages where torch puts them, the torch baseline (``benchmarks/ben
 single-process reference, refuses a plan it cannot lay out, and the report's table."""
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from planc.ports import free_port
-
-from e2e_util import ROOT, launch_env
+from e2e_util import ROOT
 
 WORKER = ROOT / "benchmarks" / "bench" / "torch_pp_schedules.py"
 PLAN = """
@@ -42,18 +38,12 @@ def _compiled(tmp_path, schedule):
     return c.plan_json, out
 
 
-def _launch(out, schedule, world=2, timeout=240):
-    env = dict(launch_env(), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(world),
-               OMP_NUM_THREADS="1")
-    procs = [subprocess.Popen([sys.executable, str(WORKER), "--out", str(out), "--schedule", schedule],
-                              env=dict(env, RANK=str(r)), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for r in range(world)]
-    try:
-        texts = [p.communicate(timeout=timeout)[0] for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-    return [p.returncode for p in procs], texts
+def _launch(out, schedule, world=2):
+    """The torch baseline's ranks on local CPU ranks (no testbed): (worst return code, rank 0's output)."""
+    from e2e_util import start_ranks
+    code, rank0, _ = start_ranks(out, world, "--out", out, "--schedule", schedule, script=WORKER,
+                                 env={"OMP_NUM_THREADS": "1"})
+    return code, rank0
 
 
 def _losses(text):
@@ -68,12 +58,12 @@ def test_torch_multi_stage_schedules_train_like_the_reference(tmp_path, planc_sc
     from benchmarks.bench.zero3 import losses_equal
     from e2e_util import independent_reference
     plan, out = _compiled(tmp_path, planc_schedule)
-    codes, texts = _launch(out, schedule)
-    assert codes == [0, 0], "\n".join(texts)[-4000:]
-    assert f"torch pipelining: {kind}, 2 ranks x stages {[0, 2] if schedule == 'interleaved' else [0, 3]}" in texts[0]
+    code, text = _launch(out, schedule)
+    assert code == 0, text[-4000:]
+    assert f"torch pipelining: {kind}, 2 ranks x stages {[0, 2] if schedule == 'interleaved' else [0, 3]}" in text
     ref, _ = independent_reference(plan, out, 3)
-    assert losses_equal(_losses(texts[0]), ref), (texts[0], ref)
-    assert not losses_equal([x * 1.01 for x in _losses(texts[0])], ref)   # the check sees a 1 % difference
+    assert losses_equal(_losses(text), ref), (text, ref)
+    assert not losses_equal([x * 1.01 for x in _losses(text)], ref)   # the check sees a 1 % difference
 
 
 def test_the_torch_baseline_refuses_a_plan_it_cannot_lay_out(tmp_path):
