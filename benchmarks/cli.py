@@ -61,27 +61,34 @@ def _cmd_bench(args) -> int:
     def parsed_rates():   # --rates as Mbit/s (None: not given); ValueError for a word that is no number
         return [float(x) for x in args.rates.split(",") if x.strip()] if args.rates else None
 
-    for flag, value in (("--rounds", args.rounds), ("--measured", args.measured)):
-        if value is not None and args.what != "iteration":
-            print(f"benchmarks bench {args.what}: takes no {flag} (only iteration does)", file=sys.stderr)
+    for flag, value, takers in (("--rounds", args.rounds, ("iteration", "schedules")),
+                                ("--measured", args.measured, ("iteration",))):
+        if value is not None and args.what not in takers:
+            print(f"benchmarks bench {args.what}: takes no {flag} (only {' and '.join(takers)} do"
+                  f"{'es' if len(takers) == 1 else ''})", file=sys.stderr)
             return EXIT_USER
         if value is not None and value < 1:
-            print(f"benchmarks bench iteration: {flag} {value}: must be at least 1", file=sys.stderr)
+            print(f"benchmarks bench {args.what}: {flag} {value}: must be at least 1", file=sys.stderr)
             return EXIT_USER
     cpus = None
     if args.cpus_per_rank is not None:
-        if args.what not in ("iteration", "quota"):
-            print(f"benchmarks bench {args.what}: takes no --cpus-per-rank (only iteration and quota do)",
+        if args.what not in ("iteration", "quota", "schedules"):
+            print(f"benchmarks bench {args.what}: takes no --cpus-per-rank (only iteration, quota and schedules do)",
                   file=sys.stderr)
             return EXIT_USER
         cpus, bad = _cpus_per_rank(args.cpus_per_rank)
         if bad:
             print(f"benchmarks bench {args.what}: {bad}", file=sys.stderr)
             return EXIT_USER
-        if args.what == "quota" and cpus == "auto":
-            print("benchmarks bench quota: --cpus-per-rank takes a share of one core here (its 4 ranks: at most "
-                  "the cores ÷ 4)", file=sys.stderr)
+        if args.what in ("quota", "schedules") and cpus == "auto":
+            print(f"benchmarks bench {args.what}: --cpus-per-rank takes a share of one core here (its 4 ranks: at "
+                  "most the cores ÷ 4)", file=sys.stderr)
             return EXIT_USER
+        if args.what == "schedules":
+            cpus, bad = _cpus_per_rank(args.cpus_per_rank, 4)
+            if bad:
+                print(f"benchmarks bench schedules: {bad}", file=sys.stderr)
+                return EXIT_USER
     if args.from_json and args.what != "iteration":
         print(f"benchmarks bench {args.what}: takes no --from-json (only iteration does)", file=sys.stderr)
         return EXIT_USER
@@ -144,8 +151,11 @@ def _cmd_bench(args) -> int:
         return EXIT_USER
     elif args.what == "quota":
         options = dict(cpus_per_rank=cpus)
-    if args.cluster and args.what not in ("accuracy", "nic", "iteration"):
-        print(f"benchmarks bench {args.what}: takes no --cluster (only iteration, accuracy and nic do)", file=sys.stderr)
+    elif args.what == "schedules":   # --cluster: a calibration under the same quota (else it calibrates first)
+        options = dict(cpus_per_rank=cpus, cluster=args.cluster, rounds=args.rounds)
+    if args.cluster and args.what not in ("accuracy", "nic", "iteration", "schedules"):
+        print(f"benchmarks bench {args.what}: takes no --cluster (only iteration, accuracy, nic and schedules do)",
+              file=sys.stderr)
         return EXIT_USER
     if args.plot and Path(args.plot).suffix.lower() not in (".png", ".svg"):
         print(f"benchmarks bench: --plot {args.plot}: the picture must be a .png or .svg file", file=sys.stderr)
@@ -163,6 +173,9 @@ def _cmd_bench(args) -> int:
         return EXIT_USER
     except quota.QuotaError as e:
         print(f"benchmarks bench {args.what}: {e}", file=sys.stderr)
+        return EXIT_USER
+    except CalibrateError as e:   # schedules: a cluster file of another quota, or its calibration failed
+        print(e, file=sys.stderr)
         return EXIT_USER
     print(text)
     if args.plot and args.what != "iteration":
@@ -338,17 +351,20 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--cluster", metavar="YAML", action="append",
                    help="iteration, accuracy, nic: the cluster file `planc calibrate` wrote (accuracy's PLAN "
                         "arguments: the measured JSON files; give --cluster once for all of them or once per "
-                        "file, in order, e.g. the 2 x 4 calibration for the testbed cases)")
+                        "file, in order, e.g. the 2 x 4 calibration for the testbed cases); schedules: one "
+                        "calibrated under the bench's quota (default: it calibrates first)")
     c.add_argument("--from-json", metavar="FILE",
                    help="iteration: report a stored run (--json) again, with today's bounds; launches nothing")
     c.add_argument("--rounds", type=int, default=None, metavar="K",
-                   help="iteration: launch every program K times, round-robin, and pool their steps (default 1)")
+                   help="iteration, schedules: launch every program K times, round-robin, and pool their steps "
+                        "(default 1; schedules 3)")
     c.add_argument("--measured", type=int, default=None, metavar="N",
                    help="iteration: measured steps per rate and launch, after one discarded (default 5)")
     c.add_argument("--cpus-per-rank", default=None, metavar="CORES|auto",
                    help="iteration: run every rank in its own CPU cgroup with this share of one core (docs/testbed.md, "
                         "\"Devices of fixed speed\"; auto: the cores split over the plan's ranks; default no quota); "
-                        "quota: the one share to compare with no quota (default 0.5 and 0.25)")
+                        "quota: the one share to compare with no quota (default 0.5 and 0.25); schedules: every "
+                        "rank's share (default 0.4)")
     c.add_argument("--write", metavar="FILE", help="also write the table into FILE (e.g. docs/benchmarks.md)")
     c.add_argument("--section", metavar="NAME", help="--write between the markers of NAME, not the bench's own "
                                                      "(a second run of one bench, e.g. iteration-bf16)")

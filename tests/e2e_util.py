@@ -417,15 +417,16 @@ def schedule_bound(ops) -> int:
 
 # ---------------------------------------------------------------- launches by hand, plan.json variants
 
-def start_ranks(out, world: int, *args, env=None, timeout=240, fork=True):
+def start_ranks(out, world: int, *args, env=None, timeout=240, fork=True, script=None):
     """``python OUT/train.py ARGS`` once per rank, env:// rendezvous on a free port, as a per-host
     launcher does (CPU/gloo; the program launch.sh starts through the `deepspeed` launcher, without the
     launcher's start-up time); returns (the worst return code, rank 0's output, every rank's output).
 
     ``fork``: the ranks are forks of one interpreter that imported torch, DeepSpeed and the runtime once
     (``tests/forkstart.py``: the same ``main`` on the same environment, 2-4 CPU seconds a rank fewer);
-    ``fork=False`` starts one ``python`` per rank (the GPU tier)."""
-    return Ranks(out, world, *args, env=env, fork=fork).wait(timeout)
+    ``fork=False`` starts one ``python`` per rank (the GPU tier). ``script``: that program instead of
+    OUT/train.py (a baseline of the benches), one ``python`` per rank."""
+    return Ranks(out, world, *args, env=env, fork=fork and script is None, script=script).wait(timeout)
 
 
 class Ranks:
@@ -433,7 +434,7 @@ class Ranks:
     ``wait(timeout)`` -> (the worst return code, rank 0's output, every rank's output); on the timeout
     every rank is killed and ``subprocess.TimeoutExpired`` raised."""
 
-    def __init__(self, out, world: int, *args, env=None, fork=True):
+    def __init__(self, out, world: int, *args, env=None, fork=True, script=None):
         import tempfile
         base = dict(launch_env(), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
         base.update(env or {})
@@ -447,7 +448,8 @@ class Ranks:
             return
         for rank in range(world):
             renv = dict(base, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
-            self.procs.append(subprocess.Popen([PY, str(Path(out) / "train.py"), *map(str, args)], env=renv, cwd=out,
+            program = str(script or Path(out) / "train.py")
+            self.procs.append(subprocess.Popen([PY, program, *map(str, args)], env=renv, cwd=out,
                                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                                start_new_session=True))
 

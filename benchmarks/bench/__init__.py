@@ -6,8 +6,8 @@ Each benchmark module has ``run() -> str`` (a markdown section). With
 second run of one bench, e.g. ``iteration-bf16``).
 ``run_bench(name, write, **options)`` passes ``options`` to ``run`` (``iteration``:
 ``plans``, ``rates``, ``json_path``, ``chart``; ``accuracy``: ``measured``, ``cluster``,
-``json_path``; ``nic``: ``plans``, ``cluster``, ``rates``, ``json_path``; ``iteration`` and ``quota``:
-``cpus_per_rank``).
+``json_path``; ``nic``: ``plans``, ``cluster``, ``rates``, ``json_path``; ``iteration``, ``quota`` and ``schedules``:
+``cpus_per_rank``; ``schedules``: ``cluster``, ``rounds``).
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ import importlib
 from pathlib import Path
 
 BENCHES = ("synthesis", "resharding", "testbed", "iteration", "fuzz", "accuracy", "cut", "nic", "verify", "scale", "zero", "regime",
-           "checkpoint", "build", "startup", "zero3", "quota", "bwsplit")
+           "checkpoint", "build", "startup", "zero3", "quota", "bwsplit",
+           "schedules")
 
 
 def run_bench(name: str, write: str | None = None, section: str | None = None, **options) -> str:

@@ -51,6 +51,46 @@ def layout_error(plan: dict) -> str | None:
     return None
 
 
+def refuses(why: str | None, prog: str) -> bool:
+    """Whether a baseline refuses its plan (``why``: a layout error, or None), said once, by rank 0,
+    before any process group is formed."""
+    if why and os.environ.get("RANK", "0") == "0":
+        print(f"{prog}: {why}", file=sys.stderr, flush=True)
+    return why is not None
+
+
+def timed_steps(schedule, optimizer, batches, *, steps: int, micro_batches: int, samples: int, first: bool,
+                last: bool, rows: slice = slice(None), holders: int = 1) -> None:
+    """The torch baselines' training loop: per step ``micro_batches`` micro-batches drawn (``rows`` of
+    each: this rank's data position), then, timed together, the schedule's step on what this rank's
+    stages take (the input where it holds the first stage, the target and the losses where it holds the
+    last) and the optimizer's step; rank 0 prints the step's loss (the mean over the micro-batches,
+    summed over the ranks, ÷ ``holders``: the ranks of the last stage), time and ``samples`` a second as
+    planc's program does."""
+    import torch
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    total = 0.0
+    for step in range(steps):
+        xs, ys = zip(*((x[rows], y[rows]) for x, y in (next(batches) for _ in range(micro_batches))))
+        x, y = torch.cat(xs), torch.cat(ys)
+        t0 = time.perf_counter()
+        optimizer.zero_grad(set_to_none=True)
+        losses: list = []
+        schedule.step(*((x,) if first else ()), **(dict(target=y, losses=losses) if last else {}))
+        optimizer.step()
+        elapsed = time.perf_counter() - t0
+        total += elapsed
+        mine = torch.tensor([float(sum(v.detach() for v in losses)) / micro_batches if losses else 0.0],
+                            dtype=torch.float64)
+        dist.all_reduce(mine)
+        if rank == 0:
+            print_step(step, mine.item() / holders, elapsed, samples)
+    if rank == 0:
+        print_total(steps, total, samples)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="torch_fsdp_pp.py", description=__doc__.split("\n")[0])
     p.add_argument("--out", required=True, help="a planc-compiled output folder (its plan.json, model file)")
@@ -70,10 +110,7 @@ def main(argv=None) -> int:
     stages = sorted(plan["stages"], key=lambda s: s["index"])
     S = len(stages)
 
-    why = layout_error(plan)
-    if why:
-        if os.environ.get("RANK", "0") == "0":
-            print(f"torch_fsdp_pp: {why}", file=sys.stderr, flush=True)
+    if refuses(layout_error(plan), "torch_fsdp_pp"):
         return 2
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -99,43 +136,15 @@ def main(argv=None) -> int:
     optimizer = _optimizer([q for q in module.parameters() if q.requires_grad], ds_config)
     rows = micro_batch // D
     batches = _load_function(out, train["data"])(micro_batch, seed, **model_args)
-    samples = micro_batch * micro_batches
-    last = S - 1
-    total = 0.0
     if rank == 0:
         print(f"torch FSDP2 + pipelining: {kind.__name__}, pp {S} x dp {D}, every layer fully_shard over dp, "
               + ("gathered and reduce-scattered every micro-batch" if args.per_micro_batch
                  else "kept gathered through the step, gradients reduce-scattered after the last micro-batch"),
               flush=True)
-    for step in range(steps):
-        xs, ys = [], []
-        for _ in range(micro_batches):
-            x, y = next(batches)
-            xs.append(x[d * rows:(d + 1) * rows])
-            ys.append(y[d * rows:(d + 1) * rows])
-        x, y = torch.cat(xs), torch.cat(ys)
-        t0 = time.perf_counter()
-        optimizer.zero_grad(set_to_none=True)
-        losses: list = []
-        if s == 0 and s == last:
-            schedule.step(x, target=y, losses=losses)
-        elif s == 0:
-            schedule.step(x)
-        elif s == last:
-            schedule.step(target=y, losses=losses)
-        else:
-            schedule.step()
-        optimizer.step()
-        elapsed = time.perf_counter() - t0
-        total += elapsed
-        # the step's loss (mean over the micro-batches, summed over data positions / D) to rank 0
-        mine = torch.tensor([float(sum(v.detach() for v in losses)) / micro_batches if losses else 0.0],
-                            dtype=torch.float64)
-        dist.all_reduce(mine)
-        if rank == 0:
-            print_step(step, mine.item() / D, elapsed, samples)
-    if rank == 0:
-        print_total(steps, total, samples)
+    # each data position its rows of every micro-batch; the loss averaged over the D ranks of the last stage
+    timed_steps(schedule, optimizer, batches, steps=steps, micro_batches=micro_batches,
+                samples=micro_batch * micro_batches, first=s == 0, last=s == S - 1,
+                rows=slice(d * rows, (d + 1) * rows), holders=D)
     dist.barrier()
     dist.destroy_process_group()
     return 0
