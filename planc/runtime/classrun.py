@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from planc.plan import Direction, Plan
 
-from .comm import RecvAhead, receive_jobs
+from .comm import RecvAhead
 from .dataflow import EngineError
 from .regions import to_local
 
@@ -29,7 +29,7 @@ def local_routes(plan: Plan) -> frozenset:
     out = set()
     for t in plan.transfers:
         for d, route in ((Direction.FORWARD, t.forward), (Direction.BACKWARD, t.backward)):
-            if route is not None and getattr(route, "local", False):
+            if route is not None and route.local:
                 out.add((t.name, d))
     return frozenset(out)
 
@@ -67,23 +67,14 @@ class ClassRun:
         if set(engines) != set(self.rank_class.stages):
             raise EngineError(f"rank {rank}: engines for stages {sorted(engines)}, but its class runs "
                               f"{list(self.rank_class.stages)}")
-        turns = self.rank_class.turns()
-        local = local_routes(plan)
         executors = {}
         for e in engines.values():
             executors.update(e.executors)
-        jobs = [[j for j in js if (j[0], j[1]) not in local] for js in receive_jobs(turns)]
-        ops = [(t.compute.kind, t.compute.stage, t.compute.micro_batch) for t in turns]
-        self.recvs = RecvAhead(executors, jobs, ahead=plan.runtime.recv_ahead, tracer=tracer, ops=ops)
+        self.recvs = RecvAhead.for_class(executors, self.rank_class, local_routes(plan),
+                                         ahead=plan.runtime.recv_ahead, tracer=tracer)
         box = LocalBox(plan, rank)
         for e in engines.values():
             e.recvs, e.local_box = self.recvs, box
-
-    @property
-    def loss_engine(self):
-        """The engine of the class's last pipeline stage, if the class has it (it computes the loss)."""
-        last = len(self.plan.stages) - 1
-        return self.engines.get(last)
 
     def attach_nic(self, nic) -> None:
         for e in self.engines.values():
@@ -93,10 +84,7 @@ class ClassRun:
         """One iteration of the class's list; this rank's share of the step's mean loss."""
         from .dsplan import PlanSchedule
         for e in self.engines.values():
-            e.module.train()
-            e.total_loss = None
-            e.grads.attach()
-            e.tied.attach()
+            e.begin_step()
         self.recvs.start_step()
         nic = next((e.nic for e in self.engines.values() if e.nic is not None), None)
         if nic is not None:
@@ -108,11 +96,7 @@ class ClassRun:
             for cmd in step:
                 engine = self.engines.get(getattr(cmd, "planc_stage", None), first)
                 engine._INSTRUCTION_MAP[type(cmd)](engine, **cmd.kwargs)
-        share = 0.0
-        for e in self.engines.values():
-            if e.counts_loss and e.total_loss is not None:
-                share += float(e.total_loss) / e.micro_batches
-        return share
+        return sum(e.loss_share() for e in self.engines.values())
 
 
 def several_stages_unsupported(plan: Plan, rank: int, args=None) -> list[str]:

@@ -49,10 +49,12 @@ __all__ = ["RecvAhead", "receive_jobs", "post_gates", "DEFAULT_AHEAD"]
 _NOTHING = object()
 
 
-def receive_jobs(turns) -> list[list[tuple[str, Direction, int]]]:
+def receive_jobs(turns, local=frozenset()) -> list[list[tuple[str, Direction, int]]]:
     """Per compute action of the rank's list (``planc.plan.RankClass.turns``), the receives it waits for,
-    in list order."""
-    return [[(a.transfer, a.direction, a.micro_batch) for a in t.recvs] for t in turns]
+    in list order; ``local``: ``(transfer, direction)`` routes that move nothing (handed over on the rank,
+    classrun.py), which the thread does not post."""
+    return [[(a.transfer, a.direction, a.micro_batch) for a in t.recvs if (a.transfer, a.direction) not in local]
+            for t in turns]
 
 
 class RecvAhead:
@@ -71,6 +73,14 @@ class RecvAhead:
         self._queue: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="planc-recv", daemon=True)
         self._thread.start()
+
+    @classmethod
+    def for_class(cls, executors: dict, rank_class, local=frozenset(), ahead: int | None = None, tracer=None):
+        """The thread of a rank running ``rank_class``'s list (``planc.plan.RankClass``): its RECVs in list
+        order, each compute action's gated by ``post_gates`` over the class's compute actions."""
+        turns = rank_class.turns()
+        return cls(executors, receive_jobs(turns, local), ahead=ahead, tracer=tracer,
+                   ops=[(t.compute.kind, t.compute.stage, t.compute.micro_batch) for t in turns])
 
     def _run(self) -> None:
         """Post every queued receive at once, then finish the oldest; repeat.

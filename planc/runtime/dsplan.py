@@ -37,13 +37,10 @@ class PlanSchedule(ds_schedule.PipeSchedule):
     _RECV = {Direction.FORWARD: ds_schedule.RecvActivation, Direction.BACKWARD: ds_schedule.RecvGrad}
     _SEND = {Direction.FORWARD: ds_schedule.SendActivation, Direction.BACKWARD: ds_schedule.SendGrad}
 
-    def __init__(self, rank_class, micro_batches, stages, stage_id, loads_data):
-        """``loads_data``: whether the stage's forwards load their micro-batch (the first and last stage), or
-        for a class of several stages the set of those that do."""
+    def __init__(self, rank_class, micro_batches, stages, stage_id, loads):
+        """``loads``: the stages whose forwards load their micro-batch (the first and the last stage)."""
         super().__init__(micro_batches, stages, stage_id)
-        self.rank_class = rank_class
-        self.loads = (set(loads_data) if isinstance(loads_data, (set, frozenset)) else
-                      set(rank_class.stages) if loads_data else set())
+        self.rank_class, self.loads = rank_class, set(loads)
 
     @staticmethod
     def _tag(cmd, stage: int):

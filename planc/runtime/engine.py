@@ -42,7 +42,7 @@ from .regime import Regime, make_optimizer, param_dtype
 from .stage_regime import build_regime
 from .zero3 import zero3_for
 from .reshard import DTYPES, TransferExecutor
-from .comm import RecvAhead, receive_jobs
+from .comm import RecvAhead
 from .classrun import local_routes
 from .dsplan import BeginOp, PlanSchedule, WeightPass, check_ds_config, deepspeed_on_plan, named_instruction as _named
 from .bwsplit import BackwardSplit, distinct_outputs
@@ -113,7 +113,6 @@ class PlanEngine(PipelineEngine):
         self.stage: Stage = stage if stage is not None else plan.stage_of(rank)
         self.rank_class = plan.pipeline.class_of(self.stage_id)   # plan.json pipeline.actions: the order
         self.turns = self.rank_class.turns()
-        self.ops = [f"{t.compute.kind}{t.compute.micro_batch}" for t in self.turns]
         if plan.pipeline.micro_batches != self.micro_batches:
             raise EngineError(f"gradient_accumulation_steps = {self.micro_batches} but the plan has "
                               f"{plan.pipeline.micro_batches} micro-batches")
@@ -180,8 +179,8 @@ class PlanEngine(PipelineEngine):
         # a rank of several stages: one receive thread for all of them, and stage-to-stage handovers on the
         # rank itself (classrun.py sets both); else this stage's own
         self.local_box: dict | None = None
-        self.recvs = None if len(self.rank_class.stages) > 1 else RecvAhead(
-            self.executors, receive_jobs(self.turns), ahead=plan.runtime.recv_ahead, tracer=tracer, ops=self.ops)
+        self.recvs = None if len(self.rank_class.stages) > 1 else RecvAhead.for_class(
+            self.executors, self.rank_class, ahead=plan.runtime.recv_ahead, tracer=tracer)
         self.stats = {"stage": self.stage_id, "peak_live_micro_batches": 0, "peak_pending_sends": 0}
         self.saved = None   # --memory-stats: per micro-batch in flight, the bytes autograd saved in its forward
 
@@ -453,24 +452,30 @@ class PlanEngine(PipelineEngine):
     # ---- driver
     def _train_schedule(self):
         return PlanSchedule(self.rank_class, self.micro_batches, self.num_stages, self.stage_id,
-                            self.is_first_stage() or self.is_last_stage())
+                            {self.stage_id} if self.is_first_stage() or self.is_last_stage() else set())
 
     def train_batch(self, data_iter=None) -> float:
-        """One iteration of the plan's schedule; returns this rank's share of the step's mean loss
-        (non-zero on ``train.loss_devices`` only; the caller sums the shares over the world)."""
+        """One iteration of the plan's schedule; this rank's share of the step's mean loss (``loss_share``)."""
         if data_iter is not None:
             self.set_dataiterator(data_iter)
-        self.module.train()
-        self.total_loss = None
-        self.grads.attach()
-        self.tied.attach()
+        self.begin_step()
         self.recvs.start_step()
         if self.nic is not None:
             self.nic.begin_step()
         self._exec_schedule(self._train_schedule())
-        if not self.counts_loss or self.total_loss is None:
-            return 0.0
-        return float(self.total_loss) / self.micro_batches
+        return self.loss_share()
+
+    def begin_step(self) -> None:
+        """This stage's part of a step's start: training mode, no loss yet, gradient buckets attached."""
+        self.module.train()
+        self.total_loss = None
+        self.grads.attach()
+        self.tied.attach()
+
+    def loss_share(self) -> float:
+        """This stage's share of the step's mean loss, non-zero on ``train.loss_devices`` (summed over the world)."""
+        counted = self.counts_loss and self.total_loss is not None
+        return float(self.total_loss) / self.micro_batches if counted else 0.0
 
     def plan_named_parameters(self):
         """``layers.<global index>.<name>`` -> CPU tensor (the single-process model's names): the fp32 master

@@ -63,7 +63,7 @@ def create_groups(plan: Plan, timeout=None) -> dict:
         for d in Direction:
             families.append(((P2P, str(d)), [world]))
             families.append(((TRANSFER, str(d)), route_groups(plan, d)))
-        if getattr(plan.runtime, "p2p_per_transfer", False):   # each direction of each transfer on its own
+        if plan.runtime.p2p_per_transfer:   # each direction of each transfer on its own
             for t in plan.transfers:
                 for d in Direction:
                     families.append(((P2P, str(d), t.name), [world]))

@@ -323,8 +323,9 @@ class Trainer:
             os.makedirs(args.memory_stats, exist_ok=True)
             report = engine.memory_report()
             for other in list(self.engines.values())[1:]:   # the rank's other stages: their bytes added
-                report = {k: (v + other.memory_report().get(k, 0) if isinstance(v, (int, float)) and k != "stage"
-                              else v) for k, v in report.items()}
+                theirs = other.memory_report()
+                report = {k: (v + theirs.get(k, 0) if isinstance(v, (int, float)) and k != "stage" else v)
+                          for k, v in report.items()}
             with open(os.path.join(args.memory_stats, f"rank{rank}.json"), "w") as f:
                 json.dump(dict(report, build=model.build_stats, rss_after_build=model.peak.base,
                                rss_training_peak=model.peak.hwm()), f, sort_keys=True)

@@ -7,11 +7,11 @@ schedules defer them. Whatever the order, the numbers must be 1f1b's."""
 from __future__ import annotations
 
 import json
-import re
 
 import pytest
 
-from e2e_util import ROOT, assert_controls_fail, compare_dumps, data_degree, independent_reference, run_direct, stage_ranks
+from e2e_util import (ROOT, assert_controls_fail, compare_dumps, data_degree, independent_reference, run_direct,
+                      stage_ranks, step_lines)
 from planc.driver.compile import compile_file
 from planc.output.codegen import write_output
 
@@ -36,10 +36,6 @@ def deferred_weights(actions: list) -> None:
         c["list"] = out
 
 
-def losses_of(stdout):
-    return [float(x) for x in re.findall(r"step \d+ loss ([-0-9.e+]+)", stdout)]
-
-
 @pytest.mark.parametrize("name", ["mlp-data2-to-data4.plan", "gpt-1-to-data2-tensor2.plan"])
 def test_deferred_weight_gradients_train_the_reference(tmp_path, name):
     source = ROOT / "tests" / "plans" / name
@@ -54,7 +50,8 @@ def test_deferred_weight_gradients_train_the_reference(tmp_path, name):
     (out / "plan.json").write_text(json.dumps(plan))
     r = run_direct(out, "--steps", str(STEPS), "--dump-params", str(tmp_path / "dump"), "--trace", str(tmp_path / "tr"))
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
-    losses = losses_of(r.stdout)
+    lines = step_lines(r.stdout)
+    losses = [lines[s]["loss"] for s in sorted(lines)]
 
     def compare(ref_losses, ref_state, _record):
         assert losses == pytest.approx(ref_losses, rel=1e-4, abs=1e-6), "losses"

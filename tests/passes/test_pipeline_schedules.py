@@ -1,10 +1,10 @@
 """Pipeline schedules: dependencies, deadlock freedom with skips, in-flight bounds."""
 
 import itertools
-from typing import NamedTuple
 
 import pytest
 
+from schedule_util import T
 from planc.pipeline.schedules import PipelinePlan, build, peak_in_flight, stage_ops, warmup
 from planc.pipeline.simulate import DeadlockError, simulate
 
@@ -13,12 +13,6 @@ SCHEDULES = ("gpipe", "1f1b", "eager_1f1b")
 
 def chain(n):
     return tuple((i, i + 1) for i in range(n - 1))
-
-
-class T(NamedTuple):   # what build reads of a transfer
-    name: str
-    src_stage: int
-    dst_stage: int
 
 
 def u_shape(n):

@@ -59,7 +59,7 @@ def _expand(sched):
 
 
 def _sched(stage, acts, stages=3, micro_batches=2, loads=False):
-    return PlanSchedule(RankClass((stage,), tuple(acts)), micro_batches, stages, stage, loads)
+    return PlanSchedule(RankClass((stage,), tuple(acts)), micro_batches, stages, stage, {stage} if loads else set())
 
 
 def test_instruction_expansion_follows_the_action_list():
@@ -111,7 +111,7 @@ def test_compiled_action_lists_expand_in_their_order(unet):
     for s, cls in enumerate(pipe.actions):
         assert cls.stages == (s,)
         ins, outs = [t[0] for t in UNET_TRANSFERS if t[3] == s], [t[0] for t in UNET_TRANSFERS if t[1] == s]
-        flat = [c for step in _expand(PlanSchedule(cls, 4, 3, s, s in (0, 2))) for c in step]
+        flat = [c for step in _expand(PlanSchedule(cls, 4, 3, s, {s} & {0, 2})) for c in step]
         want = []
         for a in cls.actions:
             if a.kind == "F":
@@ -149,7 +149,7 @@ def test_instruction_map_covers_every_instruction(unet):
     # and every instruction a compiled plan's schedules emit has an entry
     g = StageGraph(unet)
     emitted = {type(c) for s, cls in enumerate(unet.pipeline.actions)
-               for step in PlanSchedule(cls, 4, 3, s, s in (0, 2)).steps() for c in step}
+               for step in PlanSchedule(cls, 4, 3, s, {s} & {0, 2}).steps() for c in step}
     assert emitted == set(want) - {E.WeightPass}     # no W in eager_1f1b
     assert emitted <= set(PlanEngine._INSTRUCTION_MAP)
 
